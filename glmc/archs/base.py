@@ -1,0 +1,66 @@
+"""The description of one architecture family: builder, key map to canonical names, and symmetry spec."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from glmc.archs.config import ModelConfig
+from glmc.errors import CheckpointError
+from glmc.spec import SpecTable, expand
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """Where a canonical parameter lives in the native state dict, and whether it is stored (in, out)."""
+
+    native: str
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One family: everything the algorithms need, and nothing they must branch on."""
+
+    family: str
+    keys: Mapping[str, KeyRule]  # canonical template -> native template
+    spec: SpecTable  # canonical template -> axis kinds
+    folds: Mapping[str, tuple[str, ...]]  # LayerNorm prefix -> reader prefixes
+    writers: tuple[str, ...]  # prefixes of the residual writers (weights and biases)
+    build: Callable[[ModelConfig], nn.Module]
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    module_names: Mapping[str, str]  # canonical module prefix -> native module path (for hooks)
+
+    def to_canonical(self, native: Mapping[str, torch.Tensor], depth: int) -> State:
+        """Rename a native (timm / HF) state dict to canonical names, weights as (out, in)."""
+        out: State = {}
+        for name, (layer, template) in expand(self.keys, depth).items():
+            rule = self.keys[template]
+            key = rule.native.format(l=layer)
+            if key not in native:
+                raise CheckpointError(f"missing parameter {key!r} for a {self.family} of depth {depth}")
+            out[name] = native[key].t() if rule.transpose else native[key]
+        extra = set(native) - {self.keys[t].native.format(l=layer) for layer, t in expand(self.keys, depth).values()}
+        if extra:
+            raise CheckpointError(f"unexpected parameter {sorted(extra)[0]!r} for a {self.family} of depth {depth}")
+        return out
+
+    def to_native(self, canonical: Mapping[str, torch.Tensor], depth: int) -> State:
+        """Inverse of :meth:`to_canonical`: the key table read the other way."""
+        out: State = {}
+        for name, (layer, template) in expand(self.keys, depth).items():
+            rule = self.keys[template]
+            out[rule.native.format(l=layer)] = (
+                canonical[name].t() if rule.transpose else canonical[name]
+            ).contiguous()
+        return out
+
+    def module(self, model: nn.Module, canonical_prefix: str, layer: int | None = None) -> nn.Module:
+        """The native submodule behind a canonical prefix such as ``blocks.{l}.mlp.fc2``."""
+        path = self.module_names[canonical_prefix].format(l=layer)
+        return model.get_submodule(path)

@@ -1,0 +1,93 @@
+"""Model configurations: one frozen dataclass for both families, named presets and width multipliers."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from glmc.errors import ConfigError
+
+Family = Literal["vit", "gpt2"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Every number that fixes a model's shape. Data-dependent fields (classes, vocab) are set by the task."""
+
+    family: Family
+    width: int  # residual width d
+    depth: int  # number of blocks L
+    heads: int  # attention heads H
+    mlp: int  # MLP hidden width f
+    head_dim: int = 0  # d_h; 0 means width // heads
+    activation: Literal["gelu", "relu"] = "gelu"
+    # ViT only
+    img_size: int = 28
+    patch: int = 7
+    in_chans: int = 1
+    num_classes: int = 10
+    # GPT-2 only
+    vocab_size: int = 0
+    context: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            if self.heads <= 0 or self.width % self.heads:
+                raise ConfigError(f"width {self.width} is not divisible by heads {self.heads}")
+            object.__setattr__(self, "head_dim", self.width // self.heads)
+        if min(self.width, self.depth, self.heads, self.mlp, self.head_dim) <= 0:
+            raise ConfigError(f"every size must be positive: {self}")
+
+    @property
+    def attn_dim(self) -> int:
+        """Width of the concatenated heads, H·d_h (equal to d unless d_h is set apart)."""
+        return self.heads * self.head_dim
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed; head_dim is re-derived unless given."""
+        if "head_dim" not in changes and ({"width", "heads"} & changes.keys()):
+            changes["head_dim"] = 0
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown model config fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "vit-tiny": ModelConfig("vit", width=32, depth=2, heads=2, mlp=64),
+    "vit-bench": ModelConfig("vit", width=128, depth=6, heads=4, mlp=256),
+    "vit-paper": ModelConfig("vit", width=256, depth=6, heads=8, mlp=512),
+    "gpt2-tiny": ModelConfig("gpt2", width=32, depth=2, heads=2, mlp=64, context=32),
+    "gpt2-bench": ModelConfig("gpt2", width=128, depth=4, heads=4, mlp=512, context=128),
+    "gpt2-paper": ModelConfig("gpt2", width=256, depth=6, heads=4, mlp=1024, context=256),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The named preset, or a ConfigError listing the known ones."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def scale_width(cfg: ModelConfig, mult: float) -> ModelConfig:
+    """Scale d, f and H by ``mult`` with d_h fixed, as HeteroFL-style width tiers do."""
+    if mult <= 0 or mult > 1:
+        raise ConfigError(f"width multiplier must be in (0, 1], got {mult}")
+    heads = cfg.heads * mult
+    if abs(heads - round(heads)) > 1e-9 or round(heads) < 1:
+        raise ConfigError(f"width multiplier {mult} does not divide the {cfg.heads} heads")
+    mlp = cfg.mlp * mult
+    if abs(mlp - round(mlp)) > 1e-9:
+        raise ConfigError(f"width multiplier {mult} does not divide the MLP width {cfg.mlp}")
+    h = round(heads)
+    return cfg.replace(width=h * cfg.head_dim, heads=h, mlp=round(mlp), head_dim=cfg.head_dim)

@@ -1,0 +1,91 @@
+"""Hugging Face GPT-2: builder from a ModelConfig (untied head), key map to canonical names, symmetry spec."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from glmc.archs.base import Arch, KeyRule
+from glmc.archs.config import ModelConfig
+from glmc.errors import ConfigError
+from glmc.spec import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS, NORM, RES, Axes
+
+# HF's Conv1D stores weights (in, out), hence transpose=True on every block linear.
+_BLOCK = {
+    "ln1": ("ln_1", False),
+    "attn.qkv": ("attn.c_attn", True),
+    "attn.proj": ("attn.c_proj", True),
+    "ln2": ("ln_2", False),
+    "mlp.fc1": ("mlp.c_fc", True),
+    "mlp.fc2": ("mlp.c_proj", True),
+}
+_MODULES = {f"blocks.{{l}}.{c}": f"transformer.h.{{l}}.{n}" for c, (n, _) in _BLOCK.items()} | {
+    "blocks.{l}": "transformer.h.{l}",
+    "embed.tok": "transformer.wte",
+    "embed.pos": "transformer.wpe",
+    "norm": "transformer.ln_f",
+    "head": "lm_head",
+}
+
+KEYS: dict[str, KeyRule] = {
+    "embed.tok.w": KeyRule("transformer.wte.weight"),
+    "embed.pos.w": KeyRule("transformer.wpe.weight"),
+    "norm.w": KeyRule("transformer.ln_f.weight"),
+    "norm.b": KeyRule("transformer.ln_f.bias"),
+    "head.w": KeyRule("lm_head.weight"),
+}
+for canon, (native, transpose) in _BLOCK.items():
+    KEYS[f"blocks.{{l}}.{canon}.w"] = KeyRule(f"transformer.h.{{l}}.{native}.weight", transpose)
+    KEYS[f"blocks.{{l}}.{canon}.b"] = KeyRule(f"transformer.h.{{l}}.{native}.bias")
+
+SPEC: dict[str, Axes] = {
+    "embed.tok.w": (None, RES),
+    "embed.pos.w": (None, RES),
+    **BLOCK_SPEC,
+    "norm.w": (NORM,),
+    "norm.b": (RES,),  # lm_head has no bias, so ln_f's bias stays and moves with the stream
+    "head.w": (None, RES),
+}
+
+
+def build(cfg: ModelConfig) -> GPT2LMHeadModel:
+    """A standard GPT2LMHeadModel with no pretrained weights and an untied head (symmetry.md §1)."""
+    if cfg.vocab_size <= 0 or cfg.context <= 0:
+        raise ConfigError("a gpt2 config needs vocab_size and context set by its dataset")
+    if cfg.head_dim * cfg.heads != cfg.width:
+        raise ConfigError(f"HF GPT-2 needs head_dim·heads = width, got {cfg.head_dim}·{cfg.heads} ≠ {cfg.width}")
+    hf = GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.context,
+        n_embd=cfg.width,
+        n_layer=cfg.depth,
+        n_head=cfg.heads,
+        n_inner=cfg.mlp,
+        activation_function="gelu_new" if cfg.activation == "gelu" else "relu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return GPT2LMHeadModel(hf)
+
+
+def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(B, T) token ids → (B, T, vocab) next-token logits."""
+    return model(input_ids=x).logits
+
+
+GPT2 = Arch(
+    family="gpt2",
+    keys=KEYS,
+    spec=SPEC,
+    folds={**BLOCK_FOLDS, "norm": ("head",)},
+    writers=("embed.tok", "embed.pos", *BLOCK_WRITERS),
+    build=build,
+    logits=logits,
+    module_names=_MODULES,
+)

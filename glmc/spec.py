@@ -1,0 +1,82 @@
+"""Symmetry specs as data: each canonical parameter template maps to the group acting on each axis.
+
+Canonical names are shared by every family (``blocks.{l}.attn.qkv.w`` …); linear weights are
+stored (out, in). Axis kinds (symmetry.md §2–4):
+
+- ``RES``: the residual stream, x → Q x (orthogonal, so readers and writers transform alike);
+- ``QKV``: the fused q|k|v rows, factorised (3, H, d_h): head permutation, then M on q, M⁻ᵀ on k, N on v;
+- ``HEADS``: the concatenated head outputs read by ``proj``, factorised (H, d_h): permutation, then N⁻ᵀ;
+- ``MLP``: hidden units produced by fc1 (permutation, then positive scale s for ReLU);
+- ``MLP_IN``: hidden units read by fc2 (permutation, then 1/s);
+- ``NORM``: a LayerNorm gain; must be folded (all ones) before the residual stream moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+
+from glmc.errors import SpecError
+
+AxisKind = Literal["RES", "QKV", "HEADS", "MLP", "MLP_IN", "NORM"]
+Axes = tuple[AxisKind | None, ...]
+SpecTable = Mapping[str, Axes]
+
+RES: AxisKind = "RES"
+QKV: AxisKind = "QKV"
+HEADS: AxisKind = "HEADS"
+MLP: AxisKind = "MLP"
+MLP_IN: AxisKind = "MLP_IN"
+NORM: AxisKind = "NORM"
+
+# One pre-norm Transformer block, the same in timm's ViT and HF's GPT-2 once names are canonical.
+BLOCK_SPEC: dict[str, Axes] = {
+    "blocks.{l}.ln1.w": (NORM,),
+    "blocks.{l}.ln1.b": (RES,),
+    "blocks.{l}.attn.qkv.w": (QKV, RES),
+    "blocks.{l}.attn.qkv.b": (QKV,),
+    "blocks.{l}.attn.proj.w": (RES, HEADS),
+    "blocks.{l}.attn.proj.b": (RES,),
+    "blocks.{l}.ln2.w": (NORM,),
+    "blocks.{l}.ln2.b": (RES,),
+    "blocks.{l}.mlp.fc1.w": (MLP, RES),
+    "blocks.{l}.mlp.fc1.b": (MLP,),
+    "blocks.{l}.mlp.fc2.w": (RES, MLP_IN),
+    "blocks.{l}.mlp.fc2.b": (RES,),
+}
+
+# Which linear layers read each LayerNorm: its gain (and bias, where the reader has one) folds into them.
+BLOCK_FOLDS: dict[str, tuple[str, ...]] = {
+    "blocks.{l}.ln1": ("blocks.{l}.attn.qkv",),
+    "blocks.{l}.ln2": ("blocks.{l}.mlp.fc1",),
+}
+
+# Parameters that write into the residual stream (centred in the rmsnorm form).
+BLOCK_WRITERS: tuple[str, ...] = ("blocks.{l}.attn.proj", "blocks.{l}.mlp.fc2")
+
+
+def expand(templates: Mapping[str, object], depth: int) -> dict[str, tuple[int | None, str]]:
+    """Concrete name → (layer or None, template) for every template, with ``{l}`` over the layers."""
+    out: dict[str, tuple[int | None, str]] = {}
+    for template in templates:
+        if "{l}" in template:
+            for layer in range(depth):
+                out[template.format(l=layer)] = (layer, template)
+        else:
+            out[template] = (None, template)
+    return out
+
+
+def check_coverage(spec: SpecTable, state: Mapping[str, torch.Tensor], depth: int) -> None:
+    """Raise SpecError naming the first key the spec does not describe, or the first it misses."""
+    names = expand(spec, depth)
+    for key in state:
+        if key not in names:
+            raise SpecError(f"parameter {key!r} is not covered by the symmetry spec")
+    for key, (_, template) in names.items():
+        if key not in state:
+            raise SpecError(f"parameter {key!r} is missing from the state dict")
+        if state[key].dim() != len(spec[template]):
+            raise SpecError(f"parameter {key!r} has {state[key].dim()} axes, spec says {len(spec[template])}")
