@@ -51,9 +51,11 @@ class Arch:
         return out
 
     def to_native(self, canonical: Mapping[str, torch.Tensor], depth: int) -> State:
-        """Inverse of :meth:`to_canonical`: the key table read the other way."""
+        """Inverse of :meth:`to_canonical`: the key table read the other way (keys a form dropped are skipped)."""
         out: State = {}
         for name, (layer, template) in expand(self.keys, depth).items():
+            if name not in canonical:
+                continue
             rule = self.keys[template]
             out[rule.native.format(l=layer)] = (
                 canonical[name].t() if rule.transpose else canonical[name]

@@ -1,0 +1,102 @@
+"""Canonical forms (symmetry.md §1–3): LayerNorm folding (standard), and the paper's rmsnorm form.
+
+``standard``: every LayerNorm gain, and every bias its reader can absorb, is folded into the next linear
+layer; the model stays a standard timm / HF model. ``rmsnorm``: writers are also centred, so LayerNorm
+equals RMSNorm and the residual group grows to the full O(d) (offline merging only: the architecture changes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+from torch import nn
+
+from glmc.archs import Arch, ModelConfig, State, get_arch
+from glmc.spec import RES, expand
+
+Form = Literal["standard", "rmsnorm"]
+
+
+def fold_layernorms(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
+    """LN(x) = γ⊙n(x) + β read by W y + c becomes (W diag γ) n(x) + (W β + c), with γ → 1 and β → 0."""
+    out = dict(state)
+    for norm, (layer, template) in expand(arch.folds, depth).items():
+        gamma, beta = out[f"{norm}.w"], out[f"{norm}.b"]
+        readers = [r.format(l=layer) for r in arch.folds[template]]
+        absorbs_bias = all(f"{r}.b" in out for r in readers)
+        for r in readers:
+            w = out[f"{r}.w"]
+            if absorbs_bias:
+                out[f"{r}.b"] = out[f"{r}.b"] + w @ beta
+            out[f"{r}.w"] = w * gamma
+        out[f"{norm}.w"] = torch.ones_like(gamma)
+        # A reader without a bias (GPT-2's lm_head) leaves β in the norm, rescaled so W diag γ (n + β/γ) = W(γn + β).
+        out[f"{norm}.b"] = torch.zeros_like(beta) if absorbs_bias else beta / gamma
+    return out
+
+
+def _centre(x: torch.Tensor, axis: int) -> torch.Tensor:
+    return x - x.mean(dim=axis, keepdim=True)
+
+
+def centre_writers(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
+    """Apply M = I − 11ᵀ/d to everything written into the stream, so the stream has zero mean (paper §3.2.3)."""
+    out = dict(state)
+    prefixes = tuple(w.format(l=layer) for w in arch.writers for layer in range(depth))
+    for name, (_, template) in expand(arch.spec, depth).items():
+        if name in out and name.startswith(prefixes):
+            out[name] = _centre(out[name], arch.spec[template].index(RES))
+    return out
+
+
+def canonicalize(
+    arch: Arch, native: Mapping[str, torch.Tensor], depth: int, form: Form = "standard",
+    dtype: torch.dtype | None = None,
+) -> State:
+    """Native state dict → canonical names, LayerNorms folded; for ``rmsnorm``, writers centred and gains dropped."""
+    state = arch.to_canonical(native, depth)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    state = fold_layernorms(arch, state, depth)
+    if form == "rmsnorm":
+        state = centre_writers(arch, state, depth)
+        state = {k: v for k, v in state.items() if not _is_norm_gain(arch, k, depth)}
+    return state
+
+
+def _is_norm_gain(arch: Arch, name: str, depth: int) -> bool:
+    return any(name == f"{norm}.w" for norm in expand(arch.folds, depth))
+
+
+class RMSNormBias(nn.Module):
+    """x / rms(x) + b: a LayerNorm on a zero-mean stream, with its gain folded away (rmsnorm form)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) + self.bias
+
+
+def _swap_layernorms(model: nn.Module) -> None:
+    """Replace every LayerNorm by an RMSNormBias of the same width and eps."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.LayerNorm):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, RMSNormBias(module.normalized_shape[0], module.eps))
+
+
+def to_model(state: Mapping[str, torch.Tensor], cfg: ModelConfig, form: Form = "standard") -> nn.Module:
+    """A runnable model holding a canonical state (in the state's dtype)."""
+    arch = get_arch(cfg.family)
+    model = arch.build(cfg)
+    if form == "rmsnorm":
+        _swap_layernorms(model)
+    dtype = next(iter(state.values())).dtype
+    model.to(dtype).load_state_dict(arch.to_native(state, cfg.depth), strict=True)
+    return model.eval()

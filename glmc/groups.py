@@ -1,0 +1,65 @@
+"""The symmetry groups' elements: random draws for tests, and nearest-element projections for matching.
+
+The residual group of a standard LayerNorm model is {Q orthogonal : Q·1 = 1} ≅ O(d−1) (symmetry.md §2);
+the rmsnorm form has the whole O(d).
+"""
+
+from __future__ import annotations
+
+import torch
+from scipy.optimize import linear_sum_assignment
+
+
+def ones_complement(d: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """(d, d−1) orthonormal basis B⊥ of the complement of the all-ones vector."""
+    basis = torch.eye(d, dtype=torch.float64)
+    basis[:, 0] = 1.0
+    q, _ = torch.linalg.qr(basis)
+    return q[:, 1:].to(dtype)
+
+
+def lift_fixing_ones(r: torch.Tensor) -> torch.Tensor:
+    """Q = 11ᵀ/d + B⊥ R B⊥ᵀ: the (d, d) map that fixes 1 and acts as R on its complement."""
+    d = r.shape[0] + 1
+    b = ones_complement(d, r.dtype).to(r.device)
+    return torch.full((d, d), 1.0 / d, dtype=r.dtype, device=r.device) + b @ r @ b.T
+
+
+def random_orthogonal(d: int, generator: torch.Generator, fix_ones: bool = True) -> torch.Tensor:
+    """A Haar-random orthogonal (d, d) matrix, restricted to Q·1 = 1 when ``fix_ones``."""
+    n = d - 1 if fix_ones else d
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+    return lift_fixing_ones(q) if fix_ones else q
+
+
+def random_invertible(n: int, generator: torch.Generator) -> torch.Tensor:
+    """A well-conditioned random invertible (n, n) matrix, I + small noise."""
+    return torch.eye(n, dtype=torch.float64) + 0.3 * torch.randn(n, n, generator=generator, dtype=torch.float64) / n**0.5
+
+
+def random_permutation(n: int, generator: torch.Generator) -> torch.Tensor:
+    """A uniformly random permutation as a (n,) long tensor."""
+    return torch.randperm(n, generator=generator)
+
+
+def polar(m: torch.Tensor) -> torch.Tensor:
+    """The orthogonal factor U Vᵀ of M's SVD: argmax_Q ⟨M, Q⟩ over O(n). Differentiable."""
+    u, _, vh = torch.linalg.svd(m)
+    return u @ vh
+
+
+def procrustes(m: torch.Tensor, fix_ones: bool) -> torch.Tensor:
+    """argmax_Q ⟨M, Q⟩ over O(d), or over {Q·1 = 1} by solving on the complement of 1 (symmetry.md §2)."""
+    if not fix_ones:
+        return polar(m)
+    b = ones_complement(m.shape[0], m.dtype).to(m.device)
+    return lift_fixing_ones(polar(b.T @ m @ b))
+
+
+def assignment(score: torch.Tensor) -> torch.Tensor:
+    """The permutation p maximising Σ_i score[i, p[i]] (Hungarian, scipy), as a (n,) long tensor."""
+    rows, cols = linear_sum_assignment(score.detach().cpu().double().numpy(), maximize=True)
+    perm = torch.empty(len(rows), dtype=torch.long)
+    perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
+    return perm

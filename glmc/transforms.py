@@ -1,0 +1,219 @@
+"""Apply, compose and invert symmetry transforms on canonical state dicts, reading only the spec.
+
+A transform acts as: residual stream x → Q x; heads of layer l reordered by ``heads[l]`` (new head i is
+old head ``heads[l][i]``), then q_i → M_i q_i, k_i → M_i⁻ᵀ k_i, v_i → N_i v_i with W_O,i → W_O,i N_i⁻¹;
+MLP units reordered by ``mlp[l]`` then scaled by ``mlp_scale[l]`` (ReLU only). Every one of these leaves
+the network function unchanged (paper §3.2; symmetry.md §2–4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from glmc.archs.base import State
+from glmc.errors import SpecError
+from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, SpecTable, expand
+
+Layered = list[torch.Tensor | None]
+
+
+def _nones(depth: int) -> Layered:
+    return [None] * depth
+
+
+@dataclass
+class Transform:
+    """One element of the model's symmetry group; ``None`` entries are identities."""
+
+    depth: int
+    residual: torch.Tensor | None = None  # (d, d) orthogonal
+    heads: Layered = field(default_factory=list)  # per layer (H,) long
+    qk: Layered = field(default_factory=list)  # per layer (H, d_h, d_h) invertible M
+    ov: Layered = field(default_factory=list)  # per layer (H, d_h, d_h) invertible N
+    mlp: Layered = field(default_factory=list)  # per layer (f,) long
+    mlp_scale: Layered = field(default_factory=list)  # per layer (f,) positive
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "qk", "ov", "mlp", "mlp_scale"):
+            if not getattr(self, name):
+                setattr(self, name, _nones(self.depth))
+
+    @classmethod
+    def identity(cls, depth: int) -> Transform:
+        return cls(depth)
+
+
+def _batched(maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Apply per-head maps (H, a, b) to x (H, b, rest) → (H, a, rest)."""
+    return torch.einsum("hab,hbr->har", maps.to(x.dtype), x)
+
+
+def _inv_t(m: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.inv(m).mT
+
+
+def _apply_qkv(x: torch.Tensor, t: Transform, layer: int, heads: int) -> torch.Tensor:
+    """x: (3·H·d_h, rest), laid out q heads | k heads | v heads (timm qkv, HF c_attn alike)."""
+    rest = x.shape[1]
+    y = x.reshape(3, heads, -1, rest)
+    if t.heads[layer] is not None:
+        y = y[:, t.heads[layer]]
+    q, k, v = y[0], y[1], y[2]
+    if t.qk[layer] is not None:
+        q, k = _batched(t.qk[layer], q), _batched(_inv_t(t.qk[layer]), k)
+    if t.ov[layer] is not None:
+        v = _batched(t.ov[layer], v)
+    return torch.stack([q, k, v]).reshape(x.shape)
+
+
+def _apply_heads_in(x: torch.Tensor, t: Transform, layer: int, heads: int) -> torch.Tensor:
+    """x: (H·d_h, rest), the columns of ``proj`` read per head; W_O → W_O N⁻¹ is x_i → N_i⁻ᵀ x_i."""
+    y = x.reshape(heads, -1, x.shape[1])
+    if t.heads[layer] is not None:
+        y = y[t.heads[layer]]
+    if t.ov[layer] is not None:
+        y = _batched(_inv_t(t.ov[layer]), y)
+    return y.reshape(x.shape)
+
+
+def _apply_mlp(x: torch.Tensor, t: Transform, layer: int, reader: bool) -> torch.Tensor:
+    if t.mlp[layer] is not None:
+        x = x[t.mlp[layer]]
+    scale = t.mlp_scale[layer]
+    if scale is not None:
+        s = scale.to(x.dtype).unsqueeze(1)
+        x = x / s if reader else x * s
+    return x
+
+
+def _apply_axis(x: torch.Tensor, axis: int, kind: AxisKind, t: Transform, layer: int | None, heads: int) -> torch.Tensor:
+    """Transform one axis of one tensor according to its kind in the spec."""
+    y = x.movedim(axis, 0)
+    shape = y.shape
+    y = y.reshape(shape[0], -1)
+    if kind == RES and t.residual is not None:
+        y = t.residual.to(y.dtype) @ y
+    elif layer is not None and kind == QKV:
+        y = _apply_qkv(y, t, layer, heads)
+    elif layer is not None and kind == HEADS:
+        y = _apply_heads_in(y, t, layer, heads)
+    elif layer is not None and kind in (MLP, MLP_IN):
+        y = _apply_mlp(y, t, layer, reader=kind == MLP_IN)
+    return y.reshape(shape).movedim(0, axis)
+
+
+def _check_norm(name: str, x: torch.Tensor, t: Transform) -> None:
+    """A rotation of the stream commutes with LayerNorm only once its gain is folded to ones."""
+    if t.residual is not None and not torch.allclose(x, torch.ones_like(x)):
+        raise SpecError(f"{name} is not folded; canonicalise (fold LayerNorms) before rotating the residual")
+
+
+def apply(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, heads: int) -> State:
+    """θ → T(θ) for a canonical state dict; the network function is unchanged."""
+    out: State = {}
+    for name, (layer, template) in expand(spec, t.depth).items():
+        if name not in state:
+            continue
+        x = state[name]
+        for axis, kind in enumerate(spec[template]):
+            if kind == NORM:
+                _check_norm(name, x, t)
+            elif kind is not None:
+                x = _apply_axis(x, axis, kind, t, layer, heads)
+        out[name] = x
+    return out
+
+
+def _compose_perm(p2: torch.Tensor | None, p1: torch.Tensor | None) -> torch.Tensor | None:
+    """Reordering by p1 then by p2 is reordering by p1[p2]."""
+    if p1 is None or p2 is None:
+        return p2 if p1 is None else p1
+    return p1[p2]
+
+
+def _compose_maps(m2: torch.Tensor | None, m1: torch.Tensor | None, p2: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-unit maps after a reorder: unit i carries m2[i] · m1[p2[i]] (matrices) or products (scales)."""
+    if m1 is None:
+        return m2
+    moved = m1 if p2 is None else m1[p2]
+    if m2 is None:
+        return moved
+    return m2 @ moved if m2.dim() == 3 else m2 * moved
+
+
+def compose(t2: Transform, t1: Transform) -> Transform:
+    """T2 ∘ T1: apply T1 first, then T2."""
+    residual = t1.residual if t2.residual is None else t2.residual if t1.residual is None else t2.residual @ t1.residual
+    layers = range(t1.depth)
+    return Transform(
+        depth=t1.depth,
+        residual=residual,
+        heads=[_compose_perm(t2.heads[i], t1.heads[i]) for i in layers],
+        qk=[_compose_maps(t2.qk[i], t1.qk[i], t2.heads[i]) for i in layers],
+        ov=[_compose_maps(t2.ov[i], t1.ov[i], t2.heads[i]) for i in layers],
+        mlp=[_compose_perm(t2.mlp[i], t1.mlp[i]) for i in layers],
+        mlp_scale=[_compose_maps(t2.mlp_scale[i], t1.mlp_scale[i], t2.mlp[i]) for i in layers],
+    )
+
+
+def _invert_maps(m: torch.Tensor | None, inv_perm: torch.Tensor | None) -> torch.Tensor | None:
+    if m is None:
+        return None
+    moved = m if inv_perm is None else m[inv_perm]
+    return torch.linalg.inv(moved) if moved.dim() == 3 else 1.0 / moved
+
+
+def _argsort(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None else torch.argsort(p)
+
+
+def invert(t: Transform) -> Transform:
+    """T⁻¹, so that compose(invert(T), T) is the identity."""
+    layers = range(t.depth)
+    head_inv = [_argsort(t.heads[i]) for i in layers]
+    mlp_inv = [_argsort(t.mlp[i]) for i in layers]
+    return Transform(
+        depth=t.depth,
+        residual=None if t.residual is None else t.residual.T,
+        heads=head_inv,
+        qk=[_invert_maps(t.qk[i], head_inv[i]) for i in layers],
+        ov=[_invert_maps(t.ov[i], head_inv[i]) for i in layers],
+        mlp=mlp_inv,
+        mlp_scale=[_invert_maps(t.mlp_scale[i], mlp_inv[i]) for i in layers],
+    )
+
+
+SYMMETRY_CLASSES = ("residual", "head-perm", "within-head-orthogonal", "within-head-invertible", "mlp-perm",
+                    "mlp-scale")
+
+
+def random_transform(
+    depth: int, width: int, heads: int, head_dim: int, mlp: int, classes: tuple[str, ...],
+    generator: torch.Generator, fix_ones: bool = True,
+) -> Transform:
+    """A random group element made of the named symmetry classes (for invariance checks)."""
+    from glmc import groups
+
+    def per_layer(make):  # type: ignore[no-untyped-def]
+        return [make() for _ in range(depth)]
+
+    def head_maps(make):  # type: ignore[no-untyped-def]
+        return per_layer(lambda: torch.stack([make(head_dim, generator) for _ in range(heads)]))
+
+    t = Transform(depth)
+    if "residual" in classes:
+        t.residual = groups.random_orthogonal(width, generator, fix_ones)
+    if "head-perm" in classes:
+        t.heads = per_layer(lambda: groups.random_permutation(heads, generator))
+    if "within-head-orthogonal" in classes or "within-head-invertible" in classes:
+        orth = "within-head-invertible" not in classes
+        make = (lambda n, g: groups.random_orthogonal(n, g, fix_ones=False)) if orth else groups.random_invertible
+        t.qk, t.ov = head_maps(make), head_maps(make)
+    if "mlp-perm" in classes:
+        t.mlp = per_layer(lambda: groups.random_permutation(mlp, generator))
+    if "mlp-scale" in classes:
+        t.mlp_scale = per_layer(lambda: torch.exp(torch.randn(mlp, generator=generator, dtype=torch.float64)))
+    return t
