@@ -70,5 +70,7 @@ def load_fashion_mnist(path: str | Path | None = None, allow_hub: bool = False) 
     }
     for split, (x, y) in arrays.items():
         if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-            raise DataNotFoundError(f"Fashion-MNIST {split} files in {directory} disagree: {x.shape}, {y.shape}")
+            raise DataNotFoundError(
+                f"Fashion-MNIST {split} files in {directory} disagree: {x.shape}, {y.shape}"
+            )
     return make_splits(arrays["train"], arrays["test"], num_classes=10, name="fashion-mnist")

@@ -35,8 +35,12 @@ HUB_DATASETS = {
     "cifar10": HubSpec("cifar10", "uoft-cs/cifar10", "img", "label", "train", "test", 10, "RGB"),
     "cifar100": HubSpec("cifar100", "uoft-cs/cifar100", "img", "fine_label", "train", "test", 100, "RGB"),
     # Tiny ImageNet has a few grayscale JPEGs among its 64×64 RGB images; its test split is "valid".
-    "tiny-imagenet": HubSpec("tiny-imagenet", "zh-plus/tiny-imagenet", "image", "label", "train", "valid", 200, "RGB"),
-    "fashion-mnist": HubSpec("fashion-mnist", "zalando-datasets/fashion_mnist", "image", "label", "train", "test", 10, "L"),
+    "tiny-imagenet": HubSpec(
+        "tiny-imagenet", "zh-plus/tiny-imagenet", "image", "label", "train", "valid", 200, "RGB"
+    ),
+    "fashion-mnist": HubSpec(
+        "fashion-mnist", "zalando-datasets/fashion_mnist", "image", "label", "train", "test", 10, "L"
+    ),
 }
 
 
@@ -90,6 +94,8 @@ def _to_arrays(spec: HubSpec, split: Any) -> tuple[np.ndarray, np.ndarray]:
         if column not in split.column_names:
             raise ConfigError(f"{spec.name} split lacks column {column!r}; it has {split.column_names}")
     # datasets 4.x columns are lazy: materialise labels as one numpy array.
-    labels = np.asarray(split.select_columns([spec.label]).with_format("numpy")[:][spec.label], dtype=np.int64)
+    labels = np.asarray(
+        split.select_columns([spec.label]).with_format("numpy")[:][spec.label], dtype=np.int64
+    )
     images = np.stack([np.asarray(image.convert(spec.mode), dtype=np.uint8) for image in split[spec.image]])
     return images, labels

@@ -101,7 +101,9 @@ def _check_scheme_fits(labels: np.ndarray, cfg: SplitConfig, natural_ids: np.nda
     """Reject data-dependent impossibilities with one line before any partitioner runs."""
     num_classes = len(np.unique(labels))
     if cfg.scheme == "pathological" and cfg.classes_per_client > num_classes:
-        raise ConfigError(f"classes_per_client={cfg.classes_per_client} > {num_classes} classes in the labels")
+        raise ConfigError(
+            f"classes_per_client={cfg.classes_per_client} > {num_classes} classes in the labels"
+        )
     if cfg.scheme != "natural":
         return
     if natural_ids is None or len(natural_ids) != len(labels):
@@ -131,17 +133,25 @@ def _make_partitioner(cfg: SplitConfig) -> Partitioner:
         return IidPartitioner(num_partitions=n)
     if cfg.scheme == "dirichlet":
         return DirichletPartitioner(
-            num_partitions=n, partition_by="label", alpha=float(cfg.alpha),
-            min_partition_size=cfg.min_partition_size, seed=cfg.seed,
+            num_partitions=n,
+            partition_by="label",
+            alpha=float(cfg.alpha),
+            min_partition_size=cfg.min_partition_size,
+            seed=cfg.seed,
         )
     if cfg.scheme == "pathological":
         # "first-deterministic" (the paper's mode) gives every class a client when n >= #classes.
         return PathologicalPartitioner(
-            num_partitions=n, partition_by="label", num_classes_per_partition=k,
-            class_assignment_mode="first-deterministic", seed=cfg.seed,
+            num_partitions=n,
+            partition_by="label",
+            num_classes_per_partition=k,
+            class_assignment_mode="first-deterministic",
+            seed=cfg.seed,
         )
     if cfg.scheme == "shard":
-        return ShardPartitioner(num_partitions=n, partition_by="label", num_shards_per_partition=k, seed=cfg.seed)
+        return ShardPartitioner(
+            num_partitions=n, partition_by="label", num_shards_per_partition=k, seed=cfg.seed
+        )
     return NaturalIdPartitioner(partition_by="id")
 
 
