@@ -6,13 +6,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from glmc.errors import ConfigError
+
 
 class ArrayDataset(Dataset):
     """Images ``x`` (N, C, H, W) float32 and labels ``y`` (N,) int64, held in memory."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if x.ndim != 4 or y.ndim != 1 or len(x) != len(y):
-            raise ValueError(f"expected x (N,C,H,W) and y (N,), got {tuple(x.shape)} and {tuple(y.shape)}")
+            raise ConfigError(f"expected x (N,C,H,W) and y (N,), got {tuple(x.shape)} and {tuple(y.shape)}")
         self.x = x.float()
         self.y = y.long()
 
@@ -84,4 +86,4 @@ def _to_nchw(images: np.ndarray) -> np.ndarray:
         return x[:, None]
     if x.ndim == 4:
         return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
-    raise ValueError(f"expected images (N,H,W) or (N,H,W,C), got shape {x.shape}")
+    raise ConfigError(f"expected images (N,H,W) or (N,H,W,C), got shape {x.shape}")
