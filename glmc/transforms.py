@@ -52,6 +52,10 @@ def _batched(maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _inv_t(m: torch.Tensor) -> torch.Tensor:
+    """M⁻ᵀ; just M for the orthogonal maps that weight matching produces."""
+    eye = torch.eye(m.shape[-1], dtype=m.dtype)
+    if torch.allclose(m @ m.mT, eye, atol=1e-12):
+        return m
     return torch.linalg.inv(m).mT
 
 

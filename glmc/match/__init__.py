@@ -1,0 +1,1 @@
+"""Ways to estimate the transform that brings model B next to model A: weight, activation (and learned) matching."""

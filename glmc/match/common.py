@@ -1,0 +1,61 @@
+"""What every matching method shares: gathering a group's tensors by axis kind, and the match result."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from glmc.spec import AxisKind, SpecTable, expand
+from glmc.transforms import Transform
+
+
+@dataclass
+class MatchResult:
+    """The transform that maps B towards A, with the objective after each sweep (lower is better)."""
+
+    transform: Transform
+    objective: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    info: dict[str, object] = field(default_factory=dict)
+
+
+def gather(
+    state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, kind: AxisKind, layer: int | None = None,
+) -> torch.Tensor:
+    """Every tensor with an axis of ``kind`` (in ``layer``), that axis first, concatenated as (n_kind, m)."""
+    blocks = []
+    for name, (lay, template) in expand(spec, depth).items():
+        axes = spec[template]
+        if kind not in axes or name not in state or (layer is not None and lay != layer):
+            continue
+        x = state[name].movedim(axes.index(kind), 0)
+        x = x.reshape(x.shape[0], -1)
+        blocks.append(x)
+    return torch.cat(blocks, dim=1)
+
+
+def cross(
+    a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
+    kinds: tuple[AxisKind, ...], layer: int | None = None, scaled: bool = False,
+) -> torch.Tensor:
+    """Σ_p X_A,p X_B,pᵀ over the tensors of ``kinds``, each with that axis first: (n, n), no concatenation."""
+    total: torch.Tensor | None = None
+    for name, (lay, template) in expand(spec, depth).items():
+        axes = spec[template]
+        for kind in kinds:
+            if kind not in axes or name not in a or (layer is not None and lay != layer):
+                continue
+            xa = a[name].movedim(axes.index(kind), 0).reshape(a[name].shape[axes.index(kind)], -1)
+            xb = b[name].movedim(axes.index(kind), 0).reshape(xa.shape)
+            term = xa @ xb.T / (xa.shape[1] if scaled else 1)
+            total = term if total is None else total + term
+    if total is None:
+        raise ValueError(f"no tensor has an axis of kind {kinds}")
+    return total
+
+
+def sq_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """‖θ_A − θ_B‖² over every shared parameter."""
+    return float(sum(((a[k] - b[k]) ** 2).sum() for k in a))
