@@ -35,7 +35,8 @@ def random_orthogonal(d: int, generator: torch.Generator, fix_ones: bool = True)
 
 def random_invertible(n: int, generator: torch.Generator) -> torch.Tensor:
     """A well-conditioned random invertible (n, n) matrix, I + small noise."""
-    return torch.eye(n, dtype=torch.float64) + 0.3 * torch.randn(n, n, generator=generator, dtype=torch.float64) / n**0.5
+    noise = torch.randn(n, n, generator=generator, dtype=torch.float64)
+    return torch.eye(n, dtype=torch.float64) + 0.3 * noise / n**0.5
 
 
 def random_permutation(n: int, generator: torch.Generator) -> torch.Tensor:

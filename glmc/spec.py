@@ -80,3 +80,15 @@ def check_coverage(spec: SpecTable, state: Mapping[str, torch.Tensor], depth: in
             raise SpecError(f"parameter {key!r} is missing from the state dict")
         if state[key].dim() != len(spec[template]):
             raise SpecError(f"parameter {key!r} has {state[key].dim()} axes, spec says {len(spec[template])}")
+
+
+def check_same_shapes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> None:
+    """Two models can be aligned only if every parameter matches in name and shape; name the first that does not."""
+    for key in a:
+        if key not in b:
+            raise SpecError(f"parameter {key!r} is in the first model only")
+        if a[key].shape != b[key].shape:
+            raise SpecError(f"parameter {key!r} has shape {tuple(a[key].shape)} vs {tuple(b[key].shape)}")
+    for key in b:
+        if key not in a:
+            raise SpecError(f"parameter {key!r} is in the second model only")

@@ -93,7 +93,9 @@ def _apply_mlp(x: torch.Tensor, t: Transform, layer: int, reader: bool) -> torch
     return x
 
 
-def _apply_axis(x: torch.Tensor, axis: int, kind: AxisKind, t: Transform, layer: int | None, heads: int) -> torch.Tensor:
+def _apply_axis(
+    x: torch.Tensor, axis: int, kind: AxisKind, t: Transform, layer: int | None, heads: int
+) -> torch.Tensor:
     """Transform one axis of one tensor according to its kind in the spec."""
     y = x.movedim(axis, 0)
     shape = y.shape

@@ -1,0 +1,66 @@
+"""Pairwise alignment front-end: bring checkpoint B next to A by a named method, in canonical form.
+
+``none`` leaves both models as trained (the vanilla baseline); every other method folds LayerNorms
+first (symmetry.md §1) and returns B transformed by an exact symmetry, so it computes the same function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from glmc.archs import ModelConfig, State, get_arch
+from glmc.canonical import Form, canonicalize
+from glmc.errors import ConfigError
+from glmc.match.common import MatchResult
+from glmc.spec import check_same_shapes
+from glmc.transforms import Transform, apply
+
+METHODS = ("none", "weight", "weight-perm", "activation")
+DATA_METHODS = ("activation",)
+
+
+@dataclass
+class Alignment:
+    """Canonical A, aligned canonical B, and how B was moved."""
+
+    a: State
+    b: State
+    method: str
+    result: MatchResult
+
+
+def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, batch: torch.Tensor | None) -> MatchResult:
+    arch = get_arch(cfg.family)
+    if method in ("weight", "weight-perm"):
+        from glmc.match.weight import weight_match
+
+        return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=form == "standard",
+                            permutations_only=method == "weight-perm")
+    if method == "activation":
+        from glmc.match.activation import activation_match
+
+        assert batch is not None
+        return activation_match(a, b, cfg, batch)
+    raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
+
+
+def align_pair(
+    native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
+    *, form: Form = "standard", batch: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
+) -> Alignment:
+    """Align native state dict B to A (same config) by ``method``; data methods need ``batch`` (model inputs)."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
+    if method in DATA_METHODS and batch is None:
+        raise ConfigError(f"method {method!r} needs data: pass a batch of inputs (--data)")
+    arch = get_arch(cfg.family)
+    check_same_shapes(native_a, native_b)
+    if method == "none":
+        a, b = (arch.to_canonical({k: v.to(dtype) for k, v in s.items()}, cfg.depth) for s in (native_a, native_b))
+        return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
+    a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))
+    result = _match(method, a, b, cfg, form, batch)
+    return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)

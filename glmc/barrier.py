@@ -1,0 +1,61 @@
+"""Loss barriers along linear paths (paper Eq. 1; symmetry.md §10).
+
+θ(λ) = λ θ_A + (1−λ) θ_B, and B(λ) = L(θ(λ)) − [λ L(θ_A) + (1−λ) L(θ_B)]; the barrier is max_λ B(λ)
+over a grid, measured on held-out data. One model is built once and reloaded at each λ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils.data import Dataset
+
+from glmc.archs import ModelConfig, State, get_arch
+from glmc.canonical import Form, to_model
+from glmc.train import evaluate
+
+
+def interpolate(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], lam: float) -> State:
+    """λ θ_A + (1−λ) θ_B, key by key."""
+    return {k: lam * a[k] + (1.0 - lam) * b[k] for k in a}
+
+
+@dataclass
+class BarrierCurve:
+    """Loss and accuracy along the path, the barrier curve B(λ), and its maximum."""
+
+    lambdas: list[float]
+    losses: list[float]
+    accuracies: list[float]
+    barriers: list[float]
+    barrier: float
+    method: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def linear_barriers(lambdas: list[float], losses: list[float]) -> list[float]:
+    """B(λ) = L(λ) − [λ L(1) + (1−λ) L(0)]; λ=1 is A and λ=0 is B, so both ends are 0 by construction."""
+    loss_b, loss_a = losses[lambdas.index(0.0)], losses[lambdas.index(1.0)]
+    return [loss - (lam * loss_a + (1 - lam) * loss_b) for lam, loss in zip(lambdas, losses, strict=True)]
+
+
+def barrier_curve(
+    a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], cfg: ModelConfig, data: Dataset,
+    points: int = 21, batch_size: int = 256, form: Form = "standard", method: str = "",
+) -> BarrierCurve:
+    """Evaluate θ(λ) on ``data`` at ``points`` evenly spaced λ in [0, 1] (both ends included)."""
+    arch = get_arch(cfg.family)
+    lambdas = [i / (points - 1) for i in range(points)]
+    model = to_model(a, cfg, form)
+    losses, accuracies = [], []
+    for lam in lambdas:
+        model.load_state_dict(arch.to_native(interpolate(a, b, lam), cfg.depth))
+        metrics = evaluate(model, arch, data, batch_size)
+        losses.append(metrics["loss"])
+        accuracies.append(metrics["accuracy"])
+    barriers = linear_barriers(lambdas, losses)
+    return BarrierCurve(lambdas, losses, accuracies, barriers, max(barriers), method)

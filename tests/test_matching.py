@@ -1,0 +1,90 @@
+"""Weight matching, the alignment front-end and barriers: recovery of known transforms, exactness, endpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmc.align import align_pair
+from glmc.archs import get_arch
+from glmc.barrier import barrier_curve, interpolate
+from glmc.canonical import canonicalize, to_model
+from glmc.errors import ConfigError, SpecError
+from glmc.match.common import sq_distance
+from glmc.match.weight import weight_match
+from glmc.train import evaluate
+from glmc.transforms import apply, random_transform
+from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
+
+FAMILIES = ["vit-odd", "gpt2-odd"]
+
+
+def _transformed_copy(cfg, classes, seed=7):
+    arch = get_arch(cfg.family)
+    a = canonicalize(arch, random_native(cfg, seed), cfg.depth)
+    g = torch.Generator().manual_seed(seed)
+    t = random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, classes, g)
+    return arch, a, apply(a, arch.spec, t, cfg.heads)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_weight_matching_recovers_a_transformed_copy(name):
+    cfg = CONFIGS[name]
+    arch, a, b = _transformed_copy(cfg, ("residual", "head-perm", "within-head-orthogonal", "mlp-perm"))
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads)
+    aligned = apply(b, arch.spec, result.transform, cfg.heads)
+    assert sq_distance(a, b) > 1.0
+    assert sq_distance(a, aligned) < 1e-12
+    curve = barrier_curve(a, aligned, cfg, dataset(cfg), points=5)
+    assert abs(curve.barrier) < 1e-8
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_permutation_only_matching_recovers_permutations(name):
+    cfg = CONFIGS[name]
+    arch, a, b = _transformed_copy(cfg, ("head-perm", "mlp-perm"))
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=True)
+    assert result.transform.residual is None and all(m is None for m in result.transform.qk)
+    assert sq_distance(a, apply(b, arch.spec, result.transform, cfg.heads)) < 1e-20
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_weight_matching_of_independent_models_is_exact_and_descends(name):
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    native_b, x = random_native(cfg, 9), inputs(cfg)
+    a, b = (canonicalize(arch, s, cfg.depth) for s in (random_native(cfg, 8), native_b))
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads)
+    aligned = apply(b, arch.spec, result.transform, cfg.heads)
+    assert all(later <= earlier + 1e-9 for earlier, later in zip(result.objective, result.objective[1:], strict=False))
+    assert sq_distance(a, aligned) < sq_distance(a, b)
+    with torch.no_grad():
+        moved = arch.logits(to_model(aligned, cfg), x)
+    assert (moved - logits_of(native_b, cfg, x)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_barrier_endpoints_equal_endpoint_losses(name):
+    cfg = CONFIGS[name]
+    arch, data = get_arch(cfg.family), dataset(cfg)
+    aligned = align_pair(random_native(cfg, 1), random_native(cfg, 2), cfg, "weight")
+    curve = barrier_curve(aligned.a, aligned.b, cfg, data, points=5)
+    loss_a = evaluate(to_model(aligned.a, cfg), arch, data)["loss"]
+    loss_b = evaluate(to_model(aligned.b, cfg), arch, data)["loss"]
+    assert curve.lambdas[0] == 0.0 and curve.lambdas[-1] == 1.0
+    assert curve.losses[0] == pytest.approx(loss_b, abs=1e-12)
+    assert curve.losses[-1] == pytest.approx(loss_a, abs=1e-12)
+    assert curve.barriers[0] == pytest.approx(0.0, abs=1e-12) and curve.barriers[-1] == pytest.approx(0.0, abs=1e-12)
+    mid = evaluate(to_model(interpolate(aligned.a, aligned.b, 0.5), cfg), arch, data)["loss"]
+    assert curve.barriers[2] == pytest.approx(mid - 0.5 * (loss_a + loss_b), abs=1e-12)
+    assert curve.barrier == max(curve.barriers)
+
+
+def test_alignment_refuses_mismatched_models_and_missing_data():
+    cfg = CONFIGS["vit-odd"]
+    with pytest.raises(SpecError, match=r"mlp\.fc1\.weight"):
+        align_pair(random_native(cfg, 1), random_native(cfg.replace(mlp=71), 1), cfg, "weight")
+    with pytest.raises(ConfigError, match="needs data"):
+        align_pair(random_native(cfg, 1), random_native(cfg, 2), cfg, "activation")
+    with pytest.raises(ConfigError, match="unknown alignment method"):
+        align_pair(random_native(cfg, 1), random_native(cfg, 2), cfg, "magic")

@@ -1,0 +1,112 @@
+"""Invariants of the symmetry core over every registered family: exact transforms, folding, group algebra."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmc.archs import ARCHS, get_arch
+from glmc.canonical import canonicalize, to_model
+from glmc.errors import SpecError
+from glmc.spec import check_coverage, check_same_shapes, expand
+from glmc.transforms import SYMMETRY_CLASSES, Transform, apply, compose, invert, random_transform
+from tests.symmetry_models import CONFIGS, inputs, logits_of, random_native
+
+TOL = 1e-5  # the project's bar for "same function", in float64; we observe ~1e-15
+
+
+def _classes(cfg):
+    return tuple(c for c in SYMMETRY_CLASSES if c != "mlp-scale" or cfg.activation == "relu")
+
+
+def _random(cfg, classes, seed, fix_ones=True):
+    g = torch.Generator().manual_seed(seed)
+    return random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, classes, g, fix_ones)
+
+
+def _run(state, cfg, form, x):
+    with torch.no_grad():
+        return get_arch(cfg.family).logits(to_model(state, cfg, form), x)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("form", ["standard", "rmsnorm"])
+def test_canonical_form_preserves_function(name, form):
+    cfg = CONFIGS[name]
+    native, x = random_native(cfg, 0), inputs(cfg)
+    state = canonicalize(get_arch(cfg.family), native, cfg.depth, form)
+    err = (_run(state, cfg, form, x) - logits_of(native, cfg, x)).abs().max()
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("form", ["standard", "rmsnorm"])
+def test_every_symmetry_class_preserves_function(name, form):
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    native, x = random_native(cfg, 1), inputs(cfg)
+    state = canonicalize(arch, native, cfg.depth, form)
+    reference = logits_of(native, cfg, x)
+    classes = _classes(cfg)
+    for i, cls in enumerate([*((c,) for c in classes), classes]):
+        t = _random(cfg, cls, seed=10 + i, fix_ones=form == "standard")
+        moved = apply(state, arch.spec, t, cfg.heads)
+        assert max((moved[k] - state[k]).abs().max() for k in state) > 1e-3, f"{cls} did not move anything"
+        assert (_run(moved, cfg, form, x) - reference).abs().max() <= TOL, cls
+
+
+@pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
+def test_general_orthogonal_breaks_layernorm_models(name):
+    """Only Q with Q·1 = 1 commutes with LayerNorm's centring; a general Q must change the function."""
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    native, x = random_native(cfg, 2), inputs(cfg)
+    state = canonicalize(arch, native, cfg.depth)
+    general = apply(state, arch.spec, _random(cfg, ("residual",), 3, fix_ones=False), cfg.heads)
+    assert (_run(general, cfg, "standard", x) - logits_of(native, cfg, x)).abs().max() > 1e-3
+
+
+def test_rotating_an_unfolded_model_is_refused():
+    cfg = CONFIGS["vit-odd"]
+    arch = get_arch(cfg.family)
+    raw = arch.to_canonical(random_native(cfg, 3), cfg.depth)
+    with pytest.raises(SpecError, match="not folded"):
+        apply(raw, arch.spec, _random(cfg, ("residual",), 4), cfg.heads)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_compose_and_invert(name):
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    state = canonicalize(arch, random_native(cfg, 4), cfg.depth)
+    t1, t2 = _random(cfg, _classes(cfg), 5), _random(cfg, _classes(cfg), 6)
+    twice = apply(apply(state, arch.spec, t1, cfg.heads), arch.spec, t2, cfg.heads)
+    once = apply(state, arch.spec, compose(t2, t1), cfg.heads)
+    back = apply(apply(state, arch.spec, t1, cfg.heads), arch.spec, invert(t1), cfg.heads)
+    for k in state:
+        torch.testing.assert_close(twice[k], once[k], rtol=0, atol=1e-10)
+        torch.testing.assert_close(back[k], state[k], rtol=0, atol=1e-10)
+    identity = apply(state, arch.spec, Transform.identity(cfg.depth), cfg.heads)
+    assert all(torch.equal(identity[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("family", ARCHS)
+def test_spec_covers_every_parameter_exactly_once(family):
+    cfg = next(c for c in CONFIGS.values() if c.family == family)
+    arch = get_arch(family)
+    state = arch.to_canonical(random_native(cfg, 5), cfg.depth)
+    check_coverage(arch.spec, state, cfg.depth)
+    assert set(expand(arch.spec, cfg.depth)) == set(state)
+    with pytest.raises(SpecError, match=r"'blocks\.0\.extra\.w'"):
+        check_coverage(arch.spec, {**state, "blocks.0.extra.w": torch.zeros(1)}, cfg.depth)
+    missing = dict(state)
+    missing.pop("blocks.1.mlp.fc1.b")
+    with pytest.raises(SpecError, match=r"'blocks\.1\.mlp\.fc1\.b'"):
+        check_coverage(arch.spec, missing, cfg.depth)
+
+
+def test_shape_mismatch_names_the_first_offending_key():
+    a = random_native(CONFIGS["vit-odd"], 0)
+    b = random_native(CONFIGS["vit-odd"].replace(mlp=71), 0)
+    with pytest.raises(SpecError, match=r"mlp\.fc1\.weight"):
+        check_same_shapes(a, b)
