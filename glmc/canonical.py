@@ -1,8 +1,10 @@
-"""Canonical forms (symmetry.md §1–3): LayerNorm folding (standard), and the paper's rmsnorm form.
+"""Canonical forms (symmetry.md §1–3): LayerNorm folding (standard), the rmsnorm form and the circuit form.
 
 ``standard``: every LayerNorm gain, and every bias its reader can absorb, is folded into the next linear
 layer; the model stays a standard timm / HF model. ``rmsnorm``: writers are also centred, so LayerNorm
-equals RMSNorm and the residual group grows to the full O(d) (offline merging only: the architecture changes).
+equals RMSNorm and the residual group grows to the full O(d). ``circuit``: every head is multiplied out
+into its QK and OV circuits, so interpolating weights interpolates circuits (paper §3.2.2). The last two
+change the architecture and are for offline merging only.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from torch import nn
 from glmc.archs import Arch, ModelConfig, State, get_arch
 from glmc.spec import RES, expand
 
-Form = Literal["standard", "rmsnorm"]
+Form = Literal["standard", "rmsnorm", "circuit"]
+FORMS: tuple[Form, ...] = ("standard", "rmsnorm", "circuit")
 
 
 def fold_layernorms(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
@@ -55,7 +58,10 @@ def canonicalize(
     arch: Arch, native: Mapping[str, torch.Tensor], depth: int, form: Form = "standard",
     dtype: torch.dtype | None = None,
 ) -> State:
-    """Native state dict → canonical names, LayerNorms folded; for ``rmsnorm``, writers centred and gains dropped."""
+    """Native state dict → canonical names, LayerNorms folded; for ``rmsnorm``, writers centred and gains dropped.
+
+    The circuit form changes d_h, so it has its own entry point, :func:`to_circuit`, applied after alignment.
+    """
     state = arch.to_canonical(native, depth)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
@@ -68,6 +74,30 @@ def canonicalize(
 
 def _is_norm_gain(arch: Arch, name: str, depth: int) -> bool:
     return any(name == f"{norm}.w" for norm in expand(arch.folds, depth))
+
+
+def _circuit_layer(qkv_w: torch.Tensor, qkv_b: torch.Tensor, proj_w: torch.Tensor, heads: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's heads as circuits over x̃ = [x; 1]: q' = √(e/d_h)·QKᵀ x̃, k' = v' = x̃, W_O' = OV (e = d+1)."""
+    d = qkv_w.shape[1]
+    e = d + 1
+    factors = torch.cat([qkv_w, qkv_b[:, None]], 1).reshape(3, heads, -1, e)  # [W | b] per q/k/v head
+    scale = (e / factors.shape[2]) ** 0.5  # keeps 1/√d_h of the original attention under 1/√e
+    qk = torch.einsum("hae,haf->hfe", factors[0], factors[1]) * scale  # (H, e, e): rows are q' units
+    ident = torch.eye(e, dtype=qkv_w.dtype).expand(heads, e, e)
+    new = torch.stack([qk, ident, ident])  # (3, H, e, e) acting on x̃
+    ov = torch.einsum("dha,hae->dhe", proj_w.reshape(d, heads, -1), factors[2])  # (d, H, e)
+    return new[..., :d].reshape(-1, d), new[..., d].reshape(-1), ov.reshape(d, -1)
+
+
+def to_circuit(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[State, ModelConfig]:
+    """Standard canonical state → circuit form, with the config whose heads have size d+1."""
+    out = dict(state)
+    for layer in range(cfg.depth):
+        p = f"blocks.{layer}.attn"
+        out[f"{p}.qkv.w"], out[f"{p}.qkv.b"], out[f"{p}.proj.w"] = _circuit_layer(
+            state[f"{p}.qkv.w"], state[f"{p}.qkv.b"], state[f"{p}.proj.w"], cfg.heads)
+    return out, cfg.replace(head_dim=cfg.width + 1)
 
 
 class RMSNormBias(nn.Module):

@@ -1,4 +1,4 @@
-"""Small float64 models of both families, with odd sizes and perturbed LayerNorms, for invariance tests."""
+"""Small float64 models of both families, with odd sizes, for invariance tests."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, State, build_model, get_arch, preset
+from glmc.check import random_inputs as inputs
+from glmc.check import random_native
 
 VOCAB = 23
 
@@ -18,20 +20,7 @@ CONFIGS: dict[str, ModelConfig] = {
                                              context=12),
 }
 
-
-def random_native(cfg: ModelConfig, seed: int) -> State:
-    """A float64 native state dict with every parameter perturbed, so LayerNorm folding is not trivial."""
-    torch.manual_seed(seed)
-    model = build_model(cfg).double()
-    return {k: v + 0.1 * torch.randn_like(v) for k, v in model.state_dict().items()}
-
-
-def inputs(cfg: ModelConfig, n: int = 6, seed: int = 0) -> torch.Tensor:
-    """Model inputs: images for a ViT, token ids for GPT-2."""
-    g = torch.Generator().manual_seed(seed)
-    if cfg.family == "vit":
-        return torch.randn(n, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g, dtype=torch.float64)
-    return torch.randint(0, cfg.vocab_size, (n, cfg.context), generator=g)
+__all__ = ["CONFIGS", "dataset", "inputs", "logits_of", "random_native"]
 
 
 def dataset(cfg: ModelConfig, n: int = 24, seed: int = 0) -> TensorDataset:
@@ -44,6 +33,7 @@ def dataset(cfg: ModelConfig, n: int = 24, seed: int = 0) -> TensorDataset:
 
 
 def logits_of(native: State, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """Logits of the native (timm / HF) model holding ``native``."""
     arch = get_arch(cfg.family)
     model = build_model(cfg).double().eval()
     model.load_state_dict(native)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from glmc.archs import ARCHS, get_arch
-from glmc.canonical import canonicalize, to_model
+from glmc.canonical import canonicalize, to_circuit, to_model
+from glmc.check import invariance_errors
 from glmc.errors import SpecError
 from glmc.spec import check_coverage, check_same_shapes, expand
 from glmc.transforms import SYMMETRY_CLASSES, Transform, apply, compose, invert, random_transform
@@ -110,3 +111,25 @@ def test_shape_mismatch_names_the_first_offending_key():
     b = random_native(CONFIGS["vit-odd"].replace(mlp=71), 0)
     with pytest.raises(SpecError, match=r"mlp\.fc1\.weight"):
         check_same_shapes(a, b)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("form", ["standard", "rmsnorm", "circuit"])
+def test_self_check_passes_in_every_form(name, form):
+    errors = invariance_errors(CONFIGS[name], form, seed=3)
+    assert set(errors) >= {"canonical-form", "residual", "head-perm", "mlp-perm", "all"}
+    assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
+def test_circuit_form_absorbs_within_head_maps(name):
+    """QK and OV circuits are invariant under within-head invertible maps (paper §3.2.2)."""
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    state = canonicalize(arch, random_native(cfg, 6), cfg.depth)
+    circuit, circuit_cfg = to_circuit(state, cfg)
+    assert circuit_cfg.head_dim == cfg.width + 1
+    moved = apply(state, arch.spec, _random(cfg, ("within-head-invertible",), 7), cfg.heads)
+    moved_circuit, _ = to_circuit(moved, cfg)
+    for k in circuit:
+        torch.testing.assert_close(moved_circuit[k], circuit[k], rtol=0, atol=1e-10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.pytorch_utils import Conv1D
 
 from glmc.archs.base import Arch, KeyRule
 from glmc.archs.config import ModelConfig
@@ -53,8 +54,6 @@ def build(cfg: ModelConfig) -> GPT2LMHeadModel:
     """A standard GPT2LMHeadModel with no pretrained weights and an untied head (symmetry.md §1)."""
     if cfg.vocab_size <= 0 or cfg.context <= 0:
         raise ConfigError("a gpt2 config needs vocab_size and context set by its dataset")
-    if cfg.head_dim * cfg.heads != cfg.width:
-        raise ConfigError(f"HF GPT-2 needs head_dim·heads = width, got {cfg.head_dim}·{cfg.heads} ≠ {cfg.width}")
     hf = GPT2Config(
         vocab_size=cfg.vocab_size,
         n_positions=cfg.context,
@@ -71,7 +70,20 @@ def build(cfg: ModelConfig) -> GPT2LMHeadModel:
         eos_token_id=None,
         pad_token_id=None,
     )
-    return GPT2LMHeadModel(hf)
+    model = GPT2LMHeadModel(hf)
+    if cfg.attn_dim != cfg.width:
+        _set_head_dim(model, cfg.head_dim)
+    return model
+
+
+def _set_head_dim(model: GPT2LMHeadModel, head_dim: int) -> None:
+    """Give every attention heads of size d_h ≠ d/H (HF ties them); used by the circuit form and width embedding."""
+    for block in model.transformer.h:
+        attn = block.attn
+        inner = attn.num_heads * head_dim
+        attn.head_dim, attn.split_size, attn.scaling = head_dim, inner, head_dim**-0.5
+        attn.c_attn = Conv1D(3 * inner, attn.embed_dim)
+        attn.c_proj = Conv1D(attn.embed_dim, inner)
 
 
 def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,61 @@
+"""Self-check of the symmetry core: random transforms of every class must leave a model's logits unchanged.
+
+This is what ``glmc check`` runs; the tests assert the same invariants on odd sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glmc.archs import ModelConfig, State, build_model, get_arch
+from glmc.canonical import Form, canonicalize, to_circuit, to_model
+from glmc.transforms import SYMMETRY_CLASSES, apply, random_transform
+
+TOLERANCE = 1e-5  # maximum absolute logit difference in float64 that still counts as the same function
+
+
+def random_native(cfg: ModelConfig, seed: int) -> State:
+    """A float64 native state dict with every parameter perturbed, so LayerNorm folding is never trivial."""
+    torch.manual_seed(seed)
+    model = build_model(cfg).double()
+    return {k: v + 0.1 * torch.randn_like(v) for k, v in model.state_dict().items()}
+
+
+def random_inputs(cfg: ModelConfig, n: int = 6, seed: int = 0) -> torch.Tensor:
+    """Model inputs: images for a ViT, token ids for GPT-2."""
+    g = torch.Generator().manual_seed(seed)
+    if cfg.family == "vit":
+        return torch.randn(n, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g, dtype=torch.float64)
+    return torch.randint(0, cfg.vocab_size, (n, cfg.context), generator=g)
+
+
+def classes_for(cfg: ModelConfig) -> tuple[str, ...]:
+    """The symmetry classes of this model: positive MLP scaling only for ReLU (paper §3.1)."""
+    return tuple(c for c in SYMMETRY_CLASSES if c != "mlp-scale" or cfg.activation == "relu")
+
+
+def _logits(state: State, cfg: ModelConfig, form: Form, x: torch.Tensor) -> torch.Tensor:
+    if form == "circuit":
+        state, cfg = to_circuit(state, cfg)
+        form = "standard"
+    with torch.no_grad():
+        return get_arch(cfg.family).logits(to_model(state, cfg, form), x)
+
+
+def invariance_errors(cfg: ModelConfig, form: Form = "standard", seed: int = 0) -> dict[str, float]:
+    """Max |logit difference| for the canonical form itself and after a random transform of each class (and all)."""
+    arch = get_arch(cfg.family)
+    native, x = random_native(cfg, seed), random_inputs(cfg, seed=seed)
+    model = build_model(cfg).double().eval()
+    model.load_state_dict(native)
+    with torch.no_grad():
+        reference = arch.logits(model, x)
+    state = canonicalize(arch, native, cfg.depth, "rmsnorm" if form == "rmsnorm" else "standard")
+    errors = {"canonical-form": float((_logits(state, cfg, form, x) - reference).abs().max())}
+    classes = classes_for(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, group in [*((c, (c,)) for c in classes), ("all", classes)]:
+        t = random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, group, g, form != "rmsnorm")
+        moved = apply(state, arch.spec, t, cfg.heads)
+        errors[name] = float((_logits(moved, cfg, form, x) - reference).abs().max())
+    return errors
