@@ -1,0 +1,210 @@
+"""Activation matching (Verma & Elbayad, "Merging Text Transformer Models", §3; symmetry.md §6).
+
+Run A and B on the same batch, take the Pearson correlation (Eq. 1) of their MLP hidden features, per-head
+attention features and residual-stream features, and solve a linear assignment (Eq. 2) for each: the
+residual permutation, each layer's MLP permutation, and each layer's heads in two stages (Eq. 5–6, Alg. 1).
+Hooks are placed through the arch's canonical module table: no architecture is named here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from glmc import groups
+from glmc.archs import Arch, ModelConfig, State, get_arch
+from glmc.canonical import to_model
+from glmc.errors import ConfigError
+from glmc.match.common import MatchResult, sq_distance
+from glmc.transforms import Transform, apply
+
+log = logging.getLogger(__name__)
+
+# Where each feature is read, as canonical module prefixes: the input of fc2 (MLP hidden), the input of proj
+# (concatenated heads, (H, d_h) head-major in timm and HF alike) and the output of each block (residual).
+MLP_SITE = "blocks.{l}.mlp.fc2"
+HEADS_SITE = "blocks.{l}.attn.proj"
+RESIDUAL_SITE = "blocks.{l}"
+
+Key = tuple[str, int]  # (feature kind, layer); the residual uses layer -1 (all layers stacked as rows)
+
+
+@dataclass(frozen=True)
+class InputShape:
+    """What a model reads after the batch axis: exact sizes, or (tokens) at most these sizes and ids < vocab."""
+
+    dims: tuple[int, ...]
+    exact: bool
+    vocab: int = 0
+
+
+# The one table keyed by family: it describes inputs, which the spec does not (it belongs on Arch).
+INPUTS: dict[str, Callable[[ModelConfig], InputShape]] = {
+    "vit": lambda c: InputShape((c.in_chans, c.img_size, c.img_size), exact=True),
+    "gpt2": lambda c: InputShape((c.context,), exact=False, vocab=c.vocab_size),
+}
+
+
+def check_batch(batch: torch.Tensor, cfg: ModelConfig) -> None:
+    """Raise ConfigError (one line, naming the expected shape) unless ``batch`` fits the model's input."""
+    want = INPUTS[cfg.family](cfg)
+    shape = tuple(batch.shape)
+    expected = "(N, " + ", ".join(str(n) if want.exact else f"≤{n}" for n in want.dims) + ")"
+    if want.vocab:
+        expected += f" integer token ids < {want.vocab}"
+    fits = len(shape) == len(want.dims) + 1 and shape[0] > 0 and all(
+        n == m if want.exact else 0 < n <= m for n, m in zip(shape[1:], want.dims, strict=True))
+    if want.vocab and fits:
+        fits = not batch.is_floating_point() and int(batch.min()) >= 0 and int(batch.max()) < want.vocab
+    if not fits:
+        raise ConfigError(f"batch of shape {shape} ({batch.dtype}) does not fit the {cfg.family} model: "
+                          f"expected {expected}")
+
+
+class Moments:
+    """Running sums over rows of two feature sets (n, p) and (n, q), enough for their (p, q) correlation (Eq. 1)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.shift: tuple[torch.Tensor, torch.Tensor] | None = None  # first chunk's means, for stable sums
+        self.sums: list[torch.Tensor] = []  # Σa, Σb, Σa², Σb², Σ a bᵀ (shifted)
+
+    def update(self, xa: torch.Tensor, xb: torch.Tensor) -> None:
+        """Add rows xa (n, p) and xb (n, q), in float64, shifted by the first chunk's means."""
+        xa, xb = xa.double(), xb.double()
+        if self.shift is None:
+            self.shift = (xa.mean(0), xb.mean(0))
+        xa, xb = xa - self.shift[0], xb - self.shift[1]
+        terms = [xa.sum(0), xb.sum(0), (xa * xa).sum(0), (xb * xb).sum(0), xa.T @ xb]
+        self.sums = terms if not self.sums else [s + t for s, t in zip(self.sums, terms, strict=True)]
+        self.n += xa.shape[0]
+
+    def correlation(self, eps: float = 1e-12) -> torch.Tensor:
+        """corr(X_A, X_B) = E[(X_A − μ_A)ᵀ(X_B − μ_B)] / (σ_A σ_Bᵀ); a unit of zero variance correlates 0."""
+        sa, sb, qa, qb, cross = (s / self.n for s in self.sums)
+        std_a = (qa - sa * sa).clamp_min(0).sqrt().clamp_min(eps)
+        std_b = (qb - sb * sb).clamp_min(0).sqrt().clamp_min(eps)
+        return (cross - sa[:, None] * sb[None, :]) / (std_a[:, None] * std_b[None, :])
+
+
+def _rows(x: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Every token position as a row: (..., units) → (rows, units); a block's tuple output gives element 0."""
+    x = x[0] if isinstance(x, tuple) else x
+    return x.detach().reshape(-1, x.shape[-1])
+
+
+def _hooks(arch: Arch, model: nn.Module, depth: int, store: dict[Key, torch.Tensor]) -> list[RemovableHandle]:
+    """Forward hooks writing each layer's MLP, head and residual features into ``store``."""
+    def save_input(key: Key) -> Callable[..., None]:
+        return lambda module, args: store.__setitem__(key, _rows(args[0]))
+
+    def save_output(key: Key) -> Callable[..., None]:
+        return lambda module, args, out: store.__setitem__(key, _rows(out))
+
+    handles = []
+    for layer in range(depth):
+        handles += [
+            arch.module(model, MLP_SITE, layer).register_forward_pre_hook(save_input(("mlp", layer))),
+            arch.module(model, HEADS_SITE, layer).register_forward_pre_hook(save_input(("heads", layer))),
+            arch.module(model, RESIDUAL_SITE, layer).register_forward_hook(save_output(("residual", layer))),
+        ]
+    return handles
+
+
+def _features(arch: Arch, model: nn.Module, depth: int, x: torch.Tensor) -> dict[Key, torch.Tensor]:
+    """One forward pass of ``model`` on ``x``, returning its hooked features (rows, units)."""
+    store: dict[Key, torch.Tensor] = {}
+    handles = _hooks(arch, model, depth, store)
+    try:
+        with torch.no_grad():
+            arch.logits(model, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return store
+
+
+def correlations(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                 batch: torch.Tensor, *, batch_size: int = 64) -> dict[Key, torch.Tensor]:
+    """Pearson correlations of A's and B's features over ``batch``, chunk by chunk (bounded memory).
+
+    Keys: ("mlp", l) (f, f); ("heads", l) (H·d_h, H·d_h); ("residual", -1) (d, d) over every block's output.
+    """
+    arch = get_arch(cfg.family)
+    check_batch(batch, cfg)
+    models = to_model(a, cfg), to_model(b, cfg)
+    dtype = next(iter(a.values())).dtype
+    moments: dict[Key, Moments] = {}
+    for chunk in torch.split(batch, batch_size):
+        x = chunk.to(dtype) if chunk.is_floating_point() else chunk
+        fa, fb = (_features(arch, m, cfg.depth, x) for m in models)
+        for kind, layer in fa:
+            key = (kind, -1) if kind == "residual" else (kind, layer)
+            moments.setdefault(key, Moments()).update(fa[kind, layer], fb[kind, layer])
+    return {key: m.correlation() for key, m in moments.items()}
+
+
+def _permutation_matrix(perm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """P with P[i, perm[i]] = 1, so x → P x puts old unit perm[i] at position i."""
+    return torch.eye(len(perm), dtype=dtype)[perm]
+
+
+def _matched(corr: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """corr[i, perm[i]] for every row i."""
+    return corr[torch.arange(len(perm)), perm]
+
+
+def solve_heads(corr: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two-stage head LAP (Eq. 5–6, Alg. 1) on a (H·d_h, H·d_h) correlation.
+
+    Returns the outer permutation (H,), each new head's inner permutation (H, d_h) and matched correlations (H, d_h).
+    """
+    d_h = corr.shape[0] // heads
+    blocks = corr.reshape(heads, d_h, heads, d_h).transpose(1, 2)  # (H_A, H_B, d_h, d_h)
+    inner = [[groups.assignment(blocks[i, j]) for j in range(heads)] for i in range(heads)]
+    score = torch.tensor([[float(_matched(blocks[i, j], inner[i][j]).sum()) for j in range(heads)]
+                          for i in range(heads)])
+    outer = groups.assignment(score)
+    chosen = torch.stack([inner[i][int(outer[i])] for i in range(heads)])
+    values = torch.stack([_matched(blocks[i, int(outer[i])], chosen[i]) for i in range(heads)])
+    return outer, chosen, values
+
+
+def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype,
+           ) -> tuple[Transform, dict[str, float]]:
+    """Every LAP from the correlations: residual permutation, MLP permutations, heads with within-head maps."""
+    t = Transform(cfg.depth)
+    res = groups.assignment(corr["residual", -1])
+    t.residual = _permutation_matrix(res, dtype)
+    mlp, head = [], []
+    for layer in range(cfg.depth):
+        t.mlp[layer] = groups.assignment(corr["mlp", layer])
+        mlp.append(_matched(corr["mlp", layer], t.mlp[layer]))
+        t.heads[layer], inner, values = solve_heads(corr["heads", layer], cfg.heads)
+        t.ov[layer] = torch.stack([_permutation_matrix(p, dtype) for p in inner])
+        head.append(values.flatten())
+    info = {"corr_residual": float(_matched(corr["residual", -1], res).mean()),
+            "corr_mlp": float(torch.cat(mlp).mean()), "corr_heads": float(torch.cat(head).mean())}
+    return t, info
+
+
+def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, *,
+                     batch_size: int = 64) -> MatchResult:
+    """Find T with T(θ_B) ≡ θ_B as a function and its features correlated with A's (Verma & Elbayad §3).
+
+    ``a``, ``b``: canonical standard-form states of ``cfg``; ``batch``: model input (images or token ids).
+    The objective is ‖θ_A − T(θ_B)‖², comparable with weight matching; ``info`` holds mean matched correlations.
+    """
+    start = time.perf_counter()
+    corr = correlations(a, b, cfg, batch, batch_size=batch_size)
+    dtype = next(iter(b.values())).dtype
+    t, info = _solve(corr, cfg, dtype)
+    objective = sq_distance(a, apply(b, get_arch(cfg.family).spec, t, cfg.heads))
+    log.info("activation matching: ‖A − T(B)‖² = %.6g, correlations %s", objective, info)
+    return MatchResult(t, [objective], time.perf_counter() - start, dict(info))

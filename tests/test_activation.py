@@ -1,0 +1,133 @@
+"""Activation matching (Verma & Elbayad §3): recovers permutation-class transforms, always preserves B's
+function, and its LAPs beat the identity assignment on the correlations they maximise."""
+
+import pytest
+import torch
+from torch import nn
+
+from glmc.archs import ModelConfig, State, build_model, get_arch, preset
+from glmc.canonical import canonicalize, to_model
+from glmc.errors import ConfigError
+from glmc.match.activation import activation_match, correlations
+from glmc.match.common import sq_distance
+from glmc.transforms import Transform, apply
+
+# Odd sizes, so no accidental symmetry of shapes hides an orientation bug.
+CONFIGS = {
+    "vit": preset("vit-tiny").replace(width=45, heads=3, mlp=70, img_size=8, patch=4, in_chans=1, num_classes=3),
+    "gpt2": preset("gpt2-tiny").replace(width=45, heads=3, mlp=70, vocab_size=50, context=12),
+}
+
+
+def random_state(cfg: ModelConfig, seed: int) -> State:
+    """A random float64 model with non-trivial LayerNorm affines, canonicalised (LNs folded)."""
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.copy_(1 + 0.3 * torch.randn_like(module.weight))
+                module.bias.copy_(0.1 * torch.randn_like(module.bias))
+    return canonicalize(get_arch(cfg.family), model.state_dict(), cfg.depth, dtype=torch.float64)
+
+
+def random_batch(cfg: ModelConfig, n: int = 24) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    if cfg.family == "vit":
+        return torch.randn(n, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g, dtype=torch.float64)
+    return torch.randint(0, cfg.vocab_size, (n, cfg.context), generator=g)
+
+
+def permutation_transform(cfg: ModelConfig, seed: int) -> Transform:
+    """Residual permutation matrix, head permutations, within-head value permutations, MLP permutations."""
+    g = torch.Generator().manual_seed(seed)
+
+    def perm_matrix(n: int) -> torch.Tensor:
+        return torch.eye(n, dtype=torch.float64)[torch.randperm(n, generator=g)]
+
+    t = Transform(cfg.depth, residual=perm_matrix(cfg.width))
+    for layer in range(cfg.depth):
+        t.heads[layer] = torch.randperm(cfg.heads, generator=g)
+        t.ov[layer] = torch.stack([perm_matrix(cfg.head_dim) for _ in range(cfg.heads)])
+        t.mlp[layer] = torch.randperm(cfg.mlp, generator=g)
+    return t
+
+
+def logits_gap(x: State, y: State, cfg: ModelConfig, batch: torch.Tensor) -> float:
+    arch = get_arch(cfg.family)
+    with torch.no_grad():
+        return float((arch.logits(to_model(x, cfg), batch) - arch.logits(to_model(y, cfg), batch)).abs().max())
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request: pytest.FixtureRequest) -> tuple[ModelConfig, State, State]:
+    cfg = CONFIGS[request.param]
+    return cfg, random_state(cfg, 0), random_state(cfg, 1)
+
+
+def test_recovers_a_permutation_transform(pair: tuple[ModelConfig, State, State]) -> None:
+    cfg, a, _ = pair
+    spec, batch = get_arch(cfg.family).spec, random_batch(cfg)
+    b = apply(a, spec, permutation_transform(cfg, seed=3), cfg.heads)
+    assert sq_distance(a, b) > 1.0  # the transform really moved B away from A
+    result = activation_match(a, b, cfg, batch, batch_size=10)
+    aligned = apply(b, spec, result.transform, cfg.heads)
+    assert max(float((a[k] - aligned[k]).abs().max()) for k in a) < 1e-8
+    assert logits_gap(aligned, b, cfg, batch) < 1e-10
+    assert result.objective[-1] < 1e-12
+    assert min(result.info[k] for k in ("corr_residual", "corr_mlp", "corr_heads")) > 1 - 1e-9
+    assert result.transform.qk == [None] * cfg.depth
+
+
+def test_independent_models_function_preserved_and_closer(pair: tuple[ModelConfig, State, State]) -> None:
+    cfg, a, b = pair
+    spec, batch = get_arch(cfg.family).spec, random_batch(cfg)
+    result = activation_match(a, b, cfg, batch)
+    aligned = apply(b, spec, result.transform, cfg.heads)
+    assert logits_gap(aligned, b, cfg, batch) <= 1e-10
+    assert result.objective[-1] <= sq_distance(a, b)
+    assert result.seconds > 0
+    corr = correlations(a, b, cfg, batch)
+    identity = {
+        "corr_residual": torch.diagonal(corr["residual", -1]).mean(),
+        "corr_mlp": torch.cat([torch.diagonal(corr["mlp", i]) for i in range(cfg.depth)]).mean(),
+        "corr_heads": torch.cat([torch.diagonal(corr["heads", i]) for i in range(cfg.depth)]).mean(),
+    }
+    for key, value in identity.items():
+        assert result.info[key] >= float(value), key
+    assert result.info["corr_mlp"] > float(identity["corr_mlp"]) + 0.05  # strictly better, not a tie
+
+
+def test_chunked_statistics_match_one_pass(pair: tuple[ModelConfig, State, State]) -> None:
+    cfg, a, b = pair
+    batch = random_batch(cfg, n=13)
+    whole, chunked = correlations(a, b, cfg, batch, batch_size=13), correlations(a, b, cfg, batch, batch_size=4)
+    assert whole.keys() == chunked.keys()
+    assert len(whole) == 2 * cfg.depth + 1
+    for key in whole:
+        assert torch.allclose(whole[key], chunked[key], atol=1e-10), key
+        assert float(whole[key].abs().max()) <= 1 + 1e-9
+
+
+def test_matches_a_model_to_itself_at_identity(pair: tuple[ModelConfig, State, State]) -> None:
+    cfg, a, _ = pair
+    t = activation_match(a, a, cfg, random_batch(cfg)).transform
+    assert torch.equal(t.residual, torch.eye(cfg.width, dtype=torch.float64))
+    for layer in range(cfg.depth):
+        assert torch.equal(t.heads[layer], torch.arange(cfg.heads))
+        assert torch.equal(t.mlp[layer], torch.arange(cfg.mlp))
+
+
+BAD_BATCHES = {
+    "vit": [torch.zeros(4, 3, 8, 8), torch.zeros(4, 1, 8), torch.zeros(4, 1, 9, 9), torch.zeros(0, 1, 8, 8)],
+    "gpt2": [torch.zeros(4, 13, dtype=torch.long), torch.zeros(4, 12), torch.full((4, 5), 50),
+             torch.zeros(4, 12, 1, dtype=torch.long), torch.zeros(12, dtype=torch.long)],
+}
+
+
+@pytest.mark.parametrize(("family", "index"), [(f, i) for f, bad in BAD_BATCHES.items() for i in range(len(bad))])
+def test_wrongly_shaped_batch_raises(family: str, index: int) -> None:
+    cfg = CONFIGS[family]
+    state = random_state(cfg, 0)
+    with pytest.raises(ConfigError, match="expected \\(N, "):
+        activation_match(state, state, cfg, BAD_BATCHES[family][index])
