@@ -1,0 +1,163 @@
+"""``glmc check``, ``glmc align`` and ``glmc barrier``: the symmetry core from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from glmc.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from glmc.align import Alignment
+    from glmc.checkpoint import CheckpointMeta
+
+
+def add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="preset name, e.g. vit-tiny or gpt2-bench")
+    for size in ("width", "depth", "heads", "mlp"):
+        parser.add_argument(f"--{size}", type=int, help=f"override the preset's {size}")
+    parser.add_argument("--activation", choices=["gelu", "relu"], help="relu adds the MLP scaling symmetry")
+    parser.add_argument("--form", choices=["standard", "rmsnorm", "circuit"], default="standard")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Apply a random transform of every class in float64; print JSON errors; exit 0 only if all are ≤ 1e-5."""
+    from glmc.archs import preset
+    from glmc.check import TOLERANCE, invariance_errors
+
+    changes = {k: getattr(args, k) for k in ("width", "depth", "heads", "mlp", "activation") if getattr(args, k)}
+    cfg = preset(args.model).replace(**changes)
+    if cfg.family == "gpt2":
+        cfg = cfg.replace(vocab_size=67)  # any vocabulary will do for an invariance check
+    errors = invariance_errors(cfg, args.form, args.seed)
+    ok = max(errors.values()) <= TOLERANCE
+    print(json.dumps({"model": args.model, "config": cfg.to_dict(), "form": args.form, "tolerance": TOLERANCE,
+                      "max_abs_logit_error": errors, "ok": ok}, indent=2))
+    return 0 if ok else 1
+
+
+def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", type=Path, help="reference checkpoint A (.safetensors)")
+    parser.add_argument("b", type=Path, help="checkpoint B, moved towards A")
+    parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
+    parser.add_argument("--batch", type=int, default=512, help="samples for data-driven methods")
+    parser.add_argument("--quiet", action="store_true")
+
+
+def add_align_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_pair_arguments(parser)
+    parser.add_argument("--method", default="weight", help="none, weight, weight-perm or activation")
+    parser.add_argument("--out", required=True, type=Path, help="aligned B, a standard checkpoint")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+
+
+def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
+    """Both checkpoints, refusing different families or configs before any work."""
+    from glmc.checkpoint import load_checkpoint
+    from glmc.spec import check_same_shapes
+
+    state_a, meta_a = load_checkpoint(a)
+    state_b, meta_b = load_checkpoint(b)
+    if meta_a.config.family != meta_b.config.family:
+        raise ConfigError(f"{a} is a {meta_a.config.family} but {b} is a {meta_b.config.family}")
+    check_same_shapes(state_a, state_b)
+    if meta_a.config != meta_b.config:
+        diff = [k for k, v in meta_a.config.to_dict().items() if meta_b.config.to_dict()[k] != v]
+        raise ConfigError(f"{a} and {b} have different configs: {', '.join(diff)}")
+    return state_a, state_b, meta_a, meta_b
+
+
+def _batch(meta: CheckpointMeta, data: str | None, n: int) -> torch.Tensor:
+    """``n`` training inputs of the checkpoint's dataset, drawn with a fixed seed."""
+    import torch
+
+    from glmc.tasks import load_task
+
+    train = load_task(meta.dataset, meta.config, data).train
+    idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:n]  # type: ignore[arg-type]
+    return torch.stack([train[int(i)][0] for i in idx])
+
+
+def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta) -> Alignment:
+    from glmc.align import DATA_METHODS, align_pair
+
+    batch = _batch(meta, args.data, args.batch) if method in DATA_METHODS else None
+    return align_pair(state_a, state_b, meta.config, method, batch=batch)
+
+
+def run_align(args: argparse.Namespace) -> int:
+    """Write B transformed towards A as a standard checkpoint (same function as B)."""
+    import dataclasses
+
+    import torch
+
+    from glmc.archs import get_arch
+    from glmc.checkpoint import save_checkpoint
+
+    if args.out.exists() and not args.force:
+        raise CheckpointError(f"{args.out} already exists; pass --force to overwrite it")
+    state_a, state_b, meta, meta_b = _load_pair(args.a, args.b)
+    aligned = _align(args, args.method, state_a, state_b, meta)
+    native = get_arch(meta.config.family).to_native(aligned.b, meta.config.depth)
+    split = f"{meta_b.split}; aligned to {args.a.name} by {args.method}"
+    native32 = {k: v.to(torch.float32) for k, v in native.items()}
+    save_checkpoint(args.out, native32, dataclasses.replace(meta_b, split=split))
+    result = aligned.result
+    print(json.dumps({"out": str(args.out), "method": args.method, "seconds": round(result.seconds, 3),
+                      "objective": result.objective, **{k: v for k, v in result.info.items() if k != "sweeps"}}))
+    return 0
+
+
+def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_pair_arguments(parser)
+    parser.add_argument("--method", action="append", help="repeatable: none, weight, weight-perm, activation")
+    parser.add_argument("--points", type=int, default=21, help="λ grid size, both ends included")
+    parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
+    parser.add_argument("--json", required=True, type=Path, help="write the curves here")
+    parser.add_argument("--plot", type=Path, help="write a loss/accuracy plot here (.png)")
+
+
+def run_barrier(args: argparse.Namespace) -> int:
+    """Align B to A by each method and measure the loss barrier on held-out data (paper Eq. 1)."""
+    import torch
+    from torch.utils.data import Subset
+
+    from glmc.barrier import barrier_curve
+    from glmc.tasks import load_task
+
+    if args.points < 2:
+        raise ConfigError("--points must be at least 2")
+    state_a, state_b, meta, _ = _load_pair(args.a, args.b)
+    test = load_task(meta.dataset, meta.config, args.data).test
+    if args.limit:
+        test = Subset(test, range(min(args.limit, len(test))))  # type: ignore[arg-type]
+    curves = []
+    for method in args.method or ["weight"]:
+        aligned = _align(args, method, state_a, state_b, meta)
+        a, b = ({k: v.to(torch.float32) for k, v in s.items()} for s in (aligned.a, aligned.b))
+        curve = barrier_curve(a, b, meta.config, test, args.points, method=method)
+        curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds})
+        print(f"{method:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)
+    _write_barrier_outputs(args, curves)
+    return 0
+
+
+def _write_barrier_outputs(args: argparse.Namespace, curves: list[dict]) -> None:
+    from glmc.barrier import BarrierCurve
+    from glmc.plots import plot_barrier_curves
+
+    report = {"a": str(args.a), "b": str(args.b), "points": args.points, "curves": curves}
+    if len(curves) == 1:
+        report |= curves[0]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        fields = BarrierCurve.__dataclass_fields__
+        plot_barrier_curves([BarrierCurve(**{k: c[k] for k in fields}) for c in curves], args.plot)
+    print(json.dumps({c["method"]: round(c["barrier"], 4) for c in curves}))
