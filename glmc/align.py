@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import Form, canonicalize
@@ -32,7 +33,14 @@ class Alignment:
     result: MatchResult
 
 
-def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, batch: torch.Tensor | None) -> MatchResult:
+def inputs_of(data: Dataset, n: int) -> torch.Tensor:
+    """The first ``n`` inputs of a dataset of (input, target) pairs, stacked into one batch."""
+    count = min(n, len(data))  # type: ignore[arg-type]
+    return torch.stack([data[i][0] for i in range(count)])
+
+
+def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset | None,
+           batch: int) -> MatchResult:
     arch = get_arch(cfg.family)
     if method in ("weight", "weight-perm"):
         from glmc.match.weight import weight_match
@@ -42,19 +50,23 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, batch:
     if method == "activation":
         from glmc.match.activation import activation_match
 
-        assert batch is not None
-        return activation_match(a, b, cfg, batch)
+        assert data is not None
+        return activation_match(a, b, cfg, inputs_of(data, batch))
     raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
 
 
 def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
-    *, form: Form = "standard", batch: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
+    *, form: Form = "standard", data: Dataset | None = None, batch: int = 512, dtype: torch.dtype = torch.float64,
 ) -> Alignment:
-    """Align native state dict B to A (same config) by ``method``; data methods need ``batch`` (model inputs)."""
+    """Align native state dict B to A (same config) by ``method``.
+
+    Data-driven methods read ``data``, a dataset of (input, target) pairs from a split the barrier is not
+    measured on; activation matching uses its first ``batch`` inputs.
+    """
     if method not in METHODS:
         raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
-    if method in DATA_METHODS and batch is None:
+    if method in DATA_METHODS and data is None:
         raise ConfigError(f"method {method!r} needs data: pass a batch of inputs (--data)")
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
@@ -62,5 +74,5 @@ def align_pair(
         a, b = (arch.to_canonical({k: v.to(dtype) for k, v in s.items()}, cfg.depth) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))
-    result = _match(method, a, b, cfg, form, batch)
+    result = _match(method, a, b, cfg, form, data, batch)
     return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)

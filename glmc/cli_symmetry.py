@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from glmc.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    import torch
+    from torch.utils.data import Dataset
 
     from glmc.align import Alignment
     from glmc.checkpoint import CheckpointMeta
@@ -73,22 +73,23 @@ def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, Checkpoint
     return state_a, state_b, meta_a, meta_b
 
 
-def _batch(meta: CheckpointMeta, data: str | None, n: int) -> torch.Tensor:
-    """``n`` training inputs of the checkpoint's dataset, drawn with a fixed seed."""
+def _train_subset(meta: CheckpointMeta, data: str | None, n: int) -> Dataset:
+    """``n`` samples of the checkpoint's training split, drawn with a fixed seed (never the held-out split)."""
     import torch
+    from torch.utils.data import Subset
 
     from glmc.tasks import load_task
 
     train = load_task(meta.dataset, meta.config, data).train
     idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:n]  # type: ignore[arg-type]
-    return torch.stack([train[int(i)][0] for i in idx])
+    return Subset(train, idx.tolist())
 
 
 def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta) -> Alignment:
     from glmc.align import DATA_METHODS, align_pair
 
-    batch = _batch(meta, args.data, args.batch) if method in DATA_METHODS else None
-    return align_pair(state_a, state_b, meta.config, method, batch=batch)
+    data = _train_subset(meta, args.data, args.batch) if method in DATA_METHODS else None
+    return align_pair(state_a, state_b, meta.config, method, data=data, batch=args.batch)
 
 
 def run_align(args: argparse.Namespace) -> int:
