@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from glmc.archs.config import ModelConfig
-from glmc.errors import CheckpointError
+from glmc.errors import CheckpointError, ConfigError
 from glmc.spec import SpecTable, expand
 
 State = dict[str, torch.Tensor]
@@ -35,6 +35,7 @@ class Arch:
     build: Callable[[ModelConfig], nn.Module]
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     module_names: Mapping[str, str]  # canonical module prefix -> native module path (for hooks)
+    check_inputs: Callable[[ModelConfig, torch.Tensor], None]  # ConfigError unless a batch fits the model
 
     def to_canonical(self, native: Mapping[str, torch.Tensor], depth: int) -> State:
         """Rename a native (timm / HF) state dict to canonical names, weights as (out, in)."""
@@ -66,3 +67,12 @@ class Arch:
         """The native submodule behind a canonical prefix such as ``blocks.{l}.mlp.fc2``."""
         path = self.module_names[canonical_prefix].format(l=layer)
         return model.get_submodule(path)
+
+
+def require_inputs(batch: torch.Tensor, cfg: ModelConfig, fits: bool, expected: str) -> None:
+    """Raise a one-line ConfigError naming the expected input when ``fits`` is false."""
+    if not fits or batch.shape[0] == 0:
+        raise ConfigError(
+            f"batch of shape {tuple(batch.shape)} ({batch.dtype}) does not fit the {cfg.family} model: "
+            f"expected {expected}"
+        )

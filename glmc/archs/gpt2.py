@@ -7,7 +7,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
-from glmc.archs.base import Arch, KeyRule
+from glmc.archs.base import Arch, KeyRule, require_inputs
 from glmc.archs.config import ModelConfig
 from glmc.errors import ConfigError
 from glmc.spec import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS, NORM, RES, Axes
@@ -91,6 +91,13 @@ def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x).logits
 
 
+def check_inputs(cfg: ModelConfig, batch: torch.Tensor) -> None:
+    """Token ids (N, T) with T ≤ context and every id inside the vocabulary."""
+    fits = batch.dim() == 2 and 0 < batch.shape[1] <= cfg.context and not batch.is_floating_point()
+    fits = fits and batch.numel() > 0 and int(batch.min()) >= 0 and int(batch.max()) < cfg.vocab_size
+    require_inputs(batch, cfg, fits, f"(N, ≤{cfg.context}) integer token ids < {cfg.vocab_size}")
+
+
 GPT2 = Arch(
     family="gpt2",
     keys=KEYS,
@@ -100,4 +107,5 @@ GPT2 = Arch(
     build=build,
     logits=logits,
     module_names=_MODULES,
+    check_inputs=check_inputs,
 )

@@ -7,7 +7,7 @@ from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from glmc.archs.base import Arch, KeyRule
+from glmc.archs.base import Arch, KeyRule, require_inputs
 from glmc.archs.config import ModelConfig
 from glmc.spec import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS, NORM, RES, Axes
 
@@ -76,6 +76,13 @@ def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x)
 
 
+def check_inputs(cfg: ModelConfig, batch: torch.Tensor) -> None:
+    """Images (N, C, H, W) of the configured channels and size, floating point."""
+    want = (cfg.in_chans, cfg.img_size, cfg.img_size)
+    fits = batch.dim() == 4 and tuple(batch.shape[1:]) == want and batch.is_floating_point()
+    require_inputs(batch, cfg, fits, f"(N, {want[0]}, {want[1]}, {want[2]}) float images")
+
+
 VIT = Arch(
     family="vit",
     keys=KEYS,
@@ -85,4 +92,5 @@ VIT = Arch(
     build=build,
     logits=logits,
     module_names=_MODULES,
+    check_inputs=check_inputs,
 )

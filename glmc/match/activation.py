@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,7 +19,6 @@ from torch.utils.hooks import RemovableHandle
 from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, get_arch
 from glmc.canonical import to_model
-from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, sq_distance
 from glmc.transforms import Transform, apply
 
@@ -33,38 +31,6 @@ HEADS_SITE = "blocks.{l}.attn.proj"
 RESIDUAL_SITE = "blocks.{l}"
 
 Key = tuple[str, int]  # (feature kind, layer); the residual uses layer -1 (all layers stacked as rows)
-
-
-@dataclass(frozen=True)
-class InputShape:
-    """What a model reads after the batch axis: exact sizes, or (tokens) at most these sizes and ids < vocab."""
-
-    dims: tuple[int, ...]
-    exact: bool
-    vocab: int = 0
-
-
-# The one table keyed by family: it describes inputs, which the spec does not (it belongs on Arch).
-INPUTS: dict[str, Callable[[ModelConfig], InputShape]] = {
-    "vit": lambda c: InputShape((c.in_chans, c.img_size, c.img_size), exact=True),
-    "gpt2": lambda c: InputShape((c.context,), exact=False, vocab=c.vocab_size),
-}
-
-
-def check_batch(batch: torch.Tensor, cfg: ModelConfig) -> None:
-    """Raise ConfigError (one line, naming the expected shape) unless ``batch`` fits the model's input."""
-    want = INPUTS[cfg.family](cfg)
-    shape = tuple(batch.shape)
-    expected = "(N, " + ", ".join(str(n) if want.exact else f"≤{n}" for n in want.dims) + ")"
-    if want.vocab:
-        expected += f" integer token ids < {want.vocab}"
-    fits = len(shape) == len(want.dims) + 1 and shape[0] > 0 and all(
-        n == m if want.exact else 0 < n <= m for n, m in zip(shape[1:], want.dims, strict=True))
-    if want.vocab and fits:
-        fits = not batch.is_floating_point() and int(batch.min()) >= 0 and int(batch.max()) < want.vocab
-    if not fits:
-        raise ConfigError(f"batch of shape {shape} ({batch.dtype}) does not fit the {cfg.family} model: "
-                          f"expected {expected}")
 
 
 class Moments:
@@ -137,7 +103,7 @@ def correlations(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], c
     Keys: ("mlp", l) (f, f); ("heads", l) (H·d_h, H·d_h); ("residual", -1) (d, d) over every block's output.
     """
     arch = get_arch(cfg.family)
-    check_batch(batch, cfg)
+    get_arch(cfg.family).check_inputs(cfg, batch)
     models = to_model(a, cfg), to_model(b, cfg)
     dtype = next(iter(a.values())).dtype
     moments: dict[Key, Moments] = {}
