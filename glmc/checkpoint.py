@@ -1,0 +1,165 @@
+"""Checkpoints: a model's own state dict (timm or HF key names) in safetensors, plus JSON metadata.
+
+The header's string metadata holds one key, ``glmc``, a JSON blob with the preset, the full
+``ModelConfig``, width multiplier, seed, data and split, metrics, the char vocabulary for text,
+and a SHA-256 of the tensors, so a flipped byte is caught rather than silently loaded (data.md,
+"Checkpoints"). Files are written to a temporary sibling and renamed: never half-written.
+Nothing here unpickles: safetensors holds raw tensors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from glmc.archs import ModelConfig, build_model
+from glmc.errors import CheckpointError, GlmcError
+
+META_KEY = "glmc"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What a checkpoint is: the model it fits, how it was trained, and how well it does."""
+
+    preset: str
+    config: ModelConfig
+    width_mult: float = 1.0
+    seed: int | None = None
+    dataset: str = ""
+    split: str = ""  # human-readable description of the data split (train/test or client partition)
+    metrics: dict[str, float] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)  # the TrainConfig used, as a dict
+    vocab: str | None = None  # CharVocab.to_json() for text models
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict; ``config`` becomes ``ModelConfig.to_dict()``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
+            "config": self.config.to_dict()
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CheckpointMeta:
+        """Inverse of :meth:`to_dict`; unknown fields or a bad config raise CheckpointError."""
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise CheckpointError(f"unknown checkpoint metadata fields: {sorted(unknown)}")
+        try:
+            return cls(**{**data, "config": ModelConfig.from_dict(dict(data["config"]))})
+        except (GlmcError, KeyError, TypeError) as err:
+            raise CheckpointError(f"invalid checkpoint metadata: {_one_line(err)}") from err
+
+
+def save_checkpoint(
+    path: str | Path,
+    model_or_state: nn.Module | Mapping[str, torch.Tensor],
+    meta: CheckpointMeta,
+    overwrite: bool = True,
+) -> Path:
+    """Write the native state dict and ``meta`` to ``path`` atomically; returns the path.
+
+    With ``overwrite=False`` an existing file is a CheckpointError and stays untouched.
+    """
+    path = Path(path)
+    if not overwrite and path.exists():
+        raise CheckpointError(f"{path} already exists; refusing to overwrite it")
+    state = _cpu_state(model_or_state)
+    blob = json.dumps({**meta.to_dict(), "format": FORMAT_VERSION, "sha256": _digest(state)}, sort_keys=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata={META_KEY: blob})
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], CheckpointMeta]:
+    """The tensors and metadata of a glmc checkpoint, verified against the stored SHA-256."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint file at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    except Exception as err:  # safetensors raises several types for a bad header or truncated data
+        raise CheckpointError(f"{path} is not a readable safetensors file: {_one_line(err)}") from err
+    if META_KEY not in header:
+        raise CheckpointError(f"{path} has no {META_KEY!r} metadata; it was not written by glmc")
+    blob = _parse_blob(path, header[META_KEY])
+    if blob.pop("sha256", None) != _digest(state):
+        raise CheckpointError(f"{path} is corrupt: its tensors do not match the stored checksum")
+    return state, CheckpointMeta.from_dict(blob)
+
+
+def load_model(path: str | Path, expect: ModelConfig | None = None) -> tuple[nn.Module, CheckpointMeta]:
+    """Build the checkpoint's model and load its weights (eval mode); ``expect`` must match its config."""
+    state, meta = load_checkpoint(path)
+    if expect is not None and expect != meta.config:
+        raise CheckpointError(
+            f"{path} does not match the requested model: {_config_diff(expect, meta.config)}"
+        )
+    model = build_model(meta.config)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(
+            f"{path} tensors do not fit its {meta.config.family} config: {_one_line(err)}"
+        ) from err
+    return model.eval(), meta
+
+
+def _parse_blob(path: Path, text: str) -> dict[str, Any]:
+    """The metadata JSON as a dict, checked for a known format version."""
+    try:
+        blob = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} has unreadable {META_KEY!r} metadata: {err}") from err
+    if not isinstance(blob, dict) or blob.pop("format", None) != FORMAT_VERSION:
+        raise CheckpointError(f"{path} metadata is not glmc checkpoint format {FORMAT_VERSION}")
+    return blob
+
+
+def _cpu_state(model_or_state: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU copies (safetensors refuses shared or strided storage)."""
+    state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) else model_or_state
+    return {key: value.detach().to("cpu").contiguous().clone() for key, value in state.items()}
+
+
+def _digest(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over names, dtypes, shapes and raw bytes, in sorted key order."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        tensor = state[key].detach().to("cpu").contiguous()
+        h.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _config_diff(expected: ModelConfig, found: ModelConfig) -> str:
+    """The fields that differ, as ``name: found X, expected Y``."""
+    a, b = expected.to_dict(), found.to_dict()
+    return "; ".join(f"{k}: checkpoint has {b[k]!r}, expected {a[k]!r}" for k in a if a[k] != b[k])
+
+
+def _one_line(err: BaseException) -> str:
+    """The first line of an exception's message, for one-line CLI errors."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

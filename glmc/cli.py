@@ -1,0 +1,146 @@
+"""The ``glmc`` command line: subcommands registered in one table, errors printed as one line.
+
+Every ``GlmcError`` (and every argparse usage error) becomes ``glmc: error: ...`` on stderr with
+exit status 2. To add a subcommand, write ``add_arguments(parser)`` and ``run(args) -> int`` in
+its own module and add one ``Command`` line to ``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from glmc.errors import CheckpointError, ConfigError, GlmcError
+
+if TYPE_CHECKING:
+    from glmc.train import TrainConfig
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its help line, its arguments, and what it runs."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so errors stay one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``glmc train``."""
+    parser.add_argument("--model", required=True, help="preset name, e.g. vit-bench or gpt2-bench")
+    parser.add_argument("--dataset", required=True, help="fashion-mnist or shakespeare")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--width-mult", type=float, default=1.0, help="scale width, MLP and heads (0.25, 0.5, 1)")
+    parser.add_argument("--batch-size", type=int, help="default: the dataset's")
+    parser.add_argument("--lr", type=float, help="peak learning rate; default: the dataset's")
+    parser.add_argument("--weight-decay", type=float, default=0.05)
+    parser.add_argument("--warmup", type=float, default=0.05, help="fraction of steps spent warming up")
+    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core)")
+    parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
+    parser.add_argument("--out", required=True, type=Path, help="checkpoint path, *.safetensors")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Train a preset on a dataset, evaluate on its test split, print the metrics, save a checkpoint."""
+    # Imported here so that `glmc --help` and usage errors answer without loading torch.
+    from glmc.archs import build_model, get_arch, preset, scale_width
+    from glmc.checkpoint import CheckpointMeta, save_checkpoint
+    from glmc.tasks import load_task
+    from glmc.train import evaluate, seed_everything, train
+
+    _check_out(args.out, args.force)
+    task = load_task(args.dataset, scale_width(preset(args.model), args.width_mult), args.data, args.seed)
+    cfg = _train_config(args, task.defaults)
+    arch = get_arch(task.config.family)
+    seed_everything(args.seed)  # the initial weights come from the seed too
+    model = build_model(task.config)
+    fit = train(model, arch, task.train, cfg, progress=not args.quiet)
+    test = evaluate(model, arch, task.test, batch_size=2 * cfg.batch_size)
+    metrics = {"test_loss": test["loss"], "test_accuracy": test["accuracy"], "train_loss": fit["train_loss"]}
+    meta = CheckpointMeta(
+        preset=args.model,
+        config=task.config,
+        width_mult=args.width_mult,
+        seed=args.seed,
+        dataset=task.dataset,
+        split=task.split,
+        metrics=metrics | {"steps": fit["steps"]},
+        train=cfg.to_dict(),
+        vocab=task.vocab.to_json() if task.vocab else None,
+    )
+    save_checkpoint(args.out, model, meta, overwrite=args.force)
+    print(f"test loss {test['loss']:.4f}  test accuracy {test['accuracy']:.4f}  ({fit['seconds']:.0f} s)")
+    summary = {"out": str(args.out), "model": args.model, "dataset": task.dataset, "seed": args.seed}
+    print(json.dumps(summary | meta.metrics | {"train_seconds": round(fit["seconds"], 1)}))
+    return 0
+
+
+def _train_config(args: argparse.Namespace, defaults: dict[str, Any]) -> TrainConfig:
+    """The TrainConfig from the flags; batch size and lr fall back to the dataset's defaults."""
+    from glmc.train import TrainConfig
+
+    given = {k: v for k, v in {"batch_size": args.batch_size, "lr": args.lr}.items() if v is not None}
+    return TrainConfig(
+        epochs=args.epochs,
+        weight_decay=args.weight_decay,
+        warmup=args.warmup,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        threads=args.threads,
+        **(defaults | given),
+    )
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """Fail before any work if ``--out`` is not a .safetensors path or would be overwritten."""
+    if out.suffix != ".safetensors":
+        raise ConfigError(f"--out must end in .safetensors, got {out}")
+    if out.exists() and not force:
+        raise CheckpointError(f"{out} already exists; pass --force to overwrite it")
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("train a preset on a dataset and save a checkpoint", add_train_arguments, run_train),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per entry of ``COMMANDS``."""
+    parser = _Parser(prog="glmc", description="Align, merge and train Transformers through their symmetries.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``glmc`` console script; returns the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("glmc").setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
+        return COMMANDS[args.command].run(args)
+    except GlmcError as err:
+        print(f"glmc: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

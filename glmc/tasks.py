@@ -1,0 +1,83 @@
+"""Tasks: a dataset name plus a preset give the data and the config with its data-dependent fields set.
+
+Vision fills ``num_classes``, ``in_chans`` and ``img_size``; text fills ``vocab_size`` (the context
+comes from the preset and sets the window length). Each task also carries training defaults
+that were measured to work on this 2-core CPU (see the README's "Measured" section).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from glmc.archs import ModelConfig
+from glmc.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Task:
+    """The train/test data of one dataset and the model config that fits it."""
+
+    dataset: str
+    config: ModelConfig
+    train: Dataset
+    test: Dataset
+    split: str  # description of how train and test were cut, stored with every checkpoint
+    vocab: Any = None  # glmc.data.CharVocab for text tasks
+    defaults: dict[str, Any] = field(default_factory=dict)  # TrainConfig overrides that suit this data
+
+
+def _require_family(dataset: str, cfg: ModelConfig, family: str) -> None:
+    if cfg.family != family:
+        raise ConfigError(f"dataset {dataset!r} needs a {family} preset, got a {cfg.family} config")
+
+
+def fashion_mnist_task(cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:
+    """Fashion-MNIST's official 60k/10k split for a ViT; ``seed`` is unused (the split is fixed)."""
+    from glmc.data import load_fashion_mnist
+
+    _require_family("fashion-mnist", cfg, "vit")
+    data = load_fashion_mnist(path)
+    if data.img_size % cfg.patch:
+        raise ConfigError(f"patch {cfg.patch} does not divide the {data.img_size}-pixel images")
+    config = cfg.replace(num_classes=data.num_classes, in_chans=data.in_chans, img_size=data.img_size)
+    split = f"fashion-mnist official split: {len(data.train)} train / {len(data.test)} test images"
+    return Task(
+        "fashion-mnist", config, data.train, data.test, split, defaults={"lr": 1e-3, "batch_size": 128}
+    )
+
+
+def shakespeare_task(cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:
+    """Char-level Shakespeare, the tail 10% of every play held out; ``seed`` sets the window phase."""
+    from glmc.data import load_shakespeare
+
+    _require_family("shakespeare", cfg, "gpt2")
+    corpus = load_shakespeare(path, context=cfg.context, seed=seed)
+    config = cfg.replace(vocab_size=corpus.vocab.size)
+    split = (
+        f"shakespeare: last 10% of each of {len(corpus.plays)} plays held out; context {corpus.context}; "
+        f"{len(corpus.train)} train / {len(corpus.test)} test windows"
+    )
+    return Task(
+        "shakespeare",
+        config,
+        corpus.train,
+        corpus.test,
+        split,
+        vocab=corpus.vocab,
+        defaults={"lr": 3e-3, "batch_size": 32},
+    )
+
+
+TASKS: dict[str, Callable[..., Task]] = {"fashion-mnist": fashion_mnist_task, "shakespeare": shakespeare_task}
+
+
+def load_task(dataset: str, cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:
+    """The named task for ``cfg``; unknown names raise ConfigError listing the known ones."""
+    if dataset not in TASKS:
+        raise ConfigError(f"unknown dataset {dataset!r}; known: {', '.join(TASKS)}")
+    return TASKS[dataset](cfg, path, seed)

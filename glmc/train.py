@@ -1,0 +1,172 @@
+"""Local training and evaluation, shared by the CLI and (later) the Flower clients.
+
+One loop serves both families: ``Arch.logits`` gives (B, classes) for images and (B, T, vocab)
+for text, and the cross-entropy is taken over the last axis against (B,) or (B, T) targets.
+AdamW with linear warm-up then cosine decay, gradient clipping at 1.0. Every source of
+randomness is seeded, so the same seed, data and thread count give the same weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from glmc.archs import Arch
+from glmc.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of one local training run."""
+
+    epochs: int = 1
+    batch_size: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    warmup: float = 0.05  # fraction of all steps spent warming the learning rate up linearly
+    seed: int = 0
+    max_steps: int | None = None  # stop early after this many optimizer steps
+    grad_clip: float = 1.0
+    threads: int = 0  # torch intra-op threads; 0 = every core this process may use
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or not 0 <= self.warmup < 1:
+            raise ConfigError(f"need epochs >= 1, batch_size >= 1, lr > 0 and warmup in [0, 1): {self}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be positive, got {self.max_steps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed python, numpy and torch; return a fresh generator for DataLoader shuffling."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def set_threads(threads: int = 0) -> int:
+    """Use ``threads`` torch threads (0 = all cores available to this process); returns the count."""
+    count = threads or len(os.sched_getaffinity(0))
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+    return count
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over the last axis: (B, C) vs (B,) for images, (B, T, V) vs (B, T) for text."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction=reduction)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, total: int, warmup: float) -> LambdaLR:
+    """Linear warm-up over ``warmup·total`` steps, then cosine decay to zero at ``total``."""
+    warm = max(1, round(warmup * total))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+    return LambdaLR(optimizer, factor)
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only, not on biases or LayerNorm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr)
+
+
+def _batches(loader: DataLoader, epochs: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for _ in range(epochs):
+        yield from loader
+
+
+def train(
+    model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, progress: bool = True
+) -> dict[str, float]:
+    """Train ``model`` in place with AdamW and a warm-up + cosine schedule.
+
+    Returns ``train_loss`` (mean over the last epoch's worth of steps), ``steps`` and ``seconds``.
+    """
+    generator = seed_everything(cfg.seed)
+    set_threads(cfg.threads)
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, generator=generator)
+    if len(loader) == 0:
+        raise ConfigError("cannot train on an empty dataset")
+    total = min(cfg.epochs * len(loader), cfg.max_steps or cfg.epochs * len(loader))
+    optimizer = make_optimizer(model, cfg)
+    scheduler = cosine_schedule(optimizer, total, cfg.warmup)
+    model.to(cfg.device).train()
+    losses: list[float] = []
+    start = time.perf_counter()
+    with tqdm(total=total, desc="train", unit="step", disable=not progress, dynamic_ncols=True) as bar:
+        for x, y in itertools.islice(_batches(loader, cfg.epochs), total):
+            losses.append(
+                train_step(model, arch, x.to(cfg.device), y.to(cfg.device), optimizer, cfg.grad_clip)
+            )
+            scheduler.step()
+            bar.update()
+            bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}", refresh=False)
+    seconds = time.perf_counter() - start
+    train_loss = float(np.mean(losses[-len(loader) :]))
+    log.info("trained %d steps in %.1f s; train loss %.4f", len(losses), seconds, train_loss)
+    return {"train_loss": train_loss, "steps": len(losses), "seconds": seconds}
+
+
+def train_step(
+    model: nn.Module,
+    arch: Arch,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    clip: float,
+) -> float:
+    """One optimizer step on a batch; returns its mean loss."""
+    loss = token_loss(arch.logits(model, x), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    return loss.item()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, arch: Arch, dataset: Dataset, batch_size: int = 256) -> dict[str, float]:
+    """Mean cross-entropy in nats per target and accuracy (next-char accuracy for text)."""
+    device = next(model.parameters()).device
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for x, y in DataLoader(dataset, batch_size=batch_size, shuffle=False):
+        x, y = x.to(device), y.to(device)
+        logits = arch.logits(model, x)
+        loss_sum += token_loss(logits, y, reduction="sum").item()
+        correct += int((logits.argmax(-1) == y).sum())
+        count += y.numel()
+    if count == 0:
+        raise ConfigError("cannot evaluate on an empty dataset")
+    return {"loss": loss_sum / count, "accuracy": correct / count}

