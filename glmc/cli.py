@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from glmc import cli_symmetry
 from glmc.errors import CheckpointError, ConfigError, GlmcError
 
 if TYPE_CHECKING:
@@ -118,6 +119,12 @@ def _check_out(out: Path, force: bool) -> None:
 
 COMMANDS: dict[str, Command] = {
     "train": Command("train a preset on a dataset and save a checkpoint", add_train_arguments, run_train),
+    "check": Command("check that every symmetry class leaves a model's function unchanged",
+                     cli_symmetry.add_check_arguments, cli_symmetry.run_check),
+    "align": Command("align checkpoint B to A and save B as a standard checkpoint",
+                     cli_symmetry.add_align_arguments, cli_symmetry.run_align),
+    "barrier": Command("loss barrier between two checkpoints, per alignment method",
+                       cli_symmetry.add_barrier_arguments, cli_symmetry.run_barrier),
 }
 
 

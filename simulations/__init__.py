@@ -1,0 +1,1 @@
+"""Experiments: configs, harnesses and benchmarks that drive glmc and the Flower apps."""

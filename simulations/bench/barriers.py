@@ -1,0 +1,156 @@
+"""Barrier benchmark of the symmetry core: trains the configured seeds (once), measures every pair's loss
+barrier for every method through ``glmc barrier``, times weight matching, and writes a summary.
+
+    .venv/bin/python -m simulations.bench.barriers [--config simulations/bench/configs/barriers.toml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import platform
+import statistics
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glmc.cli import main as glmc
+
+
+def checkpoint(out: Path, preset: str, seed: int) -> Path:
+    return out / preset / f"seed{seed}.safetensors"
+
+
+def train_missing(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:
+    """Train every configured seed that has no checkpoint yet; return all checkpoint paths."""
+    paths = []
+    for seed in model["seeds"]:
+        path = checkpoint(Path(run["out"]), model["preset"], seed)
+        if not path.exists():
+            args = ["train", "--model", model["preset"], "--dataset", model["dataset"], "--seed", str(seed)]
+            if glmc([*args, *model["train"], "--out", str(path), "--quiet"]) != 0:
+                raise SystemExit(f"training {path} failed")
+        paths.append(path)
+    return paths
+
+
+def pair_barriers(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path) -> dict[str, Any]:
+    """Run ``glmc barrier`` for one pair with every method; returns its JSON report."""
+    out = Path(run["out"]) / "barriers" / f"{model['preset']}_{a.stem}_{b.stem}.json"
+    args = ["barrier", str(a), str(b), "--points", str(run["points"]), "--limit", str(run["limit"]),
+            "--batch", str(run["batch"]), "--json", str(out), "--quiet"]
+    for method in run["methods"]:
+        args += ["--method", method]
+    if glmc(args) != 0:
+        raise SystemExit(f"glmc barrier failed for {a} {b}")
+    return json.loads(out.read_text())
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (0 for a single value)."""
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return statistics.fmean(values), se
+
+
+def time_weight_matching(preset_name: str, repeats: int) -> dict[str, float]:
+    """Wall time of weight matching between two random-init models of a preset (float64, after canonical form)."""
+    from glmc.archs import get_arch, preset
+    from glmc.canonical import canonicalize
+    from glmc.check import random_native
+    from glmc.match.weight import weight_match
+
+    cfg = preset(preset_name)
+    cfg = cfg.replace(vocab_size=83) if cfg.family == "gpt2" else cfg
+    arch = get_arch(cfg.family)
+
+    a, b = (canonicalize(arch, random_native(cfg, s), cfg.depth) for s in (0, 1))
+    times, sweeps = [], []
+    for _ in range(repeats):
+        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads)
+        times.append(result.seconds)
+        sweeps.append(len(result.objective))
+    return {"median_seconds": statistics.median(times), "sweeps": statistics.median(sweeps)}
+
+
+def summarise(model: dict[str, Any], reports: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
+    """One row per method: barrier mean ± s.e. over pairs, ratio to vanilla, midpoint accuracy, align time."""
+    rows = []
+    for method in methods:
+        curves = [next(c for c in r["curves"] if c["method"] == method) for r in reports]
+        vanilla = [next(c for c in r["curves"] if c["method"] == "none")["barrier"] for r in reports]
+        barrier, se = mean_se([c["barrier"] for c in curves])
+        ratio, ratio_se = mean_se([c["barrier"] / v for c, v in zip(curves, vanilla, strict=True)])
+        mid, _ = mean_se([c["accuracies"][len(c["lambdas"]) // 2] for c in curves])
+        seconds = statistics.median(c["align_seconds"] for c in curves)
+        rows.append({"preset": model["preset"], "dataset": model["dataset"], "method": method, "pairs": len(curves),
+                     "barrier": barrier, "barrier_se": se, "ratio_to_vanilla": ratio, "ratio_se": ratio_se,
+                     "midpoint_accuracy": mid, "align_seconds": seconds})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The committed summary: the barrier table, the timing table and how it was produced."""
+    lines = ["# Pairwise loss barriers (symmetry core)", "",
+             f"Command: `{meta['command']}`, config `{meta['config']}`.",
+             f"Machine: {meta['machine']}; torch threads {meta['threads']}; wall time {meta['wall_minutes']:.1f} min.",
+             f"Barrier = max over {meta['points']} λ of L(θ(λ)) − [λ L(θ_A) + (1−λ) L(θ_B)] on the first "
+             f"{meta['limit']} held-out samples; mean ± s.e. over all seed pairs.", "",
+             "| model | data | method | pairs | barrier | ÷ vanilla | midpoint acc | align s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['preset']} | {r['dataset']} | {r['method']} | {r['pairs']} | "
+                     f"{r['barrier']:.3f} ± {r['barrier_se']:.3f} | {100 * r['ratio_to_vanilla']:.1f}% ± "
+                     f"{100 * r['ratio_se']:.1f} | {r['midpoint_accuracy']:.3f} | {r['align_seconds']:.2f} |")
+    lines += ["", "Weight-matching wall time between two random-init models (float64, median of repeats):", "",
+              "| preset | seconds | sweeps |", "|---|---|---|"]
+    lines += [f"| {p} | {t['median_seconds']:.2f} | {t['sweeps']:.0f} |" for p, t in timing.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
+    args = parser.parse_args(argv)
+    config = tomllib.loads(Path(args.config).read_text())
+    run, start = config["run"], time.perf_counter()
+    torch.set_num_threads(run["threads"])
+    rows, reports_by_model = [], {}
+    for model in config["models"]:
+        paths = train_missing(run, model)
+        reports = [pair_barriers(run, model, a, b) for a, b in itertools.combinations(paths, 2)]
+        reports_by_model[model["preset"]] = reports
+        rows += summarise(model, reports, run["methods"])
+    timing = {p: time_weight_matching(p, config["timing"]["repeats"]) for p in config["timing"]["presets"]}
+    write_results(run, args.config, rows, timing, reports_by_model, time.perf_counter() - start)
+    return 0
+
+
+def write_results(run: dict[str, Any], config: str, rows: list[dict[str, Any]], timing: dict[str, Any],
+                  reports: dict[str, list[dict[str, Any]]], seconds: float) -> None:
+    """summary.md, results.json and one curve plot per model (its first pair) under the results folder."""
+    from glmc.barrier import BarrierCurve
+    from glmc.plots import plot_barrier_curves
+
+    out = Path(run["results"])
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python -m simulations.bench.barriers", "config": config, "points": run["points"],
+            "limit": run["limit"], "threads": run["threads"], "wall_minutes": seconds / 60,
+            "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads, "
+                       f"python {platform.python_version()}, torch {torch.__version__}".strip()}
+    (out / "summary.md").write_text(markdown(rows, timing, meta))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "timing": timing,
+                                                  "pairs": reports}, indent=1))
+    fields = BarrierCurve.__dataclass_fields__
+    for preset, pairs in reports.items():
+        curves = [BarrierCurve(**{k: c[k] for k in fields}) for c in pairs[0]["curves"]]
+        plot_barrier_curves(curves, out / f"curves_{preset}.png", f"{preset}: {pairs[0]['a']} vs {pairs[0]['b']}")
+    print((out / "summary.md").read_text())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
