@@ -10,6 +10,9 @@ from glmc.errors import ConfigError
 
 Family = Literal["vit", "gpt2"]
 
+# Each family's own LayerNorm eps (timm ViT, HF GPT-2); an exact width embedding rescales it (symmetry.md §9).
+DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -22,6 +25,7 @@ class ModelConfig:
     mlp: int  # MLP hidden width f
     head_dim: int = 0  # d_h; 0 means width // heads
     activation: Literal["gelu", "relu"] = "gelu"
+    norm_eps: float = 0.0  # LayerNorm eps; 0 means the family default
     # ViT only
     img_size: int = 28
     patch: int = 7
@@ -36,6 +40,8 @@ class ModelConfig:
             if self.heads <= 0 or self.width % self.heads:
                 raise ConfigError(f"width {self.width} is not divisible by heads {self.heads}")
             object.__setattr__(self, "head_dim", self.width // self.heads)
+        if self.norm_eps == 0.0:
+            object.__setattr__(self, "norm_eps", DEFAULT_NORM_EPS[self.family])
         if min(self.width, self.depth, self.heads, self.mlp, self.head_dim) <= 0:
             raise ConfigError(f"every size must be positive: {self}")
 

@@ -61,6 +61,7 @@ def build(cfg: ModelConfig) -> GPT2LMHeadModel:
         n_layer=cfg.depth,
         n_head=cfg.heads,
         n_inner=cfg.mlp,
+        layer_norm_epsilon=cfg.norm_eps,
         activation_function="gelu_new" if cfg.activation == "gelu" else "relu",
         resid_pdrop=0.0,
         embd_pdrop=0.0,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-from timm.layers import Attention
+from timm.layers import Attention, LayerNorm
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -66,6 +68,7 @@ def build(cfg: ModelConfig) -> VisionTransformer:
         num_heads=cfg.heads,
         mlp_ratio=(cfg.mlp + 0.5) / cfg.width,  # timm floors d·ratio; +0.5 makes it exactly cfg.mlp
         act_layer=act,
+        norm_layer=partial(LayerNorm, eps=cfg.norm_eps),
         attn_layer=Attention if cfg.attn_dim == cfg.width else _attention_with_head_dim(cfg.head_dim),
         qkv_bias=True,
     )
