@@ -1,0 +1,288 @@
+"""Models of different widths in one universe (symmetry.md §9; paper App. E): exact embedding of a narrow
+standard-form model into a wider architecture, projection back, and least-squares coverage-weighted merging.
+
+A :class:`Placement` says where a narrow model's units sit inside the wide model, one map per axis kind of
+the spec: the residual stream through a semi-orthogonal ``E`` (D, d) with ``E·1_d/√d = 1_D/√D``, heads, the
+coordinates of a head and MLP units through index maps (the rest are zero heads and dead neurons). Every
+function here reads only the spec, the arch's writer and LayerNorm tables, and the configs.
+
+Embedding a standard-form state is exact: the centring of LayerNorm commutes with ``E`` because E maps 1 to
+1, the root mean square over D is √(d/D) times the one over d, so readers take ``W Eᵀ·√(d/D)``, the LN eps
+becomes ``eps·d/D`` and an LN bias read by a bias-less head becomes ``√(D/d)·E β``. Zero q/k rows in a head
+change 1/√d_h, so q is scaled by √(d_h'/d_h).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from glmc.archs import ModelConfig, State, get_arch
+from glmc.errors import ConfigError, SpecError
+from glmc.groups import ones_complement
+from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
+from glmc.transforms import Transform
+
+# Fields that fix a model's width; every other field must agree for two models to share a universe.
+WIDTH_FIELDS = ("width", "heads", "mlp", "head_dim", "norm_eps")
+WIDE_SIZES = (("width", "residual width d"), ("heads", "heads H"), ("head_dim", "head size d_h"),
+              ("mlp", "MLP width f"))
+
+
+@dataclass
+class Placement:
+    """Where the units of a ``narrow`` model sit in the ``wide`` universe model.
+
+    ``residual`` (D, d): orthonormal columns, E·1_d/√d = 1_D/√D for an exact embedding (a coordinate
+    selection gives HeteroFL's masks instead). ``heads[l]`` (H,) and ``mlp[l]`` (f,): the universe index
+    of each of the model's heads and MLP units. ``head_dim`` (d_h,): the coordinates of a head it uses.
+    """
+
+    narrow: ModelConfig
+    wide: ModelConfig
+    residual: torch.Tensor
+    heads: list[torch.Tensor]
+    head_dim: torch.Tensor
+    mlp: list[torch.Tensor]
+
+    def projector(self) -> torch.Tensor:
+        """P = E Eᵀ (D, D): the orthogonal projector onto the model's residual subspace."""
+        return self.residual @ self.residual.T
+
+
+def check_embeddable(narrow: ModelConfig, wide: ModelConfig) -> None:
+    """ConfigError (one line) unless ``narrow`` fits inside ``wide``: same family, depth and data, no larger size."""
+    if narrow.family != wide.family:
+        raise ConfigError(f"cannot put a {narrow.family} model in a {wide.family} universe: families differ")
+    if narrow.depth != wide.depth:
+        raise ConfigError(f"depths differ ({narrow.depth} vs {wide.depth}): depth-heterogeneous merging is out "
+                          "of scope; only widths may differ")
+    for name, label in (("num_classes", "class counts"), ("vocab_size", "vocabularies")):
+        if getattr(narrow, name) != getattr(wide, name):
+            raise ConfigError(f"{label} differ ({getattr(narrow, name)} vs {getattr(wide, name)})")
+    a, b = (dataclasses.replace(c, **{f: 1 for f in WIDTH_FIELDS}) for c in (narrow, wide))
+    if a != b:
+        diff = [k for k, v in a.to_dict().items() if b.to_dict()[k] != v]
+        raise ConfigError(f"models differ in {', '.join(diff)}; only widths may differ")
+    for name, label in WIDE_SIZES:
+        if getattr(narrow, name) > getattr(wide, name):
+            raise ConfigError(f"the target is narrower than an input: {label} {getattr(wide, name)} < "
+                              f"{getattr(narrow, name)}")
+
+
+def residual_embedding(d: int, big: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """E (D, d) with orthonormal columns and E·1_d/√d = 1_D/√D: E = 1_D 1_dᵀ/√(Dd) + B⊥_D[:, :d−1] B⊥_dᵀ."""
+    if d == big:
+        return torch.eye(d, dtype=dtype)
+    ones = torch.ones(big, d, dtype=torch.float64) / (big * d) ** 0.5
+    return (ones + ones_complement(big)[:, : d - 1] @ ones_complement(d).T).to(dtype)
+
+
+def place(narrow: ModelConfig, wide: ModelConfig, dtype: torch.dtype = torch.float64) -> Placement:
+    """The default placement: residual by :func:`residual_embedding`, the first H heads, d_h coordinates, f units."""
+    check_embeddable(narrow, wide)
+    first = [torch.arange(narrow.heads) for _ in range(narrow.depth)]
+    return Placement(narrow, wide, residual_embedding(narrow.width, wide.width, dtype), first,
+                     torch.arange(narrow.head_dim), [torch.arange(narrow.mlp) for _ in range(narrow.depth)])
+
+
+def embedding_config(p: Placement) -> ModelConfig:
+    """The wide config in which the embedding is exact: LayerNorm eps scaled by d/D."""
+    return p.wide.replace(norm_eps=p.narrow.norm_eps * p.narrow.width / p.wide.width)
+
+
+def _residual_scale(p: Placement, template: str) -> float:
+    """How a residual axis scales besides E: 1 for writers, √(d/D) for readers, √(D/d) for LN biases."""
+    arch = get_arch(p.wide.family)
+    prefix = template.rsplit(".", 1)[0]
+    ratio = p.narrow.width / p.wide.width
+    if template in arch.writers or prefix in arch.writers:
+        return 1.0
+    return ratio**-0.5 if prefix in arch.folds else ratio**0.5
+
+
+def _unit_shape(kind: AxisKind, cfg: ModelConfig) -> tuple[int, int, int]:
+    """QKV rows as (3, H, d_h) and HEADS columns as (1, H, d_h)."""
+    return (3 if kind == QKV else 1, cfg.heads, cfg.head_dim)
+
+
+def _head_units(x: torch.Tensor, kind: AxisKind, p: Placement, layer: int, embed: bool) -> torch.Tensor:
+    """Scatter (embed) or gather (project) the head rows of x (n, rest); q is rescaled by √(d_h'/d_h)."""
+    src, dst = (p.narrow, p.wide) if embed else (p.wide, p.narrow)
+    y = x.reshape(*_unit_shape(kind, src), -1)
+    heads, coords = p.heads[layer][:, None], p.head_dim[None, :]
+    if embed:
+        out = y.new_zeros(*_unit_shape(kind, dst), y.shape[-1])
+        out[:, heads, coords] = y
+    else:
+        out = y[:, heads, coords]
+    if kind == QKV:
+        scale = (p.wide.head_dim / p.narrow.head_dim) ** (0.5 if embed else -0.5)
+        out[0] = out[0] * scale
+    return out.reshape(-1, x.shape[1])
+
+
+def _mlp_units(x: torch.Tensor, p: Placement, layer: int, embed: bool) -> torch.Tensor:
+    """Dead neurons: embed scatters the f rows into F zero rows; project gathers them back."""
+    if not embed:
+        return x[p.mlp[layer]]
+    out = x.new_zeros(p.wide.mlp, x.shape[1])
+    out[p.mlp[layer]] = x
+    return out
+
+
+def _map_axis(x: torch.Tensor, kind: AxisKind, p: Placement, layer: int | None, scale: float,
+              embed: bool) -> torch.Tensor:
+    """One axis (first, x is (n, rest)) moved between the narrow and wide models."""
+    if kind == RES:
+        e = p.residual.to(x.dtype)
+        return e @ x * scale if embed else e.T @ x / scale
+    if kind == NORM:
+        if not torch.allclose(x, torch.ones_like(x)):
+            raise SpecError("a LayerNorm gain is not folded; canonicalise (standard form) before changing widths")
+        return x.new_ones(p.wide.width if embed else p.narrow.width, x.shape[1])
+    assert layer is not None
+    if kind in (QKV, HEADS):
+        return _head_units(x, kind, p, layer, embed)
+    return _mlp_units(x, p, layer, embed)
+
+
+def _map_state(state: Mapping[str, torch.Tensor], p: Placement, embed: bool) -> State:
+    """Every tensor, every axis of a known kind, moved by the placement (embed) or back (project)."""
+    spec = get_arch(p.wide.family).spec
+    out: State = {}
+    for name, (layer, template) in expand(spec, p.wide.depth).items():
+        x = state[name]
+        for axis, kind in enumerate(spec[template]):
+            if kind is None:
+                continue
+            y = x.movedim(axis, 0)
+            moved = _map_axis(y.reshape(y.shape[0], -1), kind, p, layer, _residual_scale(p, template), embed)
+            x = moved.reshape(-1, *y.shape[1:]).movedim(0, axis)
+        out[name] = x
+    return out
+
+
+def embed(state: Mapping[str, torch.Tensor], p: Placement) -> State:
+    """The narrow standard-form canonical state as a wide one computing the same function.
+
+    Exact in the architecture of :func:`embedding_config` (LayerNorm eps scaled by d/D).
+    """
+    return _map_state(state, p, embed=True)
+
+
+def project(state: Mapping[str, torch.Tensor], p: Placement) -> State:
+    """A wide canonical state restricted to the model's subspace: exact for MLP units and heads, Eᵀ for the
+    residual. ``project(embed(θ, p), p) = θ``; this is the downlink to a narrow client (symmetry.md §9)."""
+    return _map_state(state, p, embed=False)
+
+
+def _as_indices(perm: torch.Tensor) -> torch.Tensor:
+    """A reordering as an index tensor (new i = old perm[i]); a dense matrix must be a hard permutation."""
+    if perm.dim() == 1:
+        return perm
+    hard = perm.argmax(1)
+    if not torch.equal(perm, torch.eye(len(hard), dtype=perm.dtype)[hard]):
+        raise ConfigError("a soft permutation does not move a placement; harden it first")
+    return hard
+
+
+def _moved(index: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """Where units now sit after a reordering in which new unit i is old unit perm[i]."""
+    return index if perm is None else torch.argsort(_as_indices(perm))[index]
+
+
+def move(p: Placement, t: Transform) -> Placement:
+    """The placement of a model after the universe model it sits in is transformed by ``t``.
+
+    Within-head maps keep a head's subspace only when the model fills the whole head (d_h = d_h').
+    """
+    partial_heads = p.narrow.head_dim < p.wide.head_dim
+    if partial_heads and any(m is not None for m in (*t.qk, *t.ov)):
+        raise ConfigError("within-head maps mix a narrower head's zero rows; merging models of different head "
+                          "sizes needs a method without them (none or weight-perm)")
+    residual = p.residual if t.residual is None else t.residual.to(p.residual.dtype) @ p.residual
+    return dataclasses.replace(p, residual=residual,
+                               heads=[_moved(h, t.heads[i]) for i, h in enumerate(p.heads)],
+                               mlp=[_moved(m, t.mlp[i]) for i, m in enumerate(p.mlp)])
+
+
+def _axis_mask(kind: AxisKind, p: Placement, layer: int | None) -> torch.Tensor | None:
+    """(n,) 0/1 coverage of a non-residual axis in the universe, or None where the model covers all of it."""
+    if kind in (QKV, HEADS) and layer is not None:
+        mask = torch.zeros(p.wide.heads, p.wide.head_dim, dtype=torch.float64)
+        mask[p.heads[layer][:, None], p.head_dim[None, :]] = 1.0
+        return mask.flatten().repeat(_unit_shape(kind, p.wide)[0])
+    if kind in (MLP, MLP_IN) and layer is not None:
+        return torch.zeros(p.wide.mlp, dtype=torch.float64).index_fill_(0, p.mlp[layer], 1.0)
+    return None
+
+
+def _row_mask(shape: torch.Size, axes: tuple[AxisKind | None, ...], p: Placement, layer: int | None,
+              ) -> torch.Tensor:
+    """Coverage of every row (all axes but the residual one, flattened in order) as a 0/1 vector."""
+    mask = torch.ones((), dtype=torch.float64)
+    for size, kind in zip(shape, axes, strict=True):
+        if kind == RES:
+            continue
+        axis = _axis_mask(kind, p, layer) if kind is not None else None
+        axis = torch.ones(size, dtype=torch.float64) if axis is None else axis
+        mask = (mask[..., None] * axis).flatten()
+    return mask.reshape(-1)
+
+
+def _lstsq_rows(rows: Sequence[torch.Tensor], masks: torch.Tensor, projectors: Sequence[torch.Tensor],
+                weights: torch.Tensor) -> torch.Tensor:
+    """Each row r: w* = (Σ c_ir w_ir P_i)(Σ c_ir P_i)⁺ with c_ir = n_i·mask_ir, solved once per coverage pattern."""
+    coverage = masks * weights[:, None]  # (N, rows)
+    patterns, group = torch.unique(coverage.T, dim=0, return_inverse=True)
+    out = torch.zeros_like(rows[0])
+    for g, c in enumerate(patterns):
+        idx = (group == g).nonzero().flatten()
+        if float(c.sum()) == 0.0:
+            continue  # no model covers these rows: they stay zero (dead units, or a direction nobody uses)
+        total = sum(float(c[i]) * projectors[i] for i in range(len(rows)) if c[i] > 0)
+        numerator = sum(float(c[i]) * rows[i][idx] @ projectors[i] for i in range(len(rows)) if c[i] > 0)
+        out[idx] = numerator @ torch.linalg.pinv(total, hermitian=True, rtol=1e-10)
+    return out
+
+
+def _as_rows(x: torch.Tensor, axes: tuple[AxisKind | None, ...]) -> torch.Tensor:
+    """(rows, D) with the residual axis last, or (rows, 1) for a tensor without one."""
+    if RES not in axes:
+        return x.reshape(-1, 1)
+    return x.movedim(axes.index(RES), -1).reshape(-1, x.shape[axes.index(RES)])
+
+
+def _from_rows(rows: torch.Tensor, like: torch.Tensor, axes: tuple[AxisKind | None, ...]) -> torch.Tensor:
+    if RES not in axes:
+        return rows.reshape(like.shape)
+    moved = like.movedim(axes.index(RES), -1)
+    return rows.reshape(moved.shape).movedim(-1, axes.index(RES))
+
+
+def lstsq_merge(states: Sequence[Mapping[str, torch.Tensor]], placements: Sequence[Placement],
+                weights: Sequence[float] | None = None) -> State:
+    """Least-squares coverage-weighted merge of wide canonical states (symmetry.md §9).
+
+    For a reader W: W* = (Σ n_i W_i P_i)(Σ n_i P_i)⁺ with P_i model i's projector in the universe basis
+    (the residual's E Eᵀ times the 0/1 coverage of heads and units); writers are mirrored. At equal widths
+    (every P_i = I) it is the weighted mean; with coordinate masks it is HeteroFL's count-weighted average.
+    """
+    wide = placements[0].wide
+    spec = get_arch(wide.family).spec
+    n = torch.tensor([1.0] * len(states) if weights is None else list(weights), dtype=torch.float64)
+    n = n / n.sum()
+    res_projectors = [p.projector() for p in placements]
+    scalar = [torch.ones(1, 1, dtype=torch.float64) for _ in placements]
+    merged: State = {}
+    for name, (layer, template) in expand(spec, wide.depth).items():
+        axes, like = spec[template], states[0][name]
+        rows = [_as_rows(s[name].double(), axes) for s in states]
+        masks = torch.stack([_row_mask(like.shape, axes, p, layer) for p in placements])
+        projectors = res_projectors if RES in axes else scalar
+        merged[name] = _from_rows(_lstsq_rows(rows, masks, projectors, n), like, axes).to(like.dtype)
+    return merged

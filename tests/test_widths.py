@@ -1,0 +1,139 @@
+"""Width embeddings are exact, projection inverts them, and the least-squares merge reduces to its special cases."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from glmc.archs import ModelConfig, get_arch, preset, scale_width
+from glmc.canonical import canonicalize, to_model
+from glmc.errors import ConfigError
+from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
+from glmc.widths import Placement, embed, embedding_config, lstsq_merge, move, place, project
+from tests.symmetry_models import VOCAB, inputs, logits_of, random_native
+
+TIERS = (1.0, 0.5, 0.25)
+BASES = {
+    "vit": preset("vit-bench").replace(depth=2, img_size=8, patch=4, num_classes=5),
+    "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=6),
+}
+# Odd sizes, and a head size that differs between the two models (zero rows plus the q scale).
+ODD = {
+    "vit": (BASES["vit"].replace(width=15, heads=3, head_dim=5, mlp=19, activation="relu"),
+            BASES["vit"].replace(width=45, heads=5, head_dim=7, mlp=70, activation="relu")),
+    "gpt2": (BASES["gpt2"].replace(width=15, heads=3, head_dim=5, mlp=19),
+             BASES["gpt2"].replace(width=45, heads=5, head_dim=7, mlp=70)),
+}
+PAIRS = [(f"{fam}-{a}-{b}", scale_width(BASES[fam], a), scale_width(BASES[fam], b))
+         for fam in BASES for a, b in itertools.combinations_with_replacement(TIERS, 2) if a <= b]
+PAIRS = [(n, small, big) for n, big, small in PAIRS] + [(f"{fam}-odd", *ODD[fam]) for fam in ODD]
+
+
+def _canonical(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg.depth)
+
+
+@pytest.mark.parametrize(("name", "small", "big"), PAIRS, ids=[p[0] for p in PAIRS])
+def test_embedding_computes_the_same_function(name, small, big):
+    native, x = random_native(small, 3), inputs(small, n=3)
+    p = place(small, big)
+    wide = embed(canonicalize(get_arch(small.family), native, small.depth), p)
+    with torch.no_grad():
+        out = get_arch(big.family).logits(to_model(wide, embedding_config(p)), x)
+    assert (out - logits_of(native, small, x)).abs().max() <= 1e-5
+    assert all(wide[k].shape == v.shape for k, v in _canonical(big, 0).items())
+
+
+@pytest.mark.parametrize("family", ["vit", "gpt2"])
+def test_projection_inverts_the_embedding(family):
+    small, big = ODD[family]
+    state, p = _canonical(small, 4), place(small, big)
+    back = project(embed(state, p), p)
+    assert max(float((back[k] - v).abs().max()) for k, v in state.items()) < 1e-12
+
+
+def test_embedding_matrix_keeps_the_ones_direction():
+    p = place(ODD["vit"][0], ODD["vit"][1])
+    e, (big, d) = p.residual, p.residual.shape
+    assert torch.allclose(e.T @ e, torch.eye(d, dtype=e.dtype), atol=1e-12)
+    assert torch.allclose(e @ torch.ones(d, dtype=e.dtype) / d**0.5, torch.ones(big, dtype=e.dtype) / big**0.5)
+
+
+def test_least_squares_at_equal_widths_is_the_weighted_mean():
+    cfg = ODD["gpt2"][1]
+    states, weights = [_canonical(cfg, s) for s in range(3)], [5.0, 1.0, 2.0]
+    merged = lstsq_merge(states, [place(cfg, cfg)] * 3, weights)
+    for k in merged:
+        mean = sum(w * s[k] for w, s in zip(weights, states, strict=True)) / sum(weights)
+        assert torch.allclose(merged[k], mean, atol=1e-12, rtol=0), k
+
+
+def _coordinate_placement(narrow: ModelConfig, wide: ModelConfig) -> Placement:
+    """HeteroFL's sub-model: the first d residual coordinates, first H heads, first f units (no rotation)."""
+    p = place(narrow, wide)
+    return Placement(narrow, wide, torch.eye(wide.width, dtype=torch.float64)[:, : narrow.width], p.heads,
+                     p.head_dim, p.mlp)
+
+
+def _heterofl_mask(shape, axes, narrow: ModelConfig, wide: ModelConfig) -> torch.Tensor:
+    """By hand: 1 on the entries HeteroFL's slicing gives the narrow client, per axis kind."""
+    mask = torch.ones(shape, dtype=torch.float64)
+    for axis, kind in enumerate(axes):
+        keep = torch.zeros(shape[axis], dtype=torch.float64)
+        if kind == RES:
+            keep[: narrow.width] = 1
+        elif kind in (QKV, HEADS):
+            keep.view(-1, wide.heads, wide.head_dim)[:, : narrow.heads, : narrow.head_dim] = 1
+        elif kind in (MLP, MLP_IN):
+            keep[: narrow.mlp] = 1
+        else:
+            keep[:] = 1
+        mask = mask * keep.reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    return mask
+
+
+def test_least_squares_with_coordinate_masks_is_heterofl():
+    wide = BASES["vit"].replace(width=12, heads=3, head_dim=4, mlp=10)
+    tiers = [wide, wide.replace(width=8, heads=2, mlp=6, head_dim=4), wide.replace(width=4, heads=1, mlp=3,
+                                                                                  head_dim=4)]
+    states, weights = [_canonical(wide, s) for s in range(3)], [3.0, 2.0, 7.0]
+    merged = lstsq_merge(states, [_coordinate_placement(t, wide) for t in tiers], weights)
+    spec = get_arch(wide.family).spec
+    for k, (_, template) in expand(spec, wide.depth).items():
+        masks = [_heterofl_mask(merged[k].shape, spec[template], t, wide) for t in tiers]
+        num = sum(w * m * s[k] for w, m, s in zip(weights, masks, states, strict=True))
+        den = sum(w * m for w, m in zip(weights, masks, strict=True))
+        assert torch.allclose(merged[k], num / den, atol=1e-12, rtol=0), k
+
+
+def test_moved_placement_follows_the_transformed_model():
+    """Projecting through the moved placement gives the narrow model back (up to its own within-head maps)."""
+    from glmc.transforms import apply, random_transform
+
+    small, big = scale_width(BASES["gpt2"], 0.5), BASES["gpt2"]
+    native, x = random_native(small, 5), inputs(small, n=3)
+    p = place(small, big)
+    g = torch.Generator().manual_seed(0)
+    t = random_transform(big.depth, big.width, big.heads, big.head_dim, big.mlp,
+                         ("residual", "head-perm", "within-head-orthogonal", "mlp-perm"), g)
+    state = canonicalize(get_arch(small.family), native, small.depth)
+    back = project(apply(embed(state, p), get_arch(big.family).spec, t, big.heads), move(p, t))
+    with torch.no_grad():
+        out = get_arch(small.family).logits(to_model(back, small), x)
+    assert (out - logits_of(native, small, x)).abs().max() <= 1e-5
+    fc1 = "blocks.1.mlp.fc1.w"  # unit order and residual basis come back exactly
+    assert torch.allclose(back[fc1], state[fc1], atol=1e-10)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"family": "gpt2", "vocab_size": VOCAB, "context": 6}, "families differ"),
+    ({"depth": 3}, "depth-heterogeneous merging is out of scope"),
+    ({"num_classes": 7}, "class counts differ"),
+    ({"width": 256, "heads": 8}, "narrower than an input"),
+])
+def test_bad_pairs_are_refused_in_one_line(change, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        place(BASES["vit"].replace(**change), BASES["vit"])
+    assert "\n" not in str(err.value)
