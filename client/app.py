@@ -1,0 +1,127 @@
+"""ClientApp: train the received global model (or, with ``init=independent`` in round 1, a model
+from the client's own seed) on this node's partition at its width tier, then reply with the
+weights, ``num-examples``, the width tier and the training metrics.
+
+The partition comes from the node config (``partition-id``, ``num-partitions``: the simulation
+engine sets both; a deployed SuperNode passes them with ``--node-config``); the width tier from the
+node config's ``width-tier`` or else the run config's ``width-tiers`` mapped over partition ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from client.data import ClientShare, client_share, eval_subset, pool
+from glmc.archs import ModelConfig, build_model, get_arch, scale_width
+from glmc.errors import ConfigError
+from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
+from server import protocol
+from server.settings import RunSettings
+
+log = logging.getLogger(__name__)
+
+app = ClientApp()
+
+
+@dataclass(frozen=True)
+class Node:
+    """Who this client is in the run: its partition and its width tier."""
+
+    partition_id: int
+    num_partitions: int
+    tier: float
+
+    @classmethod
+    def from_context(cls, context: Context, settings: RunSettings) -> Node:
+        """Read the node config; a missing partition is a ConfigError naming the keys to set."""
+        config = context.node_config
+        if "partition-id" not in config or "num-partitions" not in config:
+            raise ConfigError("node config needs partition-id and num-partitions (--node-config)")
+        pid, count = int(config["partition-id"]), int(config["num-partitions"])
+        tier = float(config["width-tier"]) if "width-tier" in config else settings.tier_of(pid)
+        return cls(pid, count, tier)
+
+
+def _setup(context: Context) -> tuple[RunSettings, Node, ModelConfig, ClientShare]:
+    """Settings, node identity, the model config at this node's width, and its data (cached)."""
+    settings = RunSettings.from_run_config(context.run_config)
+    node = Node.from_context(context, settings)
+    set_threads(settings.client_threads)
+    share = client_share(settings, node.partition_id, node.num_partitions)
+    return settings, node, scale_width(pool(settings).task.config, node.tier), share
+
+
+def _received_model(msg: Message, cfg: ModelConfig, node: Node) -> nn.Module:
+    """A model at this node's width holding the weights the server sent."""
+    model = build_model(cfg)
+    state = msg.content[protocol.ARRAYS].to_torch_state_dict()
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ConfigError(f"server weights do not fit a width-{node.tier:g} model: {str(err).splitlines()[0]}") from err
+    return model
+
+
+def _start_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: Node, server_round: int) -> nn.Module:
+    """The model to train: the server's weights, or this client's own seed in an independent first round."""
+    if settings.init == "independent" and server_round == 1:
+        seed_everything(settings.seed + 1000 * node.partition_id)
+        return build_model(cfg)
+    return _received_model(msg, cfg, node)
+
+
+def _train_config(settings: RunSettings, defaults: dict, seed: int) -> TrainConfig:
+    """Local training hyper-parameters: the run config where set, else the dataset's defaults."""
+    given = {"batch_size": settings.batch_size, "lr": settings.lr}
+    return TrainConfig(epochs=settings.local_epochs, seed=seed, max_steps=settings.local_steps or None,
+                       threads=settings.client_threads, **(defaults | {k: v for k, v in given.items() if v}))
+
+
+def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[str, torch.Tensor]:
+    """The float32 state dict to send; the fault-partition TEST HOOK turns it into NaNs."""
+    state = {k: v.detach().to(torch.float32) for k, v in model.state_dict().items()}
+    if node.partition_id == settings.fault_partition:
+        log.warning("fault-partition test hook: partition %d replies NaN weights", node.partition_id)
+        state = {k: torch.full_like(v, math.nan) for k, v in state.items()}
+    return state
+
+
+@app.train()
+def train_fn(msg: Message, context: Context) -> Message:
+    """One round of local training."""
+    settings, node, cfg, share = _setup(context)
+    server_round = int(msg.content[protocol.CONFIG][protocol.ROUND_KEY])
+    arch = get_arch(cfg.family)
+    model = _start_model(msg, cfg, settings, node, server_round)
+    seed = settings.seed + 1000 * node.partition_id + server_round
+    fit = train(model, arch, share.train, _train_config(settings, pool(settings).task.defaults, seed), progress=False)
+    test = evaluate(model, arch, eval_subset(pool(settings).test, settings.eval_limit, settings.seed))
+    metrics = MetricRecord({
+        protocol.WEIGHT_KEY: len(share.train),  # type: ignore[arg-type]
+        protocol.TIER_KEY: float(node.tier),
+        "train-loss": float(fit["train_loss"]),
+        "train-steps": int(fit["steps"]),
+        "train-seconds": float(fit["seconds"]),
+        "client-test-loss": float(test["loss"]),
+        "client-test-accuracy": float(test["accuracy"]),
+    })
+    arrays = ArrayRecord(_reply_state(model, settings, node))  # type: ignore[arg-type]
+    return Message(RecordDict({protocol.ARRAYS: arrays, protocol.METRICS: metrics}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_fn(msg: Message, context: Context) -> Message:
+    """Federated evaluation: the global model at this node's width on its local validation set."""
+    _, node, cfg, share = _setup(context)
+    model = _received_model(msg, cfg, node)
+    result = evaluate(model, get_arch(cfg.family), share.val)
+    metrics = MetricRecord({protocol.WEIGHT_KEY: len(share.val), "eval-loss": float(result["loss"]),  # type: ignore[arg-type]
+                            "eval-accuracy": float(result["accuracy"])})
+    return Message(RecordDict({protocol.METRICS: metrics}), reply_to=msg)

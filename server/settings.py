@@ -1,0 +1,128 @@
+"""The run configuration, read once: `[tool.flwr.app.config]` (kebab-case) → one frozen dataclass.
+
+The ServerApp and every ClientApp parse the same keys with this one parser, so the two sides can
+never disagree on a default. flwr checks that an override names a known key but not its type,
+so each value is coerced here and a wrong one is a one-line ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from glmc.errors import ConfigError
+
+AGGREGATIONS = ("fedavg", "weight", "activation", "learned")
+DATA_AGGREGATIONS = ("activation", "learned")  # need the server-held batch (`server-data`)
+INITS = ("shared", "independent")
+LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
+NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Every knob of a federated run. Field ``x_y`` is run-config key ``x-y``."""
+
+    model: str = "vit-tiny"  # a glmc preset
+    dataset: str = "fashion-mnist"
+    partitioner: str = "dirichlet"  # iid | dirichlet | pathological | shard | role | play
+    alpha: float = 0.5  # Dirichlet concentration
+    classes_per_client: int = 2  # k of the pathological and shard splits
+    num_server_rounds: int = 3
+    local_epochs: int = 1
+    local_steps: int = 0  # cap on optimizer steps per round (0 = whole epochs); keeps smoke runs short
+    aggregation: str = "fedavg"
+    width_tiers: tuple[float, ...] = (1.0,)  # width multipliers, tier of partition p = tiers[p mod len]
+    init: str = "shared"  # independent: round 1 starts every client from its own seed
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 0.0  # federated evaluation on each client's held-out 10%
+    min_train_nodes: int = 2  # fewer valid replies than this keep the global model for the round
+    seed: int = 0
+    output_dir: str = "outputs"
+    run_name: str = ""  # outputs/<run-name>/; empty = "run-<flwr run id>"
+    resume: bool = False  # continue outputs/<run-name>/ from its last checkpoint
+    batch_size: int = 0  # 0 = the dataset's measured default
+    lr: float = 0.0  # 0 = the dataset's measured default
+    server_data: int = 0  # training samples held back from every client, for activation/learned alignment
+    eval_limit: int = 0  # central test samples per evaluation (0 = the whole test set)
+    align_iters: int = 3  # universe-matching iterations (anchor = weighted mean)
+    client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
+    fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
+
+    def __post_init__(self) -> None:
+        _require(self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        _require(self.init in INITS, f"init must be one of {INITS}, got {self.init!r}")
+        splits = LABEL_SPLITS + NATURAL_SPLITS
+        _require(self.partitioner in splits, f"partitioner must be one of {splits}, got {self.partitioner!r}")
+        _require(bool(self.width_tiers) and all(0 < t <= 1 for t in self.width_tiers),
+                 f"width-tiers must be multipliers in (0, 1], got {self.width_tiers}")
+        _require(self.num_server_rounds >= 1 and self.local_epochs >= 1, "num-server-rounds and local-epochs must be >= 1")
+        _require(min(self.local_steps, self.batch_size, self.server_data, self.eval_limit) >= 0,
+                 "local-steps, batch-size, server-data and eval-limit must be >= 0")
+        _require(0 < self.fraction_train <= 1 and 0 <= self.fraction_evaluate <= 1,
+                 "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")
+        _require(self.min_train_nodes >= 1 and self.align_iters >= 1 and self.client_threads >= 1,
+                 "min-train-nodes, align-iters and client-threads must be >= 1")
+        _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
+                 f"aggregation {self.aggregation!r} aligns on server-held data: set server-data > 0")
+
+    @classmethod
+    def from_run_config(cls, config: Mapping[str, Any]) -> RunSettings:
+        """Parse a flwr run config; unknown keys and values of the wrong type raise ConfigError."""
+        fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - set(fields))
+        _require(not unknown, f"unknown run-config keys: {unknown}")
+        return cls(**{fields[key].name: _coerce(key, fields[key].type, value) for key, value in config.items()})
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The kebab-case mapping ``from_run_config`` reads (width-tiers as "1,0.5")."""
+        out = {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["width-tiers"] = ",".join(f"{t:g}" for t in self.width_tiers)
+        return out
+
+    def tier_of(self, partition_id: int) -> float:
+        """The width tier of a partition when its node config does not name one."""
+        return self.width_tiers[partition_id % len(self.width_tiers)]
+
+    def run_dir(self, run_id: int) -> Path:
+        """Where this run's metrics, checkpoints and plots go."""
+        return Path(self.output_dir) / (self.run_name or f"run-{run_id}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def parse_tiers(value: Any) -> tuple[float, ...]:
+    """"1,0.5,0.25" (or one number) → (1.0, 0.5, 0.25)."""
+    items = str(value).split(",") if isinstance(value, str) else [value]
+    try:
+        return tuple(float(item) for item in items)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"width-tiers must be comma-separated numbers, got {value!r}") from err
+
+
+def _coerce(key: str, kind: str, value: Any) -> Any:
+    """One run-config value as the field's type (annotations are strings under PEP 563)."""
+    if kind == "tuple[float, ...]":
+        return parse_tiers(value)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "false"):
+            return str(value).lower() == "true"
+    elif kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif kind == "float":
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif kind == "str" and isinstance(value, str):
+        return value
+    raise ConfigError(f"run-config key {key!r} must be {kind}, got {value!r}")

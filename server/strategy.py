@@ -1,0 +1,202 @@
+"""SymmetryAwareFedAvg: FedAvg whose averaging step first aligns the clients' Transformers.
+
+``aggregation="fedavg"`` runs flwr's own ``FedAvg.aggregate_train`` on the valid replies, so it is
+FedAvg exactly. ``weight``, ``activation`` and ``learned`` hand the decoded client states to
+:func:`server.aggregation.merge`. Every reply is validated first (:mod:`server.validation`); a bad
+one is dropped with a one-line reason, and with fewer than ``min_train_nodes`` valid replies the
+global model is kept for the round.
+
+The round loop stays flwr's ``Strategy.start``; this class only wraps its ``evaluate_fn`` so that,
+after the central evaluation of each round, the named hooks ``on_round_end(record, arrays)`` run
+(metrics files, checkpoints) and ``on_run_end(records)`` once at the end (plots). Nothing copies
+the loop. ``round_offset`` makes a resumed run count rounds globally.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+from torch.utils.data import Dataset
+
+from glmc.archs import ModelConfig, State
+from server import protocol
+from server.aggregation import MergeResult, canonical_distance, check_method, merge
+from server.validation import ReplySchema, split_replies
+
+log = logging.getLogger(__name__)
+
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+
+
+@dataclass
+class RoundRecord:
+    """Everything one round measured; JSON-able through ``asdict``."""
+
+    round: int
+    replies: int = 0
+    valid: int = 0
+    dropped: list[str] = field(default_factory=list)  # "node N: reason"
+    aggregated: bool = False
+    central_loss: float | None = None
+    central_accuracy: float | None = None
+    mean_client_accuracy: float | None = None  # each client's trained model on the central test subset
+    train_loss: float | None = None  # example-weighted over valid replies
+    align_seconds: float = 0.0
+    aggregate_seconds: float = 0.0  # decoding + alignment + averaging
+    round_seconds: float = 0.0  # configure_train to the end of central evaluation
+    distance_before: float | None = None  # mean pairwise client distance, canonical form
+    distance_after: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RoundHooks:
+    """Named per-round hooks; subclass and override what you need (the defaults do nothing)."""
+
+    def on_round_end(self, record: RoundRecord, arrays: ArrayRecord) -> None:
+        """After round ``record.round`` was aggregated and evaluated; ``arrays`` is the global model."""
+
+    def on_run_end(self, records: Sequence[RoundRecord]) -> None:
+        """After the last round."""
+
+
+class SymmetryAwareFedAvg(FedAvg):
+    """FedAvg with validated replies, symmetry-aware merging, per-round records and hooks."""
+
+    def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
+                 server_data: Dataset | None = None, align_iters: int = 1, independent_init: bool = False,
+                 round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
+        fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
+        super().__init__(**fedavg)
+        check_method(aggregation)
+        self.aggregation = aggregation
+        self.schema = schema
+        self.model_config = model_config
+        self.server_data = server_data
+        self.align_iters = align_iters
+        self.independent_init = independent_init
+        self.round_offset = round_offset
+        self.hooks = list(hooks)
+        self.records: list[RoundRecord] = []
+        self.current = RoundRecord(round_offset)
+        self.global_arrays: ArrayRecord | None = None
+        self._round_start = time.perf_counter()
+
+    def summary(self) -> None:
+        super().summary()
+        log.info("\t└──> Aggregation: %s (align iterations %d), width tiers %s", self.aggregation,
+                 self.align_iters, sorted(self.schema.shapes))
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """FedAvg's sampling, with the global round number and a fresh round record."""
+        self._round_start = time.perf_counter()
+        self.current = RoundRecord(server_round + self.round_offset)
+        return super().configure_train(server_round + self.round_offset, arrays, config, grid)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return super().configure_evaluate(server_round + self.round_offset, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate, then merge the valid replies; None (keep the global model) if too few are valid."""
+        replies = list(replies)
+        valid, dropped = split_replies(replies, self.schema)
+        record = self.current
+        record.replies, record.valid = len(replies), len(valid)
+        record.dropped = [f"node {node}: {reason}" for node, reason in dropped]
+        for line in record.dropped:
+            log.warning("round %d: dropped reply from %s", record.round, line)
+        if len(valid) < max(1, self.min_train_nodes):
+            log.warning("round %d: %d valid replies < min-train-nodes %d; keeping the global model",
+                        record.round, len(valid), self.min_train_nodes)
+            return None, None
+        start = time.perf_counter()
+        arrays, metrics = self._aggregate(record, valid)
+        record.aggregate_seconds = time.perf_counter() - start
+        record.aggregated = arrays is not None
+        self._record_client_metrics(record, valid, metrics)
+        if arrays is not None:
+            self.global_arrays = arrays
+        return arrays, metrics
+
+    def _aggregate(self, record: RoundRecord, valid: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The one aggregation step: flwr's FedAvg, or :func:`merge` on the decoded states."""
+        states = [_state(msg) for msg in valid]
+        weights = [float(_metrics(msg)[protocol.WEIGHT_KEY]) for msg in valid]  # type: ignore[arg-type]
+        if self.aggregation == "fedavg":
+            record.distance_before = record.distance_after = canonical_distance(states, self.model_config)
+            return super().aggregate_train(record.round, valid)
+        result = self._merge(record.round, states, weights)
+        record.align_seconds = result.align_seconds
+        record.distance_before, record.distance_after = result.distance_before, result.distance_after
+        metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
+        return ArrayRecord(result.state), metrics  # type: ignore[arg-type]
+
+    def _merge(self, global_round: int, states: list[State], weights: list[float]) -> MergeResult:
+        # With independent inits the round-1 global model is an unrelated random net: no anchor then.
+        fresh = self.independent_init and global_round == 1
+        anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
+        return merge(states, weights, self.model_config, self.aggregation, anchor=anchor,
+                     data=self.server_data, iters=self.align_iters)
+
+    def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
+        record.mean_client_accuracy = statistics.fmean(
+            float(_metrics(m)["client-test-accuracy"]) for m in valid)  # type: ignore[arg-type]
+        if metrics is not None and "train-loss" in metrics:
+            record.train_loss = float(metrics["train-loss"])  # type: ignore[arg-type]
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: EvaluateFn | None = None) -> Result:
+        """flwr's round loop, with ``evaluate_fn`` wrapped to close each round's record and run the hooks."""
+        self.global_arrays = initial_arrays
+        result = super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                               self._closing(evaluate_fn))
+        for hook in self.hooks:
+            hook.on_run_end(self.records)
+        return result
+
+    def _closing(self, evaluate_fn: EvaluateFn | None) -> EvaluateFn:
+        def evaluate_and_close(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            if server_round == 0 and self.round_offset:
+                return None  # a resumed run: round `offset` was recorded before it stopped
+            metrics = evaluate_fn(server_round + self.round_offset, arrays) if evaluate_fn else None
+            self.end_round(server_round + self.round_offset, arrays, metrics)
+            return metrics
+
+        return evaluate_and_close
+
+    def end_round(self, global_round: int, arrays: ArrayRecord, metrics: MetricRecord | None) -> RoundRecord:
+        """Close round ``global_round``'s record with its central metrics and run ``on_round_end``."""
+        record = self.current if self.current.round == global_round else RoundRecord(global_round)
+        if metrics is not None:
+            record.central_loss = _optional_float(metrics.get("central-loss"))
+            record.central_accuracy = _optional_float(metrics.get("central-accuracy"))
+        record.round_seconds = time.perf_counter() - self._round_start if global_round > self.round_offset else 0.0
+        self.records.append(record)
+        for hook in self.hooks:
+            hook.on_round_end(record, arrays)
+        return record
+
+
+def _metrics(msg: Message) -> MetricRecord:
+    return next(iter(msg.content.metric_records.values()))
+
+
+def _state(msg: Message) -> State:
+    return next(iter(msg.content.array_records.values())).to_torch_state_dict()  # type: ignore[return-value]
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
