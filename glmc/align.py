@@ -1,7 +1,8 @@
 """Pairwise alignment front-end: bring checkpoint B next to A by a named method, in canonical form.
 
 ``none`` leaves both models as trained (the vanilla baseline); every other method folds LayerNorms
-first (symmetry.md §1) and returns B transformed by an exact symmetry, so it computes the same function.
+first (symmetry.md §1) and returns B transformed by an exact symmetry, so it computes the same function
+(except ``soft``, whose doubly stochastic mixing only approximates B: paper App. D).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import Form, canonicalize
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
+from glmc.match.learned import LearnConfig
 from glmc.spec import check_same_shapes
 from glmc.transforms import Transform, apply
 
-METHODS = ("none", "weight", "weight-perm", "activation")
-DATA_METHODS = ("activation",)
+METHODS = ("none", "weight", "weight-perm", "activation", "learned", "learned-perm", "soft", "dual")
+LEARNED_METHODS = ("learned", "learned-perm", "soft", "dual")
+DATA_METHODS = ("activation", *LEARNED_METHODS)
 
 
 @dataclass
@@ -40,8 +43,11 @@ def inputs_of(data: Dataset, n: int) -> torch.Tensor:
 
 
 def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset | None,
-           batch: int) -> MatchResult:
+           batch: int, learn: LearnConfig | None) -> MatchResult:
     arch = get_arch(cfg.family)
+    if method in LEARNED_METHODS:
+        assert data is not None
+        return _learned(method, a, b, cfg, form, data, learn)
     if method in ("weight", "weight-perm"):
         from glmc.match.weight import weight_match
 
@@ -55,14 +61,32 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: 
     raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
 
 
+def _learned(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset,
+             learn: LearnConfig | None) -> MatchResult:
+    """Learned matching (Algorithm 1), its permutation-only row, soft permutations, or dual learning."""
+    if method == "soft":
+        from glmc.match.soft import soft_match
+
+        return soft_match(a, b, cfg, data, form=form, options=learn)
+    if method == "dual":
+        from glmc.match.dual import dual_match
+
+        return dual_match(a, b, cfg, data, form=form, options=learn).result
+    from glmc.match.learned import learned_match
+
+    return learned_match(a, b, cfg, data, form=form, options=learn, permutations_only=method == "learned-perm")
+
+
 def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
     *, form: Form = "standard", data: Dataset | None = None, batch: int = 512, dtype: torch.dtype = torch.float64,
+    learn: LearnConfig | None = None,
 ) -> Alignment:
     """Align native state dict B to A (same config) by ``method``.
 
     Data-driven methods read ``data``, a dataset of (input, target) pairs from a split the barrier is not
-    measured on; activation matching uses its first ``batch`` inputs.
+    measured on; activation matching uses its first ``batch`` inputs, the learned methods all of it (holding
+    out a validation share) with the options ``learn``. ``dual`` returns B moved by π_A⁻¹ ∘ π_B, A in place.
     """
     if method not in METHODS:
         raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
@@ -74,5 +98,5 @@ def align_pair(
         a, b = (arch.to_canonical({k: v.to(dtype) for k, v in s.items()}, cfg.depth) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))
-    result = _match(method, a, b, cfg, form, data, batch)
+    result = _match(method, a, b, cfg, form, data, batch, learn)
     return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)

@@ -4,6 +4,10 @@ A transform acts as: residual stream x → Q x; heads of layer l reordered by ``
 old head ``heads[l][i]``), then q_i → M_i q_i, k_i → M_i⁻ᵀ k_i, v_i → N_i v_i with W_O,i → W_O,i N_i⁻¹;
 MLP units reordered by ``mlp[l]`` then scaled by ``mlp_scale[l]`` (ReLU only). Every one of these leaves
 the network function unchanged (paper §3.2; symmetry.md §2–4).
+
+A reordering may also be a dense (n, n) matrix P acting as new = P @ old: a hard permutation matrix with a
+straight-through gradient, or a soft (doubly stochastic) one (paper App. D). ``apply`` accepts both forms;
+``compose`` and ``invert`` need the index form.
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ class Transform:
 
     depth: int
     residual: torch.Tensor | None = None  # (d, d) orthogonal
-    heads: Layered = field(default_factory=list)  # per layer (H,) long
+    heads: Layered = field(default_factory=list)  # per layer (H,) long, or a dense (H, H) matrix
     qk: Layered = field(default_factory=list)  # per layer (H, d_h, d_h) invertible M
     ov: Layered = field(default_factory=list)  # per layer (H, d_h, d_h) invertible N
-    mlp: Layered = field(default_factory=list)  # per layer (f,) long
+    mlp: Layered = field(default_factory=list)  # per layer (f,) long, or a dense (f, f) matrix
     mlp_scale: Layered = field(default_factory=list)  # per layer (f,) positive
 
     def __post_init__(self) -> None:
@@ -51,6 +55,13 @@ def _batched(maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hab,hbr->har", maps.to(x.dtype), x)
 
 
+def _reorder(x: torch.Tensor, p: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    """Reorder ``axis`` of x: new i = old p[i] for an index tensor, new = P @ old for a dense (n, n) matrix."""
+    if p.dim() == 1:
+        return x.index_select(axis, p)
+    return torch.tensordot(p.to(x.dtype), x.movedim(axis, 0), dims=1).movedim(0, axis)
+
+
 def _inv_t(m: torch.Tensor) -> torch.Tensor:
     """M⁻ᵀ; just M for the orthogonal maps that weight matching produces."""
     eye = torch.eye(m.shape[-1], dtype=m.dtype)
@@ -64,7 +75,7 @@ def _apply_qkv(x: torch.Tensor, t: Transform, layer: int, heads: int) -> torch.T
     rest = x.shape[1]
     y = x.reshape(3, heads, -1, rest)
     if t.heads[layer] is not None:
-        y = y[:, t.heads[layer]]
+        y = _reorder(y, t.heads[layer], 1)
     q, k, v = y[0], y[1], y[2]
     if t.qk[layer] is not None:
         q, k = _batched(t.qk[layer], q), _batched(_inv_t(t.qk[layer]), k)
@@ -77,7 +88,7 @@ def _apply_heads_in(x: torch.Tensor, t: Transform, layer: int, heads: int) -> to
     """x: (H·d_h, rest), the columns of ``proj`` read per head; W_O → W_O N⁻¹ is x_i → N_i⁻ᵀ x_i."""
     y = x.reshape(heads, -1, x.shape[1])
     if t.heads[layer] is not None:
-        y = y[t.heads[layer]]
+        y = _reorder(y, t.heads[layer])
     if t.ov[layer] is not None:
         y = _batched(_inv_t(t.ov[layer]), y)
     return y.reshape(x.shape)
@@ -85,7 +96,7 @@ def _apply_heads_in(x: torch.Tensor, t: Transform, layer: int, heads: int) -> to
 
 def _apply_mlp(x: torch.Tensor, t: Transform, layer: int, reader: bool) -> torch.Tensor:
     if t.mlp[layer] is not None:
-        x = x[t.mlp[layer]]
+        x = _reorder(x, t.mlp[layer])
     scale = t.mlp_scale[layer]
     if scale is not None:
         s = scale.to(x.dtype).unsqueeze(1)
@@ -137,6 +148,7 @@ def _compose_perm(p2: torch.Tensor | None, p1: torch.Tensor | None) -> torch.Ten
     """Reordering by p1 then by p2 is reordering by p1[p2]."""
     if p1 is None or p2 is None:
         return p2 if p1 is None else p1
+    _require_indices(p1, p2)
     return p1[p2]
 
 
@@ -144,6 +156,8 @@ def _compose_maps(m2: torch.Tensor | None, m1: torch.Tensor | None, p2: torch.Te
     """Per-unit maps after a reorder: unit i carries m2[i] · m1[p2[i]] (matrices) or products (scales)."""
     if m1 is None:
         return m2
+    if p2 is not None:
+        _require_indices(p2)
     moved = m1 if p2 is None else m1[p2]
     if m2 is None:
         return moved
@@ -173,7 +187,16 @@ def _invert_maps(m: torch.Tensor | None, inv_perm: torch.Tensor | None) -> torch
 
 
 def _argsort(p: torch.Tensor | None) -> torch.Tensor | None:
-    return None if p is None else torch.argsort(p)
+    if p is None:
+        return None
+    _require_indices(p)
+    return torch.argsort(p)
+
+
+def _require_indices(*perms: torch.Tensor) -> None:
+    """Composing or inverting a dense (soft) reordering is not defined here; refuse rather than mis-index."""
+    if any(p.dim() != 1 for p in perms):
+        raise SpecError("compose/invert need index permutations; harden dense ones first")
 
 
 def invert(t: Transform) -> Transform:

@@ -1,0 +1,92 @@
+"""Several endpoints learn at once: dual learning (seed 004) and the multi-model refinement (paper §4.3).
+
+Dual learning moves both models toward one shared path θ(λ) = λ π_A(θ_A) + (1−λ) π_B(θ_B); π_A starts at the
+identity and π_B at weight matching, and both are exact symmetries. Because every symmetry acts linearly on
+parameters and preserves the function of *any* (folded) parameter vector, π_A⁻¹ maps that path point by point
+onto λ θ_A + (1−λ) π_A⁻¹π_B(θ_B) with identical losses; so the pairwise result leaves A in place and moves B by
+π_A⁻¹ ∘ π_B, and the barrier is the one of the dual path. The multi-model refinement draws the mixing weights
+from Dirichlet(0.1·1) over N models already aligned into one universe and learns a transform per model, the
+reference fixed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.utils.data import Dataset
+
+from glmc.archs import ModelConfig, State, get_arch
+from glmc.canonical import Form
+from glmc.errors import ConfigError
+from glmc.match.common import MatchResult
+from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn
+from glmc.transforms import Transform, compose, invert
+
+
+@dataclass
+class DualResult:
+    """π_A and π_B, and the pairwise result: B moved by π_A⁻¹ ∘ π_B with A left in place (the same path)."""
+
+    transform_a: Transform
+    transform_b: Transform
+    result: MatchResult
+
+
+def dual_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
+               options: LearnConfig | None = None, validation: Dataset | None = None) -> DualResult:
+    """Learn π_A and π_B jointly so that λ π_A(θ_A) + (1−λ) π_B(θ_B) has low task loss, λ ~ U(0.4, 0.6)."""
+    from glmc.match.weight import weight_match
+
+    options = options or LearnConfig()
+    start = time.perf_counter()
+    fix_ones = form == "standard"
+    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones)
+    sides = [Latents(t, cfg, options, fix_ones=fix_ones, seed=i) for i, t in enumerate((Transform(cfg.depth),
+                                                                                         init.transform))]
+    learned = learn([Endpoint(a, sides[0]), Endpoint(b, sides[1])], cfg, data,
+                    Sampler(options.seed, lam=options.lam), [(0.5, 0.5)], options, form=form, validation=validation)
+    ta, tb = learned.transforms
+    assert ta is not None and tb is not None
+    result = MatchResult(compose(invert(ta), tb), learned.history, time.perf_counter() - start,
+                         learned.info | {"weight_objective": init.objective[-1]})
+    return DualResult(ta, tb, result)
+
+
+def _validation_points(weights: Sequence[float], reference: int) -> list[Weights]:
+    """The weighted centroid and the midpoint between the reference and every other model."""
+    n = len(weights)
+    points: list[Weights] = [list(weights)]
+    for i, j in itertools.combinations(range(n), 2):
+        if reference in (i, j):
+            points.append([0.5 if k in (i, j) else 0.0 for k in range(n)])
+    return points
+
+
+def refine_universe(states: Sequence[State], cfg: ModelConfig, data: Dataset, weights: Sequence[float] | None = None,
+                    *, reference: int = 0, form: Form = "standard", options: LearnConfig | None = None,
+                    validation: Dataset | None = None) -> list[Transform]:
+    """Transforms T_i (T_reference = identity) minimising E_w L(Σ_i w_i T_i(θ_i)), w ~ Dirichlet(c·N·ŵ).
+
+    ``states``: canonical states already aligned into one universe (e.g. by universe matching); ``weights``:
+    relative importance ŵ (e.g. example counts, normalised here), uniform by default. Each T_i starts at the
+    identity and is an exact symmetry, so T_i(θ_i) computes θ_i's function.
+    """
+    options = options or LearnConfig()
+    n = len(states)
+    if n < 2 or not 0 <= reference < n:
+        raise ConfigError(f"refining a universe needs at least 2 models and a reference among them, got {n}")
+    w = [1.0] * n if weights is None else [float(x) for x in weights]
+    if len(w) != n or min(w) <= 0:
+        raise ConfigError(f"need one positive weight per model, got {list(w)} for {n} models")
+    w = [x / sum(w) for x in w]
+    fix_ones = form == "standard"
+    endpoints = [Endpoint(s, None if i == reference else
+                          Latents(Transform(cfg.depth), cfg, options, fix_ones=fix_ones, seed=i))
+                 for i, s in enumerate(states)]
+    sampler = Sampler(options.seed, alpha=[options.concentration * n * x for x in w])
+    learned = learn(endpoints, cfg, data, sampler, _validation_points(w, reference), options, form=form,
+                    validation=validation)
+    return [t or Transform(cfg.depth) for t in learned.transforms]

@@ -1,0 +1,383 @@
+"""Learned matching (paper §4.2, Algorithm 1; symmetry.md §7): the transform that moves B is learned from the
+task loss of the interpolated model, starting at the weight-matching solution.
+
+Latent matrices — the residual (d, d) and, per layer, the heads (H, H) and the MLP (f, f) — are projected at
+every forward pass (Eq. 5): the residual to the orthogonal group of the form (fixing 1 in standard form) by a
+differentiable polar factor, the permutations by the Hungarian algorithm with a straight-through estimator.
+Within-head maps stay at weight matching's. θ(λ) = λ θ_A + (1−λ) T(θ_B) with λ ~ U(0.4, 0.6) is evaluated by
+``torch.func.functional_call`` on one model built once, and only the latents train. The result is an exact
+transform, so the aligned B computes exactly B's function. The loop here (:func:`learn`) also serves the soft,
+dual and multi-model variants (``soft.py``, ``dual.py``): each endpoint of a path may carry its own latents.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.data import DataLoader, Dataset, Subset
+from tqdm import tqdm
+
+from glmc import groups
+from glmc.archs import Arch, ModelConfig, State, get_arch
+from glmc.canonical import Form, to_model
+from glmc.errors import ConfigError
+from glmc.match.common import MatchResult
+from glmc.train import token_loss
+from glmc.transforms import Transform, apply
+
+log = logging.getLogger(__name__)
+
+Weights = Sequence[float]  # one mixing weight per endpoint of the path, summing to 1
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    """Options of learned matching and its variants (paper App. C: narrow uniform λ, early stopping)."""
+
+    epochs: int = 1
+    steps: int | None = None  # this many optimizer steps (cycling through the data) instead of ``epochs``
+    lr: float = 3e-3  # AdamW on the latents; measured better than the paper's 3e-4 here (see README)
+    weight_decay: float = 0.0  # the projections are scale-invariant, so decay would only raise the step size
+    batch_size: int = 128
+    lam: tuple[float, float] = (0.4, 0.6)  # a pair's λ ~ U(lo, hi), the weight of A (paper App. C.1.1)
+    concentration: float = 0.1  # several models' weights ~ Dirichlet(c·N·w) with w the normalised weights
+    val_fraction: float = 0.1  # of the given training data, held out for early stopping
+    val_max: int = 1000
+    eval_every: int = 50  # steps between validations
+    patience: int = 5  # validations without improvement before stopping; 0 never stops early
+    noise: float = 0.01  # latents start at the initial transform perturbed by this much (distinct singular values)
+    sinkhorn_iters: int = 20  # soft permutations (App. D)
+    soft_gain: float = 0.01  # App. D's noise gain: target P + |N(0, (gain/√n)²)| before the logarithm
+    seed: int = 0
+    dtype: torch.dtype = torch.float32  # of the forward passes; latents and projections stay float64
+    progress: bool = False  # a tqdm bar with the running interpolated loss
+
+    def __post_init__(self) -> None:
+        lo, hi = self.lam
+        if self.epochs < 1 or (self.steps is not None and self.steps < 1) or self.batch_size < 1:
+            raise ConfigError(f"learned matching needs epochs, steps and batch_size ≥ 1: {self}")
+        if not (math.isfinite(self.lr) and self.lr >= 0 and self.weight_decay >= 0):
+            raise ConfigError(f"lr and weight_decay must be finite and ≥ 0, got {self.lr}, {self.weight_decay}")
+        if not 0 <= lo <= hi <= 1:
+            raise ConfigError(f"λ range must satisfy 0 ≤ lo ≤ hi ≤ 1, got {self.lam}")
+        if not 0 < self.val_fraction < 1 or self.val_max < 1 or self.eval_every < 1 or self.patience < 0:
+            raise ConfigError(f"need 0 < val_fraction < 1, val_max ≥ 1, eval_every ≥ 1, patience ≥ 0: {self}")
+        if self.noise <= 0 or self.soft_gain <= 0 or self.concentration <= 0 or self.sinkhorn_iters < 1:
+            raise ConfigError(f"noise, soft_gain, concentration and sinkhorn_iters must be positive: {self}")
+
+
+# Projections (Eq. 5) and latent initialisations.
+
+def straight_through(z: torch.Tensor) -> torch.Tensor:
+    """Hungarian(Z) as a permutation matrix in the forward pass; the gradient reaches Z unchanged (STE)."""
+    hard = torch.eye(z.shape[0], dtype=z.dtype)[groups.assignment(z)]
+    return hard + z - z.detach()
+
+
+def sinkhorn(z: torch.Tensor, iters: int) -> torch.Tensor:
+    """Sinkhorn-Knopp on exp(Z) in the log domain: a doubly stochastic matrix, differentiable (App. D.3)."""
+    for _ in range(iters):
+        z = z - z.logsumexp(1, keepdim=True)
+        z = z - z.logsumexp(0, keepdim=True)
+    return z.exp()
+
+
+def dense(perm: torch.Tensor | None, n: int) -> torch.Tensor:
+    """A reordering as an (n, n) float64 matrix with new = P @ old (the identity for None)."""
+    eye = torch.eye(n, dtype=torch.float64)
+    if perm is None:
+        return eye
+    return eye[perm] if perm.dim() == 1 else perm.double()
+
+
+def orthogonal_latent(q: torch.Tensor | None, d: int, noise: float, g: torch.Generator) -> torch.Tensor:
+    """Q·S with S = I + ε·sym(G) positive definite: its polar factor is exactly Q, its singular values distinct."""
+    x = torch.randn(d, d, generator=g, dtype=torch.float64)
+    s = torch.eye(d, dtype=torch.float64) + noise * (x + x.T) / 2
+    return dense(q, d) @ s
+
+
+def permutation_latent(perm: torch.Tensor | None, n: int, noise: float, g: torch.Generator) -> torch.Tensor:
+    """P + ε·G: the Hungarian algorithm gives back P exactly while ε is small."""
+    return dense(perm, n) + noise * torch.randn(n, n, generator=g, dtype=torch.float64)
+
+
+def soft_latent(perm: torch.Tensor | None, n: int, gain: float, g: torch.Generator) -> torch.Tensor:
+    """log(P + |N(0, σ²)|), σ = gain·√(2/(n+n)) (App. D.2: Xavier-scaled noise around the initial permutation)."""
+    noise = torch.randn(n, n, generator=g, dtype=torch.float64).abs() * gain / math.sqrt(n)
+    return torch.log(dense(perm, n) + noise + 1e-12)
+
+
+class Latents(nn.Module):
+    """One model's learnable transform: residual, per-layer head and MLP latents; within-head maps stay fixed."""
+
+    def __init__(self, init: Transform, cfg: ModelConfig, options: LearnConfig, *, fix_ones: bool,
+                 residual_perm: bool = False, soft: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(options.seed + seed)
+        self.init, self.fix_ones, self.residual_perm, self.soft = init, fix_ones, residual_perm, soft
+        self.iters = options.sinkhorn_iters
+        units = (lambda p, n: soft_latent(p, n, options.soft_gain, g)) if soft else (
+            lambda p, n: permutation_latent(p, n, options.noise, g))
+        make_residual = permutation_latent if residual_perm else orthogonal_latent
+        self.residual = nn.Parameter(make_residual(init.residual, cfg.width, options.noise, g))
+        self.heads = nn.ParameterList([units(p, cfg.heads) for p in init.heads])
+        self.mlp = nn.ParameterList([units(p, cfg.mlp) for p in init.mlp])
+
+    def _residual(self) -> torch.Tensor:
+        z = self.residual
+        return straight_through(z) if self.residual_perm else groups.procrustes(z, self.fix_ones)
+
+    def _units(self, z: torch.Tensor) -> torch.Tensor:
+        return sinkhorn(z, self.iters) if self.soft else straight_through(z)
+
+    def forward(self) -> Transform:
+        """The current transform, differentiable in the latents (dense reorderings, projected residual)."""
+        return Transform(self.init.depth, residual=self._residual(), heads=[self._units(z) for z in self.heads],
+                         qk=self.init.qk, ov=self.init.ov, mlp=[self._units(z) for z in self.mlp])
+
+    @torch.no_grad()
+    def harden(self) -> Transform:
+        """The exact transform at the current latents: Hungarian index permutations and the projected residual.
+
+        Soft latents give their doubly stochastic matrices instead (approximately function-preserving).
+        """
+        units: Callable[[torch.Tensor], torch.Tensor] = (
+            (lambda z: sinkhorn(z, self.iters)) if self.soft else groups.assignment)
+        return Transform(self.init.depth, residual=self._residual().detach(), heads=[units(z) for z in self.heads],
+                         qk=self.init.qk, ov=self.init.ov, mlp=[units(z) for z in self.mlp])
+
+
+# The path: endpoints, their mixture, and its task loss through one model.
+
+@dataclass
+class Endpoint:
+    """One model on the path: its canonical state and, unless it stays put, the latents that move it."""
+
+    state: State
+    latents: Latents | None = None
+
+
+def mix(states: Sequence[State], weights: Weights) -> State:
+    """Σ_i w_i θ_i key by key (λ θ_A + (1−λ) θ_B for two models)."""
+    return {k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) for k in states[0]}  # type: ignore[misc]
+
+
+class _Logits(nn.Module):
+    """``arch.logits`` as a module, so that ``functional_call`` can swap in the path's parameters."""
+
+    def __init__(self, arch: Arch, model: nn.Module) -> None:
+        super().__init__()
+        self.arch, self.model = arch, model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.arch.logits(self.model, x)
+
+
+class Path:
+    """Mixtures Σ_i w_i T_i(θ_i) of the endpoints and their logits, through one model built once."""
+
+    def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype) -> None:
+        self.arch, self.cfg, self.dtype = get_arch(cfg.family), cfg, dtype
+        self.states = [{k: v.detach().to(dtype) for k, v in e.state.items()} for e in endpoints]
+        self.module = _Logits(self.arch, to_model(self.states[0], cfg, form))
+
+    def point(self, transforms: Sequence[Transform | None], weights: Weights) -> State:
+        """Σ_i w_i T_i(θ_i); an endpoint without a transform stays as it is."""
+        moved = [s if t is None else apply(s, self.arch.spec, t, self.cfg.heads)
+                 for s, t in zip(self.states, transforms, strict=True)]
+        return mix(moved, weights)
+
+    def logits(self, state: State, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the model holding the canonical ``state`` (no new module: ``functional_call``)."""
+        native = self.arch.to_native(state, self.cfg.depth)
+        x = x.to(self.dtype) if x.is_floating_point() else x
+        return functional_call(self.module, {f"model.{k}": v for k, v in native.items()}, (x,))
+
+    def check(self, x: torch.Tensor) -> None:
+        """ConfigError (one line) unless the batch fits the model."""
+        self.arch.check_inputs(self.cfg, x)
+
+
+# Sampling the mixing weights (paper App. C.1.1; Dirichlet for several models, §4.3).
+
+class Sampler:
+    """Mixing weights for each step: λ ~ U(lo, hi) for a pair, or Dirichlet(α) for several models."""
+
+    def __init__(self, seed: int, lam: tuple[float, float] | None = None, alpha: Sequence[float] | None = None):
+        self.rng, self.lam, self.alpha = np.random.default_rng(seed), lam, alpha
+
+    def __call__(self) -> list[float]:
+        if self.alpha is not None:
+            return [float(w) for w in self.rng.dirichlet(self.alpha)]
+        assert self.lam is not None
+        lam = float(self.rng.uniform(*self.lam))
+        return [lam, 1.0 - lam]
+
+
+# The learning loop (Algorithm 1).
+
+@dataclass
+class Learned:
+    """The best transforms found (None for endpoints that stay put), the validation history and why it stopped."""
+
+    transforms: list[Transform | None]
+    history: list[float]
+    validation: Dataset
+    info: dict[str, object] = field(default_factory=dict)
+
+
+def split(data: Dataset, options: LearnConfig, validation: Dataset | None) -> tuple[Dataset, Dataset]:
+    """(train, validation): the given validation set, or a seeded random share of ``data`` held out."""
+    n = len(data)  # type: ignore[arg-type]
+    if validation is not None:
+        return data, validation
+    if n < 2:
+        raise ConfigError(f"learned matching needs at least 2 training samples (one held out), got {n}")
+    held = min(options.val_max, n - 1, max(1, round(options.val_fraction * n)))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(options.seed)).tolist()
+    return Subset(data, order[held:]), Subset(data, order[:held])
+
+
+@torch.no_grad()
+def validate(path: Path, transforms: Sequence[Transform | None], points: Sequence[Weights], loader: DataLoader,
+             ) -> float:
+    """Mean task loss of the path at each of ``points`` over the validation batches."""
+    states = [path.point(transforms, w) for w in points]
+    total, count = 0.0, 0
+    for x, y in loader:
+        path.check(x)
+        total += sum(float(token_loss(path.logits(s, x), y, reduction="sum")) for s in states)
+        count += y.numel()
+    return total / (count * len(states))
+
+
+def _step(path: Path, latents: Sequence[Latents | None], weights: Weights, x: torch.Tensor, y: torch.Tensor,
+          optimizer: torch.optim.Optimizer) -> float:
+    """One optimizer step on the latents; NaN (and no step) when the loss or a gradient is not finite."""
+    path.check(x)
+    loss = token_loss(path.logits(path.point([lat() if lat else None for lat in latents], weights), x), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not math.isfinite(loss.item()) or not all(bool(torch.isfinite(gr).all()) for gr in grads):
+        return math.nan
+    optimizer.step()
+    return loss.item()
+
+
+_ROUNDING = 1e-9  # relative validation improvements below this are rounding, not learning
+
+
+@dataclass
+class _Progress:
+    """Early-stopping state: the best validation loss, where it was reached, and the transforms there."""
+
+    loss: float
+    transforms: list[Transform | None]
+    step: int = 0
+    stale: int = 0
+    history: list[float] = field(default_factory=list)
+
+    def update(self, step: int, loss: float, transforms: Callable[[], list[Transform | None]]) -> None:
+        self.history.append(loss)
+        if loss < self.loss - _ROUNDING * abs(self.loss):
+            self.loss, self.step, self.stale, self.transforms = loss, step, 0, transforms()
+        else:
+            self.stale += 1
+
+
+def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sampler: Sampler,
+          points: Sequence[Weights], options: LearnConfig, *, form: Form = "standard",
+          validation: Dataset | None = None) -> Learned:
+    """Algorithm 1 over any number of endpoints: minimise the task loss of Σ_i w_i T_i(θ_i), w ~ ``sampler``.
+
+    The first candidate is every endpoint's initial transform; it is replaced only by transforms with a lower
+    validation loss at ``points``. A non-finite loss stops learning and keeps the best transforms so far.
+    """
+    start = time.perf_counter()
+    train, val = split(data, options, validation)
+    path = Path(endpoints, cfg, form, options.dtype)
+    latents = [e.latents for e in endpoints]
+    params = [p for lat in latents if lat is not None for p in lat.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
+    val_loader = DataLoader(val, batch_size=256)
+    best = _Progress(validate(path, [lat.init if lat else None for lat in latents], points, val_loader),
+                     [lat.init if lat else None for lat in latents])
+    best.history.append(best.loss)
+    loader = DataLoader(train, batch_size=options.batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(options.seed))
+    total = options.steps or options.epochs * len(loader)
+    stopped = _loop(path, latents, loader, total, sampler, points, val_loader, optimizer, best, options)
+    info = {"val_loss_init": best.history[0], "val_loss": best.loss, "best_step": best.step, "stopped": stopped,
+            "learn_seconds": round(time.perf_counter() - start, 3)}
+    log.info("learned matching: validation loss %.5f → %.5f (step %d); %s", best.history[0], best.loss,
+             best.step, stopped)
+    return Learned(best.transforms, best.history, val, info)
+
+
+def _loop(path: Path, latents: list[Latents | None], loader: DataLoader, total: int, sampler: Sampler,
+          points: Sequence[Weights], val_loader: DataLoader, optimizer: torch.optim.Optimizer, best: _Progress,
+          options: LearnConfig) -> str:
+    """Run up to ``total`` steps, validating every ``eval_every``; returns why it stopped."""
+    hardened = lambda: [lat.harden() if lat else None for lat in latents]  # noqa: E731
+    running, step = math.nan, 0
+    with tqdm(total=total, desc="learned matching", unit="step", disable=not options.progress,
+              dynamic_ncols=True) as bar:
+        for step, (x, y) in enumerate(_epochs(loader, total), start=1):
+            loss = _step(path, latents, sampler(), x, y, optimizer)
+            if not math.isfinite(loss):
+                log.warning("learned matching: non-finite loss at step %d; stopped and kept the best transform "
+                            "so far (validation loss %.5f from step %d)", step, best.loss, best.step)
+                return f"non-finite loss at step {step}"
+            running = loss if math.isnan(running) else 0.95 * running + 0.05 * loss
+            bar.update()
+            bar.set_postfix(loss=f"{running:.4f}", best=f"{best.loss:.4f}", refresh=False)
+            if step % options.eval_every == 0 or step == total:
+                best.update(step, validate(path, hardened(), points, val_loader), hardened)
+                if options.patience and best.stale >= options.patience:
+                    return f"early stop at step {step}"
+    return f"completed {step} steps"
+
+
+def _epochs(loader: DataLoader, total: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches from as many passes over ``loader`` as ``total`` steps need."""
+    step = 0
+    while step < total:
+        for batch in loader:
+            if step == total:
+                return
+            step += 1
+            yield batch
+
+
+def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
+                  permutations_only: bool = False, options: LearnConfig | None = None,
+                  validation: Dataset | None = None) -> MatchResult:
+    """Algorithm 1: T(θ_B) ≡ θ_B as a function with λ θ_A + (1−λ) T(θ_B) of low task loss.
+
+    ``a``, ``b``: canonical states of ``cfg`` in ``form``; ``data``: (input, target) pairs of the training split,
+    a validation share of it held out unless ``validation`` is given. ``permutations_only`` makes the residual a
+    permutation too and starts from permutation-only weight matching (the paper's "permutations" row).
+    """
+    from glmc.match.weight import weight_match
+
+    options = options or LearnConfig()
+    start = time.perf_counter()
+    arch, fix_ones = get_arch(cfg.family), form == "standard"
+    init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, permutations_only=permutations_only)
+    latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, residual_perm=permutations_only)
+    learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
+                    [(0.5, 0.5)], options, form=form, validation=validation)
+    transform = learned.transforms[1]
+    assert transform is not None
+    return MatchResult(transform, learned.history, time.perf_counter() - start,
+                       learned.info | {"weight_objective": init.objective[-1]})

@@ -1,0 +1,227 @@
+"""Learned matching (paper Algorithm 1) and its soft, dual and multi-model variants: exact endpoints, gradients
+through the projections, lower midpoint loss than weight matching, and clear failures on bad input."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from conftest import synthetic_images, synthetic_text
+from torch.utils.data import Dataset, TensorDataset
+
+from glmc.align import align_pair
+from glmc.archs import Arch, ModelConfig, State, build_model, get_arch
+from glmc.barrier import interpolate
+from glmc.canonical import canonicalize, to_model
+from glmc.errors import ConfigError
+from glmc.match.dual import dual_match, refine_universe
+from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, learned_match
+from glmc.match.soft import soft_match
+from glmc.match.weight import weight_match
+from glmc.train import TrainConfig, evaluate, seed_everything, token_loss, train
+from glmc.transforms import Transform, apply
+from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
+
+FAMILIES = ["vit-odd", "gpt2-odd"]
+FAST = LearnConfig(steps=6, eval_every=2, batch_size=16, lr=0.05, dtype=torch.float64)
+# Odd sizes, and tasks two tiny models learn in a second, so that interpolating them has a loss to lower.
+TASKS = {
+    "vit": (CONFIGS["vit-odd"].replace(width=30, heads=3, mlp=37, img_size=8, patch=4, num_classes=3),
+            lambda seed: synthetic_images(192, seed)),
+    "gpt2": (CONFIGS["gpt2-odd"].replace(width=30, heads=3, mlp=37, vocab_size=7, context=12),
+             lambda seed: synthetic_text(96, seed=seed)),
+}
+
+
+@dataclass
+class Trained:
+    cfg: ModelConfig
+    arch: Arch
+    data: TensorDataset
+    natives: list[State]
+    states: list[State]  # canonical, float64
+
+
+@pytest.fixture(scope="module", params=list(TASKS))
+def trained(request) -> Trained:
+    """Two models of one family trained from different seeds on the same synthetic task."""
+    cfg, make = TASKS[request.param]
+    arch, data = get_arch(cfg.family), make(0)
+    natives = []
+    for seed in (1, 2):
+        seed_everything(seed)
+        model = build_model(cfg)
+        train(model, arch, data, TrainConfig(epochs=2, batch_size=16, lr=3e-3, threads=1), progress=False)
+        natives.append(model.state_dict())
+    states = [canonicalize(arch, n, cfg.depth, dtype=torch.float64) for n in natives]
+    return Trained(cfg, arch, data, natives, states)
+
+
+def _pair(cfg, seeds=(1, 2)):
+    arch = get_arch(cfg.family)
+    natives = [random_native(cfg, s) for s in seeds]
+    return arch, natives, [canonicalize(arch, n, cfg.depth) for n in natives]
+
+
+def _gap(state, native, cfg) -> float:
+    """Max |logit difference| between a canonical state and a native model, float64."""
+    x = inputs(cfg)
+    with torch.no_grad():
+        moved = get_arch(cfg.family).logits(to_model(state, cfg), x)
+    return float((moved - logits_of(native, cfg, x)).abs().max())
+
+
+@pytest.mark.parametrize("method", ["learned", "learned-perm", "dual"])
+def test_aligned_endpoints_are_exactly_a_and_b(trained, method):
+    cfg, (native_a, native_b) = trained.cfg, trained.natives
+    aligned = align_pair(native_a, native_b, cfg, method, data=trained.data, learn=FAST)
+    if method != "learned-perm":  # STE permutations need latent moves of order 1 before they change
+        assert aligned.result.info["best_step"] > 0
+    assert _gap(aligned.b, native_b, cfg) <= 1e-5
+    assert _gap(aligned.a, native_a, cfg) <= 1e-5
+
+
+def test_dual_moves_both_endpoints_exactly_and_keeps_the_path(trained):
+    cfg, arch, (a, b) = trained.cfg, trained.arch, trained.states
+    dual = dual_match(a, b, cfg, trained.data, options=FAST)
+    assert dual.result.info["best_step"] > 0
+    moved_a, moved_b = (apply(s, arch.spec, t, cfg.heads) for s, t in ((a, dual.transform_a), (b, dual.transform_b)))
+    assert _gap(moved_a, trained.natives[0], cfg) <= 1e-5 and _gap(moved_b, trained.natives[1], cfg) <= 1e-5
+    # π_A⁻¹ maps the dual path onto A ↔ π_A⁻¹π_B(B): the same function at every λ.
+    single = apply(b, arch.spec, dual.result.transform, cfg.heads)
+    x = inputs(cfg)
+    with torch.no_grad():
+        dual_mid = arch.logits(to_model(interpolate(moved_a, moved_b, 0.45), cfg), x)
+        single_mid = arch.logits(to_model(interpolate(a, single, 0.45), cfg), x)
+    assert (dual_mid - single_mid).abs().max() <= 1e-8
+
+
+def _latents_and_loss(trained: Trained, residual_perm: bool, soft: bool):
+    cfg, arch, (a, b) = trained.cfg, trained.arch, trained.states
+    init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=residual_perm).transform
+    latents = Latents(init, cfg, LearnConfig(), fix_ones=True, residual_perm=residual_perm, soft=soft)
+    path = Path([Endpoint(a), Endpoint(b, latents)], cfg, "standard", torch.float64)
+    x, y = trained.data.tensors
+    return latents, lambda: token_loss(path.logits(path.point([None, latents()], [0.5, 0.5]), x), y)
+
+
+@pytest.mark.parametrize(("residual_perm", "soft"), [(False, False), (True, False), (False, True)])
+def test_gradient_reaches_every_latent(trained, residual_perm, soft):
+    latents, loss = _latents_and_loss(trained, residual_perm, soft)
+    loss().backward()
+    for name, p in latents.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("residual_perm", [False, True])
+def test_hardened_latents_are_exact_after_the_permutations_change(trained, residual_perm):
+    latents, loss = _latents_and_loss(trained, residual_perm, soft=False)
+    optimizer = torch.optim.Adam(latents.parameters(), lr=0.5)
+    for _ in range(4):
+        optimizer.zero_grad()
+        loss().backward()
+        optimizer.step()
+    hard = latents.harden()
+    assert any(not torch.equal(h, i) for h, i in zip(hard.mlp, latents.init.mlp, strict=True))
+    cfg, arch = trained.cfg, trained.arch
+    assert _gap(apply(trained.states[1], arch.spec, hard, cfg.heads), trained.natives[1], cfg) <= 1e-5
+
+
+def test_a_few_steps_lower_the_held_out_midpoint_loss(trained):
+    cfg, arch, (a, b) = trained.cfg, trained.arch, trained.states
+    held_out = TASKS[cfg.family][1](5)
+    x, y = held_out.tensors
+    test = TensorDataset(x.double() if x.is_floating_point() else x, y)
+
+    def midpoint(t: Transform) -> float:
+        return evaluate(to_model(interpolate(a, apply(b, arch.spec, t, cfg.heads), 0.5), cfg), arch, test)["loss"]
+
+    options = LearnConfig(steps=10, eval_every=5, batch_size=32, dtype=torch.float64)
+    learned = learned_match(a, b, cfg, trained.data, options=options)
+    weight = weight_match(a, b, arch.spec, cfg.depth, cfg.heads)
+    assert learned.info["val_loss"] < learned.info["val_loss_init"]
+    assert midpoint(learned.transform) < midpoint(weight.transform)
+
+
+def test_zero_learning_rate_returns_weight_matching():
+    cfg = CONFIGS["vit-odd"]
+    arch, _, (a, b) = _pair(cfg)
+    learned = learned_match(a, b, cfg, dataset(cfg, 40), options=replace(FAST, lr=0.0))
+    weight = weight_match(a, b, arch.spec, cfg.depth, cfg.heads).transform
+    t = learned.transform
+    assert learned.info["best_step"] == 0
+    assert torch.equal(t.residual, weight.residual)
+    for layer in range(cfg.depth):
+        assert torch.equal(t.heads[layer], weight.heads[layer]) and torch.equal(t.mlp[layer], weight.mlp[layer])
+        assert torch.equal(t.qk[layer], weight.qk[layer]) and torch.equal(t.ov[layer], weight.ov[layer])
+
+
+def test_soft_permutations_report_their_endpoint_error():
+    cfg = CONFIGS["vit-odd"]
+    _, _, (a, b) = _pair(cfg)
+    result = soft_match(a, b, cfg, dataset(cfg, 40), options=FAST)
+    assert result.info["best_step"] > 0 and result.info["midpoint_gain"] > 0
+    mlp = result.transform.mlp[0]
+    assert mlp.shape == (cfg.mlp, cfg.mlp)
+    assert torch.allclose(mlp.sum(0), torch.ones(cfg.mlp, dtype=mlp.dtype), atol=1e-6)
+    assert result.info["endpoint_max_logit_error"] > 1e-5  # a doubly stochastic mix is not a symmetry
+    assert isinstance(result.info["endpoint_loss_change"], float)
+
+
+def test_refine_universe_keeps_the_reference_and_every_function():
+    cfg = CONFIGS["gpt2-odd"]
+    arch, natives, states = _pair(cfg, seeds=(1, 2, 3))
+    transforms = refine_universe(states, cfg, dataset(cfg, 40), weights=[3, 1, 1], options=FAST)
+    assert transforms[0].residual is None and all(h is None for h in transforms[0].heads)
+    assert any(t.residual is not None for t in transforms[1:])
+    for state, native, t in zip(states, natives, transforms, strict=True):
+        assert _gap(apply(state, arch.spec, t, cfg.heads), native, cfg) <= 1e-5
+    with pytest.raises(ConfigError, match="positive weight"):
+        refine_universe(states, cfg, dataset(cfg, 40), weights=[1, 1], options=FAST)
+
+
+class _PoisonedAfter(Dataset):
+    """A dataset whose inputs turn into NaN once ``clean`` samples have been served."""
+
+    def __init__(self, base: TensorDataset, clean: int) -> None:
+        self.base, self.clean, self.served = base, clean, 0
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        self.served += 1
+        x, y = self.base[i]
+        return (x * float("nan"), y) if self.served > self.clean else (x, y)
+
+
+def test_nan_loss_stops_and_keeps_the_best_transform(caplog):
+    cfg = CONFIGS["vit-odd"]
+    _, _, (a, b) = _pair(cfg)
+    data, validation = dataset(cfg, 48, seed=0), dataset(cfg, 16, seed=3)
+    options = LearnConfig(steps=2, eval_every=1, batch_size=16, lr=0.05, dtype=torch.float64)
+    clean = learned_match(a, b, cfg, data, options=options, validation=validation)
+    with caplog.at_level(logging.WARNING, logger="glmc.match.learned"):
+        poisoned = learned_match(a, b, cfg, _PoisonedAfter(data, 32), validation=validation,
+                                 options=replace(options, steps=5))
+    assert "non-finite loss at step 3" in caplog.text and "kept the best transform" in caplog.text
+    assert poisoned.info["stopped"] == "non-finite loss at step 3"
+    assert poisoned.info["best_step"] == clean.info["best_step"] > 0
+    assert torch.equal(poisoned.transform.residual, clean.transform.residual)
+
+
+def test_bad_input_gives_one_line_errors():
+    cfg = CONFIGS["vit-odd"]
+    native_a, native_b = random_native(cfg, 1), random_native(cfg, 2)
+    with pytest.raises(ConfigError, match="needs data"):
+        align_pair(native_a, native_b, cfg, "learned")
+    wrong = TensorDataset(torch.randn(20, 1, cfg.img_size + 4, cfg.img_size + 4, dtype=torch.float64),
+                          torch.zeros(20, dtype=torch.long))
+    with pytest.raises(ConfigError, match="does not fit"):
+        align_pair(native_a, native_b, cfg, "dual", data=wrong, learn=FAST)
+    with pytest.raises(ConfigError, match="at least 2"):
+        align_pair(native_a, native_b, cfg, "learned", data=dataset(cfg, 1), learn=FAST)
+    with pytest.raises(ConfigError, match="λ range"):
+        LearnConfig(lam=(0.7, 0.3))
