@@ -1,0 +1,193 @@
+"""Universe matching (paper §4.3, after C2M3; symmetry.md §8): align many models into one basin and merge them.
+
+U ← a chosen model (or the previous global model). Repeat: align every model to U by a pairwise method (the N
+alignments of an iteration run in a process pool), then set U to the least-squares coverage-weighted mean of
+the aligned models (:func:`glmc.widths.lstsq_merge`, the weighted mean at equal widths). Stop when U moves by
+less than ``tol`` (relative) or after ``max_iters``. The result approximately minimises the multi-model
+barrier of Eq. 2. Models narrower than the universe are embedded exactly first (:mod:`glmc.widths`).
+
+``method="none"`` skips alignment: one least-squares merge, i.e. FedAvg at equal widths and HeteroFL with
+coordinate placements, through the same code path.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from glmc.archs import ModelConfig, State, get_arch
+from glmc.errors import ConfigError
+from glmc.match.common import MatchResult, sq_distance
+from glmc.transforms import Transform, apply, compose
+from glmc.widths import Placement, embed, lstsq_merge, move, place
+
+if TYPE_CHECKING:
+    from glmc.match.learned import LearnConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IterationRecord:
+    """One universe iteration: how far the aligned models sit from the U they were aligned to, and the cost."""
+
+    iteration: int
+    mean_distance: float  # mean_i ‖T_i(θ_i) − U‖ / ‖U‖
+    change: float  # ‖U_new − U‖ / ‖U‖
+    align_seconds: float
+    merge_seconds: float
+
+
+@dataclass
+class UniverseResult:
+    """Every model moved into the universe, where each one sits, how it was moved, and the merged model U."""
+
+    aligned: list[State]
+    placements: list[Placement]
+    transforms: list[Transform]
+    merged: State
+    history: list[IterationRecord] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.align_seconds + r.merge_seconds for r in self.history)
+
+    def history_dicts(self) -> list[dict[str, float]]:
+        return [asdict(r) for r in self.history]
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What one pairwise alignment needs; picklable, so it can run in a worker process."""
+
+    method: str
+    cfg: ModelConfig
+    data: Dataset | None
+    batch: int
+    learn: Any = None  # glmc.match.learned.LearnConfig for the learned methods
+
+
+def _align_one(job: _Job, anchor: State, state: State) -> MatchResult:
+    """The transform that brings ``state`` next to ``anchor`` (both canonical, standard form, width of cfg)."""
+    from glmc.align import _match
+
+    return _match(job.method, anchor, state, job.cfg, "standard", job.data, job.batch, job.learn)
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)  # the pool supplies the parallelism; one thread per worker avoids oversubscription
+
+
+def _pool(workers: int) -> Executor | None:
+    """A process pool of ``workers``, or None for the serial path.
+
+    Forked where the platform can (as torch's DataLoader does: no re-import, workers start in milliseconds),
+    spawned elsewhere; each worker runs one torch thread.
+    """
+    if workers <= 1:
+        return None
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
+
+
+def _align_all(job: _Job, anchor: State, states: Sequence[State], pool: Executor | None) -> list[MatchResult]:
+    """Align every state to the anchor: N independent pairwise problems, in parallel when a pool is given."""
+    if pool is None:
+        return [_align_one(job, anchor, s) for s in states]
+    return list(pool.map(_align_one, [job] * len(states), [anchor] * len(states), states))
+
+
+def _relative(a: State, b: State) -> float:
+    """‖a − b‖ / ‖b‖ over every parameter."""
+    return (sq_distance(a, b) / max(sq_distance(b, {k: torch.zeros_like(v) for k, v in b.items()}), 1e-300)) ** 0.5
+
+
+def _small_dataset(data: Dataset | None, n: int | None) -> Dataset | None:
+    """The first ``n`` (input, target) pairs as one small TensorDataset, cheap to send to worker processes."""
+    if data is None:
+        return None
+    count = len(data) if n is None else min(n, len(data))  # type: ignore[arg-type]
+    pairs = [data[i] for i in range(count)]
+    return TensorDataset(torch.stack([p[0] for p in pairs]), torch.stack([torch.as_tensor(p[1]) for p in pairs]))
+
+
+def _into_universe(states: Sequence[State], cfg: ModelConfig, configs: Sequence[ModelConfig] | None,
+                   ) -> tuple[list[State], list[Placement]]:
+    """Embed every state into the universe config (exact; the identity placement at equal width)."""
+    configs = list(configs) if configs is not None else [cfg] * len(states)
+    if len(configs) != len(states):
+        raise ConfigError(f"{len(states)} states but {len(configs)} configs")
+    placements = [place(c, cfg) for c in configs]
+    return [embed(s, p) if p.narrow != cfg else dict(s) for s, p in zip(states, placements, strict=True)], placements
+
+
+def universe_match(
+    states: Sequence[State], cfg: ModelConfig, method: str = "weight", *, weights: Sequence[float] | None = None,
+    anchor: State | None = None, reference: int = 0, configs: Sequence[ModelConfig] | None = None,
+    max_iters: int = 5, tol: float = 1e-4, data: Dataset | None = None, batch: int = 512, workers: int = 1,
+    learn: LearnConfig | None = None,
+) -> UniverseResult:
+    """Align N canonical standard-form models into one universe of config ``cfg`` and merge them (paper §4.3).
+
+    ``configs[i]`` is state i's own config when it is narrower than ``cfg`` (default: all are ``cfg``);
+    ``weights`` are the example counts n_i; ``anchor`` is the first U (default: model ``reference``);
+    ``data`` feeds data-driven methods (activation: its first ``batch`` inputs; learned: all of it);
+    ``workers`` > 1 runs each iteration's alignments in a process pool.
+    """
+    if len(states) == 0:
+        raise ConfigError("universe matching needs at least one model")
+    aligned, placements = _into_universe(states, cfg, configs)
+    transforms = [Transform.identity(cfg.depth) for _ in aligned]
+    if method == "none":
+        start = time.perf_counter()
+        merged = lstsq_merge(aligned, placements, weights)
+        record = IterationRecord(0, _mean_distance(aligned, merged), 0.0, 0.0, time.perf_counter() - start)
+        return UniverseResult(aligned, placements, transforms, merged, [record])
+    universe = dict(anchor) if anchor is not None else aligned[reference]
+    if workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
+        data = _small_dataset(data, batch if method == "activation" else None)
+    job = _Job(method, cfg, data, batch, learn)
+    result = UniverseResult(aligned, placements, transforms, universe)
+    pool = _pool(min(workers, len(states)))
+    try:
+        for iteration in range(1, max_iters + 1):
+            record = _iterate(result, job, pool, iteration, weights)
+            if record.change < tol:
+                break
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return result
+
+
+def _mean_distance(states: Sequence[State], universe: State) -> float:
+    return sum(_relative(s, universe) for s in states) / len(states)
+
+
+def _iterate(result: UniverseResult, job: _Job, pool: Executor | None, iteration: int,
+             weights: Sequence[float] | None) -> IterationRecord:
+    """One step: align every model to U, move them (and their placements), then U ← least-squares mean."""
+    spec, heads = get_arch(job.cfg.family).spec, job.cfg.heads
+    start = time.perf_counter()
+    matches = _align_all(job, result.merged, result.aligned, pool)
+    for i, match in enumerate(matches):
+        result.aligned[i] = apply(result.aligned[i], spec, match.transform, heads)
+        result.placements[i] = move(result.placements[i], match.transform)
+        result.transforms[i] = compose(match.transform, result.transforms[i])
+    aligned_at = time.perf_counter()
+    merged = lstsq_merge(result.aligned, result.placements, weights)
+    record = IterationRecord(iteration, _mean_distance(result.aligned, result.merged),
+                             _relative(merged, result.merged), aligned_at - start, time.perf_counter() - aligned_at)
+    result.merged = merged
+    result.history.append(record)
+    log.info("universe iteration %d (%s): mean distance to U %.4f, U moved %.2e; align %.2f s, merge %.2f s",
+             iteration, job.method, record.mean_distance, record.change, record.align_seconds, record.merge_seconds)
+    return record

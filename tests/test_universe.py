@@ -1,0 +1,77 @@
+"""Universe matching: transformed copies merge back to the original, the merge ignores input order, and the
+vanilla path is FedAvg / least squares; also across widths and through the process pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmc.archs import get_arch
+from glmc.canonical import canonicalize, to_model
+from glmc.match.common import sq_distance
+from glmc.transforms import apply, random_transform
+from glmc.universe import universe_match
+from glmc.widths import embed, embedding_config, place
+from tests.symmetry_models import CONFIGS, inputs, logits_of, random_native
+
+CLASSES = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
+
+
+def _copies(cfg, state, n, seed=0):
+    """n random symmetry transforms of one canonical state (the first is the state itself)."""
+    arch, g = get_arch(cfg.family), torch.Generator().manual_seed(seed)
+    copies = [state]
+    for _ in range(n - 1):
+        t = random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, CLASSES, g)
+        copies.append(apply(state, arch.spec, t, cfg.heads))
+    return copies
+
+
+def _logits(state, cfg, x):
+    with torch.no_grad():
+        return get_arch(cfg.family).logits(to_model(state, cfg), x)
+
+
+@pytest.mark.parametrize(("name", "workers"), [("vit-odd", 1), ("gpt2-odd", 1), ("vit-relu", 2)])
+def test_merging_transformed_copies_gives_back_the_model(name, workers):
+    cfg = CONFIGS[name]
+    native, x = random_native(cfg, 1), inputs(cfg, n=3)
+    copies = _copies(cfg, canonicalize(get_arch(cfg.family), native, cfg.depth), 4)
+    result = universe_match(copies[::-1], cfg, "weight", reference=3, weights=[1, 2, 3, 4], workers=workers)
+    assert sq_distance(result.merged, copies[0]) < 1e-12
+    assert (_logits(result.merged, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-6
+    assert result.history[0].mean_distance < 1e-5 and len(result.history) <= 2
+
+
+def test_merging_copies_across_widths_gives_back_the_narrow_model():
+    wide = CONFIGS["gpt2-odd"]
+    narrow = wide.replace(width=28, heads=2, head_dim=15, mlp=40)
+    native, x = random_native(narrow, 2), inputs(narrow, n=3)
+    state = canonicalize(get_arch(narrow.family), native, narrow.depth)
+    p = place(narrow, wide)
+    copies = _copies(wide, embed(state, p), 3, seed=5)
+    result = universe_match([state, *copies[1:]], wide, "weight", configs=[narrow, wide, wide])
+    assert sq_distance(result.merged, copies[0]) < 1e-10
+    assert (_logits(result.merged, embedding_config(p), x) - logits_of(native, narrow, x)).abs().max() <= 1e-6
+
+
+def test_merge_is_invariant_to_input_order_given_the_reference():
+    cfg = CONFIGS["vit-odd"]
+    arch = get_arch(cfg.family)
+    states = [canonicalize(arch, random_native(cfg, s), cfg.depth) for s in range(3)]
+    weights, order = [3.0, 1.0, 2.0], [2, 0, 1]
+    first = universe_match(states, cfg, "weight", weights=weights, reference=0, max_iters=3)
+    second = universe_match([states[i] for i in order], cfg, "weight", weights=[weights[i] for i in order],
+                            reference=order.index(0), max_iters=3)
+    assert sq_distance(first.merged, second.merged) < 1e-20
+    assert [r.iteration for r in first.history] == [1, 2, 3]
+
+
+def test_vanilla_merge_is_fedavg_by_hand():
+    cfg = CONFIGS["gpt2-relu"]
+    arch = get_arch(cfg.family)
+    states = [canonicalize(arch, random_native(cfg, s), cfg.depth) for s in range(3)]
+    result = universe_match(states, cfg, "none", weights=[1.0, 1.0, 2.0])
+    for k, v in result.merged.items():
+        assert torch.allclose(v, (states[0][k] + states[1][k] + 2 * states[2][k]) / 4, atol=1e-12)
+    assert len(result.history) == 1 and result.transforms[0].residual is None
