@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 
 from glmc.errors import CheckpointError, ConfigError
 
+ACTIVATION_SAMPLES = 512  # default --batch of activation matching
+METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.align.METHODS
+
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
@@ -46,13 +49,17 @@ def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", type=Path, help="reference checkpoint A (.safetensors)")
     parser.add_argument("b", type=Path, help="checkpoint B, moved towards A")
     parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
-    parser.add_argument("--batch", type=int, default=512, help="samples for data-driven methods")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--batch", type=int, help="training samples given to data-driven methods "
+                        f"(default: {ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
+    parser.add_argument("--epochs", type=int, default=1, help="learned methods: passes over the training samples")
+    parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs")
+    parser.add_argument("--lr", type=float, help="learned methods: AdamW learning rate on the latents")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
 
 
 def add_align_arguments(parser: argparse.ArgumentParser) -> None:
     _add_pair_arguments(parser)
-    parser.add_argument("--method", default="weight", help="none, weight, weight-perm or activation")
+    parser.add_argument("--method", default="weight", help=f"one of {METHOD_NAMES}")
     parser.add_argument("--out", required=True, type=Path, help="aligned B, a standard checkpoint")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
 
@@ -73,23 +80,31 @@ def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, Checkpoint
     return state_a, state_b, meta_a, meta_b
 
 
-def _train_subset(meta: CheckpointMeta, data: str | None, n: int) -> Dataset:
-    """``n`` samples of the checkpoint's training split, drawn with a fixed seed (never the held-out split)."""
+def _train_subset(meta: CheckpointMeta, data: str | None, n: int | None) -> Dataset:
+    """``n`` samples (all for None) of the checkpoint's training split, drawn with a fixed seed (never the held-out
+    split)."""
     import torch
     from torch.utils.data import Subset
 
     from glmc.tasks import load_task
 
     train = load_task(meta.dataset, meta.config, data).train
+    if n is None:
+        return train
     idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:n]  # type: ignore[arg-type]
     return Subset(train, idx.tolist())
 
 
 def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta) -> Alignment:
-    from glmc.align import DATA_METHODS, align_pair
+    from glmc.align import DATA_METHODS, LEARNED_METHODS, align_pair
+    from glmc.match.learned import LearnConfig
 
-    data = _train_subset(meta, args.data, args.batch) if method in DATA_METHODS else None
-    return align_pair(state_a, state_b, meta.config, method, data=data, batch=args.batch)
+    samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
+    data = _train_subset(meta, args.data, samples) if method in DATA_METHODS else None
+    lr = {} if args.lr is None else {"lr": args.lr}
+    learn = LearnConfig(epochs=args.epochs, steps=args.steps, progress=not args.quiet, **lr)
+    return align_pair(state_a, state_b, meta.config, method, data=data, batch=samples or ACTIVATION_SAMPLES,
+                      learn=learn)
 
 
 def run_align(args: argparse.Namespace) -> int:
@@ -117,7 +132,7 @@ def run_align(args: argparse.Namespace) -> int:
 
 def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
     _add_pair_arguments(parser)
-    parser.add_argument("--method", action="append", help="repeatable: none, weight, weight-perm, activation")
+    parser.add_argument("--method", action="append", help=f"repeatable: {METHOD_NAMES}")
     parser.add_argument("--points", type=int, default=21, help="λ grid size, both ends included")
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
     parser.add_argument("--json", required=True, type=Path, help="write the curves here")

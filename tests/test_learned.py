@@ -3,6 +3,7 @@ through the projections, lower midpoint loss than weight matching, and clear fai
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, replace
 
@@ -15,6 +16,9 @@ from glmc.align import align_pair
 from glmc.archs import Arch, ModelConfig, State, build_model, get_arch
 from glmc.barrier import interpolate
 from glmc.canonical import canonicalize, to_model
+from glmc.checkpoint import load_model
+from glmc.cli import main
+from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.match.dual import dual_match, refine_universe
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, learned_match
@@ -225,3 +229,24 @@ def test_bad_input_gives_one_line_errors():
         align_pair(native_a, native_b, cfg, "learned", data=dataset(cfg, 1), learn=FAST)
     with pytest.raises(ConfigError, match="λ range"):
         LearnConfig(lam=(0.7, 0.3))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST not installed (make setup installs it)")
+def test_cli_align_learned_writes_a_checkpoint_computing_b(tmp_path, capsys):
+    ckpts = [tmp_path / f"seed{s}.safetensors" for s in (0, 1)]
+    for seed, out in enumerate(ckpts):
+        argv = ["train", "--model", "vit-tiny", "--dataset", "fashion-mnist", "--seed", str(seed), "--max-steps", "3"]
+        assert main([*argv, "--batch-size", "32", "--out", str(out), "--quiet", "--threads", "1"]) == 0
+    out = tmp_path / "aligned.safetensors"
+    pair = [str(c) for c in ckpts]
+    assert main(["align", *pair, "--method", "learned", "--epochs", "0", "--out", str(out), "--quiet"]) == 2
+    assert "epochs" in capsys.readouterr().err and not out.exists()
+    argv = ["align", *pair, "--method", "learned", "--steps", "4", "--batch", "96", "--lr", "0.01"]
+    assert main([*argv, "--out", str(out), "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["method"] == "learned" and report["stopped"] == "completed 4 steps"
+    (b, _), (moved, meta) = load_model(ckpts[1]), load_model(out)
+    x = inputs(meta.config)
+    with torch.no_grad():
+        assert (b.double()(x) - moved.double()(x)).abs().max() <= 1e-4  # saved as float32
