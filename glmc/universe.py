@@ -7,11 +7,13 @@ less than ``tol`` (relative) or after ``max_iters``. The result approximately mi
 barrier of Eq. 2. Models narrower than the universe are embedded exactly first (:mod:`glmc.widths`).
 
 ``method="none"`` skips alignment: one least-squares merge, i.e. FedAvg at equal widths and HeteroFL with
-coordinate placements, through the same code path.
+coordinate placements, through the same code path. ``method="learned"`` iterates weight matching, then
+finishes with the multi-model learned refinement (mixing weights ~ Dirichlet(0.1·N·ŵ), symmetry.md §7).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import time
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+REFINED = "learned"  # weight-matching iterations, then one multi-model learned refinement
+
 
 @dataclass
 class IterationRecord:
@@ -44,6 +48,7 @@ class IterationRecord:
     change: float  # ‖U_new − U‖ / ‖U‖
     align_seconds: float
     merge_seconds: float
+    method: str = ""
 
 
 @dataclass
@@ -149,12 +154,12 @@ def universe_match(
     if method == "none":
         start = time.perf_counter()
         merged = lstsq_merge(aligned, placements, weights)
-        record = IterationRecord(0, _mean_distance(aligned, merged), 0.0, 0.0, time.perf_counter() - start)
+        record = IterationRecord(0, _mean_distance(aligned, merged), 0.0, 0.0, time.perf_counter() - start, method)
         return UniverseResult(aligned, placements, transforms, merged, [record])
     universe = dict(anchor) if anchor is not None else aligned[reference]
     if workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
         data = _small_dataset(data, batch if method == "activation" else None)
-    job = _Job(method, cfg, data, batch, learn)
+    job = _Job("weight" if method == REFINED else method, cfg, data, batch, learn)
     result = UniverseResult(aligned, placements, transforms, universe)
     pool = _pool(min(workers, len(states)))
     try:
@@ -165,6 +170,8 @@ def universe_match(
     finally:
         if pool is not None:
             pool.shutdown()
+    if method == REFINED:
+        _refine(result, job, weights, reference)
     return result
 
 
@@ -175,17 +182,36 @@ def _mean_distance(states: Sequence[State], universe: State) -> float:
 def _iterate(result: UniverseResult, job: _Job, pool: Executor | None, iteration: int,
              weights: Sequence[float] | None) -> IterationRecord:
     """One step: align every model to U, move them (and their placements), then U ← least-squares mean."""
-    spec, heads = get_arch(job.cfg.family).spec, job.cfg.heads
     start = time.perf_counter()
     matches = _align_all(job, result.merged, result.aligned, pool)
-    for i, match in enumerate(matches):
-        result.aligned[i] = apply(result.aligned[i], spec, match.transform, heads)
-        result.placements[i] = move(result.placements[i], match.transform)
-        result.transforms[i] = compose(match.transform, result.transforms[i])
+    return _move_and_merge(result, job, [m.transform for m in matches], weights, iteration, start)
+
+
+def _refine(result: UniverseResult, job: _Job, weights: Sequence[float] | None, reference: int) -> IterationRecord:
+    """Multi-model learned refinement of the aligned models (paper §4.3), then U ← least-squares mean."""
+    from glmc.match.dual import refine_universe
+
+    if job.data is None:
+        raise ConfigError("learned refinement needs data: pass training samples")
+    start = time.perf_counter()
+    transforms = refine_universe(result.aligned, job.cfg, job.data, weights, reference=reference, options=job.learn)
+    return _move_and_merge(result, dataclasses.replace(job, method=REFINED), transforms, weights,
+                           len(result.history) + 1, start)
+
+
+def _move_and_merge(result: UniverseResult, job: _Job, moves: Sequence[Transform], weights: Sequence[float] | None,
+                    iteration: int, start: float) -> IterationRecord:
+    """Apply each model's new transform (and move its placement), then merge by least squares and record it."""
+    spec, heads = get_arch(job.cfg.family).spec, job.cfg.heads
+    for i, t in enumerate(moves):
+        result.aligned[i] = apply(result.aligned[i], spec, t, heads)
+        result.placements[i] = move(result.placements[i], t)
+        result.transforms[i] = compose(t, result.transforms[i])
     aligned_at = time.perf_counter()
     merged = lstsq_merge(result.aligned, result.placements, weights)
     record = IterationRecord(iteration, _mean_distance(result.aligned, result.merged),
-                             _relative(merged, result.merged), aligned_at - start, time.perf_counter() - aligned_at)
+                             _relative(merged, result.merged), aligned_at - start, time.perf_counter() - aligned_at,
+                             job.method)
     result.merged = merged
     result.history.append(record)
     log.info("universe iteration %d (%s): mean distance to U %.4f, U moved %.2e; align %.2f s, merge %.2f s",

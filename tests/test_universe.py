@@ -75,3 +75,18 @@ def test_vanilla_merge_is_fedavg_by_hand():
     for k, v in result.merged.items():
         assert torch.allclose(v, (states[0][k] + states[1][k] + 2 * states[2][k]) / 4, atol=1e-12)
     assert len(result.history) == 1 and result.transforms[0].residual is None
+
+
+def test_learned_refinement_keeps_every_model_exact():
+    from glmc.match.learned import LearnConfig
+    from tests.symmetry_models import dataset
+
+    cfg = CONFIGS["vit-odd"]
+    arch, x = get_arch(cfg.family), inputs(cfg, n=3)
+    natives = [random_native(cfg, s) for s in range(3)]
+    states = [canonicalize(arch, n, cfg.depth) for n in natives]
+    options = LearnConfig(steps=2, eval_every=1, batch_size=8, val_max=8)
+    result = universe_match(states, cfg, "learned", max_iters=1, data=dataset(cfg, n=24), learn=options)
+    assert [r.method for r in result.history] == ["weight", "learned"]
+    for native, aligned in zip(natives, result.aligned, strict=True):
+        assert (_logits(aligned, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-6
