@@ -7,8 +7,8 @@ less than ``tol`` (relative) or after ``max_iters``. The result approximately mi
 barrier of Eq. 2. Models narrower than the universe are embedded exactly first (:mod:`glmc.widths`).
 
 ``method="none"`` skips alignment: one least-squares merge, i.e. FedAvg at equal widths and HeteroFL with
-coordinate placements, through the same code path. ``method="learned"`` iterates weight matching, then
-finishes with the multi-model learned refinement (mixing weights ~ Dirichlet(0.1·N·ŵ), symmetry.md §7).
+coordinate placements, through the same code path. ``refine=True`` finishes with the multi-model learned
+refinement (mixing weights ~ Dirichlet(0.1·N·ŵ), symmetry.md §7; ``glmc.match.dual.refine_universe``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from glmc.match.learned import LearnConfig
 
 log = logging.getLogger(__name__)
-
-REFINED = "learned"  # weight-matching iterations, then one multi-model learned refinement
 
 
 @dataclass
@@ -138,17 +136,20 @@ def universe_match(
     states: Sequence[State], cfg: ModelConfig, method: str = "weight", *, weights: Sequence[float] | None = None,
     anchor: State | None = None, reference: int = 0, configs: Sequence[ModelConfig] | None = None,
     max_iters: int = 5, tol: float = 1e-4, data: Dataset | None = None, batch: int = 512, workers: int = 1,
-    learn: LearnConfig | None = None,
+    refine: bool = False, learn: LearnConfig | None = None,
 ) -> UniverseResult:
     """Align N canonical standard-form models into one universe of config ``cfg`` and merge them (paper §4.3).
 
     ``configs[i]`` is state i's own config when it is narrower than ``cfg`` (default: all are ``cfg``);
     ``weights`` are the example counts n_i; ``anchor`` is the first U (default: model ``reference``);
-    ``data`` feeds data-driven methods (activation: its first ``batch`` inputs; learned: all of it);
-    ``workers`` > 1 runs each iteration's alignments in a process pool.
+    ``method`` is any pairwise method of :mod:`glmc.align`; ``data`` feeds the data-driven ones (activation: its
+    first ``batch`` inputs; learned: all of it) and the refinement; ``workers`` > 1 runs each iteration's
+    alignments in a process pool; ``refine`` adds the multi-model learned refinement with options ``learn``.
     """
     if len(states) == 0:
         raise ConfigError("universe matching needs at least one model")
+    if weights is not None and (len(weights) != len(states) or min(weights) <= 0):
+        raise ConfigError(f"need one positive weight per model, got {list(weights)} for {len(states)} models")
     aligned, placements = _into_universe(states, cfg, configs)
     transforms = [Transform.identity(cfg.depth) for _ in aligned]
     if method == "none":
@@ -159,7 +160,7 @@ def universe_match(
     universe = dict(anchor) if anchor is not None else aligned[reference]
     if workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
         data = _small_dataset(data, batch if method == "activation" else None)
-    job = _Job("weight" if method == REFINED else method, cfg, data, batch, learn)
+    job = _Job(method, cfg, data, batch, learn)
     result = UniverseResult(aligned, placements, transforms, universe)
     pool = _pool(min(workers, len(states)))
     try:
@@ -170,7 +171,7 @@ def universe_match(
     finally:
         if pool is not None:
             pool.shutdown()
-    if method == REFINED:
+    if refine:
         _refine(result, job, weights, reference)
     return result
 
@@ -195,7 +196,7 @@ def _refine(result: UniverseResult, job: _Job, weights: Sequence[float] | None, 
         raise ConfigError("learned refinement needs data: pass training samples")
     start = time.perf_counter()
     transforms = refine_universe(result.aligned, job.cfg, job.data, weights, reference=reference, options=job.learn)
-    return _move_and_merge(result, dataclasses.replace(job, method=REFINED), transforms, weights,
+    return _move_and_merge(result, dataclasses.replace(job, method="refine"), transforms, weights,
                            len(result.history) + 1, start)
 
 

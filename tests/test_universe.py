@@ -86,7 +86,8 @@ def test_learned_refinement_keeps_every_model_exact():
     natives = [random_native(cfg, s) for s in range(3)]
     states = [canonicalize(arch, n, cfg.depth) for n in natives]
     options = LearnConfig(steps=2, eval_every=1, batch_size=8, val_max=8)
-    result = universe_match(states, cfg, "learned", max_iters=1, data=dataset(cfg, n=24), learn=options)
-    assert [r.method for r in result.history] == ["weight", "learned"]
+    result = universe_match(states, cfg, "weight", max_iters=1, data=dataset(cfg, n=24), refine=True,
+                            learn=options)
+    assert [r.method for r in result.history] == ["weight", "refine"]
     for native, aligned in zip(natives, result.aligned, strict=True):
         assert (_logits(aligned, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-6
