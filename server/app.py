@@ -1,0 +1,129 @@
+"""ServerApp: reads the run config once, builds the strategy, evaluates centrally, writes ``outputs/<run>/``.
+
+With ``resume=true`` it continues ``outputs/<run-name>/`` from its newest checkpoint: the global
+weights are the saved ones bit for bit, and rounds are numbered globally (round k+1 follows k).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from client.data import eval_subset, label_counts, pool, split_config
+from glmc.archs import ModelConfig, build_model, get_arch, scale_width
+from glmc.checkpoint import CheckpointMeta
+from glmc.errors import ConfigError
+from glmc.train import evaluate, seed_everything, set_threads
+from server.hooks import CheckpointWriter, MetricsWriter, clear_outputs, latest_checkpoint, load_records
+from server.settings import NATURAL_SPLITS, RunSettings
+from server.strategy import EvaluateFn, RoundHooks, SymmetryAwareFedAvg
+from server.validation import ReplySchema
+
+log = logging.getLogger(__name__)
+
+app = ServerApp()
+
+
+def configure_logging(run_dir: Path) -> None:
+    """INFO logs of this project to stderr (streamed by ``flwr run --stream``) and to ``<run>/server.log``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    for name in ("server", "glmc"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        for handler in [h for h in logger.handlers if getattr(h, "glmc_run", False)]:
+            logger.removeHandler(handler)
+        for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "server.log")):
+            handler.setFormatter(formatter)
+            handler.glmc_run = True  # type: ignore[attr-defined]
+            logger.addHandler(handler)
+
+
+def reply_schema(settings: RunSettings, cfg: ModelConfig) -> ReplySchema:
+    """The array shapes of every width tier the run allows."""
+    shapes = {}
+    for tier in settings.width_tiers:
+        model = build_model(scale_width(cfg, tier))
+        shapes[tier] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return ReplySchema(shapes)
+
+
+def initial_model(settings: RunSettings, run_dir: Path, cfg: ModelConfig) -> tuple[int, ArrayRecord]:
+    """(rounds already done, global arrays): the newest checkpoint on resume, else a fresh seeded model."""
+    if settings.resume:
+        found = latest_checkpoint(run_dir)
+        if found is None:
+            raise ConfigError(f"resume=true but {run_dir} has no checkpoint; run once without resume first")
+        log.info("resuming %s from its round-%d checkpoint", run_dir, found[0])
+        return found[0], ArrayRecord(found[1])  # type: ignore[arg-type]
+    clear_outputs(run_dir)
+    seed_everything(settings.seed)
+    state = {k: v.detach().to(torch.float32) for k, v in build_model(cfg).state_dict().items()}
+    return 0, ArrayRecord(state)  # type: ignore[arg-type]
+
+
+def central_evaluator(settings: RunSettings, cfg: ModelConfig) -> EvaluateFn:
+    """evaluate_fn(round, arrays): the full-width global model on ``eval-limit`` held-out test samples."""
+    test = eval_subset(pool(settings).test, settings.eval_limit, settings.seed)
+    arch = get_arch(cfg.family)
+
+    def evaluate_global(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        set_threads(0)
+        model = build_model(cfg)
+        model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+        result = evaluate(model, arch, test)
+        log.info("round %d: central test loss %.4f, accuracy %.4f", server_round, result["loss"], result["accuracy"])
+        return MetricRecord({"central-loss": float(result["loss"]), "central-accuracy": float(result["accuracy"])})
+
+    return evaluate_global
+
+
+def run_header(settings: RunSettings, num_nodes: int) -> dict[str, Any]:
+    """What metrics.json says about the run besides its rounds: settings, split and its label counts."""
+    task = pool(settings).task
+    split: dict[str, Any] = {"scheme": settings.partitioner}
+    if settings.partitioner not in NATURAL_SPLITS and num_nodes:
+        split = dict(split_config(settings, num_nodes).describe())
+        split["label_counts"] = label_counts(settings, num_nodes)
+    title = f"{settings.dataset} {settings.model} {settings.aggregation}, {settings.partitioner}"
+    return {"title": title, "settings": settings.to_run_config(), "model": task.config.to_dict(),
+            "data": task.split, "split": split}
+
+
+def output_hooks(settings: RunSettings, run_dir: Path, start_round: int, num_nodes: int) -> list[RoundHooks]:
+    """Metrics files (continuing the earlier records on resume) and one checkpoint per round."""
+    task = pool(settings).task
+    meta = CheckpointMeta(preset=settings.model, config=task.config, seed=settings.seed, dataset=settings.dataset,
+                          split=task.split, train=settings.to_run_config(),
+                          vocab=task.vocab.to_json() if task.vocab else None)
+    previous = load_records(run_dir, start_round) if settings.resume else []
+    return [MetricsWriter(run_dir, run_header(settings, num_nodes), previous), CheckpointWriter(run_dir, meta)]
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """One federated run: ``num-server-rounds`` rounds of train → validate → align → merge → evaluate."""
+    settings = RunSettings.from_run_config(context.run_config)
+    run_dir = settings.run_dir(context.run_id)
+    configure_logging(run_dir)
+    cfg = pool(settings).task.config
+    done, initial = initial_model(settings, run_dir, cfg)
+    if done >= settings.num_server_rounds:
+        log.info("%s already has %d of %d rounds; nothing to do", run_dir, done, settings.num_server_rounds)
+        return
+    num_nodes = len(list(grid.get_node_ids()))
+    strategy = SymmetryAwareFedAvg(
+        settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
+        align_iters=settings.align_iters, independent_init=settings.init == "independent", round_offset=done,
+        hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
+        fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
+        min_evaluate_nodes=1 if settings.fraction_evaluate else 0)
+    strategy.start(grid, initial, num_rounds=settings.num_server_rounds - done, train_config=ConfigRecord(),
+                   evaluate_config=ConfigRecord(), evaluate_fn=central_evaluator(settings, cfg))
+    log.info("run finished: outputs in %s", run_dir)

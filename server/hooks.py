@@ -1,0 +1,113 @@
+"""Round hooks that write a run's outputs: metrics (JSON + CSV), one safetensors checkpoint per round, plots.
+
+Layout of ``outputs/<run>/``::
+
+    metrics.json   {"settings", "split", "model", "records": [RoundRecord...]}
+    metrics.csv    one row per round (dropped replies as a count)
+    checkpoints/round-NNN.safetensors   the global model after round N (round 0 = the initial model)
+    accuracy.png   central test accuracy of the global model and of the clients' models (mean) per round
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord
+
+from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from server.strategy import RoundHooks, RoundRecord
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = re.compile(r"round-(\d+)\.safetensors")
+
+
+class MetricsWriter(RoundHooks):
+    """Rewrites metrics.json and metrics.csv after every round, so a killed run keeps what it measured."""
+
+    def __init__(self, run_dir: Path, header: dict[str, Any], records: Sequence[RoundRecord] = ()) -> None:
+        self.run_dir, self.header = run_dir, header
+        self.records = list(records)
+
+    def on_round_end(self, record: RoundRecord, arrays: ArrayRecord) -> None:
+        self.records.append(record)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        body = self.header | {"records": [r.to_dict() for r in self.records]}
+        _atomic_write(self.run_dir / "metrics.json", json.dumps(body, indent=1))
+        rows = [r.to_dict() | {"dropped": len(r.dropped)} for r in self.records]
+        with (self.run_dir / "metrics.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def on_run_end(self, records: Sequence[RoundRecord]) -> None:
+        """accuracy.png over every round of the run, resumed ones included."""
+        from server.plots import plot_curves
+
+        curves = {
+            "global model": [(r.round, r.central_accuracy) for r in self.records],
+            "clients (mean)": [(r.round, r.mean_client_accuracy) for r in self.records],
+        }
+        path = plot_curves(curves, self.run_dir / "accuracy.png", str(self.header.get("title", "")))
+        log.info("accuracy plot: %s", path)
+
+
+def load_records(run_dir: Path, up_to: int) -> list[RoundRecord]:
+    """The records of rounds 0..up_to from an earlier metrics.json (for resume)."""
+    path = run_dir / "metrics.json"
+    if not path.is_file():
+        return []
+    records = json.loads(path.read_text())["records"]
+    return [RoundRecord(**r) for r in records if r["round"] <= up_to]
+
+
+@dataclass(frozen=True)
+class CheckpointWriter(RoundHooks):
+    """Saves the global model of every round through glmc.checkpoint (safetensors + checked JSON metadata)."""
+
+    run_dir: Path
+    meta: CheckpointMeta
+
+    def on_round_end(self, record: RoundRecord, arrays: ArrayRecord) -> None:
+        metrics = {k: float(v) for k, v in asdict(record).items()
+                   if k in ("round", "central_loss", "central_accuracy") and v is not None}
+        save_checkpoint(checkpoint_path(self.run_dir, record.round), arrays.to_torch_state_dict(),
+                        replace(self.meta, metrics=metrics))
+
+
+def checkpoint_path(run_dir: Path, round_: int) -> Path:
+    return run_dir / "checkpoints" / f"round-{round_:03d}.safetensors"
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """(round, state) of the newest checkpoint in ``run_dir``, verified by its checksum; None if there is none."""
+    found = sorted((int(m[1]), p) for p in (run_dir / "checkpoints").glob("round-*.safetensors")
+                   if (m := CHECKPOINT.fullmatch(p.name)))
+    if not found:
+        return None
+    round_, path = found[-1]
+    state, _ = load_checkpoint(path)
+    return round_, state
+
+
+def clear_outputs(run_dir: Path) -> None:
+    """A fresh (not resumed) run starts from an empty run directory: stale checkpoints would mislead a resume."""
+    stale = [*(run_dir / "checkpoints").glob("round-*.safetensors"), run_dir / "metrics.json", run_dir / "metrics.csv"]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if any(p.name.startswith("round-") for p in stale):
+        log.info("fresh run: removed the old checkpoints in %s", run_dir)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

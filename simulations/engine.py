@@ -1,0 +1,144 @@
+"""Run the Flower apps through the real simulation engine (`flwr run . --stream`) from Python, safely.
+
+`flwr run` exits 0 even when the ServerApp fails, and leaves a detached local SuperLink behind
+(../shared/design/flower.md). So :func:`run_simulation` reads the run id from ``--format json``,
+asks ``flwr ls --run-id ID --format json`` for the final status, and always stops the SuperLink it
+started, by the PID listening on its own port. Each call gets its own ``FLWR_HOME`` and free ports
+(``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``, ``FLWR_LOCAL_CONTROL_API_PORT``), so concurrent runs, tests
+and other users of the default port 39091 never meet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from glmc.data import data_root
+
+log = logging.getLogger(__name__)
+
+PROJECT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # flwr and flower-superlink live next to this interpreter
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """How a `flwr run` ended: its id, final status (``finished:completed`` on success) and wall time."""
+
+    run_id: str | None
+    status: str
+    details: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "finished:completed"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def flwr_env(flwr_home: Path, http_port: int, control_port: int) -> dict[str, str]:
+    """The environment every flwr command of this project runs with (flower.md, "Environment")."""
+    return os.environ | {
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "FLWR_HOME": str(flwr_home),
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
+        "GLMC_DATA": str(data_root().resolve()),  # the apps run from an installed copy of the project
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def toml_value(value: Any) -> str:
+    """A Python value as a TOML literal for a run-config override."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a basic TOML string: double quotes, JSON escapes
+
+
+def listening_pid(port: int) -> int | None:
+    """The PID listening on 127.0.0.1:``port`` (``ss -Hltnp``), or None."""
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True, check=False).stdout
+    for token in out.replace(",", " ").split():
+        if token.startswith("pid="):
+            return int(token[4:])
+    return None
+
+
+def stop_pid(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; only this one PID (its superexec child follows it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def local_superlink_env(flwr_home: Path | None = None) -> Iterator[dict[str, str]]:
+    """An isolated flwr environment; on exit, stops the local SuperLink that `flwr run` left on its port."""
+    with contextlib.ExitStack() as stack:
+        home = flwr_home or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flwr-home-")))
+        http_port, control_port = free_port(), free_port()
+        try:
+            yield flwr_env(home, http_port, control_port)
+        finally:
+            pid = listening_pid(http_port)
+            if pid is not None:
+                log.info("stopping the local SuperLink (pid %d, port %d)", pid, http_port)
+                stop_pid(pid)
+
+
+def _flwr(args: list[str], env: Mapping[str, str], timeout: float) -> dict[str, Any]:
+    """Run one flwr CLI command with ``--format json``; its JSON answer (success false on no answer)."""
+    proc = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], cwd=PROJECT, env=dict(env),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    start = proc.stdout.find("{")
+    try:
+        return json.loads(proc.stdout[start:]) if start >= 0 else {"success": False, "error": proc.stderr[-500:]}
+    except json.JSONDecodeError:
+        return {"success": False, "error": (proc.stdout + proc.stderr)[-500:]}
+
+
+def run_simulation(run_config: Mapping[str, Any], num_supernodes: int, *, cpus_per_client: int = 1,
+                   timeout: float = 7200, flwr_home: Path | None = None) -> SimulationResult:
+    """`flwr run . --stream` with these run-config overrides; returns the run's final status."""
+    start = time.monotonic()
+    with local_superlink_env(flwr_home) as env, tempfile.NamedTemporaryFile("w", suffix=".toml") as overrides:
+        overrides.write("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
+        overrides.flush()
+        federation = f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
+        started = _flwr(["run", str(PROJECT), "--stream", "--federation-config", federation,
+                         "--run-config", overrides.name], env, timeout)
+        run_id = started.get("run-id")
+        if not run_id:
+            return SimulationResult(None, "not-started", str(started.get("error", started)), time.monotonic() - start)
+        runs = _flwr(["ls", "--run-id", str(run_id)], env, 120).get("runs") or [{}]
+        status, details = runs[0].get("status", "unknown"), runs[0].get("status-details", "")
+    result = SimulationResult(str(run_id), status, details, time.monotonic() - start)
+    log.info("run %s: %s in %.0f s %s", run_id, status, result.seconds, "" if result.ok else details)
+    return result
