@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmc import cli_symmetry
+from glmc import cli_merge, cli_symmetry
 from glmc.errors import CheckpointError, ConfigError, GlmcError
 
 if TYPE_CHECKING:
@@ -125,6 +125,8 @@ COMMANDS: dict[str, Command] = {
                      cli_symmetry.add_align_arguments, cli_symmetry.run_align),
     "barrier": Command("loss barrier between two checkpoints, per alignment method",
                        cli_symmetry.add_barrier_arguments, cli_symmetry.run_barrier),
+    "merge": Command("merge N checkpoints (any widths) into one standard checkpoint", cli_merge.add_merge_arguments,
+                     cli_merge.run_merge),
 }
 
 

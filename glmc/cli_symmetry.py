@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from glmc import cli_merge
 from glmc.errors import CheckpointError, ConfigError
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
@@ -137,6 +138,7 @@ def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
     parser.add_argument("--json", required=True, type=Path, help="write the curves here")
     parser.add_argument("--plot", type=Path, help="write a loss/accuracy plot here (.png)")
+    cli_merge.add_simplex_arguments(parser)
 
 
 def run_barrier(args: argparse.Namespace) -> int:
@@ -147,6 +149,8 @@ def run_barrier(args: argparse.Namespace) -> int:
     from glmc.barrier import barrier_curve
     from glmc.tasks import load_task
 
+    if args.simplex:
+        return cli_merge.run_simplex(args)
     if args.points < 2:
         raise ConfigError("--points must be at least 2")
     state_a, state_b, meta, _ = _load_pair(args.a, args.b)

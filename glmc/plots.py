@@ -1,4 +1,4 @@
-"""Figures: barrier curves (loss and accuracy along λ, one line per method)."""
+"""Figures: barrier curves (loss and accuracy along λ, one line per method) and simplex heat maps."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import torch
 
 from glmc.barrier import BarrierCurve
 
@@ -26,6 +27,37 @@ def plot_barrier_curves(curves: Sequence[BarrierCurve], path: str | Path, title:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_simplex(panels: Sequence[tuple[str, Sequence[Sequence[float]], Sequence[float]]], path: str | Path,
+                 labels: Sequence[str] = ("A", "B", "C"), title: str = "") -> Path:
+    """Test loss over the simplex of three models, one triangle per method (paper Fig. 4).
+
+    Each panel is (method label, grid weights (w_A, w_B, w_C), loss at Σ w_i θ_i); one colour scale for all.
+    """
+    import matplotlib.tri as mtri
+
+    corners = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.5, 3**0.5 / 2]])
+    lo = min(min(losses) for _, _, losses in panels)
+    hi = max(max(losses) for _, _, losses in panels)
+    levels = torch.linspace(lo, hi + 1e-9, 25).tolist()  # one scale for every panel
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
+    for ax, (name, weights, losses) in zip(axes[0], panels, strict=True):
+        xy = torch.tensor(weights, dtype=torch.float32) @ corners
+        tri = mtri.Triangulation(xy[:, 0].numpy(), xy[:, 1].numpy())
+        shade = ax.tricontourf(tri, list(losses), levels=levels, cmap="viridis")
+        for corner, label in zip(corners.tolist(), labels, strict=True):
+            ax.annotate(label, corner, ha="center", va="top" if corner[1] == 0 else "bottom", fontsize=9)
+        ax.set(title=name, aspect="equal", xlim=(-0.08, 1.08), ylim=(-0.1, 0.97))
+        ax.axis("off")
+    fig.colorbar(shade, ax=axes[0].tolist(), shrink=0.8, label="test loss")
+    if title:
+        fig.suptitle(title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

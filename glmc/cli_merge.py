@@ -1,0 +1,217 @@
+"""``glmc merge`` (N checkpoints, any widths, into one standard checkpoint) and ``glmc barrier --simplex``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from glmc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from glmc.checkpoint import CheckpointMeta
+    from glmc.merge import MergeSetup
+    from glmc.universe import UniverseResult
+
+LEARN_SAMPLES = 10000  # default training samples of learned refinement (activation matching: --batch)
+
+
+def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoints", nargs="+", type=Path, help="checkpoints to merge (.safetensors)")
+    parser.add_argument("--method", default="weight", help="none, weight, weight-perm, activation or learned")
+    width = parser.add_mutually_exclusive_group()
+    width.add_argument("--width-of", type=Path, help="give the merged model this checkpoint's width")
+    width.add_argument("--width-mult", type=float, help="give the merged model this tier of the preset")
+    parser.add_argument("--weights", help="comma-separated weights n1,n2,... (e.g. example counts; default equal)")
+    parser.add_argument("--out", required=True, type=Path, help="merged standard checkpoint (.safetensors)")
+    parser.add_argument("--json", type=Path, help="write the full report here")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.add_argument("--simplex-points", type=int, default=66, help="at most this many simplex grid weights")
+    parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
+    parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
+    parser.add_argument("--batch", type=int, help="training samples for activation (default 512) and learned "
+                        f"(default {LEARN_SAMPLES}) merging")
+    parser.add_argument("--epochs", type=int, default=1, help="learned: passes over the training samples")
+    parser.add_argument("--steps", type=int, help="learned: this many steps instead of --epochs")
+    parser.add_argument("--lr", type=float, help="learned: AdamW learning rate on the latents")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+    add_universe_arguments(parser)
+
+
+def add_universe_arguments(parser: argparse.ArgumentParser) -> None:
+    """Universe-matching options, shared by ``merge`` and ``barrier --simplex``."""
+    parser.add_argument("--iters", type=int, default=5, help="universe iterations at most")
+    parser.add_argument("--tol", type=float, default=1e-4, help="stop when U moves less than this (relative)")
+    parser.add_argument("--workers", type=int, default=1, help="processes aligning models in parallel")
+
+
+def _weights(text: str | None, n: int) -> list[float] | None:
+    """``n1,n2,...`` as n positive floats."""
+    if text is None:
+        return None
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError as err:
+        raise ConfigError(f"--weights must be comma-separated numbers, got {text!r}") from err
+    if len(weights) != n or min(weights) <= 0:
+        raise ConfigError(f"--weights needs {n} positive numbers, got {text!r}")
+    return weights
+
+
+def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
+    from glmc.checkpoint import load_checkpoint
+
+    loaded = [load_checkpoint(p) for p in paths]
+    return [s for s, _ in loaded], [m for _, m in loaded]
+
+
+def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointMeta, n: int) -> MergeSetup:
+    """The MergeSetup of one method: training samples only for the data-driven ones (never the test split)."""
+    from glmc.cli_symmetry import _train_subset
+    from glmc.match.learned import LearnConfig
+    from glmc.merge import DATA_METHODS, MergeSetup
+
+    samples = args.batch or (LEARN_SAMPLES if method == "learned" else 512)
+    train = _train_subset(dataclasses.replace(meta, config=target), args.data, samples) if method in DATA_METHODS \
+        else None
+    lr = {} if args.lr is None else {"lr": args.lr}
+    learn = LearnConfig(epochs=args.epochs, steps=args.steps, progress=not args.quiet, **lr)
+    return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, args.iters,
+                      args.tol, args.workers, learn)
+
+
+def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
+    from torch.utils.data import Subset
+
+    from glmc.tasks import load_task
+
+    test = load_task(meta.dataset, target, args.data).test
+    return Subset(test, range(min(args.limit, len(test)))) if args.limit else test  # type: ignore[arg-type]
+
+
+def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta], Any, float]:
+    """Inputs, their metadata, and the checked target config and width multiplier."""
+    from glmc.checkpoint import load_checkpoint
+    from glmc.merge import check_inputs, target_config
+
+    natives, metas = _load(paths)
+    width_of = load_checkpoint(args.width_of)[1] if getattr(args, "width_of", None) else None
+    target, mult = target_config(metas, width_of, getattr(args, "width_mult", None))
+    check_inputs(metas, target)
+    return natives, metas, target, mult
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
+    from glmc.cli import _check_out
+    from glmc.merge import MERGE_METHODS, grid_steps
+
+    if args.method not in MERGE_METHODS:
+        raise ConfigError(f"unknown merge method {args.method!r}; known: {', '.join(MERGE_METHODS)}")
+    _check_out(args.out, args.force)
+    natives, metas, target, mult = _prepare(args, args.checkpoints)
+    setup = _setup(args, args.method, target, metas[0], len(natives))
+    configs = [m.config for m in metas]
+    result, report = _merge_and_save(args, natives, metas, setup, mult)
+    report |= _evaluate(args, natives, configs, setup, metas[0], grid_steps(len(natives), args.simplex_points),
+                        result)
+    _print_merge(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
+                    mult: float) -> tuple[UniverseResult, dict[str, Any]]:
+    """Universe matching, then the merged model written as a standard float32 checkpoint."""
+    import torch
+
+    from glmc.archs import get_arch
+    from glmc.checkpoint import save_checkpoint
+    from glmc.merge import merge_states
+
+    result = merge_states(natives, [m.config for m in metas], setup)
+    native = get_arch(setup.target.family).to_native(result.merged, setup.target.depth)
+    split = f"merged from {len(natives)} checkpoints by {setup.method}: {', '.join(p.name for p in args.checkpoints)}"
+    meta = dataclasses.replace(metas[0], config=setup.target, width_mult=mult, seed=None, split=split, metrics={},
+                               train={})
+    save_checkpoint(args.out, {k: v.to(torch.float32) for k, v in native.items()}, meta)
+    return result, {"out": str(args.out), "method": setup.method, "target": setup.target.to_dict(),
+                    "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
+
+
+def _evaluate(args: argparse.Namespace, natives: list[dict], configs: list, setup: MergeSetup, meta: CheckpointMeta,
+              steps: int, result: UniverseResult) -> dict[str, Any]:
+    """Test metrics of every input, the merge and the ensemble; the simplex barrier; across widths, Fig. 3c."""
+    from glmc.merge import evaluate_merge, width_barriers
+
+    test = _test_split(meta, setup.target, args)
+    report = evaluate_merge(result, natives, configs, setup, test, steps)
+    report["inputs"] = [{"path": str(p), "width": c.width} | m
+                        for p, c, m in zip(args.checkpoints, configs, report["inputs"], strict=True)]
+    if len({(c.width, c.mlp, c.heads) for c in configs}) > 1:
+        report["width_barriers"] = width_barriers(natives, configs, setup, test)
+    return report
+
+
+def _print_merge(report: dict[str, Any]) -> None:
+    """A short human summary, then the headline figures as one JSON line."""
+    for row in report["inputs"]:
+        print(f"input   {row['path']:48s} width {row['width']:4d}  loss {row['loss']:.4f}  acc {row['accuracy']:.4f}")
+    for name in ("merged", "ensemble"):
+        print(f"{name:8s}{'':55s}  loss {report[name]['loss']:.4f}  acc {report[name]['accuracy']:.4f}")
+    simplex = report["simplex"]
+    print(f"simplex barrier (Eq. 2) {simplex['barrier']:.4f} over {len(simplex['weights'])} weights; "
+          f"universe matching {report['universe_seconds']:.1f} s", file=sys.stderr)
+    headline = {"method": report["method"], "merged_accuracy": report["merged"]["accuracy"],
+                "merged_loss": report["merged"]["loss"], "ensemble_accuracy": report["ensemble"]["accuracy"],
+                "mean_input_accuracy": sum(r["accuracy"] for r in report["inputs"]) / len(report["inputs"]),
+                "simplex_barrier": simplex["barrier"], "universe_seconds": round(report["universe_seconds"], 2)}
+    print(json.dumps(headline | {"width_barriers": [round(w["barrier"], 4) for w in report.get("width_barriers", [])]}))
+
+
+def add_simplex_arguments(parser: argparse.ArgumentParser) -> None:
+    """``glmc barrier --simplex A B C``: A is the flag's value, B and C the pair positionals."""
+    parser.add_argument("--simplex", type=Path, metavar="A", help="with the positionals B C: loss over the simplex "
+                        "of three models A B C, merged per --method (paper Fig. 4)")
+    parser.add_argument("--simplex-steps", type=int, default=10, help="simplex grid: weights in multiples of 1/N")
+    add_universe_arguments(parser)
+
+
+def run_simplex(args: argparse.Namespace) -> int:
+    """Align A, B, C into one universe per method; the loss over the simplex grid, its barrier, a heat map."""
+    from glmc.merge import merge_states, simplex_barrier
+
+    if args.simplex_steps < 2:
+        raise ConfigError("--simplex-steps must be at least 2")
+    paths = [args.simplex, args.a, args.b]
+    natives, metas, target, _ = _prepare(args, paths)
+    test = _test_split(metas[0], target, args)
+    panels = []
+    for method in args.method or ["none", "weight"]:
+        setup = _setup(args, method, target, metas[0], 3)
+        result = merge_states(natives, [m.config for m in metas], setup)
+        floats = [{k: v.float() for k, v in s.items()} for s in result.aligned]
+        panel = simplex_barrier(floats, target, test, args.simplex_steps, method=method).to_dict()
+        panels.append(panel | {"universe_seconds": result.seconds})
+        print(f"{method:12s} simplex barrier {panel['barrier']:.4f}  merge {result.seconds:.2f} s", file=sys.stderr)
+    _write_simplex(args, paths, panels)
+    return 0
+
+
+def _write_simplex(args: argparse.Namespace, paths: list[Path], panels: list[dict[str, Any]]) -> None:
+    from glmc.plots import plot_simplex
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"models": [str(p) for p in paths], "steps": args.simplex_steps,
+                                     "panels": panels}, indent=1))
+    if args.plot:
+        plot_simplex([(f"{p['method']} (barrier {p['barrier']:.3f})", p["weights"], p["losses"]) for p in panels],
+                     args.plot, labels=[p.stem for p in paths])
+    print(json.dumps({p["method"]: round(p["barrier"], 4) for p in panels}))

@@ -1,0 +1,214 @@
+"""Merging N checkpoints of one family, of the same or different widths, into one standard checkpoint, and the
+figures that judge a merge: each model's own metrics, the merged model's, the logit-averaging ensemble's, the
+multi-model barrier over a simplex grid (paper Eq. 2) and, across widths, each narrow model's pairwise barrier
+to the wide one (paper Fig. 3c).
+
+Eq. 2: B(θ_1..θ_N) = max_w L(Σ_i w_i θ_i) − Σ_i w_i L(θ_i) over the simplex; here over the grid of weights
+that are multiples of 1/steps, evaluated on held-out data like the pairwise barrier (symmetry.md §10).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from glmc.archs import Arch, ModelConfig, State, get_arch, preset, scale_width
+from glmc.barrier import barrier_curve
+from glmc.canonical import canonicalize, to_model
+from glmc.checkpoint import CheckpointMeta
+from glmc.errors import ConfigError
+from glmc.match.learned import mix
+from glmc.train import evaluate
+from glmc.universe import UniverseResult, universe_match
+from glmc.widths import WIDTH_FIELDS, check_embeddable
+
+if TYPE_CHECKING:
+    from glmc.match.learned import LearnConfig
+
+# ``learned`` merges by weight-matching universe iterations and the multi-model learned refinement; its pairwise
+# width barriers use pairwise learned matching.
+MERGE_METHODS = ("none", "weight", "weight-perm", "activation", "learned")
+DATA_METHODS = ("activation", "learned")
+
+
+def _compositions(total: int, parts: int) -> list[tuple[int, ...]]:
+    """Every way to write ``total`` as an ordered sum of ``parts`` non-negative integers."""
+    if parts == 1:
+        return [(total,)]
+    return [(first, *rest) for first in range(total, -1, -1) for rest in _compositions(total - first, parts - 1)]
+
+
+def simplex_grid(n: int, steps: int) -> list[tuple[float, ...]]:
+    """Every weight vector on the (n−1)-simplex whose entries are multiples of 1/steps (vertices included)."""
+    return [tuple(c / steps for c in counts) for counts in _compositions(steps, n)]
+
+
+def grid_steps(n: int, max_points: int) -> int:
+    """The finest grid of at most ``max_points`` weights on the simplex of n models, and never coarser than 1/2."""
+    steps = 2
+    while math.comb(steps + n, n - 1) <= max_points:
+        steps += 1
+    return steps
+
+
+@dataclass
+class SimplexBarrier:
+    """Loss and accuracy at every grid weight, B(w) = L(Σ w_i θ_i) − Σ w_i L(θ_i), and its maximum (Eq. 2)."""
+
+    weights: list[tuple[float, ...]]
+    losses: list[float]
+    accuracies: list[float]
+    barriers: list[float]
+    barrier: float
+    method: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def simplex_barrier(states: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig, data: Dataset, steps: int,
+                    batch_size: int = 256, method: str = "") -> SimplexBarrier:
+    """Evaluate Σ w_i θ_i on ``data`` over :func:`simplex_grid`; one model is built once and reloaded."""
+    arch = get_arch(cfg.family)
+    grid = simplex_grid(len(states), steps)
+    model = to_model(states[0], cfg)
+    losses, accuracies = [], []
+    for w in grid:
+        model.load_state_dict(arch.to_native(mix(states, w), cfg.depth))
+        metrics = evaluate(model, arch, data, batch_size)
+        losses.append(metrics["loss"])
+        accuracies.append(metrics["accuracy"])
+    vertex = [losses[grid.index(tuple(float(i == j) for j in range(len(states))))] for i in range(len(states))]
+    barriers = [loss - sum(wi * li for wi, li in zip(w, vertex, strict=True)) for w, loss in zip(grid, losses,
+                                                                                                 strict=True)]
+    return SimplexBarrier(grid, losses, accuracies, barriers, max(barriers), method)
+
+
+class LogitEnsemble(nn.Module):
+    """The mean of several models' logits, each model at its own width."""
+
+    def __init__(self, models: Sequence[nn.Module], arch: Arch) -> None:
+        super().__init__()
+        self.members, self.arch = nn.ModuleList(models), arch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.arch.logits(m, x) for m in self.members]).mean(0)
+
+
+def ensemble_metrics(models: Sequence[nn.Module], arch: Arch, data: Dataset, batch_size: int = 256,
+                     ) -> dict[str, float]:
+    """Loss and accuracy of the logit-averaging ensemble, through the same :func:`glmc.train.evaluate`."""
+    plain = dataclasses.replace(arch, logits=lambda model, x: model(x))
+    return evaluate(LogitEnsemble(models, arch), plain, data, batch_size)
+
+
+def target_config(metas: Sequence[CheckpointMeta], width_of: CheckpointMeta | None = None,
+                  width_mult: float | None = None) -> tuple[ModelConfig, float]:
+    """The merged model's config and width multiplier: another checkpoint's, a preset tier, or the widest input's."""
+    if width_of is not None:
+        return width_of.config, width_of.width_mult
+    widest = max(metas, key=lambda m: (m.config.width, m.config.mlp, m.config.heads))
+    if width_mult is None:
+        return widest.config, widest.width_mult
+    shared = {k: v for k, v in widest.config.to_dict().items() if k not in WIDTH_FIELDS}
+    return scale_width(preset(widest.preset).replace(**shared), width_mult), width_mult
+
+
+def check_inputs(metas: Sequence[CheckpointMeta], target: ModelConfig) -> None:
+    """One-line ConfigError unless every input fits the target: family, depth, data and vocabulary, width."""
+    for meta in metas:
+        check_embeddable(meta.config, target)
+    if len({m.dataset for m in metas}) > 1:
+        raise ConfigError(f"checkpoints were trained on different datasets: {sorted({m.dataset for m in metas})}")
+    if len({m.vocab for m in metas}) > 1:
+        raise ConfigError("checkpoints have different vocabularies")
+
+
+@dataclass
+class MergeSetup:
+    """How to merge: the method and its options, and the data it may read."""
+
+    method: str
+    target: ModelConfig
+    weights: list[float] | None = None
+    train: Dataset | None = None  # training samples for data-driven methods (never the held-out split)
+    batch: int = 512  # activation matching's samples
+    max_iters: int = 5
+    tol: float = 1e-4
+    workers: int = 1
+    learn: LearnConfig | None = None
+
+
+def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
+    """The first model already at the target width is U's first value (else the first model)."""
+    return next((i for i, c in enumerate(configs) if c == target), 0)
+
+
+def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
+                 ) -> UniverseResult:
+    """Canonicalise every native state (float64), embed it into the target and run universe matching."""
+    if setup.method not in MERGE_METHODS:
+        raise ConfigError(f"unknown merge method {setup.method!r}; known: {', '.join(MERGE_METHODS)}")
+    arch = get_arch(setup.target.family)
+    # Vanilla averaging at one width takes the models as trained, like the paper's baseline; everything else
+    # (and any embedding across widths) needs the standard form, LayerNorms folded.
+    raw = setup.method == "none" and all(c == setup.target for c in configs)
+    states = [arch.to_canonical(_float64(s), c.depth) if raw else canonicalize(arch, s, c.depth, dtype=torch.float64)
+              for s, c in zip(natives, configs, strict=True)]
+    pairwise = "weight" if setup.method == "learned" else setup.method
+    return universe_match(states, setup.target, pairwise, weights=setup.weights, configs=configs,
+                          reference=_reference(configs, setup.target), max_iters=setup.max_iters, tol=setup.tol,
+                          data=setup.train, batch=setup.batch, workers=setup.workers,
+                          refine=setup.method == "learned", learn=setup.learn)
+
+
+def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
+                   test: Dataset, points: int = 21) -> list[dict[str, Any]]:
+    """Pairwise barrier between the wide reference and each narrower model, embedded and aligned to it (Fig. 3c)."""
+    ref = _reference(configs, setup.target)
+    if configs[ref] != setup.target:
+        return []
+    arch = get_arch(setup.target.family)
+    wide = canonicalize(arch, natives[ref], setup.target.depth, dtype=torch.float64)
+    rows = []
+    for i, cfg in enumerate(configs):
+        if cfg.width == setup.target.width and cfg.mlp == setup.target.mlp:
+            continue
+        narrow = canonicalize(arch, natives[i], cfg.depth, dtype=torch.float64)
+        pair = universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
+                              data=setup.train, batch=setup.batch, learn=setup.learn)
+        a, b = (_float32(s) for s in (wide, pair.aligned[0]))
+        curve = barrier_curve(a, b, setup.target, test, points, method=setup.method)
+        rows.append({"input": i, "width": cfg.width, "barrier": curve.barrier, "curve": curve.to_dict()})
+    return rows
+
+
+def _float32(state: Mapping[str, torch.Tensor]) -> State:
+    return {k: v.to(torch.float32) for k, v in state.items()}
+
+
+def _float64(state: Mapping[str, torch.Tensor]) -> State:
+    return {k: v.to(torch.float64) for k, v in state.items()}
+
+
+def evaluate_merge(result: UniverseResult, natives: Sequence[Mapping[str, torch.Tensor]],
+                   configs: Sequence[ModelConfig], setup: MergeSetup, test: Dataset, steps: int,
+                   ) -> dict[str, Any]:
+    """Each input's test metrics, the merged model's, the ensemble's and the simplex barrier of the aligned models."""
+    arch = get_arch(setup.target.family)
+    models = []
+    for native, cfg in zip(natives, configs, strict=True):
+        model = arch.build(cfg)
+        model.load_state_dict(native)
+        models.append(model.eval())
+    merged = evaluate(to_model(_float32(result.merged), setup.target), arch, test)
+    simplex = simplex_barrier([_float32(s) for s in result.aligned], setup.target, test, steps, method=setup.method)
+    return {"inputs": [evaluate(m, arch, test) for m in models], "merged": merged,
+            "ensemble": ensemble_metrics(models, arch, test), "simplex": simplex.to_dict()}

@@ -1,0 +1,104 @@
+"""`glmc merge` and `glmc barrier --simplex` end to end on tiny checkpoints, and their one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from glmc.archs import build_model, preset, scale_width
+from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from glmc.cli import main
+from glmc.data.fashion_mnist import find_fashion_mnist
+from glmc.merge import grid_steps, simplex_grid
+
+HAS_FASHION = find_fashion_mnist() is not None
+VIT = preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28, depth=1)
+needs_data = pytest.mark.skipif(not HAS_FASHION, reason="Fashion-MNIST not installed (make setup installs it)")
+
+
+def _checkpoint(path, cfg, seed, mult=1.0, dataset="fashion-mnist"):
+    """An untrained checkpoint of ``cfg`` (enough to exercise merging and evaluation)."""
+    torch.manual_seed(seed)
+    meta = CheckpointMeta(preset="vit-tiny", config=cfg, width_mult=mult, seed=seed, dataset=dataset)
+    return save_checkpoint(path, build_model(cfg), meta)
+
+
+@pytest.fixture
+def trio(tmp_path):
+    """Two full-width checkpoints and one at width multiplier 0.5."""
+    return [_checkpoint(tmp_path / "a.safetensors", VIT, 0), _checkpoint(tmp_path / "b.safetensors", VIT, 1),
+            _checkpoint(tmp_path / "c.safetensors", scale_width(VIT, 0.5), 2, mult=0.5)]
+
+
+def test_simplex_grid_covers_the_simplex():
+    grid = simplex_grid(3, 4)
+    assert len(grid) == 15 and all(abs(sum(w) - 1) < 1e-12 for w in grid) and (1.0, 0.0, 0.0) in grid
+    assert len(simplex_grid(5, grid_steps(5, 66))) <= 66 and grid_steps(10, 5) == 2
+
+
+@needs_data
+def test_merge_of_mixed_widths_writes_a_standard_checkpoint_and_a_report(trio, tmp_path, capsys):
+    out, report = tmp_path / "merged.safetensors", tmp_path / "merge.json"
+    argv = ["merge", *map(str, trio), "--method", "weight", "--weights", "2,1,1", "--out", str(out),
+            "--json", str(report), "--limit", "64", "--simplex-points", "10", "--iters", "2", "--quiet"]
+    assert main(argv) == 0
+    headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    state, meta = load_checkpoint(out)
+    full = json.loads(report.read_text())
+    assert meta.config == VIT and state["blocks.0.mlp.fc1.weight"].dtype == torch.float32
+    assert len(full["inputs"]) == 3 and len(full["simplex"]["weights"]) == 10 and len(full["width_barriers"]) == 1
+    assert 1 <= len(full["universe"]) <= 2 and headline["merged_accuracy"] == full["merged"]["accuracy"]
+    assert full["simplex"]["barrier"] >= -1e-6  # the vertices are in the grid, where B = 0
+
+
+@needs_data
+def test_vanilla_merge_at_one_width_is_the_mean_of_the_inputs(trio, tmp_path):
+    out = tmp_path / "mean.safetensors"
+    argv = ["merge", *map(str, trio[:2]), "--method", "none", "--out", str(out), "--limit", "16",
+            "--simplex-points", "3", "--quiet"]
+    assert main(argv) == 0
+    merged, (a, _), (b, _) = load_checkpoint(out)[0], load_checkpoint(trio[0]), load_checkpoint(trio[1])
+    assert all(torch.allclose(merged[k], (a[k] + b[k]) / 2, atol=1e-7) for k in a)
+
+
+@needs_data
+def test_barrier_simplex_writes_a_heat_map(trio, tmp_path, capsys):
+    report, plot = tmp_path / "simplex.json", tmp_path / "simplex.png"
+    argv = ["barrier", "--simplex", str(trio[0]), str(trio[1]), str(trio[2]), "--method", "none", "--method",
+            "weight", "--simplex-steps", "2", "--limit", "16", "--json", str(report), "--plot", str(plot), "--quiet"]
+    assert main(argv) == 0
+    panels = json.loads(report.read_text())["panels"]
+    assert [p["method"] for p in panels] == ["none", "weight"] and len(panels[0]["weights"]) == 6
+    assert plot.stat().st_size > 0 and set(json.loads(capsys.readouterr().out)) == {"none", "weight"}
+
+
+def _fails_with_one_line(argv, capsys, expect):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("glmc: error: ") and expect in err[0], err
+
+
+@pytest.mark.parametrize(("other", "expect"), [
+    (preset("gpt2-tiny").replace(vocab_size=11, depth=1), "families differ"),
+    (VIT.replace(depth=2), "depth-heterogeneous merging is out of scope"),
+    (VIT.replace(num_classes=7), "class counts differ"),
+])
+def test_incompatible_inputs_fail_in_one_line(tmp_path, capsys, other, expect):
+    a = _checkpoint(tmp_path / "a.safetensors", VIT, 0)
+    b = _checkpoint(tmp_path / "b.safetensors", other, 1)
+    _fails_with_one_line(["merge", str(a), str(b), "--out", str(tmp_path / "m.safetensors")], capsys, expect)
+
+
+def test_target_narrower_than_an_input_fails_in_one_line(trio, tmp_path, capsys):
+    argv = ["merge", *map(str, trio), "--width-of", str(trio[2]), "--out", str(tmp_path / "m.safetensors")]
+    _fails_with_one_line(argv, capsys, "narrower than an input")
+    argv = ["merge", *map(str, trio), "--width-mult", "0.5", "--out", str(tmp_path / "m.safetensors")]
+    _fails_with_one_line(argv, capsys, "narrower than an input")
+
+
+def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
+    out = str(tmp_path / "m.safetensors")
+    _fails_with_one_line(["merge", *map(str, trio), "--weights", "1,2", "--out", out], capsys, "needs 3 positive")
+    _fails_with_one_line(["merge", *map(str, trio), "--method", "magic", "--out", out], capsys, "unknown merge method")
