@@ -23,6 +23,7 @@ from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.errors import ConfigError
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
 from server import protocol
+from server.aggregation import restrict
 from server.settings import RunSettings
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,16 @@ def _setup(context: Context) -> tuple[RunSettings, Node, ModelConfig, ClientShar
     return settings, node, scale_width(pool(settings).task.config, node.tier), share
 
 
-def _received_model(msg: Message, cfg: ModelConfig, node: Node) -> nn.Module:
-    """A model at this node's width holding the weights the server sent."""
+def _received_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: Node) -> nn.Module:
+    """A model at this node's width holding the weights the server sent.
+
+    A server that has not heard from this node yet sends the full-width model; the node then restricts
+    it itself, exactly as the server would (its HeteroFL slice, or its projection for aligned merging).
+    """
     model = build_model(cfg)
     state = msg.content[protocol.ARRAYS].to_torch_state_dict()
+    if any(state[k].shape != v.shape for k, v in model.state_dict().items() if k in state):
+        state = restrict(state, pool(settings).task.config, node.tier, settings.aggregation)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
@@ -74,7 +81,7 @@ def _start_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: No
     if settings.init == "independent" and server_round == 1:
         seed_everything(settings.seed + 1000 * node.partition_id)
         return build_model(cfg)
-    return _received_model(msg, cfg, node)
+    return _received_model(msg, cfg, settings, node)
 
 
 def _train_config(settings: RunSettings, defaults: dict, seed: int) -> TrainConfig:
@@ -119,8 +126,8 @@ def train_fn(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate_fn(msg: Message, context: Context) -> Message:
     """Federated evaluation: the global model at this node's width on its local validation set."""
-    _, node, cfg, share = _setup(context)
-    model = _received_model(msg, cfg, node)
+    settings, node, cfg, share = _setup(context)
+    model = _received_model(msg, cfg, settings, node)
     result = evaluate(model, get_arch(cfg.family), share.val)
     metrics = MetricRecord({protocol.WEIGHT_KEY: len(share.val), "eval-loss": float(result["loss"]),  # type: ignore[arg-type]
                             "eval-accuracy": float(result["accuracy"])})

@@ -1,51 +1,59 @@
-"""The strategy's one aggregation step: client state dicts in, one global state dict out.
+"""The strategy's one aggregation step: decoded client models in, one global model out.
 
-``merge`` is the only place that knows how models are combined, so the strategy never branches
-on the method. ``fedavg`` is handled by the strategy itself (flwr's own FedAvg code path); every
-other method canonicalises (LayerNorms folded), aligns every client into the basin of an anchor
-(the previous global model) with the chosen matching, iterates anchor = weighted mean, and takes
-the example-weighted mean of the aligned models (architecture.md, "The path the data takes").
+``merge`` is the only place that knows how models are combined, so the strategy never branches on the
+method (architecture.md, "The path the data takes"):
+
+- ``fedavg``: HeteroFL's coverage-weighted average of width slices (:mod:`server.heterofl`). The strategy
+  itself takes flwr's own FedAvg code path when every client is full width, so that case is FedAvg exactly.
+- ``weight`` / ``activation``: canonicalise (LayerNorms folded), embed every client exactly into the
+  universe width, universe matching anchored at the previous global model (:func:`glmc.universe.universe_match`,
+  iterating U ← least-squares coverage-weighted mean), then back to the native form.
+- ``learned``: the same weight-matching iterations, finished by the multi-model learned refinement on the
+  server-held batch (paper §4.3).
+
+Each client later gets the global model restricted to its own width (:func:`restrict`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Dataset
 
-from glmc.align import METHODS, align_pair
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import ModelConfig, State, get_arch, scale_width
 from glmc.canonical import canonicalize
-from glmc.errors import ConfigError
+from glmc.universe import universe_match
+from glmc.widths import Placement, embed, place, project
+from server import heterofl
 
 log = logging.getLogger(__name__)
+
+# aggregation → (pairwise method of each universe iteration, finish with the learned refinement)
+UNIVERSE_METHODS = {"weight": ("weight", False), "activation": ("activation", False), "learned": ("weight", True)}
+
+
+@dataclass(frozen=True)
+class Client:
+    """One valid reply, decoded: its native state, example count and width tier."""
+
+    state: State
+    weight: float
+    tier: float
 
 
 @dataclass(frozen=True)
 class MergeResult:
-    """The merged native state (float32) and what it cost and achieved."""
+    """The merged native state (float32, full width), its cost, and where every client now sits."""
 
     state: State
     align_seconds: float
-    distance_before: float  # mean pairwise ‖θ_i − θ_j‖ of the canonical client models
+    distance_before: float  # mean pairwise ‖θ_i − θ_j‖ of the clients in the universe (canonical, embedded)
     distance_after: float  # the same after alignment
-
-
-def check_method(method: str) -> None:
-    """Fail at start-up, not in round 1, if ``method`` has no matching behind it."""
-    if method != "fedavg" and method not in METHODS:
-        raise ConfigError(f"aggregation {method!r} is not available; glmc.align offers {', '.join(METHODS)}")
-
-
-def weighted_mean(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> State:
-    """Σ_i w_i θ_i / Σ_i w_i, key by key."""
-    total = float(sum(weights))
-    return {key: sum(w / total * s[key] for s, w in zip(states, weights, strict=True)) for key in states[0]}
+    placements: list[Placement | None]  # per client, for restricting the next global model (None: HeteroFL)
 
 
 def mean_pairwise_distance(states: Sequence[Mapping[str, torch.Tensor]]) -> float:
@@ -56,31 +64,57 @@ def mean_pairwise_distance(states: Sequence[Mapping[str, torch.Tensor]]) -> floa
     return sum(float(sum(((a[k] - b[k]) ** 2).sum() for k in a)) ** 0.5 for a, b in pairs) / len(pairs)
 
 
-def canonical_distance(states: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig) -> float:
-    """Mean pairwise distance of native states in canonical form (LayerNorms folded), as alignment sees them."""
-    arch = get_arch(cfg.family)
-    return mean_pairwise_distance([canonicalize(arch, s, cfg.depth, dtype=torch.float64) for s in states])
+def universe_states(clients: Sequence[Client], full: ModelConfig) -> tuple[list[State], list[ModelConfig]]:
+    """Every client canonical (float64, LayerNorms folded) at its own width, with its config."""
+    arch = get_arch(full.family)
+    configs = [scale_width(full, c.tier) for c in clients]
+    return [canonicalize(arch, c.state, full.depth, dtype=torch.float64) for c in clients], configs
 
 
-def merge(states: Sequence[State], weights: Sequence[float], cfg: ModelConfig, method: str, *,
-          anchor: State | None, data: Dataset | None = None, iters: int = 1) -> MergeResult:
-    """Align every client to ``anchor`` (default: the heaviest client), then anchor = mean; ``iters`` times.
+def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], full: ModelConfig) -> float:
+    """Mean pairwise distance of canonical clients embedded (unaligned) into the universe width."""
+    return mean_pairwise_distance([embed(s, place(c, full)) if c != full else s
+                                   for s, c in zip(states, configs, strict=True)])
 
-    ``states``: native state dicts of one config; ``data``: the server-held batch for data-driven methods.
+
+def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
+          data: Dataset | None = None, iters: int = 3, workers: int = 1) -> MergeResult:
+    """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
+
+    ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
     """
-    arch = get_arch(cfg.family)
-    reference = anchor if anchor is not None else states[max(range(len(states)), key=lambda i: weights[i])]
-    before = canonical_distance(states, cfg)
-    start = time.perf_counter()
-    for step in range(iters):
-        aligned = [align_pair(reference, s, cfg, method, data=data, batch=_batch(data)).b for s in states]
-        merged = weighted_mean(aligned, weights)
-        reference = arch.to_native(merged, cfg.depth)
-        log.info("alignment iteration %d/%d done after %.1f s", step + 1, iters, time.perf_counter() - start)
-    seconds = time.perf_counter() - start
-    native = {k: v.to(torch.float32) for k, v in reference.items()}
-    return MergeResult(native, seconds, before, mean_pairwise_distance(aligned))
+    states, configs = universe_states(clients, full)
+    before = embedded_distance(states, configs, full)
+    weights = [c.weight for c in clients]
+    if aggregation == "fedavg":
+        previous = anchor if anchor is not None else clients[0].state
+        native = heterofl.merge([c.state for c in clients], configs, weights, full, previous)
+        return MergeResult(_float32(native), 0.0, before, before, [None] * len(clients))
+    arch = get_arch(full.family)
+    method, refine = UNIVERSE_METHODS[aggregation]
+    start = canonicalize(arch, anchor, full.depth, dtype=torch.float64) if anchor is not None else None
+    result = universe_match(states, full, method, weights=weights, anchor=start,
+                            reference=max(range(len(clients)), key=weights.__getitem__), configs=configs,
+                            max_iters=iters, data=data, batch=len(data) if data is not None else 512,  # type: ignore[arg-type]
+                            workers=workers, refine=refine)
+    seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
+    return MergeResult(_float32(arch.to_native(result.merged, full.depth)), seconds, before,
+                       mean_pairwise_distance(result.aligned), list(result.placements))
 
 
-def _batch(data: Dataset | None) -> int:
-    return len(data) if data is not None else 0  # type: ignore[arg-type]
+def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float, aggregation: str,
+             placement: Placement | None = None) -> State:
+    """The global model at a client's width: its HeteroFL slice (fedavg), else its projection onto the
+    client's subspace of the universe (``placement``: where alignment last put it; default: the exact embedding)."""
+    narrow = scale_width(full, tier)
+    if narrow == full:
+        return dict(global_native)
+    if aggregation == "fedavg":
+        return _float32(heterofl.restrict(global_native, full, narrow))
+    arch = get_arch(full.family)
+    canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)
+    return _float32(arch.to_native(project(canonical, placement or place(narrow, full)), full.depth))
+
+
+def _float32(state: Mapping[str, torch.Tensor]) -> State:
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in state.items()}

@@ -74,7 +74,6 @@ def central_evaluator(settings: RunSettings, cfg: ModelConfig) -> EvaluateFn:
     arch = get_arch(cfg.family)
 
     def evaluate_global(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        set_threads(0)
         model = build_model(cfg)
         model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
         result = evaluate(model, arch, test)
@@ -112,6 +111,9 @@ def main(grid: Grid, context: Context) -> None:
     settings = RunSettings.from_run_config(context.run_config)
     run_dir = settings.run_dir(context.run_id)
     configure_logging(run_dir)
+    # One thread: the ServerApp shares the CPUs with the simulated clients, and a descheduled OpenMP thread
+    # makes the many small ops of alignment many times slower; align-workers adds processes instead.
+    set_threads(1)
     cfg = pool(settings).task.config
     done, initial = initial_model(settings, run_dir, cfg)
     if done >= settings.num_server_rounds:
@@ -120,7 +122,8 @@ def main(grid: Grid, context: Context) -> None:
     num_nodes = len(list(grid.get_node_ids()))
     strategy = SymmetryAwareFedAvg(
         settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
-        align_iters=settings.align_iters, independent_init=settings.init == "independent", round_offset=done,
+        align_iters=settings.align_iters, align_workers=settings.align_workers,
+        independent_init=settings.init == "independent", round_offset=done,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
         min_evaluate_nodes=1 if settings.fraction_evaluate else 0)

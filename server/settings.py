@@ -49,23 +49,26 @@ class RunSettings:
     server_data: int = 0  # training samples held back from every client, for activation/learned alignment
     eval_limit: int = 0  # central test samples per evaluation (0 = the whole test set)
     align_iters: int = 3  # universe-matching iterations (anchor = weighted mean)
+    align_workers: int = 1  # processes for each iteration's N pairwise alignments
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
 
     def __post_init__(self) -> None:
-        _require(self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        _require(self.aggregation in AGGREGATIONS,
+                 f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         _require(self.init in INITS, f"init must be one of {INITS}, got {self.init!r}")
         splits = LABEL_SPLITS + NATURAL_SPLITS
         _require(self.partitioner in splits, f"partitioner must be one of {splits}, got {self.partitioner!r}")
         _require(bool(self.width_tiers) and all(0 < t <= 1 for t in self.width_tiers),
                  f"width-tiers must be multipliers in (0, 1], got {self.width_tiers}")
-        _require(self.num_server_rounds >= 1 and self.local_epochs >= 1, "num-server-rounds and local-epochs must be >= 1")
+        _require(self.num_server_rounds >= 1 and self.local_epochs >= 1,
+                 "num-server-rounds and local-epochs must be >= 1")
         _require(min(self.local_steps, self.batch_size, self.server_data, self.eval_limit) >= 0,
                  "local-steps, batch-size, server-data and eval-limit must be >= 0")
         _require(0 < self.fraction_train <= 1 and 0 <= self.fraction_evaluate <= 1,
                  "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")
-        _require(self.min_train_nodes >= 1 and self.align_iters >= 1 and self.client_threads >= 1,
-                 "min-train-nodes, align-iters and client-threads must be >= 1")
+        _require(min(self.min_train_nodes, self.align_iters, self.align_workers, self.client_threads) >= 1,
+                 "min-train-nodes, align-iters, align-workers and client-threads must be >= 1")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} aligns on server-held data: set server-data > 0")
 

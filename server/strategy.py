@@ -21,14 +21,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State
+from glmc.errors import ConfigError
+from glmc.widths import Placement
 from server import protocol
-from server.aggregation import MergeResult, canonical_distance, check_method, merge
+from server.aggregation import Client, MergeResult, embedded_distance, merge, restrict, universe_states
+from server.settings import AGGREGATIONS
 from server.validation import ReplySchema, split_replies
 
 log = logging.getLogger(__name__)
@@ -73,16 +76,21 @@ class SymmetryAwareFedAvg(FedAvg):
     """FedAvg with validated replies, symmetry-aware merging, per-round records and hooks."""
 
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
-                 server_data: Dataset | None = None, align_iters: int = 1, independent_init: bool = False,
+                 server_data: Dataset | None = None, align_iters: int = 3, align_workers: int = 1,
+                 independent_init: bool = False,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
-        check_method(aggregation)
+        if aggregation not in AGGREGATIONS:
+            raise ConfigError(f"aggregation {aggregation!r} is not available; choose one of {AGGREGATIONS}")
         self.aggregation = aggregation
         self.schema = schema
         self.model_config = model_config
         self.server_data = server_data
         self.align_iters = align_iters
+        self.align_workers = align_workers
+        self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
+        self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
         self.independent_init = independent_init
         self.round_offset = round_offset
         self.hooks = list(hooks)
@@ -101,7 +109,28 @@ class SymmetryAwareFedAvg(FedAvg):
         """FedAvg's sampling, with the global round number and a fresh round record."""
         self._round_start = time.perf_counter()
         self.current = RoundRecord(server_round + self.round_offset)
-        return super().configure_train(server_round + self.round_offset, arrays, config, grid)
+        messages = list(super().configure_train(server_round + self.round_offset, arrays, config, grid))
+        return self.restrict_to_widths(messages, arrays)
+
+    def restrict_to_widths(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
+        """Give every node whose width tier is known (from its last reply) the global model at its own width.
+
+        A node not heard from yet gets the full model and restricts it itself the same way (client.app).
+        """
+        cache: dict[tuple[float, int | None], ArrayRecord] = {}
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            tier = self.node_tiers.get(node, 1.0)
+            if tier == 1.0:
+                continue
+            placement = self.placements.get(node)
+            key = (tier, id(placement) if placement is not None else None)
+            if key not in cache:
+                state = restrict(arrays.to_torch_state_dict(), self.model_config, tier, self.aggregation, placement)
+                cache[key] = ArrayRecord(state)  # type: ignore[arg-type]
+            msg.content = RecordDict({self.arrayrecord_key: cache[key],
+                                      self.configrecord_key: msg.content[self.configrecord_key]})
+        return messages
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -131,24 +160,29 @@ class SymmetryAwareFedAvg(FedAvg):
         return arrays, metrics
 
     def _aggregate(self, record: RoundRecord, valid: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The one aggregation step: flwr's FedAvg, or :func:`merge` on the decoded states."""
-        states = [_state(msg) for msg in valid]
-        weights = [float(_metrics(msg)[protocol.WEIGHT_KEY]) for msg in valid]  # type: ignore[arg-type]
-        if self.aggregation == "fedavg":
-            record.distance_before = record.distance_after = canonical_distance(states, self.model_config)
+        """The one aggregation step: flwr's FedAvg when it applies exactly, else :func:`merge`."""
+        clients = [Client(_state(m), float(_metrics(m)[protocol.WEIGHT_KEY]),  # type: ignore[arg-type]
+                          self.schema.tier(float(_metrics(m)[protocol.TIER_KEY])) or 1.0) for m in valid]  # type: ignore[arg-type]
+        for msg, client in zip(valid, clients, strict=True):
+            self.node_tiers[msg.metadata.src_node_id] = client.tier
+        if self.aggregation == "fedavg" and all(c.tier == 1.0 for c in clients):
+            states, configs = universe_states(clients, self.model_config)
+            record.distance_before = record.distance_after = embedded_distance(states, configs, self.model_config)
             return super().aggregate_train(record.round, valid)
-        result = self._merge(record.round, states, weights)
+        result = self._merge(record.round, clients)
         record.align_seconds = result.align_seconds
         record.distance_before, record.distance_after = result.distance_before, result.distance_after
+        for msg, placement in zip(valid, result.placements, strict=True):
+            self.placements[msg.metadata.src_node_id] = placement
         metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
         return ArrayRecord(result.state), metrics  # type: ignore[arg-type]
 
-    def _merge(self, global_round: int, states: list[State], weights: list[float]) -> MergeResult:
+    def _merge(self, global_round: int, clients: list[Client]) -> MergeResult:
         # With independent inits the round-1 global model is an unrelated random net: no anchor then.
-        fresh = self.independent_init and global_round == 1
+        fresh = self.independent_init and global_round == 1 and self.aggregation != "fedavg"
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
-        return merge(states, weights, self.model_config, self.aggregation, anchor=anchor,
-                     data=self.server_data, iters=self.align_iters)
+        return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
+                     iters=self.align_iters, workers=self.align_workers)
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(

@@ -26,6 +26,7 @@ pytestmark = [
 def test_two_rounds_with_a_faulty_client(tmp_path: Path) -> None:
     config = {"model": "vit-tiny", "num-server-rounds": 2, "local-steps": 3, "eval-limit": 200,
               "aggregation": "weight", "align-iters": 1, "fault-partition": 2, "fraction-evaluate": 1.0,
+              "width-tiers": "1,0.5",
               "output-dir": str(tmp_path), "run-name": "sim"}
     result = run_simulation(config, num_supernodes=3)
     assert result.ok, f"{result.status}: {result.details}"

@@ -15,13 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import (Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, MetricRecord,
-                      RecordDict)
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from glmc.archs import ModelConfig, build_model, get_arch
+from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.errors import ConfigError
-from server import protocol
+from server import heterofl, protocol
 from server.settings import RunSettings
 from server.strategy import RoundHooks, RoundRecord, SymmetryAwareFedAvg
 from server.validation import ReplySchema, check_reply
@@ -41,11 +40,12 @@ def metrics(examples: float | None = 10, **changes: object) -> MetricRecord:
     return MetricRecord({k: v for k, v in values.items() if v is not None})  # type: ignore[arg-type]
 
 
-def instruction(node: int) -> Message:
-    """The server's train instruction to ``node``, with the metadata the SuperLink would give it."""
+def instruction(node: int, arrays: ArrayRecord | None = None) -> Message:
+    """The server's train instruction to ``node`` (as FedAvg builds it), with the metadata the SuperLink gives it."""
     meta = Metadata(run_id=1, message_id=f"m{node}", src_node_id=0, dst_node_id=node, reply_to_message_id="",
                     group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
-    return Message(RecordDict({protocol.CONFIG: ConfigRecord()}), metadata=meta)
+    content = RecordDict({protocol.CONFIG: ConfigRecord()} | ({protocol.ARRAYS: arrays} if arrays else {}))
+    return Message(content, metadata=meta)
 
 
 def reply(arrays: dict[str, torch.Tensor] | ArrayRecord, record: MetricRecord | None = None,
@@ -92,10 +92,10 @@ def test_fedavg_is_the_example_weighted_mean() -> None:
         np.testing.assert_allclose(value, by_hand.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def logits(native: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    model = build_model(CFG).double()
+def logits(native: dict[str, torch.Tensor], x: torch.Tensor, cfg: ModelConfig = CFG) -> torch.Tensor:
+    model = build_model(cfg).double()
     model.load_state_dict({k: v.double() for k, v in native.items()})
-    return get_arch(CFG.family).logits(model.eval(), x.double())
+    return get_arch(cfg.family).logits(model.eval(), x.double())
 
 
 def test_identical_clients_merge_to_that_client() -> None:
@@ -246,3 +246,81 @@ def test_run_config_values_are_coerced() -> None:
     s = RunSettings.from_run_config({"alpha": 1, "width-tiers": "1,0.5", "resume": "true", "seed": 2.0})
     assert (s.alpha, s.width_tiers, s.resume, s.seed) == (1.0, (1.0, 0.5), True, 2)
     assert [s.tier_of(p) for p in range(3)] == [1.0, 0.5, 1.0]
+
+
+# Mixed widths: HeteroFL for fedavg, exact embedding + universe matching for weight, own-width downlink.
+
+HALF = scale_width(CFG, 0.5)
+
+
+def half_state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v.detach().clone() for k, v in build_model(HALF).state_dict().items()}
+
+
+def mixed_schema() -> ReplySchema:
+    return ReplySchema({t: {k: tuple(v.shape) for k, v in build_model(scale_width(CFG, t)).state_dict().items()}
+                        for t in (1.0, 0.5)})
+
+
+def mixed_strategy(aggregation: str, **kwargs: object) -> SymmetryAwareFedAvg:
+    s = SymmetryAwareFedAvg(aggregation, mixed_schema(), CFG, **({"min_train_nodes": 1} | kwargs))  # type: ignore[arg-type]
+    s.global_arrays = ArrayRecord(state(0))  # type: ignore[arg-type]
+    return s
+
+
+def test_heterofl_averages_each_entry_over_the_clients_that_hold_it() -> None:
+    full, half = state(1), half_state(2)
+    replies = [reply(full, metrics(examples=30), node=1),
+               reply(half, metrics(examples=10, **{protocol.TIER_KEY: 0.5}), node=2)]
+    arrays, _ = mixed_strategy("fedavg").aggregate_train(1, replies)
+    assert arrays is not None
+    merged = {k: torch.from_numpy(v) for k, v in as_numpy(arrays).items()}
+    fc1, qkv = "blocks.0.mlp.fc1.weight", "blocks.0.attn.qkv.weight"
+    f, d = HALF.mlp, HALF.width
+    torch.testing.assert_close(merged[fc1][:f, :d], (30 * full[fc1][:f, :d] + 10 * half[fc1]) / 40)
+    torch.testing.assert_close(merged[fc1][f:], full[fc1][f:])  # only the full client holds these units
+    # q, k and v each keep their first head: rows [0, d_h) of every (H·d_h)-row block.
+    dh, rows = CFG.head_dim, CFG.heads * CFG.head_dim
+    for block in range(3):
+        lo = block * rows
+        expected = (30 * full[qkv][lo:lo + dh, :d] + 10 * half[qkv][block * dh:(block + 1) * dh]) / 40
+        torch.testing.assert_close(merged[qkv][lo:lo + dh, :d], expected)
+    assert heterofl.restrict(merged, CFG, HALF)[fc1].shape == half[fc1].shape
+
+
+def test_heterofl_keeps_entries_nobody_holds() -> None:
+    s = mixed_strategy("fedavg")
+    arrays, _ = s.aggregate_train(1, [reply(half_state(2), metrics(**{protocol.TIER_KEY: 0.5}), node=2)])
+    assert arrays is not None
+    merged = as_numpy(arrays)
+    key = "blocks.0.mlp.fc1.weight"
+    np.testing.assert_array_equal(merged[key][HALF.mlp:], state(0)[key][HALF.mlp:].numpy())
+    np.testing.assert_array_equal(merged[key][:HALF.mlp, :HALF.width], half_state(2)[key].numpy())
+
+
+def test_a_narrow_client_merged_alone_keeps_its_function_both_ways() -> None:
+    """Exact embedding into the universe, then projection back onto the client's placement (the downlink)."""
+    s = mixed_strategy("weight")
+    half = half_state(5)
+    arrays, _ = s.aggregate_train(2, [reply(half, metrics(**{protocol.TIER_KEY: 0.5}), node=9)])
+    assert arrays is not None
+    x = torch.randn(4, 1, 8, 8)
+    merged = {k: torch.from_numpy(v) for k, v in as_numpy(arrays).items()}
+    torch.testing.assert_close(logits(merged, x), logits(half, x, HALF), rtol=1e-3, atol=1e-3)
+    [message] = s.restrict_to_widths([instruction(9)], arrays)
+    back = message.content[protocol.ARRAYS].to_torch_state_dict()
+    assert back.keys() == half.keys() and all(back[k].shape == half[k].shape for k in half)
+    torch.testing.assert_close(logits(back, x, HALF), logits(half, x, HALF), rtol=1e-3, atol=1e-3)
+
+
+def test_each_node_gets_the_global_model_at_its_own_width() -> None:
+    s = mixed_strategy("fedavg")
+    arrays, _ = s.aggregate_train(1, [reply(state(1), node=1),
+                                      reply(half_state(2), metrics(**{protocol.TIER_KEY: 0.5}), node=2)])
+    assert arrays is not None
+    messages = s.restrict_to_widths([instruction(n, arrays) for n in (1, 2, 3)], arrays)
+    shapes = [{k: tuple(v.shape) for k, v in m.content[protocol.ARRAYS].items()} for m in messages]
+    assert shapes[0] == shapes[2] == mixed_schema().shapes[1.0]  # node 3 is new: full model, it restricts itself
+    assert shapes[1] == mixed_schema().shapes[0.5]
+    assert protocol.CONFIG in messages[1].content

@@ -1,0 +1,73 @@
+"""HeteroFL, the width-heterogeneous FedAvg baseline (Diao, Ding & Tarokh, "HeteroFL: Computation and
+Communication Efficient Federated Learning for Heterogeneous Clients", ICLR 2021, arXiv:2010.01264).
+
+A client of width tier r holds the leading slice of every axis of the global model: the first r·d residual
+coordinates (LayerNorm gains included), the first r·H heads (in each of q, k and v, and in the columns the
+output projection reads), and the first r·f MLP units. Aggregation averages every entry over the clients
+that hold it, weighted by example counts; an entry no client holds keeps its global value. At equal widths
+this is FedAvg. The slices are read from the symmetry spec's axis kinds, so no architecture is named here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from glmc.archs import ModelConfig, State, get_arch
+from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
+
+
+def _axis_index(kind: AxisKind | None, size: int, narrow: ModelConfig, full: ModelConfig) -> torch.Tensor:
+    """Indices of the global axis (length ``size``) that a ``narrow`` client holds."""
+    if kind in (RES, NORM):
+        return torch.arange(narrow.width)
+    if kind in (MLP, MLP_IN):
+        return torch.arange(narrow.mlp)
+    if kind in (QKV, HEADS):
+        blocks = 3 if kind == QKV else 1  # fused q|k|v rows are (3, H, d_h); proj columns are (H, d_h)
+        grid = torch.arange(size).reshape(blocks, full.heads, full.head_dim)
+        return grid[:, : narrow.heads, : narrow.head_dim].reshape(-1)
+    return torch.arange(size)
+
+
+def positions(shape: Sequence[int], axes: Sequence[AxisKind | None], narrow: ModelConfig,
+              full: ModelConfig) -> torch.Tensor:
+    """Flat indices into a global tensor of ``shape``, arranged in the narrow client's shape."""
+    flat = torch.arange(int(torch.tensor(shape).prod())).reshape(*shape)
+    for axis, (kind, size) in enumerate(zip(axes, shape, strict=True)):
+        flat = flat.index_select(axis, _axis_index(kind, size, narrow, full))
+    return flat
+
+
+def _canonical_positions(full_state: Mapping[str, torch.Tensor], narrow: ModelConfig,
+                         full: ModelConfig) -> dict[str, torch.Tensor]:
+    spec = get_arch(full.family).spec
+    return {name: positions(full_state[name].shape, spec[template], narrow, full)
+            for name, (_, template) in expand(spec, full.depth).items()}
+
+
+def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, narrow: ModelConfig) -> State:
+    """The narrow client's leading slice of the global model (native keys, the client's shapes)."""
+    arch = get_arch(full.family)
+    canonical = arch.to_canonical(global_native, full.depth)
+    where = _canonical_positions(canonical, narrow, full)
+    return arch.to_native({k: v.reshape(-1)[where[k]] for k, v in canonical.items()}, full.depth)
+
+
+def merge(states: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], weights: Sequence[float],
+          full: ModelConfig, previous: Mapping[str, torch.Tensor]) -> State:
+    """Coverage-weighted average of the clients' slices; uncovered entries keep ``previous`` (native keys)."""
+    arch = get_arch(full.family)
+    base = arch.to_canonical(previous, full.depth)
+    total = {k: torch.zeros(v.numel(), dtype=torch.float64) for k, v in base.items()}
+    count = {k: torch.zeros(v.numel(), dtype=torch.float64) for k, v in base.items()}
+    for state, cfg, weight in zip(states, configs, weights, strict=True):
+        where = _canonical_positions(base, cfg, full)
+        for name, value in arch.to_canonical(state, full.depth).items():
+            total[name].index_add_(0, where[name].reshape(-1), weight * value.reshape(-1).double())
+            count[name].index_add_(0, where[name].reshape(-1), torch.full((value.numel(),), float(weight),
+                                                                          dtype=torch.float64))
+    merged = {k: torch.where(count[k] > 0, total[k] / count[k].clamp_min(1e-300), v.reshape(-1).double())
+              .reshape(v.shape).to(v.dtype) for k, v in base.items()}
+    return arch.to_native(merged, full.depth)
