@@ -20,7 +20,14 @@ from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta
 from glmc.errors import ConfigError
 from glmc.train import evaluate, seed_everything, set_threads
-from server.hooks import CheckpointWriter, MetricsWriter, clear_outputs, latest_checkpoint, load_records
+from server.hooks import (
+    CheckpointWriter,
+    EnsembleEvaluator,
+    MetricsWriter,
+    clear_outputs,
+    latest_checkpoint,
+    load_records,
+)
 from server.settings import NATURAL_SPLITS, RunSettings
 from server.strategy import EvaluateFn, RoundHooks, SymmetryAwareFedAvg
 from server.validation import ReplySchema
@@ -96,13 +103,19 @@ def run_header(settings: RunSettings, num_nodes: int) -> dict[str, Any]:
 
 
 def output_hooks(settings: RunSettings, run_dir: Path, start_round: int, num_nodes: int) -> list[RoundHooks]:
-    """Metrics files (continuing the earlier records on resume) and one checkpoint per round."""
+    """Metrics files (continuing the earlier records on resume), one checkpoint per round, and on request
+    the logit ensemble of the clients."""
     task = pool(settings).task
     meta = CheckpointMeta(preset=settings.model, config=task.config, seed=settings.seed, dataset=settings.dataset,
                           split=task.split, train=settings.to_run_config(),
                           vocab=task.vocab.to_json() if task.vocab else None)
     previous = load_records(run_dir, start_round) if settings.resume else []
-    return [MetricsWriter(run_dir, run_header(settings, num_nodes), previous), CheckpointWriter(run_dir, meta)]
+    hooks: list[RoundHooks] = [MetricsWriter(run_dir, run_header(settings, num_nodes), previous),
+                               CheckpointWriter(run_dir, meta)]
+    if settings.ensemble_eval:
+        hooks.insert(0, EnsembleEvaluator(task.config, eval_subset(pool(settings).test, settings.eval_limit,
+                                                                   settings.seed)))
+    return hooks
 
 
 @app.main()

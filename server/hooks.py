@@ -21,8 +21,12 @@ from typing import Any
 
 import torch
 from flwr.app import ArrayRecord
+from torch.utils.data import Dataset
 
+from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from glmc.merge import ensemble_metrics
+from server.aggregation import Client
 from server.strategy import RoundHooks, RoundRecord
 
 log = logging.getLogger(__name__)
@@ -81,6 +85,25 @@ class CheckpointWriter(RoundHooks):
                    if k in ("round", "central_loss", "central_accuracy") and v is not None}
         save_checkpoint(checkpoint_path(self.run_dir, record.round), arrays.to_torch_state_dict(),
                         replace(self.meta, metrics=metrics))
+
+
+@dataclass(frozen=True)
+class EnsembleEvaluator(RoundHooks):
+    """The logit ensemble of each round's client models on the central test subset: the one-shot reference
+    that merging into a single model tries to reach (issue 6, experiment 1)."""
+
+    full: ModelConfig
+    test: Dataset
+
+    def on_aggregate(self, record: RoundRecord, clients: Sequence[Client]) -> None:
+        models = []
+        for client in clients:
+            model = build_model(scale_width(self.full, client.tier))
+            model.load_state_dict(client.state, strict=True)
+            models.append(model.eval())
+        result = ensemble_metrics(models, get_arch(self.full.family), self.test)
+        record.ensemble_loss, record.ensemble_accuracy = result["loss"], result["accuracy"]
+        log.info("round %d: logit ensemble of %d clients: accuracy %.4f", record.round, len(models), result["accuracy"])
 
 
 def checkpoint_path(run_dir: Path, round_: int) -> Path:

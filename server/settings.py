@@ -50,6 +50,7 @@ class RunSettings:
     eval_limit: int = 0  # central test samples per evaluation (0 = the whole test set)
     align_iters: int = 3  # universe-matching iterations (anchor = weighted mean)
     align_workers: int = 1  # processes for each iteration's N pairwise alignments
+    ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
 

@@ -51,6 +51,8 @@ class RoundRecord:
     central_loss: float | None = None
     central_accuracy: float | None = None
     mean_client_accuracy: float | None = None  # each client's trained model on the central test subset
+    ensemble_loss: float | None = None  # logit ensemble of the valid clients' models (ensemble-eval)
+    ensemble_accuracy: float | None = None
     train_loss: float | None = None  # example-weighted over valid replies
     align_seconds: float = 0.0
     aggregate_seconds: float = 0.0  # decoding + alignment + averaging
@@ -64,6 +66,9 @@ class RoundRecord:
 
 class RoundHooks:
     """Named per-round hooks; subclass and override what you need (the defaults do nothing)."""
+
+    def on_aggregate(self, record: RoundRecord, clients: Sequence[Client]) -> None:
+        """After the valid replies of round ``record.round`` were merged; ``clients`` are the decoded models."""
 
     def on_round_end(self, record: RoundRecord, arrays: ArrayRecord) -> None:
         """After round ``record.round`` was aggregated and evaluated; ``arrays`` is the global model."""
@@ -151,20 +156,27 @@ class SymmetryAwareFedAvg(FedAvg):
                         record.round, len(valid), self.min_train_nodes)
             return None, None
         start = time.perf_counter()
-        arrays, metrics = self._aggregate(record, valid)
+        clients = [self._decode(msg) for msg in valid]
+        arrays, metrics = self._aggregate(record, valid, clients)
         record.aggregate_seconds = time.perf_counter() - start
         record.aggregated = arrays is not None
         self._record_client_metrics(record, valid, metrics)
+        for hook in self.hooks:
+            hook.on_aggregate(record, clients)
         if arrays is not None:
             self.global_arrays = arrays
         return arrays, metrics
 
-    def _aggregate(self, record: RoundRecord, valid: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def _decode(self, msg: Message) -> Client:
+        """A valid reply as a client model; remembers the node's width tier for the downlink."""
+        metrics = _metrics(msg)
+        tier = self.schema.tier(float(metrics[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
+        self.node_tiers[msg.metadata.src_node_id] = tier
+        return Client(_state(msg), float(metrics[protocol.WEIGHT_KEY]), tier)  # type: ignore[arg-type]
+
+    def _aggregate(self, record: RoundRecord, valid: list[Message],
+                   clients: list[Client]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The one aggregation step: flwr's FedAvg when it applies exactly, else :func:`merge`."""
-        clients = [Client(_state(m), float(_metrics(m)[protocol.WEIGHT_KEY]),  # type: ignore[arg-type]
-                          self.schema.tier(float(_metrics(m)[protocol.TIER_KEY])) or 1.0) for m in valid]  # type: ignore[arg-type]
-        for msg, client in zip(valid, clients, strict=True):
-            self.node_tiers[msg.metadata.src_node_id] = client.tier
         if self.aggregation == "fedavg" and all(c.tier == 1.0 for c in clients):
             states, configs = universe_states(clients, self.model_config)
             record.distance_before = record.distance_after = embedded_distance(states, configs, self.model_config)

@@ -125,20 +125,28 @@ def _flwr(args: list[str], env: Mapping[str, str], timeout: float) -> dict[str, 
 
 
 def run_simulation(run_config: Mapping[str, Any], num_supernodes: int, *, cpus_per_client: int = 1,
-                   timeout: float = 7200, flwr_home: Path | None = None) -> SimulationResult:
-    """`flwr run . --stream` with these run-config overrides; returns the run's final status."""
+                   timeout: float = 7200, env: Mapping[str, str] | None = None) -> SimulationResult:
+    """`flwr run . --stream` with these run-config overrides; returns the run's final status.
+
+    ``env``: an environment from :func:`local_superlink_env` to share one SuperLink across runs; without
+    it, the run gets its own, stopped before this returns.
+    """
+    if env is None:
+        with local_superlink_env() as own:
+            return run_simulation(run_config, num_supernodes, cpus_per_client=cpus_per_client, timeout=timeout,
+                                  env=own)
     start = time.monotonic()
-    with local_superlink_env(flwr_home) as env, tempfile.NamedTemporaryFile("w", suffix=".toml") as overrides:
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as overrides:
         overrides.write("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
         overrides.flush()
         federation = f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
         started = _flwr(["run", str(PROJECT), "--stream", "--federation-config", federation,
                          "--run-config", overrides.name], env, timeout)
-        run_id = started.get("run-id")
-        if not run_id:
-            return SimulationResult(None, "not-started", str(started.get("error", started)), time.monotonic() - start)
-        runs = _flwr(["ls", "--run-id", str(run_id)], env, 120).get("runs") or [{}]
-        status, details = runs[0].get("status", "unknown"), runs[0].get("status-details", "")
-    result = SimulationResult(str(run_id), status, details, time.monotonic() - start)
-    log.info("run %s: %s in %.0f s %s", run_id, status, result.seconds, "" if result.ok else details)
+    run_id = started.get("run-id")
+    if not run_id:
+        return SimulationResult(None, "not-started", str(started.get("error", started)), time.monotonic() - start)
+    runs = _flwr(["ls", "--run-id", str(run_id)], env, 120).get("runs") or [{}]
+    result = SimulationResult(str(run_id), runs[0].get("status", "unknown"), runs[0].get("status-details", ""),
+                              time.monotonic() - start)
+    log.info("run %s: %s in %.0f s %s", run_id, result.status, result.seconds, "" if result.ok else result.details)
     return result

@@ -1,0 +1,247 @@
+"""Comparison harness: a grid of Flower simulations (aggregation × split × width mix × seed), one table.
+
+    .venv/bin/python -m simulations.compare --config simulations/configs/NAME.toml [--publish] [--force]
+
+Every cell is a real `flwr run . --stream` (:mod:`simulations.engine`) of the apps in ``client/`` and
+``server/``, sharing one local SuperLink. It writes ``outputs/NAME/``: ``runs/<cell>/`` (each run's own
+metrics, checkpoints and plot), ``cells/<cell>.json`` (a finished cell is not run again unless ``--force``),
+``results.json``, ``summary.md`` (mean ± s.e. over seeds, and the paired difference to fedavg) and one
+accuracy-against-round plot per split and width mix, one curve per aggregation. ``--publish`` copies the
+summary, JSON and plots to ``simulations/results/NAME/``.
+
+Config: ``[experiment]`` (name, num-supernodes, seeds, aggregations), ``[run]`` (run-config keys shared by
+every cell) and ``[[splits]]`` / ``[[widths]]`` tables, each a ``label`` plus the run-config keys it sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import statistics
+import sys
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.plots import plot_curves
+from server.settings import RunSettings
+from simulations.engine import PROJECT, local_superlink_env, run_simulation
+
+log = logging.getLogger("simulations.compare")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One config file: the grid's axes and the run config every cell shares."""
+
+    name: str
+    num_supernodes: int
+    seeds: tuple[int, ...]
+    aggregations: tuple[str, ...]
+    run: dict[str, Any]
+    splits: tuple[dict[str, Any], ...]
+    widths: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def load(cls, path: Path) -> Experiment:
+        raw = tomllib.loads(path.read_text())
+        exp = raw["experiment"]
+        return cls(exp["name"], int(exp["num-supernodes"]), tuple(exp["seeds"]), tuple(exp["aggregations"]),
+                   dict(raw.get("run", {})), tuple(raw.get("splits", [{"label": "default"}])),
+                   tuple(raw.get("widths", [{"label": "default"}])))
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One simulation of the grid."""
+
+    aggregation: str
+    split: dict[str, Any]
+    widths: dict[str, Any]
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.aggregation}_{self.split['label']}_{self.widths['label']}_s{self.seed}"
+
+    def run_config(self, exp: Experiment, out: Path) -> dict[str, Any]:
+        """The run-config overrides of this cell, checked by the apps' own parser before anything starts."""
+        config = {**exp.run, **_keys(self.split), **_keys(self.widths), "aggregation": self.aggregation,
+                  "seed": self.seed, "output-dir": str(out / "runs"), "run-name": self.name}
+        RunSettings.from_run_config(config)
+        return config
+
+
+def _keys(axis: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in axis.items() if k != "label"}
+
+
+def grid(exp: Experiment) -> list[Cell]:
+    return [Cell(a, s, w, seed) for s in exp.splits for w in exp.widths for a in exp.aggregations for seed in exp.seeds]
+
+
+def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Simulate one cell and return its row: identity, status, wall time, per-round records."""
+    config = cell.run_config(exp, out)
+    log.info("running %s", cell.name)
+    result = run_simulation(config, exp.num_supernodes, env=env)
+    metrics_path = out / "runs" / cell.name / "metrics.json"
+    records = json.loads(metrics_path.read_text())["records"] if result.ok and metrics_path.is_file() else []
+    return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
+            "widths": cell.widths["label"], "seed": cell.seed, "status": result.status, "details": result.details,
+            "seconds": round(result.seconds, 1), "records": records}
+
+
+def run_grid(exp: Experiment, out: Path, force: bool) -> list[dict[str, Any]]:
+    """Every cell, reusing the saved rows of finished ones unless ``force``."""
+    rows = []
+    with local_superlink_env() as env:
+        for cell in grid(exp):
+            saved = out / "cells" / f"{cell.name}.json"
+            if saved.is_file() and not force:
+                rows.append(json.loads(saved.read_text()))
+                continue
+            row = run_cell(exp, cell, out, env)
+            if row["status"] == "finished:completed":
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                saved.write_text(json.dumps(row))
+            rows.append(row)
+    return rows
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (0 for one value)."""
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return statistics.fmean(values), se
+
+
+def final(row: dict[str, Any], key: str) -> float | None:
+    """``key`` of the last round that has it."""
+    values = [r[key] for r in row["records"] if r.get(key) is not None]
+    return values[-1] if values else None
+
+
+def align_share(row: dict[str, Any]) -> float | None:
+    """Alignment seconds over total round seconds, over the trained rounds."""
+    rounds = [r for r in row["records"] if r["round"] > 0]
+    total = sum(r["round_seconds"] for r in rounds)
+    return sum(r["align_seconds"] for r in rounds) / total if total else None
+
+
+def _fmt(values: Sequence[float | None], scale: float = 100.0, digits: int = 1) -> str:
+    kept = [v * scale for v in values if v is not None]
+    if not kept:
+        return "–"
+    mean, se = mean_se(kept)
+    return f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def groups(exp: Experiment) -> list[tuple[str, str]]:
+    """(split, widths) labels in config order."""
+    return [(s["label"], w["label"]) for s in exp.splits for w in exp.widths]
+
+
+def select(rows: list[dict[str, Any]], split: str, widths: str, aggregation: str) -> list[dict[str, Any]]:
+    return [r for r in rows if (r["split"], r["widths"], r["aggregation"]) == (split, widths, aggregation)]
+
+
+def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, str]]:
+    """One table row per (split, widths, aggregation): accuracies in %, mean ± s.e. over seeds."""
+    table = []
+    for split, widths in groups(exp):
+        base = {r["seed"]: final(r, "central_accuracy") for r in select(rows, split, widths, "fedavg")}
+        for agg in exp.aggregations:
+            cell = select(rows, split, widths, agg)
+            ok = [r for r in cell if r["status"] == "finished:completed"]
+            acc = [final(r, "central_accuracy") for r in ok]
+            paired = [a - base[r["seed"]] for r, a in zip(ok, acc, strict=True)
+                      if a is not None and base.get(r["seed"]) is not None]
+            table.append({
+                "split": split, "widths": widths, "aggregation": agg, "runs": f"{len(ok)}/{len(cell)}",
+                "accuracy %": _fmt(acc), "Δ vs fedavg (pts)": _fmt(paired) if agg != "fedavg" else "–",
+                "clients % (mean)": _fmt([final(r, "mean_client_accuracy") for r in ok]),
+                "ensemble %": _fmt([final(r, "ensemble_accuracy") for r in ok]),
+                "align / round time %": _fmt([align_share(r) for r in ok]),
+                "distance before → after": f"{_fmt([final(r, 'distance_before') for r in ok], 1, 2)} → "
+                                           f"{_fmt([final(r, 'distance_after') for r in ok], 1, 2)}",
+            })
+    return table
+
+
+def markdown(table: list[dict[str, str]]) -> str:
+    head = list(table[0])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join([*lines, *("| " + " | ".join(row[h] for h in head) + " |" for row in table)])
+
+
+def plot_groups(rows: list[dict[str, Any]], exp: Experiment, out: Path) -> list[Path]:
+    """accuracy-<split>-<widths>.png: mean central accuracy per round (± s.e. band), one curve per aggregation."""
+    paths = []
+    for split, widths in groups(exp):
+        curves, bands = {}, {}
+        for agg in exp.aggregations:
+            runs = [r for r in select(rows, split, widths, agg) if r["records"]]
+            rounds = sorted({rec["round"] for r in runs for rec in r["records"]})
+            stats = [mean_se([rec["central_accuracy"] for r in runs for rec in r["records"]
+                              if rec["round"] == k and rec["central_accuracy"] is not None] or [math.nan])
+                     for k in rounds]
+            curves[agg] = [(k, None if math.isnan(m) else m) for k, (m, _) in zip(rounds, stats, strict=True)]
+            bands[agg] = [se for _, se in stats]
+        title = f"{exp.name}: {split}, widths {widths} ({len(exp.seeds)} seeds)"
+        paths.append(plot_curves(curves, out / f"accuracy-{split}-{widths}.png", title, bands, "central test accuracy"))
+    return paths
+
+
+def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path) -> tuple[str, list[Path]]:
+    """results.json, summary.md and the plots; returns the table and the plot paths."""
+    table = markdown(summary_rows(rows, exp))
+    (out / "results.json").write_text(json.dumps({"experiment": exp.name, "config": exp.run, "rows": rows}, indent=1))
+    plots = plot_groups(rows, exp, out)
+    settings = ", ".join(f"{k}={v}" for k, v in exp.run.items())
+    text = (f"# {exp.name}\n\n{exp.num_supernodes} clients, seeds {list(exp.seeds)}; {settings}.\n"
+            "Accuracy: the global model on the central test set after the last round, mean ± s.e. over seeds; "
+            "Δ: paired by seed.\n\n" + table + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n")
+    (out / "summary.md").write_text(text)
+    return table, plots
+
+
+def publish(out: Path, name: str) -> Path:
+    """Copy summary.md, results.json and the plots to simulations/results/NAME/ (committed)."""
+    dest = PROJECT / "simulations" / "results" / name
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in [out / "summary.md", out / "results.json", *out.glob("accuracy-*.png")]:
+        shutil.copy2(path, dest / path.name)
+    return dest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simulations.compare", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, type=Path, help="simulations/configs/NAME.toml")
+    parser.add_argument("--out", type=Path, help="output directory (default: outputs/NAME)")
+    parser.add_argument("--force", action="store_true", help="run finished cells again")
+    parser.add_argument("--publish", action="store_true", help="copy the summary to simulations/results/NAME")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    exp = Experiment.load(args.config)
+    out = (args.out or PROJECT / "outputs" / exp.name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    rows = run_grid(exp, out, args.force)
+    table, plots = write_outputs(exp, rows, out)
+    print(table)
+    for path in plots:
+        print(f"plot: {path}")
+    if args.publish:
+        print(f"published to {publish(out, exp.name)}")
+    failed = [r for r in rows if r["status"] != "finished:completed"]
+    for row in failed:
+        print(f"FAILED {row['cell']}: {row['status']} {row['details']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
