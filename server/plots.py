@@ -14,6 +14,7 @@ def plot_curves(curves: Mapping[str, Sequence[Point]], path: Path, title: str = 
     # A bare Figure on the Agg canvas: no pyplot, so no global backend switch inside the ServerApp.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(6, 4))
     FigureCanvasAgg(fig)
@@ -29,6 +30,7 @@ def plot_curves(curves: Mapping[str, Sequence[Point]], path: Path, title: str = 
             ax.fill_between(xs, [y - e for y, e in zip(ys, err, strict=True)],
                             [y + e for y, e in zip(ys, err, strict=True)], alpha=0.2)
     ax.set(xlabel="round", ylabel=ylabel, title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
