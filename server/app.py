@@ -46,6 +46,7 @@ def configure_logging(run_dir: Path) -> None:
         logger.setLevel(logging.INFO)
         for handler in [h for h in logger.handlers if getattr(h, "glmc_run", False)]:
             logger.removeHandler(handler)
+            handler.close()
         for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "server.log")):
             handler.setFormatter(formatter)
             handler.glmc_run = True  # type: ignore[attr-defined]
