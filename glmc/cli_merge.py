@@ -46,7 +46,8 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
 def add_universe_arguments(parser: argparse.ArgumentParser) -> None:
     """Universe-matching options, shared by ``merge`` and ``barrier --simplex``."""
     parser.add_argument("--iters", type=int, default=5, help="universe iterations at most")
-    parser.add_argument("--tol", type=float, default=1e-4, help="stop when U moves less than this (relative)")
+    parser.add_argument("--tol", type=float, default=1e-3,
+                        help="stop when U moves, or the mean distance to U falls, by less than this (relative)")
     parser.add_argument("--workers", type=int, default=1, help="processes aligning models in parallel")
 
 

@@ -141,7 +141,7 @@ class MergeSetup:
     train: Dataset | None = None  # training samples for data-driven methods (never the held-out split)
     batch: int = 512  # activation matching's samples
     max_iters: int = 5
-    tol: float = 1e-4
+    tol: float = 1e-3
     workers: int = 1
     learn: LearnConfig | None = None
 
