@@ -15,12 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import synthetic_images
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.errors import ConfigError
+from glmc.train import evaluate
 from server import heterofl, protocol
+from server.aggregation import Client
+from server.hooks import EnsembleEvaluator
 from server.settings import RunSettings
 from server.strategy import RoundHooks, RoundRecord, SymmetryAwareFedAvg
 from server.validation import ReplySchema, check_reply
@@ -324,3 +328,15 @@ def test_each_node_gets_the_global_model_at_its_own_width() -> None:
     assert shapes[0] == shapes[2] == mixed_schema().shapes[1.0]  # node 3 is new: full model, it restricts itself
     assert shapes[1] == mixed_schema().shapes[0.5]
     assert protocol.CONFIG in messages[1].content
+
+
+def test_ensemble_of_identical_clients_is_that_client() -> None:
+    data = synthetic_images(32)
+    record = RoundRecord(1)
+    client = Client(state(3), 10.0, 1.0)
+    EnsembleEvaluator(CFG, data).on_aggregate(record, [client, client])
+    model = build_model(CFG)
+    model.load_state_dict(client.state)
+    single = evaluate(model, get_arch(CFG.family), data)
+    assert record.ensemble_accuracy == single["accuracy"]
+    assert record.ensemble_loss == pytest.approx(single["loss"], rel=1e-5)

@@ -1,0 +1,66 @@
+"""What each party of a federated run sees of the data (client/data.py), and the ClientApp's own pieces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client.app import Node
+from client.data import client_share, eval_subset, label_counts, pool
+from glmc.data.fashion_mnist import find_fashion_mnist
+from glmc.errors import ConfigError
+from server.settings import RunSettings
+
+pytestmark = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
+
+
+def rows_of(dataset: object) -> set[bytes]:
+    """Fingerprints of every image, to compare sets of rows across subsets."""
+    return {x.numpy().tobytes() for x in dataset.x}  # type: ignore[attr-defined]
+
+
+def test_server_data_is_held_by_no_client() -> None:
+    settings = RunSettings(server_data=500, partitioner="dirichlet", alpha=0.3, seed=1)
+    server = pool(settings).server
+    assert server is not None and len(server) == 500
+    held = set().union(*(rows_of(client_share(settings, p, 4).train) | rows_of(client_share(settings, p, 4).val)
+                         for p in range(4)))
+    assert not rows_of(server) & held
+    assert len(held) + 500 >= 59_000  # every other training image goes to some client (a few duplicates aside)
+
+
+def test_client_shares_are_seeded_and_label_skewed() -> None:
+    settings = RunSettings(partitioner="pathological", classes_per_client=2, seed=3)
+    shares = [client_share(settings, p, 5) for p in range(5)]
+    again = client_share(settings, 2, 5)
+    assert np.array_equal(again.train.y.numpy(), shares[2].train.y.numpy())  # type: ignore[attr-defined]
+    for share in shares:
+        assert len(np.unique(share.train.y.numpy())) <= 2  # type: ignore[attr-defined]
+        assert abs(len(share.val) - 0.1 * (len(share.train) + len(share.val))) <= 1
+    counts = np.array(label_counts(settings, 5))
+    assert counts.shape == (5, 10) and ((counts > 0).sum(1) <= 2).all()
+
+
+def test_bad_partition_ids_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="outside"):
+        client_share(RunSettings(), 5, 3)
+
+
+def test_eval_subset_is_a_seeded_sample() -> None:
+    test = pool(RunSettings()).test
+    a, b = eval_subset(test, 100, 0), eval_subset(test, 100, 0)
+    assert len(a) == 100 and a.indices == b.indices  # type: ignore[attr-defined]
+    assert eval_subset(test, 0, 0) is test
+
+
+def test_width_tier_from_node_config_or_the_run_config() -> None:
+    class Ctx:
+        def __init__(self, node_config: dict[str, object]) -> None:
+            self.node_config = node_config
+
+    settings = RunSettings(width_tiers=(1.0, 0.5))
+    assert Node.from_context(Ctx({"partition-id": 3, "num-partitions": 4}), settings).tier == 0.5  # type: ignore[arg-type]
+    assert Node.from_context(Ctx({"partition-id": 3, "num-partitions": 4, "width-tier": 0.25}),  # type: ignore[arg-type]
+                             settings).tier == 0.25
+    with pytest.raises(ConfigError, match="partition-id"):
+        Node.from_context(Ctx({}), settings)  # type: ignore[arg-type]
