@@ -141,6 +141,7 @@ def main(grid: Grid, context: Context) -> None:
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
         min_evaluate_nodes=1 if settings.fraction_evaluate else 0)
-    strategy.start(grid, initial, num_rounds=settings.num_server_rounds - done, train_config=ConfigRecord(),
-                   evaluate_config=ConfigRecord(), evaluate_fn=central_evaluator(settings, cfg))
+    strategy.start(grid, initial, num_rounds=settings.num_server_rounds - done, timeout=settings.round_timeout,
+                   train_config=ConfigRecord(), evaluate_config=ConfigRecord(),
+                   evaluate_fn=central_evaluator(settings, cfg))
     log.info("run finished: outputs in %s", run_dir)

@@ -139,7 +139,9 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        return super().configure_evaluate(server_round + self.round_offset, arrays, config, grid)
+        """FedAvg's sampling for federated evaluation, each node getting the global model at its own width."""
+        messages = list(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid))
+        return self.restrict_to_widths(messages, arrays)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
