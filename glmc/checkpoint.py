@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +48,7 @@ class CheckpointMeta:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict; ``config`` becomes ``ModelConfig.to_dict()``."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
-            "config": self.config.to_dict()
-        }
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {"config": self.config.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CheckpointMeta:
@@ -80,8 +78,8 @@ def save_checkpoint(
     state = _cpu_state(model_or_state)
     blob = json.dumps({**meta.to_dict(), "format": FORMAT_VERSION, "sha256": _digest(state)}, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    # A unique sibling that save_file creates itself, so the file gets the usual umask permissions.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         save_file(state, tmp, metadata={META_KEY: blob})
         os.replace(tmp, path)
@@ -114,16 +112,12 @@ def load_model(path: str | Path, expect: ModelConfig | None = None) -> tuple[nn.
     """Build the checkpoint's model and load its weights (eval mode); ``expect`` must match its config."""
     state, meta = load_checkpoint(path)
     if expect is not None and expect != meta.config:
-        raise CheckpointError(
-            f"{path} does not match the requested model: {_config_diff(expect, meta.config)}"
-        )
+        raise CheckpointError(f"{path} does not match the requested model: {_config_diff(expect, meta.config)}")
     model = build_model(meta.config)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise CheckpointError(
-            f"{path} tensors do not fit its {meta.config.family} config: {_one_line(err)}"
-        ) from err
+        raise CheckpointError(f"{path} tensors do not fit its {meta.config.family} config: {_one_line(err)}") from err
     return model.eval(), meta
 
 

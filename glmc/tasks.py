@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig
 from glmc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from glmc.data import CharVocab
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class Task:
     train: Dataset
     test: Dataset
     split: str  # description of how train and test were cut, stored with every checkpoint
-    vocab: Any = None  # glmc.data.CharVocab for text tasks
+    vocab: CharVocab | None = None  # text tasks only
     defaults: dict[str, Any] = field(default_factory=dict)  # TrainConfig overrides that suit this data
 
 
@@ -46,9 +49,7 @@ def fashion_mnist_task(cfg: ModelConfig, path: str | Path | None = None, seed: i
         raise ConfigError(f"patch {cfg.patch} does not divide the {data.img_size}-pixel images")
     config = cfg.replace(num_classes=data.num_classes, in_chans=data.in_chans, img_size=data.img_size)
     split = f"fashion-mnist official split: {len(data.train)} train / {len(data.test)} test images"
-    return Task(
-        "fashion-mnist", config, data.train, data.test, split, defaults={"lr": 1e-3, "batch_size": 128}
-    )
+    return Task("fashion-mnist", config, data.train, data.test, split, defaults={"lr": 1e-3, "batch_size": 128})
 
 
 def shakespeare_task(cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:

@@ -106,9 +106,7 @@ def _batches(loader: DataLoader, epochs: int) -> Iterator[tuple[torch.Tensor, to
         yield from loader
 
 
-def train(
-    model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, progress: bool = True
-) -> dict[str, float]:
+def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, progress: bool = True) -> dict[str, float]:
     """Train ``model`` in place with AdamW and a warm-up + cosine schedule.
 
     Returns ``train_loss`` (mean over the last epoch's worth of steps), ``steps`` and ``seconds``.
@@ -126,9 +124,7 @@ def train(
     start = time.perf_counter()
     with tqdm(total=total, desc="train", unit="step", disable=not progress, dynamic_ncols=True) as bar:
         for x, y in itertools.islice(_batches(loader, cfg.epochs), total):
-            losses.append(
-                train_step(model, arch, x.to(cfg.device), y.to(cfg.device), optimizer, cfg.grad_clip)
-            )
+            losses.append(train_step(model, arch, x.to(cfg.device), y.to(cfg.device), optimizer, cfg.grad_clip))
             scheduler.step()
             bar.update()
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}", refresh=False)

@@ -22,12 +22,14 @@ def _summary(stdout: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_FASHION, reason="Fashion-MNIST not installed (make setup installs it)")
-def test_train_vit_on_fashion_mnist_writes_a_checkpoint(tmp_path, capsys):
-    out = tmp_path / "vit.safetensors"
+def test_train_vit_on_fashion_mnist_writes_the_same_checkpoint_twice(tmp_path, capsys):
     argv = ["train", "--model", "vit-tiny", "--dataset", "fashion-mnist", "--seed", "3", "--max-steps", "5"]
-    assert main([*argv, "--batch-size", "32", "--out", str(out), "--quiet", "--threads", "1"]) == 0
+    outs = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    for out in outs:
+        assert main([*argv, "--batch-size", "32", "--out", str(out), "--quiet", "--threads", "1"]) == 0
     summary = _summary(capsys.readouterr().out)
-    _, meta = load_model(out, expect=preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28))
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    _, meta = load_model(outs[1], expect=preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28))
     assert (meta.preset, meta.seed, meta.dataset, meta.width_mult) == ("vit-tiny", 3, "fashion-mnist", 1.0)
     assert meta.metrics["test_accuracy"] == pytest.approx(summary["test_accuracy"])
     assert meta.metrics["steps"] == 5 and meta.train["batch_size"] == 32
@@ -44,11 +46,7 @@ def test_train_gpt2_on_shakespeare_stores_the_vocab(tmp_path, capsys):
     vocab = json.loads(meta.vocab or "{}")
     assert meta.config.vocab_size == len(vocab["chars"]) and meta.width_mult == 0.5
     assert meta.config.heads == 1 and meta.config.width == 16
-    assert summary_keys(capsys.readouterr().out) >= {"test_loss", "test_accuracy", "train_loss", "out"}
-
-
-def summary_keys(stdout: str) -> set[str]:
-    return set(_summary(stdout))
+    assert set(_summary(capsys.readouterr().out)) >= {"test_loss", "test_accuracy", "train_loss", "out"}
 
 
 def _fails_with_one_line(argv: list[str], capsys, expect: str) -> None:
