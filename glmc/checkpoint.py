@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
 from glmc.archs import ModelConfig, build_model
@@ -78,10 +78,13 @@ def save_checkpoint(
     state = _cpu_state(model_or_state)
     blob = json.dumps({**meta.to_dict(), "format": FORMAT_VERSION, "sha256": _digest(state)}, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique sibling that save_file creates itself, so the file gets the usual umask permissions.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        save_file(state, tmp, metadata={META_KEY: blob})
+        # Written by us rather than save_file, which creates 0600 files: the checkpoint gets the umask's mode.
+        with open(tmp, "wb") as f:
+            f.write(save(state, metadata={META_KEY: blob}))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -1,6 +1,7 @@
 """Checkpoint round-trip and every way a checkpoint can be bad."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -146,12 +147,20 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temp(saved, monkeypatch, 
     path, _, _ = saved
     before = path.read_bytes()
 
-    def broken_save(state, filename, metadata):
-        Path(filename).write_bytes(b"half")
+    def broken_fsync(fd):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "save_file", broken_save)
+    monkeypatch.setattr(ckpt.os, "fsync", broken_fsync)
     with pytest.raises(OSError):
         save_checkpoint(path, build_model(tiny_vit), _meta(tiny_vit))
     assert path.read_bytes() == before
     assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_checkpoint_gets_the_usual_permissions(tmp_path, tiny_vit):
+    old = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path / "m.safetensors", build_model(tiny_vit), _meta(tiny_vit))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
