@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 
 import pytest
 import torch
 
-from glmc.archs import ModelConfig, get_arch, preset, scale_width
+from glmc.archs import PRESETS, ModelConfig, get_arch, preset, scale_width
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
@@ -26,9 +26,23 @@ ODD = {
     "gpt2": (BASES["gpt2"].replace(width=15, heads=3, head_dim=5, mlp=19),
              BASES["gpt2"].replace(width=45, heads=5, head_dim=7, mlp=70)),
 }
-PAIRS = [(f"{fam}-{a}-{b}", scale_width(BASES[fam], a), scale_width(BASES[fam], b))
-         for fam in BASES for a, b in itertools.combinations_with_replacement(TIERS, 2) if a <= b]
-PAIRS = [(n, small, big) for n, big, small in PAIRS] + [(f"{fam}-odd", *ODD[fam]) for fam in ODD]
+
+
+def _tier_pairs() -> list[tuple[str, ModelConfig, ModelConfig]]:
+    """(narrow, wide) for every preset (one block, tiny inputs) and every pair of its valid width tiers."""
+    pairs = []
+    for name, cfg in PRESETS.items():
+        small_inputs = {"img_size": 8, "patch": 4} if cfg.family == "vit" else {"vocab_size": VOCAB, "context": 6}
+        base = cfg.replace(depth=1, **small_inputs)
+        tiers = {}
+        for mult in TIERS:
+            with contextlib.suppress(ConfigError):  # e.g. 0.25 of 2 heads is no tier
+                tiers[mult] = scale_width(base, mult)
+        pairs += [(f"{name}-{a}-in-{b}", tiers[a], tiers[b]) for a in tiers for b in tiers if a <= b]
+    return pairs
+
+
+PAIRS = _tier_pairs() + [(f"{fam}-odd", *ODD[fam]) for fam in ODD]
 
 
 def _canonical(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:

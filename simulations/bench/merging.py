@@ -1,0 +1,179 @@
+"""Merging benchmark (issue 5): merges N trained checkpoints per method through ``glmc merge`` (same width and
+mixed widths), draws the simplex heat map of three models through ``glmc barrier --simplex``, times universe
+matching of 10 models, and writes a summary.
+
+    .venv/bin/python -m simulations.bench.merging [--config simulations/bench/configs/merging.toml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glmc.cli import main as glmc
+
+
+def checkpoints(run: dict[str, Any], models: list[list[Any]]) -> list[Path]:
+    """``[[group, seeds], ...]`` as checkpoint paths; every one must exist (this harness trains nothing)."""
+    paths = [Path(run["checkpoints"]) / group / f"seed{seed}.safetensors" for group, seeds in models for seed in seeds]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise SystemExit(f"missing checkpoints (see the config's header for how to train them): {missing}")
+    return paths
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def merge(run: dict[str, Any], spec: dict[str, Any], method: str) -> dict[str, Any]:
+    """``glmc merge`` of one group by one method; returns its JSON report."""
+    out = Path(run["out"]) / f"{slug(spec['name'])}_{method}"
+    args = ["merge", *map(str, checkpoints(run, spec["models"])), "--method", method, "--out",
+            f"{out}.safetensors", "--json", f"{out}.json", "--limit", str(spec["limit"]), "--simplex-points",
+            str(spec["simplex_points"]), "--workers", str(run["workers"]), "--force", "--quiet"]
+    if glmc(args + (run["learn"] if method == "learned" else [])) != 0:
+        raise SystemExit(f"glmc merge failed: {spec['name']} by {method}")
+    return json.loads(Path(f"{out}.json").read_text())
+
+
+def simplex(run: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """``glmc barrier --simplex`` of three models, one panel per method, plotted into the results folder."""
+    a, b, c = checkpoints(run, spec["models"])
+    out = Path(run["results"]) / "simplex"
+    args = ["barrier", "--simplex", str(a), str(b), str(c), "--simplex-steps", str(spec["steps"]), "--limit",
+            str(spec["limit"]), "--json", f"{out}.json", "--plot", f"{out}.png", "--quiet", *run["learn"]]
+    for method in spec["methods"]:
+        args += ["--method", method]
+    if glmc(args) != 0:
+        raise SystemExit("glmc barrier --simplex failed")
+    return json.loads(Path(f"{out}.json").read_text())
+
+
+def timing_states(run: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict], Any]:
+    """The seeds' canonical states plus randomly transformed copies of them (exact symmetries, seeded)."""
+    from glmc.archs import get_arch
+    from glmc.canonical import canonicalize
+    from glmc.checkpoint import load_checkpoint
+    from glmc.transforms import apply, random_transform
+
+    loaded = [load_checkpoint(p) for p in checkpoints(run, [[spec["group"], spec["seeds"]]])]
+    cfg = loaded[0][1].config
+    arch, g = get_arch(cfg.family), torch.Generator().manual_seed(0)
+    states = [canonicalize(arch, s, cfg.depth, dtype=torch.float64) for s, _ in loaded]
+    classes = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
+    for i in range(spec["copies"]):
+        t = random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, classes, g)
+        states.append(apply(states[i % len(loaded)], arch.spec, t, cfg.heads))
+    return states, cfg
+
+
+def time_universe(run: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Wall and CPU time of weight-matching universe matching of all the timing models, per worker count."""
+    from glmc.universe import universe_match
+
+    states, cfg = timing_states(run, spec)
+    rows = []
+    for workers in spec["workers"]:
+        wall, cpu, children = time.perf_counter(), time.process_time(), os.times()
+        result = universe_match(states, cfg, "weight", max_iters=spec["max_iters"], workers=workers)
+        after = os.times()
+        rows.append({"models": len(states), "workers": workers, "wall_seconds": time.perf_counter() - wall,
+                     "cpu_seconds": time.process_time() - cpu + (after.children_user - children.children_user),
+                     "iterations": len(result.history), "history": result.history_dicts(),
+                     "load_average": os.getloadavg()})
+    return rows
+
+
+def row(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """One summary row of a merge report."""
+    inputs = [r["accuracy"] for r in report["inputs"]]
+    return {"group": name, "method": report["method"], "models": len(inputs),
+            "mean_input_accuracy": statistics.fmean(inputs),
+            "mean_input_loss": statistics.fmean(r["loss"] for r in report["inputs"]),
+            "merged_accuracy": report["merged"]["accuracy"], "merged_loss": report["merged"]["loss"],
+            "ensemble_accuracy": report["ensemble"]["accuracy"], "ensemble_loss": report["ensemble"]["loss"],
+            "simplex_barrier": report["simplex"]["barrier"], "universe_seconds": report["universe_seconds"],
+            "iterations": len(report["universe"]),
+            "width_barriers": {str(w["width"]): w["barrier"] for w in report.get("width_barriers", [])}}
+
+
+def markdown(rows: list[dict[str, Any]], panels: dict[str, Any], timing: list[dict[str, Any]],
+             meta: dict[str, Any]) -> str:
+    """The committed summary: merges, the simplex barriers, universe-matching time, and how it was produced."""
+    lines = ["# Merging N models (universe matching, widths)", "",
+             f"Command: `{meta['command']}`, config `{meta['config']}`.",
+             f"Machine: {meta['machine']}; wall time {meta['wall_minutes']:.1f} min; load average at the end "
+             f"{meta['load']}.", "",
+             "Accuracy and loss on held-out data (first `limit` samples of the test split); vanilla = `none` "
+             "(parameter averaging; across widths, the least-squares merge of the exact embeddings without "
+             "alignment); the ensemble averages the inputs' logits. Simplex barrier = paper Eq. 2 on the grid.", "",
+             "| models | method | N | mean input acc | merged acc | Δ points | merged loss | ensemble acc "
+             "| simplex barrier | width barriers (d: B) | iters | universe s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        widths = ", ".join(f"{d}: {b:.3f}" for d, b in r["width_barriers"].items()) or "–"
+        lines.append(f"| {r['group']} | {r['method']} | {r['models']} | {r['mean_input_accuracy']:.4f} | "
+                     f"{r['merged_accuracy']:.4f} | {100 * (r['merged_accuracy'] - r['mean_input_accuracy']):+.1f} "
+                     f"| {r['merged_loss']:.3f} | {r['ensemble_accuracy']:.4f} | {r['simplex_barrier']:.3f} | "
+                     f"{widths} | {r['iterations']} | {r['universe_seconds']:.0f} |")
+    lines += ["", f"Simplex of three models ({', '.join(Path(m).stem for m in panels['models'])}; "
+              f"weights in multiples of 1/{panels['steps']}): `simplex.png`.", "",
+              "| method | simplex barrier | max loss |", "|---|---|---|"]
+    lines += [f"| {p['method']} | {p['barrier']:.3f} | {max(p['losses']):.3f} |" for p in panels["panels"]]
+    lines += ["", "Universe matching by weight matching (float64, anchor = model 0), "
+              f"{timing[0]['models']} models: {meta['timing_models']}", "",
+              "| workers | iterations | wall s | CPU s (incl. workers) | load average (1, 5, 15 min) |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {t['workers']} | {t['iterations']} | {t['wall_seconds']:.1f} | {t['cpu_seconds']:.1f} | "
+              f"{', '.join(f'{x:.1f}' for x in t['load_average'])} |" for t in timing]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="simulations/bench/configs/merging.toml")
+    args = parser.parse_args(argv)
+    config = tomllib.loads(Path(args.config).read_text())
+    run, start = config["run"], time.perf_counter()
+    torch.set_num_threads(run["threads"])
+    reports = {spec["name"]: [merge(run, spec, m) for m in spec["methods"]] for spec in config["merges"]}
+    panels = simplex(run, config["simplex"])
+    timing = time_universe(run, config["timing"])
+    write_results(run, args.config, reports, panels, timing, config["timing"], time.perf_counter() - start)
+    return 0
+
+
+def write_results(run: dict[str, Any], config: str, reports: dict[str, list[dict[str, Any]]],
+                  panels: dict[str, Any], timing: list[dict[str, Any]], timing_spec: dict[str, Any],
+                  seconds: float) -> None:
+    """summary.md and results.json under the results folder (the simplex plot is already there)."""
+    out = Path(run["results"])
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [row(name, r) for name, group in reports.items() for r in group]
+    seeds = timing_spec["seeds"]
+    meta = {"command": "python -m simulations.bench.merging", "config": config, "wall_minutes": seconds / 60,
+            "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+            "timing_models": f"{timing_spec['group']} seeds {seeds} plus {timing_spec['copies']} randomly "
+                             f"transformed copies of them (exact symmetries; each is aligned to U, the mean, "
+                             f"so a copy is no easier than a seed)",
+            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch threads "
+                       f"{run['threads']}, python {platform.python_version()}, torch {torch.__version__}".strip()}
+    (out / "summary.md").write_text(markdown(rows, panels, timing, meta))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "timing": timing, "simplex": panels,
+                                                  "reports": reports}, indent=1))
+    print((out / "summary.md").read_text())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
