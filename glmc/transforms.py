@@ -74,29 +74,32 @@ def _apply_qkv(x: torch.Tensor, t: Transform, layer: int, heads: int) -> torch.T
     """x: (3·H·d_h, rest), laid out q heads | k heads | v heads (timm qkv, HF c_attn alike)."""
     rest = x.shape[1]
     y = x.reshape(3, heads, -1, rest)
-    if t.heads[layer] is not None:
-        y = _reorder(y, t.heads[layer], 1)
+    perm, qk, ov = t.heads[layer], t.qk[layer], t.ov[layer]
+    if perm is not None:
+        y = _reorder(y, perm, 1)
     q, k, v = y[0], y[1], y[2]
-    if t.qk[layer] is not None:
-        q, k = _batched(t.qk[layer], q), _batched(_inv_t(t.qk[layer]), k)
-    if t.ov[layer] is not None:
-        v = _batched(t.ov[layer], v)
+    if qk is not None:
+        q, k = _batched(qk, q), _batched(_inv_t(qk), k)
+    if ov is not None:
+        v = _batched(ov, v)
     return torch.stack([q, k, v]).reshape(x.shape)
 
 
 def _apply_heads_in(x: torch.Tensor, t: Transform, layer: int, heads: int) -> torch.Tensor:
     """x: (H·d_h, rest), the columns of ``proj`` read per head; W_O → W_O N⁻¹ is x_i → N_i⁻ᵀ x_i."""
     y = x.reshape(heads, -1, x.shape[1])
-    if t.heads[layer] is not None:
-        y = _reorder(y, t.heads[layer])
-    if t.ov[layer] is not None:
-        y = _batched(_inv_t(t.ov[layer]), y)
+    perm, ov = t.heads[layer], t.ov[layer]
+    if perm is not None:
+        y = _reorder(y, perm)
+    if ov is not None:
+        y = _batched(_inv_t(ov), y)
     return y.reshape(x.shape)
 
 
 def _apply_mlp(x: torch.Tensor, t: Transform, layer: int, reader: bool) -> torch.Tensor:
-    if t.mlp[layer] is not None:
-        x = _reorder(x, t.mlp[layer])
+    perm = t.mlp[layer]
+    if perm is not None:
+        x = _reorder(x, perm)
     scale = t.mlp_scale[layer]
     if scale is not None:
         s = scale.to(x.dtype).unsqueeze(1)

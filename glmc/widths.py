@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,7 +64,8 @@ def check_embeddable(narrow: ModelConfig, wide: ModelConfig) -> None:
     for name, label in (("num_classes", "class counts"), ("vocab_size", "vocabularies")):
         if getattr(narrow, name) != getattr(wide, name):
             raise ConfigError(f"{label} differ ({getattr(narrow, name)} vs {getattr(wide, name)})")
-    a, b = (dataclasses.replace(c, **{f: 1 for f in WIDTH_FIELDS}) for c in (narrow, wide))
+    unit: dict[str, Any] = {f: 1 for f in WIDTH_FIELDS}
+    a, b = (dataclasses.replace(c, **unit) for c in (narrow, wide))
     if a != b:
         diff = [k for k, v in a.to_dict().items() if b.to_dict()[k] != v]
         raise ConfigError(f"models differ in {', '.join(diff)}; only widths may differ")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -80,7 +82,7 @@ def build(cfg: ModelConfig) -> GPT2LMHeadModel:
 def _set_head_dim(model: GPT2LMHeadModel, head_dim: int) -> None:
     """Give every attention heads of size d_h ≠ d/H (HF ties them); used by the circuit form and width embedding."""
     for block in model.transformer.h:
-        attn = block.attn
+        attn: Any = block.attn
         inner = attn.num_heads * head_dim
         attn.head_dim, attn.split_size, attn.scaling = head_dim, inner, head_dim**-0.5
         attn.c_attn = Conv1D(3 * inner, attn.embed_dim)

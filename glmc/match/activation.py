@@ -150,8 +150,9 @@ def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtyp
     t.residual = _permutation_matrix(res, dtype)
     mlp, head = [], []
     for layer in range(cfg.depth):
-        t.mlp[layer] = groups.assignment(corr["mlp", layer])
-        mlp.append(_matched(corr["mlp", layer], t.mlp[layer]))
+        perm = groups.assignment(corr["mlp", layer])
+        t.mlp[layer] = perm
+        mlp.append(_matched(corr["mlp", layer], perm))
         t.heads[layer], inner, values = solve_heads(corr["heads", layer], cfg.heads)
         t.ov[layer] = torch.stack([_permutation_matrix(p, dtype) for p in inner])
         head.append(values.flatten())
