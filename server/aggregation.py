@@ -78,7 +78,7 @@ def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], f
 
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
-          data: Dataset | None = None, iters: int = 3, workers: int = 1) -> MergeResult:
+          data: Dataset | None = None, iters: int = 1, workers: int = 1) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.

@@ -49,7 +49,7 @@ class RunSettings:
     lr: float = 0.0  # 0 = the dataset's measured default
     server_data: int = 0  # training samples held back from every client, for activation/learned alignment
     eval_limit: int = 0  # central test samples per evaluation (0 = the whole test set)
-    align_iters: int = 3  # universe-matching iterations (anchor = weighted mean)
+    align_iters: int = 1  # universe iterations: 1 = align to the previous global model, more iterate U = mean
     align_workers: int = 1  # processes for each iteration's N pairwise alignments
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)

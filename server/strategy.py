@@ -81,7 +81,7 @@ class SymmetryAwareFedAvg(FedAvg):
     """FedAvg with validated replies, symmetry-aware merging, per-round records and hooks."""
 
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
-                 server_data: Dataset | None = None, align_iters: int = 3, align_workers: int = 1,
+                 server_data: Dataset | None = None, align_iters: int = 1, align_workers: int = 1,
                  independent_init: bool = False,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
