@@ -2,9 +2,10 @@
 
 U ← a chosen model (or the previous global model). Repeat: align every model to U by a pairwise method (the N
 alignments of an iteration run in a process pool), then set U to the least-squares coverage-weighted mean of
-the aligned models (:func:`glmc.widths.lstsq_merge`, the weighted mean at equal widths). Stop when U, or the mean
-distance to it, changes by less than ``tol`` (relative), or after ``max_iters``. The result approximately minimises the multi-model
-barrier of Eq. 2. Models narrower than the universe are embedded exactly first (:mod:`glmc.widths`).
+the aligned models (:func:`glmc.widths.lstsq_merge`, the weighted mean at equal widths). Stop when U, or the
+mean distance to it, changes by less than ``tol`` (relative), or after ``max_iters``. The result approximately
+minimises the multi-model barrier of Eq. 2. Models narrower than the universe are embedded exactly first
+(:mod:`glmc.widths`).
 
 ``method="none"`` skips alignment: one least-squares merge, i.e. FedAvg at equal widths and HeteroFL with
 coordinate placements, through the same code path. ``refine=True`` finishes with the multi-model learned

@@ -127,7 +127,8 @@ def markdown(rows: list[dict[str, Any]], panels: dict[str, Any], timing: list[di
                      f"{r['merged_accuracy']:.4f} | {100 * (r['merged_accuracy'] - r['mean_input_accuracy']):+.1f} "
                      f"| {r['merged_loss']:.3f} | {r['ensemble_accuracy']:.4f} | {r['simplex_barrier']:.3f} | "
                      f"{widths} | {r['iterations']} | {r['universe_seconds']:.0f} |")
-    lines += ["", f"Simplex of three models ({', '.join(Path(m).stem for m in panels['models'])}; "
+    names = ", ".join(f"{Path(m).parent.name}/{Path(m).stem}" for m in panels["models"])
+    lines += ["", f"Simplex of three models ({names}; "
               f"weights in multiples of 1/{panels['steps']}): `simplex.png`.", "",
               "| method | simplex barrier | max loss |", "|---|---|---|"]
     lines += [f"| {p['method']} | {p['barrier']:.3f} | {max(p['losses']):.3f} |" for p in panels["panels"]]
