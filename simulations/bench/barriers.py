@@ -40,8 +40,12 @@ def train_missing(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:
 
 
 def pair_barriers(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path) -> dict[str, Any]:
-    """Run ``glmc barrier`` for one pair with every method; returns its JSON report."""
+    """Run ``glmc barrier`` for one pair with every method (unless a report with the same settings exists)."""
     out = Path(run["out"]) / "barriers" / f"{model['preset']}_{a.stem}_{b.stem}.json"
+    if out.exists():
+        cached = json.loads(out.read_text())
+        if cached["points"] == run["points"] and [c["method"] for c in cached["curves"]] == run["methods"]:
+            return cached
     args = ["barrier", str(a), str(b), "--points", str(run["points"]), "--limit", str(run["limit"]),
             "--batch", str(run["batch"]), "--json", str(out), "--quiet"]
     for method in run["methods"]:
@@ -115,8 +119,11 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
+    parser.add_argument("--models", nargs="*", help="only these presets (their pair reports are cached)")
     args = parser.parse_args(argv)
     config = tomllib.loads(Path(args.config).read_text())
+    if args.models:
+        config["models"] = [m for m in config["models"] if m["preset"] in args.models]
     run, start = config["run"], time.perf_counter()
     torch.set_num_threads(run["threads"])
     rows, reports_by_model = [], {}
