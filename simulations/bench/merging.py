@@ -37,8 +37,10 @@ def slug(text: str) -> str:
 
 
 def merge(run: dict[str, Any], spec: dict[str, Any], method: str) -> dict[str, Any]:
-    """``glmc merge`` of one group by one method; returns its JSON report."""
+    """``glmc merge`` of one group by one method (or its earlier report, when resuming); returns its JSON report."""
     out = Path(run["out"]) / f"{slug(spec['name'])}_{method}"
+    if run.get("resume") and Path(f"{out}.json").exists():
+        return json.loads(Path(f"{out}.json").read_text())
     args = ["merge", *map(str, checkpoints(run, spec["models"])), "--method", method, "--out",
             f"{out}.safetensors", "--json", f"{out}.json", "--limit", str(spec["limit"]), "--simplex-points",
             str(spec["simplex_points"]), "--workers", str(run["workers"]), "--force", "--quiet"]
@@ -51,6 +53,8 @@ def simplex(run: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     """``glmc barrier --simplex`` of three models, one panel per method, plotted into the results folder."""
     a, b, c = checkpoints(run, spec["models"])
     out = Path(run["results"]) / "simplex"
+    if run.get("resume") and Path(f"{out}.json").exists():
+        return json.loads(Path(f"{out}.json").read_text())
     args = ["barrier", "--simplex", str(a), str(b), str(c), "--simplex-steps", str(spec["steps"]), "--limit",
             str(spec["limit"]), "--json", f"{out}.json", "--plot", f"{out}.png", "--quiet", *run["learn"]]
     for method in spec["methods"]:
@@ -144,9 +148,10 @@ def markdown(rows: list[dict[str, Any]], panels: dict[str, Any], timing: list[di
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="simulations/bench/configs/merging.toml")
+    parser.add_argument("--resume", action="store_true", help="reuse the merge and simplex reports already written")
     args = parser.parse_args(argv)
     config = tomllib.loads(Path(args.config).read_text())
-    run, start = config["run"], time.perf_counter()
+    run, start = config["run"] | {"resume": args.resume}, time.perf_counter()
     torch.set_num_threads(run["threads"])
     reports = {spec["name"]: [merge(run, spec, m) for m in spec["methods"]] for spec in config["merges"]}
     panels = simplex(run, config["simplex"])
