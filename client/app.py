@@ -66,7 +66,7 @@ def _received_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node:
     it itself, exactly as the server would (its HeteroFL slice, or its projection for aligned merging).
     """
     model = build_model(cfg)
-    state = msg.content[protocol.ARRAYS].to_torch_state_dict()
+    state: dict[str, torch.Tensor] = dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict())
     if any(state[k].shape != v.shape for k, v in model.state_dict().items() if k in state):
         state = restrict(state, pool(settings).task.config, node.tier, settings.aggregation)
     try:
@@ -104,7 +104,7 @@ def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[st
 def train_fn(msg: Message, context: Context) -> Message:
     """One round of local training."""
     settings, node, cfg, share = _setup(context)
-    server_round = int(msg.content[protocol.CONFIG][protocol.ROUND_KEY])
+    server_round = int(msg.content.config_records[protocol.CONFIG][protocol.ROUND_KEY])  # type: ignore[arg-type]
     arch = get_arch(cfg.family)
     model = _start_model(msg, cfg, settings, node, server_round)
     seed = settings.seed + 1000 * node.partition_id + server_round

@@ -23,6 +23,7 @@ import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from glmc.archs import preset
+from glmc.data.vision import ArrayDataset
 from glmc.errors import ConfigError
 from glmc.tasks import Task, load_task
 from server.settings import NATURAL_SPLITS, RunSettings
@@ -61,10 +62,11 @@ def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: in
     task = load_task(dataset, preset(model), seed=seed)
     if partitioner in NATURAL_SPLITS:
         return _text_pool(task, partitioner, seed, server_data)
-    if not hasattr(task.train, "subset"):
+    train = task.train
+    if not isinstance(train, ArrayDataset):
         raise ConfigError(f"partitioner {partitioner!r} splits labelled images; {dataset!r} has none")
-    rows = np.random.default_rng(seed).permutation(len(task.train))
-    server = task.train.subset(np.sort(rows[:server_data])) if server_data else None
+    rows = np.random.default_rng(seed).permutation(len(train))
+    server = train.subset(np.sort(rows[:server_data])) if server_data else None
     return Pool(task, task.test, server, (np.sort(rows[server_data:]),))
 
 
@@ -77,11 +79,11 @@ def _text_pool(task: Task, by: str, seed: int, server_data: int) -> Pool:
     units = shakespeare_partitions(None, by=by, context=task.config.context)
     units = [units[i] for i in np.random.default_rng(seed).permutation(len(units))]
     held: list[Dataset] = []
-    while server_data and sum(map(len, held)) < server_data and units:
+    while server_data and _size(held) < server_data and units:
         held.append(units.pop(0).train)
-    if server_data and sum(map(len, held)) < server_data:
+    if server_data and _size(held) < server_data:
         raise ConfigError(f"server-data={server_data} exceeds the text of every natural client")
-    server = Subset(ConcatDataset(held), range(server_data)) if held else None
+    server: Dataset | None = Subset(ConcatDataset(held), range(server_data)) if held else None
     log.info("%d natural clients by %s; %d reserved for the server", len(units), by, len(held))
     return Pool(task, ConcatDataset([u.test for u in units]), server, tuple(units))
 
@@ -99,7 +101,7 @@ def client_share(settings: RunSettings, partition_id: int, num_partitions: int) 
     rows = _label_split(settings, num_partitions)[partition_id]
     order = np.random.default_rng([settings.seed, partition_id]).permutation(rows)
     cut = len(rows) - int(len(rows) * VAL_FRACTION)
-    train = data.task.train
+    train = _images(data.task)
     return ClientShare(train.subset(np.sort(order[:cut])), train.subset(np.sort(order[cut:])),
                        {"scheme": settings.partitioner, "partition": partition_id, "rows": len(rows)})
 
@@ -124,7 +126,7 @@ def _label_split_cached(cfg: Any, dataset: str, model: str, server_data: int) ->
 
     data = _pool(dataset, model, cfg.scheme, cfg.seed, server_data)
     rows = data.units[0]
-    return [rows[part] for part in partition_indices(data.task.train.labels[rows], cfg)]
+    return [rows[part] for part in partition_indices(_images(data.task).labels[rows], cfg)]
 
 
 def label_counts(settings: RunSettings, num_partitions: int) -> list[list[int]] | None:
@@ -135,12 +137,22 @@ def label_counts(settings: RunSettings, num_partitions: int) -> list[list[int]] 
 
     data = pool(settings)
     parts = _label_split(settings, num_partitions)
-    return counts(data.task.train.labels, parts, data.task.config.num_classes).tolist()
+    return counts(_images(data.task).labels, parts, data.task.config.num_classes).tolist()
+
+
+def _images(task: Task) -> ArrayDataset:
+    """The labelled training images of a vision task (the label splits need them)."""
+    assert isinstance(task.train, ArrayDataset), "label splits are checked to be vision tasks in _pool"
+    return task.train
+
+
+def _size(datasets: list[Dataset]) -> int:
+    return sum(len(d) for d in datasets)  # type: ignore[arg-type, misc]
 
 
 def eval_subset(dataset: Dataset, limit: int, seed: int) -> Dataset:
     """A seeded random ``limit`` of ``dataset`` (all of it when limit is 0 or larger)."""
-    size = len(dataset)  # type: ignore[arg-type]
+    size = _size([dataset])
     if not limit or limit >= size:
         return dataset
     return Subset(dataset, np.sort(np.random.default_rng(seed).permutation(size)[:limit]).tolist())

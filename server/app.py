@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 app = ServerApp()
 
+RUN_HANDLER = "glmc-run"  # names the log handlers of the current run, so a second run in-process replaces them
+
 
 def configure_logging(run_dir: Path) -> None:
     """INFO logs of this project to stderr (streamed by ``flwr run --stream``) and to ``<run>/server.log``."""
@@ -44,12 +46,12 @@ def configure_logging(run_dir: Path) -> None:
     for name in ("server", "glmc"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.INFO)
-        for handler in [h for h in logger.handlers if getattr(h, "glmc_run", False)]:
+        for handler in [h for h in logger.handlers if h.name == RUN_HANDLER]:
             logger.removeHandler(handler)
             handler.close()
         for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "server.log")):
             handler.setFormatter(formatter)
-            handler.glmc_run = True  # type: ignore[attr-defined]
+            handler.name = RUN_HANDLER
             logger.addHandler(handler)
 
 

@@ -81,7 +81,7 @@ class RunSettings:
         fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - set(fields))
         _require(not unknown, f"unknown run-config keys: {unknown}")
-        return cls(**{fields[key].name: _coerce(key, fields[key].type, value) for key, value in config.items()})
+        return cls(**{fields[key].name: _coerce(key, str(fields[key].type), value) for key, value in config.items()})
 
     def to_run_config(self) -> dict[str, Any]:
         """The kebab-case mapping ``from_run_config`` reads (width-tiers as "1,0.5")."""

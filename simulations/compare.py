@@ -159,8 +159,8 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, 
             cell = select(rows, split, widths, agg)
             ok = [r for r in cell if r["status"] == "finished:completed"]
             acc = [final(r, "central_accuracy") for r in ok]
-            paired = [a - base[r["seed"]] for r, a in zip(ok, acc, strict=True)
-                      if a is not None and base.get(r["seed"]) is not None]
+            paired = [a - b for r, a in zip(ok, acc, strict=True)
+                      if a is not None and (b := base.get(r["seed"])) is not None]
             table.append({
                 "split": split, "widths": widths, "aggregation": agg, "runs": f"{len(ok)}/{len(cell)}",
                 "accuracy %": _fmt(acc), "Δ vs fedavg (pts)": _fmt(paired) if agg != "fedavg" else "–",
