@@ -10,6 +10,8 @@ same ServerApp and ClientApp code without Ray to check ``resume=true`` bit for b
 from __future__ import annotations
 
 import json
+import os
+import socket
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +26,22 @@ from glmc.checkpoint import load_checkpoint
 from glmc.data.fashion_mnist import find_fashion_mnist
 from server import app as server_app
 from server import protocol
-from simulations.engine import PROJECT, run_simulation
+from simulations.engine import PROJECT, free_port, listening_pid, run_simulation, toml_value
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)"),
-]
+needs_data = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
 
 
+def test_the_superlink_is_found_by_its_port_and_overrides_are_toml() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert listening_pid(s.getsockname()[1]) == os.getpid()
+    assert listening_pid(free_port()) is None
+    assert [toml_value(v) for v in (True, 3, 0.5, "a'b")] == ["true", "3", "0.5", '"a\'b"']
+
+
+@pytest.mark.slow
+@needs_data
 def test_two_rounds_with_a_faulty_client(tmp_path: Path) -> None:
     config = {"model": "vit-tiny", "num-server-rounds": 2, "local-steps": 3, "eval-limit": 200,
               "aggregation": "weight", "align-iters": 1, "fault-partition": 2, "fraction-evaluate": 1.0,
@@ -97,6 +107,8 @@ def run_in_process(tmp_path: Path, **overrides: object) -> InProcessGrid:
     return grid
 
 
+@pytest.mark.slow
+@needs_data
 def test_resume_continues_from_the_last_checkpoint(tmp_path: Path, server_identity: None) -> None:
     run_in_process(tmp_path, **{"num-server-rounds": 2, "aggregation": "weight", "fraction-evaluate": 1.0})
     saved, _ = load_checkpoint(tmp_path / "inproc" / "checkpoints" / "round-002.safetensors")
