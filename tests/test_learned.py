@@ -102,26 +102,29 @@ def test_dual_moves_both_endpoints_exactly_and_keeps_the_path(trained):
     assert (dual_mid - single_mid).abs().max() <= 1e-8
 
 
-def _latents_and_loss(trained: Trained, residual_perm: bool, soft: bool):
+def _latents_and_loss(trained: Trained, residual_perm: bool, soft: bool, within: bool = False):
     cfg, arch, (a, b) = trained.cfg, trained.arch, trained.states
     init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=residual_perm).transform
-    latents = Latents(init, cfg, LearnConfig(), fix_ones=True, residual_perm=residual_perm, soft=soft)
+    options = LearnConfig(within_heads=within)
+    latents = Latents(init, cfg, options, fix_ones=True, residual_perm=residual_perm, soft=soft)
     path = Path([Endpoint(a), Endpoint(b, latents)], cfg, "standard", torch.float64)
     x, y = trained.data.tensors
     return latents, lambda: token_loss(path.logits(path.point([None, latents()], [0.5, 0.5]), x), y)
 
 
-@pytest.mark.parametrize(("residual_perm", "soft"), [(False, False), (True, False), (False, True)])
-def test_gradient_reaches_every_latent(trained, residual_perm, soft):
-    latents, loss = _latents_and_loss(trained, residual_perm, soft)
+@pytest.mark.parametrize(("residual_perm", "soft", "within"),
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)])
+def test_gradient_reaches_every_latent(trained, residual_perm, soft, within):
+    latents, loss = _latents_and_loss(trained, residual_perm, soft, within)
+    assert len(list(latents.parameters())) == 1 + 2 * trained.cfg.depth * (2 if within else 1)
     loss().backward()
     for name, p in latents.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("residual_perm", [False, True])
-def test_hardened_latents_are_exact_after_the_permutations_change(trained, residual_perm):
-    latents, loss = _latents_and_loss(trained, residual_perm, soft=False)
+@pytest.mark.parametrize(("residual_perm", "within"), [(False, False), (True, False), (False, True)])
+def test_hardened_latents_are_exact_after_the_permutations_change(trained, residual_perm, within):
+    latents, loss = _latents_and_loss(trained, residual_perm, soft=False, within=within)
     optimizer = torch.optim.Adam(latents.parameters(), lr=0.5)
     for _ in range(4):
         optimizer.zero_grad()
