@@ -102,8 +102,10 @@ def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, 
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
     data = _train_subset(meta, args.data, samples) if method in DATA_METHODS else None
-    lr = {} if args.lr is None else {"lr": args.lr}
-    learn = LearnConfig(epochs=args.epochs, steps=args.steps, progress=not args.quiet, **lr)
+    learn = None
+    if method in LEARNED_METHODS:
+        lr = {} if args.lr is None else {"lr": args.lr}
+        learn = LearnConfig(epochs=args.epochs, steps=args.steps, progress=not args.quiet, **lr)
     return align_pair(state_a, state_b, meta.config, method, data=data, batch=samples or ACTIVATION_SAMPLES,
                       learn=learn)
 

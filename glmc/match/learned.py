@@ -309,10 +309,10 @@ class _Progress:
     stale: int = 0
     history: list[float] = field(default_factory=list)
 
-    def update(self, step: int, loss: float, transforms: Callable[[], list[Transform | None]]) -> None:
+    def update(self, step: int, loss: float, transforms: list[Transform | None]) -> None:
         self.history.append(loss)
         if loss < self.loss - _ROUNDING * abs(self.loss):
-            self.loss, self.step, self.stale, self.transforms = loss, step, 0, transforms()
+            self.loss, self.step, self.stale, self.transforms = loss, step, 0, transforms
         else:
             self.stale += 1
 
@@ -350,21 +350,21 @@ def _loop(path: Path, latents: list[Latents | None], loader: DataLoader, total: 
           points: Sequence[Weights], val_loader: DataLoader, optimizer: torch.optim.Optimizer, best: _Progress,
           options: LearnConfig) -> str:
     """Run up to ``total`` steps, validating every ``eval_every``; returns why it stopped."""
-    hardened = lambda: [lat.harden() if lat else None for lat in latents]  # noqa: E731
     running, step = math.nan, 0
     with tqdm(total=total, desc="learned matching", unit="step", disable=not options.progress,
               dynamic_ncols=True) as bar:
         for step, (x, y) in enumerate(_epochs(loader, total), start=1):
             loss = _step(path, latents, sampler(), x, y, optimizer)
             if not math.isfinite(loss):
-                log.warning("learned matching: non-finite loss at step %d; stopped and kept the best transform "
-                            "so far (validation loss %.5f from step %d)", step, best.loss, best.step)
-                return f"non-finite loss at step {step}"
+                log.warning("learned matching: non-finite loss or gradient at step %d; stopped and kept the best "
+                            "transform so far (validation loss %.5f from step %d)", step, best.loss, best.step)
+                return f"non-finite loss or gradient at step {step}"
             running = loss if math.isnan(running) else 0.95 * running + 0.05 * loss
             bar.update()
             bar.set_postfix(loss=f"{running:.4f}", best=f"{best.loss:.4f}", refresh=False)
             if step % options.eval_every == 0 or step == total:
-                best.update(step, validate(path, hardened(), points, val_loader), hardened)
+                current = [lat.harden() if lat else None for lat in latents]
+                best.update(step, validate(path, current, points, val_loader), current)
                 if options.patience and best.stale >= options.patience:
                     return f"early stop at step {step}"
     return f"completed {step} steps"
