@@ -28,13 +28,15 @@ def _transformed_copy(cfg, classes, seed=7):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_weight_matching_recovers_a_transformed_copy(name):
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.float64, 1e-12), (torch.float32, 1e-8)])
+def test_weight_matching_recovers_a_transformed_copy(name, dtype, bound):
+    """Exact recovery when searching in float64; float32 (the default, half the cost) to its precision."""
     cfg = CONFIGS[name]
     arch, a, b = _transformed_copy(cfg, ("residual", "head-perm", "within-head-orthogonal", "mlp-perm"))
-    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads)
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, dtype=dtype)
     aligned = apply(b, arch.spec, result.transform, cfg.heads)
     assert sq_distance(a, b) > 1.0
-    assert sq_distance(a, aligned) < 1e-12
+    assert sq_distance(a, aligned) < bound
     curve = barrier_curve(a, aligned, cfg, dataset(cfg), points=5)
     assert abs(curve.barrier) < 1e-8
 

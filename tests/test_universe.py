@@ -38,7 +38,7 @@ def test_merging_transformed_copies_gives_back_the_model(name, workers):
     native, x = random_native(cfg, 1), inputs(cfg, n=3)
     copies = _copies(cfg, canonicalize(get_arch(cfg.family), native, cfg.depth), 4)
     result = universe_match(copies[::-1], cfg, "weight", reference=3, weights=[1, 2, 3, 4], workers=workers)
-    assert sq_distance(result.merged, copies[0]) < 1e-12
+    assert sq_distance(result.merged, copies[0]) < 1e-9  # weight matching searches in float32
     assert (_logits(result.merged, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-6
     assert result.history[0].mean_distance < 1e-5 and len(result.history) <= 2
 
