@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
@@ -30,7 +31,7 @@ from glmc.archs import Arch, ModelConfig, State, get_arch
 from glmc.canonical import Form, to_model
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
-from glmc.train import token_loss
+from glmc.train import cosine_schedule, token_loss
 from glmc.transforms import Transform, apply
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class LearnConfig:
     # AdamW on the latents. The paper's 3e-4 left a vit-bench Fashion-MNIST pair (seeds 0, 4) at barrier 0.106
     # after one epoch, 3e-3 at 0.064 (weight matching: 0.96).
     lr: float = 3e-3
+    cosine: bool = False  # decay the learning rate to zero over the run (glmc.train.cosine_schedule)
     weight_decay: float = 0.0  # the projections are scale-invariant, so decay would only raise the step size
     batch_size: int = 128
     lam: tuple[float, float] = (0.4, 0.6)  # a pair's λ ~ U(lo, hi), the weight of A (paper App. C.1.1)
@@ -330,7 +332,6 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     path = Path(endpoints, cfg, form, options.dtype)
     latents = [e.latents for e in endpoints]
     params = [p for lat in latents if lat is not None for p in lat.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
     val_loader = DataLoader(val, batch_size=256)
     best = _Progress(validate(path, [lat.init if lat else None for lat in latents], points, val_loader),
                      [lat.init if lat else None for lat in latents])
@@ -338,7 +339,9 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     loader = DataLoader(train, batch_size=options.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(options.seed))
     total = options.steps or options.epochs * len(loader)
-    stopped = _loop(path, latents, loader, total, sampler, points, val_loader, optimizer, best, options)
+    optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
+    schedule = cosine_schedule(optimizer, total, 0.0) if options.cosine else LambdaLR(optimizer, lambda _: 1.0)
+    stopped = _loop(path, latents, loader, total, sampler, points, val_loader, schedule, best, options)
     info = {"val_loss_init": best.history[0], "val_loss": best.loss, "best_step": best.step, "stopped": stopped,
             "learn_seconds": round(time.perf_counter() - start, 3)}
     log.info("learned matching: validation loss %.5f → %.5f (step %d); %s", best.history[0], best.loss,
@@ -347,18 +350,19 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
 
 
 def _loop(path: Path, latents: list[Latents | None], loader: DataLoader, total: int, sampler: Sampler,
-          points: Sequence[Weights], val_loader: DataLoader, optimizer: torch.optim.Optimizer, best: _Progress,
+          points: Sequence[Weights], val_loader: DataLoader, schedule: LRScheduler, best: _Progress,
           options: LearnConfig) -> str:
     """Run up to ``total`` steps, validating every ``eval_every``; returns why it stopped."""
     running, step = math.nan, 0
     with tqdm(total=total, desc="learned matching", unit="step", disable=not options.progress,
               dynamic_ncols=True) as bar:
         for step, (x, y) in enumerate(_epochs(loader, total), start=1):
-            loss = _step(path, latents, sampler(), x, y, optimizer)
+            loss = _step(path, latents, sampler(), x, y, schedule.optimizer)
             if not math.isfinite(loss):
                 log.warning("learned matching: non-finite loss or gradient at step %d; stopped and kept the best "
                             "transform so far (validation loss %.5f from step %d)", step, best.loss, best.step)
                 return f"non-finite loss or gradient at step {step}"
+            schedule.step()
             running = loss if math.isnan(running) else 0.95 * running + 0.05 * loss
             bar.update()
             bar.set_postfix(loss=f"{running:.4f}", best=f"{best.loss:.4f}", refresh=False)
