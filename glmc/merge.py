@@ -179,7 +179,7 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
     wide = canonicalize(arch, natives[ref], setup.target.depth, dtype=torch.float64)
     rows = []
     for i, cfg in enumerate(configs):
-        if cfg.width == setup.target.width and cfg.mlp == setup.target.mlp:
+        if cfg == setup.target:
             continue
         narrow = canonicalize(arch, natives[i], cfg.depth, dtype=torch.float64)
         pair = universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
