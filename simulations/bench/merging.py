@@ -44,7 +44,7 @@ def merge(run: dict[str, Any], spec: dict[str, Any], method: str) -> dict[str, A
     args = ["merge", *map(str, checkpoints(run, spec["models"])), "--method", method, "--out",
             f"{out}.safetensors", "--json", f"{out}.json", "--limit", str(spec["limit"]), "--simplex-points",
             str(spec["simplex_points"]), "--workers", str(run["workers"]), "--force", "--quiet"]
-    if glmc(args + (run["learn"] if method == "learned" else [])) != 0:
+    if glmc(args + (spec.get("learn", run["learn"]) if method == "learned" else [])) != 0:
         raise SystemExit(f"glmc merge failed: {spec['name']} by {method}")
     return json.loads(Path(f"{out}.json").read_text())
 
@@ -86,6 +86,9 @@ def time_universe(run: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, A
     """Wall and CPU time of weight-matching universe matching of all the timing models, per worker count."""
     from glmc.universe import universe_match
 
+    cached = Path(run["out"]) / "timing.json"
+    if run.get("resume") and cached.exists():
+        return json.loads(cached.read_text())
     states, cfg = timing_states(run, spec)
     rows = []
     for workers in spec["workers"]:
@@ -96,6 +99,7 @@ def time_universe(run: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, A
                      "cpu_seconds": time.process_time() - cpu + (after.children_user - children.children_user),
                      "iterations": len(result.history), "history": result.history_dicts(),
                      "load_average": os.getloadavg()})
+    cached.write_text(json.dumps(rows))
     return rows
 
 
@@ -148,7 +152,7 @@ def markdown(rows: list[dict[str, Any]], panels: dict[str, Any], timing: list[di
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="simulations/bench/configs/merging.toml")
-    parser.add_argument("--resume", action="store_true", help="reuse the merge and simplex reports already written")
+    parser.add_argument("--resume", action="store_true", help="reuse the reports and timings already written")
     args = parser.parse_args(argv)
     config = tomllib.loads(Path(args.config).read_text())
     run, start = config["run"] | {"resume": args.resume}, time.perf_counter()
