@@ -52,7 +52,7 @@ def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
     parser.add_argument("--batch", type=int, help="training samples given to data-driven methods "
                         f"(default: {ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
-    parser.add_argument("--epochs", type=int, default=1, help="learned methods: passes over the training samples")
+    parser.add_argument("--epochs", type=int, help="learned methods: passes over the training samples (default 2)")
     parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs")
     parser.add_argument("--lr", type=float, help="learned methods: AdamW learning rate on the latents")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
@@ -104,8 +104,8 @@ def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, 
     data = _train_subset(meta, args.data, samples) if method in DATA_METHODS else None
     learn = None
     if method in LEARNED_METHODS:
-        lr = {} if args.lr is None else {"lr": args.lr}
-        learn = LearnConfig(epochs=args.epochs, steps=args.steps, progress=not args.quiet, **lr)
+        given = {k: v for k, v in {"lr": args.lr, "epochs": args.epochs}.items() if v is not None}
+        learn = LearnConfig(steps=args.steps, progress=not args.quiet, **given)
     return align_pair(state_a, state_b, meta.config, method, data=data, batch=samples or ACTIVATION_SAMPLES,
                       learn=learn)
 

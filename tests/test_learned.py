@@ -177,16 +177,17 @@ def test_soft_permutations_report_their_endpoint_error():
     assert isinstance(result.info["endpoint_loss_change"], float)
 
 
-def test_refine_universe_keeps_the_reference_and_every_function():
-    cfg = CONFIGS["gpt2-odd"]
-    arch, natives, states = _pair(cfg, seeds=(1, 2, 3))
-    transforms = refine_universe(states, cfg, dataset(cfg, 40), weights=[3, 1, 1], options=FAST)
+def test_refine_universe_keeps_the_reference_and_every_function(trained):
+    cfg, arch = trained.cfg, trained.arch
+    third = canonicalize(arch, random_native(cfg, 3), cfg.depth)
+    states, natives = [*trained.states, third], [*trained.natives, random_native(cfg, 3)]
+    transforms = refine_universe(states, cfg, trained.data, weights=[3, 2, 1], options=FAST)
     assert transforms[0].residual is None and all(h is None for h in transforms[0].heads)
-    assert any(t.residual is not None for t in transforms[1:])
+    assert transforms[1].residual is not None  # learned, not left at the identity
     for state, native, t in zip(states, natives, transforms, strict=True):
         assert _gap(apply(state, arch.spec, t, cfg.heads), native, cfg) <= 1e-5
     with pytest.raises(ConfigError, match="positive weight"):
-        refine_universe(states, cfg, dataset(cfg, 40), weights=[1, 1], options=FAST)
+        refine_universe(states, cfg, trained.data, weights=[1, 1], options=FAST)
 
 
 class _PoisonedAfter(Dataset):
