@@ -114,7 +114,9 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
         lines.append(f"| {r['preset']} | {r['dataset']} | {r['method']} | {r['pairs']} | "
                      f"{r['barrier']:.3f} ± {r['barrier_se']:.3f} | {100 * r['ratio_to_vanilla']:.1f}% ± "
                      f"{100 * r['ratio_se']:.1f} | {r['midpoint_accuracy']:.3f} | {r['align_seconds']:.2f} |")
-    lines += ["", "Weight-matching time between two random-init models of each preset (median of repeats; CPU time"
+    lines += ["", "`align s` is the median wall time of the pair runs, which shared the 2 cores with other jobs (load "
+              "5–13); the table below measures the weight-matching cost itself.",
+              "", "Weight-matching time between two random-init models of each preset (median of repeats; CPU time"
               " is the steadier figure on a shared machine):", "",
               "| preset | wall s | CPU s | sweeps |", "|---|---|---|---|"]
     lines += [f"| {p} | {t['median_seconds']:.2f} | {t['median_cpu_seconds']:.2f} | {t['sweeps']:.0f} |"
