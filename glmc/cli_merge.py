@@ -73,15 +73,13 @@ def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
 
 def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointMeta, n: int) -> MergeSetup:
     """The MergeSetup of one method: training samples only for the data-driven ones (never the test split)."""
-    from glmc.cli_symmetry import _train_subset
-    from glmc.match.learned import LearnConfig
+    from glmc.cli_symmetry import _train_subset, learn_options
     from glmc.merge import DATA_METHODS, MergeSetup
 
     samples = args.batch or (LEARN_SAMPLES if method == "learned" else 512)
     train = _train_subset(dataclasses.replace(meta, config=target), args.data, samples) if method in DATA_METHODS \
         else None
-    lr = {} if args.lr is None else {"lr": args.lr}
-    learn = LearnConfig(epochs=args.epochs, steps=args.steps, progress=not args.quiet, **lr)
+    learn = learn_options(args)
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, args.iters,
                       args.tol, args.workers, learn)
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from glmc.align import Alignment
     from glmc.checkpoint import CheckpointMeta
+    from glmc.match.learned import LearnConfig
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,16 +97,20 @@ def _train_subset(meta: CheckpointMeta, data: str | None, n: int | None) -> Data
     return Subset(train, idx.tolist())
 
 
+def learn_options(args: argparse.Namespace) -> LearnConfig:
+    """Learned-matching options from --lr / --epochs / --steps; flags left out keep LearnConfig's defaults."""
+    from glmc.match.learned import LearnConfig
+
+    given = {k: v for k, v in {"lr": args.lr, "epochs": args.epochs}.items() if v is not None}
+    return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
+
+
 def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta) -> Alignment:
     from glmc.align import DATA_METHODS, LEARNED_METHODS, align_pair
-    from glmc.match.learned import LearnConfig
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
     data = _train_subset(meta, args.data, samples) if method in DATA_METHODS else None
-    learn = None
-    if method in LEARNED_METHODS:
-        given = {k: v for k, v in {"lr": args.lr, "epochs": args.epochs}.items() if v is not None}
-        learn = LearnConfig(steps=args.steps, progress=not args.quiet, **given)
+    learn = learn_options(args) if method in LEARNED_METHODS else None
     return align_pair(state_a, state_b, meta.config, method, data=data, batch=samples or ACTIVATION_SAMPLES,
                       learn=learn)
 
