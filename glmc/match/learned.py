@@ -115,7 +115,7 @@ def orthogonal_latent(q: torch.Tensor | None, d: int, noise: float, g: torch.Gen
 
 def head_latents(maps: torch.Tensor | None, heads: int, head_dim: int, noise: float, g: torch.Generator,
                  ) -> torch.Tensor:
-    """(H, d_h, d_h) orthogonal latents, one per head, around the given within-head maps (identity for None)."""
+    """(H, d_h, d_h) latents, one per head, around the given orthogonal within-head maps (identity for None)."""
     return torch.stack([orthogonal_latent(None if maps is None else maps[h], head_dim, noise, g)
                         for h in range(heads)])
 
