@@ -212,5 +212,5 @@ def _write_simplex(args: argparse.Namespace, paths: list[Path], panels: list[dic
                                      "panels": panels}, indent=1))
     if args.plot:
         plot_simplex([(f"{p['method']} (barrier {p['barrier']:.3f})", p["weights"], p["losses"]) for p in panels],
-                     args.plot, labels=[f"{p.parent.name}/{p.stem}" for p in paths])
+                     args.plot, names=[f"{p.parent.name}/{p.stem}" for p in paths])
     print(json.dumps({p["method"]: round(p["barrier"], 4) for p in panels}))

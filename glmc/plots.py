@@ -35,8 +35,8 @@ def plot_barrier_curves(curves: Sequence[BarrierCurve], path: str | Path, title:
 
 
 def plot_simplex(panels: Sequence[tuple[str, Sequence[Sequence[float]], Sequence[float]]], path: str | Path,
-                 labels: Sequence[str] = ("A", "B", "C"), title: str = "") -> Path:
-    """Test loss over the simplex of three models, one triangle per method (paper Fig. 4).
+                 names: Sequence[str] = ("A", "B", "C")) -> Path:
+    """Test loss over the simplex of three models A, B, C (``names``), one triangle per method (paper Fig. 4).
 
     Each panel is (method label, grid weights (w_A, w_B, w_C), loss at Σ w_i θ_i); one colour scale for all.
     """
@@ -51,15 +51,14 @@ def plot_simplex(panels: Sequence[tuple[str, Sequence[Sequence[float]], Sequence
         xy = torch.tensor(weights, dtype=torch.float32) @ corners
         tri = mtri.Triangulation(xy[:, 0].numpy(), xy[:, 1].numpy())
         shade = ax.tricontourf(tri, list(losses), levels=levels, cmap="viridis")
-        for corner, label in zip(corners.tolist(), labels, strict=True):
-            ax.annotate(label, corner, ha="center", va="top" if corner[1] == 0 else "bottom", fontsize=9)
+        for corner, label in zip(corners.tolist(), "ABC", strict=True):
+            ax.annotate(label, corner, ha="center", va="top" if corner[1] == 0 else "bottom", fontsize=11)
         ax.set(title=name, aspect="equal", xlim=(-0.08, 1.08), ylim=(-0.1, 0.97))
         ax.axis("off")
     fig.colorbar(shade, ax=axes[0].tolist(), shrink=0.8, label="test loss")
-    if title:
-        fig.suptitle(title)
+    fig.suptitle("   ".join(f"{letter}: {name}" for letter, name in zip("ABC", names, strict=True)), fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
