@@ -8,6 +8,7 @@ endpoint error, max |logits(T_soft(θ_B)) − logits(θ_B)| and the change of B'
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -19,6 +20,8 @@ from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn
 from glmc.train import token_loss
 from glmc.transforms import Transform, apply
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -55,5 +58,8 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
     transform = learned.transforms[1]
     assert transform is not None
     gain = learned.history[0] - min(learned.history)
-    info = learned.info | {"midpoint_gain": gain} | endpoint_error(b, transform, cfg, learned.validation, form)
+    error = endpoint_error(b, transform, cfg, learned.validation, form)
+    log.warning("soft permutations: the aligned B is not B's function (max |Δlogit| %.3g, loss change %+.4f on the "
+                "validation split)", error["endpoint_max_logit_error"], error["endpoint_loss_change"])
+    info = learned.info | {"midpoint_gain": gain} | error
     return MatchResult(transform, learned.history, time.perf_counter() - start, info)
