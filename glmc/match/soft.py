@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import Form
+from glmc.check import TOLERANCE
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn
 from glmc.train import token_loss
@@ -59,7 +60,8 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
     assert transform is not None
     gain = learned.history[0] - min(learned.history)
     error = endpoint_error(b, transform, cfg, learned.validation, form)
-    log.warning("soft permutations: the aligned B is not B's function (max |Δlogit| %.3g, loss change %+.4f on the "
-                "validation split)", error["endpoint_max_logit_error"], error["endpoint_loss_change"])
+    if error["endpoint_max_logit_error"] > TOLERANCE:
+        log.warning("soft permutations: the aligned B is not B's function (max |Δlogit| %.3g, loss change %+.4f "
+                    "on the validation split)", error["endpoint_max_logit_error"], error["endpoint_loss_change"])
     info = learned.info | {"midpoint_gain": gain} | error
     return MatchResult(transform, learned.history, time.perf_counter() - start, info)
