@@ -19,7 +19,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,27 +86,31 @@ def _align_one(job: _Job, anchor: State, state: State) -> MatchResult:
     return _match(job.method, anchor, state, job.cfg, "standard", job.data, job.batch, job.learn)
 
 
-def _worker_init() -> None:
-    torch.set_num_threads(1)  # the pool supplies the parallelism; one thread per worker avoids oversubscription
+_SHARED: dict[str, Any] = {}  # a worker's copy of one iteration's job, anchor and states
 
 
-def _pool(workers: int) -> Executor | None:
-    """A process pool of ``workers``, or None for the serial path.
+def _share(job: _Job, anchor: State, states: list[State]) -> None:
+    """Pool initializer: keep the iteration's inputs; one torch thread, the pool supplies the parallelism."""
+    torch.set_num_threads(1)
+    _SHARED.update(job=job, anchor=anchor, states=states)
 
-    Forked where the platform can (as torch's DataLoader does: no re-import, workers start in milliseconds),
-    spawned elsewhere; each worker runs one torch thread.
+
+def _align_shared(index: int) -> MatchResult:
+    return _align_one(_SHARED["job"], _SHARED["anchor"], _SHARED["states"][index])
+
+
+def _align_all(job: _Job, anchor: State, states: Sequence[State], workers: int) -> list[MatchResult]:
+    """Align every state to the anchor: N independent pairwise problems, in a process pool when workers > 1.
+
+    The pool lives for one iteration, so its inputs reach each worker once rather than once per task: forked
+    where the platform can (as torch's DataLoader does: nothing is copied or re-imported), spawned elsewhere.
     """
     if workers <= 1:
-        return None
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
-
-
-def _align_all(job: _Job, anchor: State, states: Sequence[State], pool: Executor | None) -> list[MatchResult]:
-    """Align every state to the anchor: N independent pairwise problems, in parallel when a pool is given."""
-    if pool is None:
         return [_align_one(job, anchor, s) for s in states]
-    return list(pool.map(_align_one, [job] * len(states), [anchor] * len(states), states))
+    start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(min(workers, len(states)), mp_context=multiprocessing.get_context(start_method),
+                             initializer=_share, initargs=(job, anchor, list(states))) as pool:
+        return list(pool.map(_align_shared, range(len(states))))
 
 
 def _relative(a: State, b: State) -> float:
@@ -164,15 +168,10 @@ def universe_match(
         data = _small_dataset(data, batch if method == "activation" else None)
     job = _Job(method, cfg, data, batch, learn)
     result = UniverseResult(aligned, placements, transforms, universe)
-    pool = _pool(min(workers, len(states)))
-    try:
-        for iteration in range(1, max_iters + 1):
-            _iterate(result, job, pool, iteration, weights)
-            if _converged(result.history, tol):
-                break
-    finally:
-        if pool is not None:
-            pool.shutdown()
+    for iteration in range(1, max_iters + 1):
+        _iterate(result, job, workers, iteration, weights)
+        if _converged(result.history, tol):
+            break
     if refine:
         _refine(result, job, weights, reference)
     return result
@@ -196,11 +195,11 @@ def _mean_distance(states: Sequence[State], universe: State) -> float:
     return sum(_relative(s, universe) for s in states) / len(states)
 
 
-def _iterate(result: UniverseResult, job: _Job, pool: Executor | None, iteration: int,
+def _iterate(result: UniverseResult, job: _Job, workers: int, iteration: int,
              weights: Sequence[float] | None) -> IterationRecord:
     """One step: align every model to U, move them (and their placements), then U ← least-squares mean."""
     start = time.perf_counter()
-    matches = _align_all(job, result.merged, result.aligned, pool)
+    matches = _align_all(job, result.merged, result.aligned, workers)
     return _move_and_merge(result, job, [m.transform for m in matches], weights, iteration, start)
 
 
