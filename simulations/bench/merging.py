@@ -113,7 +113,15 @@ def row(name: str, report: dict[str, Any]) -> dict[str, Any]:
             "ensemble_accuracy": report["ensemble"]["accuracy"], "ensemble_loss": report["ensemble"]["loss"],
             "simplex_barrier": report["simplex"]["barrier"], "universe_seconds": report["universe_seconds"],
             "iterations": len(report["universe"]),
-            "width_barriers": {str(w["width"]): w["barrier"] for w in report.get("width_barriers", [])}}
+            "width_barriers": _by_width(report.get("width_barriers", []))}
+
+
+def _by_width(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each narrower input's pairwise barrier to the wide reference, grouped by its width."""
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        out.setdefault(str(r["width"]), []).append(r["barrier"])
+    return out
 
 
 def markdown(rows: list[dict[str, Any]], panels: dict[str, Any], timing: list[dict[str, Any]],
@@ -130,11 +138,11 @@ def markdown(rows: list[dict[str, Any]], panels: dict[str, Any], timing: list[di
              "| simplex barrier | width barriers (d: B) | iters | universe s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        widths = ", ".join(f"{d}: {b:.3f}" for d, b in r["width_barriers"].items()) or "–"
+        widths = "; ".join(f"{d}: " + ", ".join(f"{b:.3f}" for b in bs) for d, bs in r["width_barriers"].items())
         lines.append(f"| {r['group']} | {r['method']} | {r['models']} | {r['mean_input_accuracy']:.4f} | "
                      f"{r['merged_accuracy']:.4f} | {100 * (r['merged_accuracy'] - r['mean_input_accuracy']):+.1f} "
                      f"| {r['merged_loss']:.3f} | {r['ensemble_accuracy']:.4f} | {r['simplex_barrier']:.3f} | "
-                     f"{widths} | {r['iterations']} | {r['universe_seconds']:.0f} |")
+                     f"{widths or '–'} | {r['iterations']} | {r['universe_seconds']:.0f} |")
     names = ", ".join(f"{Path(m).parent.name}/{Path(m).stem}" for m in panels["models"])
     lines += ["", f"Simplex of three models ({names}; "
               f"weights in multiples of 1/{panels['steps']}): `simplex.png`.", "",
