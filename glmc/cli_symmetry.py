@@ -169,7 +169,7 @@ def run_barrier(args: argparse.Namespace) -> int:
         aligned = _align(args, method, state_a, state_b, meta)
         a, b = ({k: v.to(torch.float32) for k, v in s.items()} for s in (aligned.a, aligned.b))
         curve = barrier_curve(a, b, meta.config, test, args.points, method=method)
-        curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds})
+        curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds, "align_info": aligned.result.info})
         print(f"{method:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)
     _write_barrier_outputs(args, curves)
     return 0
