@@ -107,6 +107,8 @@ def row(name: str, report: dict[str, Any]) -> dict[str, Any]:
     """One summary row of a merge report."""
     inputs = [r["accuracy"] for r in report["inputs"]]
     return {"group": name, "method": report["method"], "models": len(inputs),
+            "inputs": [f"{Path(r['path']).parent.name}/{Path(r['path']).stem} ({r['accuracy']:.4f})"
+                       for r in report["inputs"]],
             "mean_input_accuracy": statistics.fmean(inputs),
             "mean_input_loss": statistics.fmean(r["loss"] for r in report["inputs"]),
             "merged_accuracy": report["merged"]["accuracy"], "merged_loss": report["merged"]["loss"],
@@ -129,8 +131,8 @@ def markdown(rows: list[dict[str, Any]], panels: dict[str, Any], timing: list[di
     """The committed summary: merges, the simplex barriers, universe-matching time, and how it was produced."""
     lines = ["# Merging N models (universe matching, widths)", "",
              f"Command: `{meta['command']}`, config `{meta['config']}`.",
-             f"Machine: {meta['machine']}; wall time {meta['wall_minutes']:.1f} min; load average at the end "
-             f"{meta['load']}.", "",
+             f"Machine: {meta['machine']}; wall time of this invocation {meta['wall_minutes']:.1f} min "
+             f"({meta['reused']}); load average at the end {meta['load']}.", "",
              "Accuracy and loss on held-out data (first `limit` samples of the test split); vanilla = `none` "
              "(parameter averaging; across widths, the least-squares merge of the exact embeddings without "
              "alignment); the ensemble averages the inputs' logits. Simplex barrier = paper Eq. 2 on the grid.", "",
@@ -144,6 +146,8 @@ def markdown(rows: list[dict[str, Any]], panels: dict[str, Any], timing: list[di
                      f"| {r['merged_loss']:.3f} | {r['ensemble_accuracy']:.4f} | {r['simplex_barrier']:.3f} | "
                      f"{widths or '–'} | {r['iterations']} | {r['universe_seconds']:.0f} |")
     names = ", ".join(f"{Path(m).parent.name}/{Path(m).stem}" for m in panels["models"])
+    lines += ["", "Inputs (test accuracy on the same samples):", ""]
+    lines += [f"- {group}: {', '.join(inputs)}" for group, inputs in {r["group"]: r["inputs"] for r in rows}.items()]
     lines += ["", f"Simplex of three models ({names}; "
               f"weights in multiples of 1/{panels['steps']}): `simplex.png`.", "",
               "| method | simplex barrier | max loss |", "|---|---|---|"]
@@ -181,6 +185,7 @@ def write_results(run: dict[str, Any], config: str, reports: dict[str, list[dict
     rows = [row(name, r) for name, group in reports.items() for r in group]
     seeds = timing_spec["seeds"]
     meta = {"command": "python -m simulations.bench.merging", "config": config, "wall_minutes": seconds / 60,
+            "reused": "reports of earlier invocations reused" if run.get("resume") else "everything computed",
             "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
             "timing_models": f"{timing_spec['group']} seeds {seeds} plus {timing_spec['copies']} randomly "
                              f"transformed copies of them (exact symmetries; each is aligned to U, the mean, "
