@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from glmc.merge import MergeSetup
     from glmc.universe import UniverseResult
 
-LEARN_SAMPLES = 10000  # default training samples of learned refinement (activation matching: --batch)
+LEARN_SAMPLES = 20000  # default training samples of learned merging (a seeded subset of the training split)
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
