@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -193,7 +193,7 @@ class Endpoint:
     latents: Latents | None = None
 
 
-def mix(states: Sequence[State], weights: Weights) -> State:
+def mix(states: Sequence[Mapping[str, torch.Tensor]], weights: Weights) -> State:
     """Σ_i w_i θ_i key by key (λ θ_A + (1−λ) θ_B for two models)."""
     return {k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) for k in states[0]}  # type: ignore[misc]
 
