@@ -39,20 +39,35 @@ def train_missing(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:
     return paths
 
 
-def pair_barriers(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path) -> dict[str, Any]:
-    """Run ``glmc barrier`` for one pair with every method (unless a report with the same settings exists)."""
-    out = Path(run["out"]) / "barriers" / f"{model['preset']}_{a.stem}_{b.stem}.json"
+def pair_barriers(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path, methods: list[str],
+                  extra: list[str], tag: str) -> dict[str, Any]:
+    """Run ``glmc barrier`` for one pair with ``methods`` and extra flags, unless a report with the same settings
+    exists (so an interrupted benchmark resumes where it stopped)."""
+    out = Path(run["out"]) / "barriers" / f"{model['preset']}_{a.stem}_{b.stem}{tag}.json"
+    settings = {"points": run["points"], "methods": methods, "extra": extra}
     if out.exists():
         cached = json.loads(out.read_text())
-        if cached["points"] == run["points"] and [c["method"] for c in cached["curves"]] == run["methods"]:
+        if {k: cached.get(k) for k in settings} == settings:
             return cached
     args = ["barrier", str(a), str(b), "--points", str(run["points"]), "--limit", str(run["limit"]),
-            "--batch", str(run["batch"]), "--json", str(out), "--quiet"]
-    for method in run["methods"]:
+            "--json", str(out), "--quiet", *extra]
+    for method in methods:
         args += ["--method", method]
     if glmc(args) != 0:
         raise SystemExit(f"glmc barrier failed for {a} {b}")
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text()) | settings
+    out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def pair_report(run: dict[str, Any], learned: dict[str, Any], model: dict[str, Any], a: Path, b: Path) -> dict:
+    """Every method's curve for one pair: the data-free and activation methods in one run, then each learned
+    method in its own (cached) run with the model's learning flags."""
+    report = pair_barriers(run, model, a, b, run["methods"], ["--batch", str(run["batch"])], "")
+    extra = model.get("learn", learned["args"])
+    for method in learned["methods"]:
+        report["curves"] += pair_barriers(run, model, a, b, [method], extra, f"_{method}")["curves"]
+    return report
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -114,8 +129,9 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
         lines.append(f"| {r['preset']} | {r['dataset']} | {r['method']} | {r['pairs']} | "
                      f"{r['barrier']:.3f} ± {r['barrier_se']:.3f} | {100 * r['ratio_to_vanilla']:.1f}% ± "
                      f"{100 * r['ratio_se']:.1f} | {r['midpoint_accuracy']:.3f} | {r['align_seconds']:.2f} |")
-    lines += ["", "`align s` is the median wall time of the pair runs, which shared the 2 cores with other jobs (load "
-              "5–13); the table below measures the weight-matching cost itself.",
+    lines += ["", "`align s` is the median wall time of the pair runs' alignment (for learned methods: the learning "
+              "time), on a machine shared with other jobs; the table below measures the weight-matching cost itself.",
+              f"Learned methods' flags: {meta['learn']}.",
               "", "Weight-matching time between two random-init models of each preset (median of repeats; CPU time"
               " is the steadier figure on a shared machine):", "",
               "| preset | wall s | CPU s | sweeps |", "|---|---|---|---|"]
@@ -136,19 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     run, start = config["run"], time.perf_counter()
     torch.set_num_threads(run["threads"])
     rows, reports_by_model = [], {}
+    learned = config.get("learned", {"methods": [], "args": []})
     for model in config["models"]:
         paths = train_missing(run, model)
         settings = run | model.get("run", {})  # a model may override run settings such as limit
-        reports = [pair_barriers(settings, model, a, b) for a, b in itertools.combinations(paths, 2)]
+        reports = [pair_report(settings, learned, model, a, b) for a, b in itertools.combinations(paths, 2)]
         reports_by_model[model["preset"]] = reports
-        rows += summarise(model, reports, run["methods"])
+        rows += summarise(model, reports, run["methods"] + learned["methods"])
     presets = [] if args.no_timing else config["timing"]["presets"]
     timing = {p: time_weight_matching(p, config["timing"]["repeats"]) for p in presets}
-    write_results(run, args.config, rows, timing, reports_by_model, time.perf_counter() - start)
+    learn = "; ".join(f"{m['preset']}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
+    write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start)
     return 0
 
 
-def write_results(run: dict[str, Any], config: str, rows: list[dict[str, Any]], timing: dict[str, Any],
+def write_results(run: dict[str, Any], learn: str, config: str, rows: list[dict[str, Any]], timing: dict[str, Any],
                   reports: dict[str, list[dict[str, Any]]], seconds: float) -> None:
     """summary.md, results.json and one curve plot per model (its first pair) under the results folder."""
     from glmc.barrier import BarrierCurve
@@ -157,7 +175,7 @@ def write_results(run: dict[str, Any], config: str, rows: list[dict[str, Any]], 
     out = Path(run["results"])
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python -m simulations.bench.barriers", "config": config, "points": run["points"],
-            "limit": run["limit"], "threads": run["threads"], "wall_minutes": seconds / 60,
+            "limit": run["limit"], "threads": run["threads"], "learn": learn, "wall_minutes": seconds / 60,
             "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads, "
                        f"python {platform.python_version()}, torch {torch.__version__}".strip()}
     (out / "summary.md").write_text(markdown(rows, timing, meta))
