@@ -6,7 +6,7 @@ over a grid, measured on held-out data. One model is built once and reloaded at 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -17,9 +17,30 @@ from glmc.canonical import Form, to_model
 from glmc.train import evaluate
 
 
+def mix(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> State:
+    """Σ_i w_i θ_i key by key (λ θ_A + (1−λ) θ_B for two models)."""
+    return {k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) for k in states[0]}  # type: ignore[misc]
+
+
 def interpolate(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], lam: float) -> State:
     """λ θ_A + (1−λ) θ_B, key by key."""
-    return {k: lam * a[k] + (1.0 - lam) * b[k] for k in a}
+    return mix((a, b), (lam, 1.0 - lam))
+
+
+def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequence[Sequence[float]],
+                      cfg: ModelConfig, data: Dataset, batch_size: int = 256,
+                      form: Form = "standard") -> tuple[list[float], list[float]]:
+    """Loss and accuracy of Σ w_i θ_i on ``data`` for every weight vector w of ``grid``; one model is built
+    once and reloaded at each point."""
+    arch = get_arch(cfg.family)
+    model = to_model(states[0], cfg, form)
+    losses, accuracies = [], []
+    for weights in grid:
+        model.load_state_dict(arch.to_native(mix(states, weights), cfg.depth))
+        metrics = evaluate(model, arch, data, batch_size)
+        losses.append(metrics["loss"])
+        accuracies.append(metrics["accuracy"])
+    return losses, accuracies
 
 
 @dataclass
@@ -48,14 +69,8 @@ def barrier_curve(
     points: int = 21, batch_size: int = 256, form: Form = "standard", method: str = "",
 ) -> BarrierCurve:
     """Evaluate θ(λ) on ``data`` at ``points`` evenly spaced λ in [0, 1] (both ends included)."""
-    arch = get_arch(cfg.family)
     lambdas = [i / (points - 1) for i in range(points)]
-    model = to_model(a, cfg, form)
-    losses, accuracies = [], []
-    for lam in lambdas:
-        model.load_state_dict(arch.to_native(interpolate(a, b, lam), cfg.depth))
-        metrics = evaluate(model, arch, data, batch_size)
-        losses.append(metrics["loss"])
-        accuracies.append(metrics["accuracy"])
+    losses, accuracies = evaluate_mixtures((a, b), [(lam, 1.0 - lam) for lam in lambdas], cfg, data, batch_size,
+                                           form)
     barriers = linear_barriers(lambdas, losses)
     return BarrierCurve(lambdas, losses, accuracies, barriers, max(barriers), method)

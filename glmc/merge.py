@@ -20,11 +20,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from glmc.archs import Arch, ModelConfig, State, get_arch, preset, scale_width
-from glmc.barrier import barrier_curve
+from glmc.barrier import barrier_curve, evaluate_mixtures
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
 from glmc.errors import ConfigError
-from glmc.match.learned import mix
 from glmc.train import evaluate
 from glmc.universe import UniverseResult, universe_match
 from glmc.widths import WIDTH_FIELDS, check_embeddable
@@ -75,16 +74,9 @@ class SimplexBarrier:
 
 def simplex_barrier(states: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig, data: Dataset, steps: int,
                     batch_size: int = 256, method: str = "") -> SimplexBarrier:
-    """Evaluate Σ w_i θ_i on ``data`` over :func:`simplex_grid`; one model is built once and reloaded."""
-    arch = get_arch(cfg.family)
+    """Evaluate Σ w_i θ_i on ``data`` over :func:`simplex_grid`."""
     grid = simplex_grid(len(states), steps)
-    model = to_model(states[0], cfg)
-    losses, accuracies = [], []
-    for w in grid:
-        model.load_state_dict(arch.to_native(mix(states, w), cfg.depth))
-        metrics = evaluate(model, arch, data, batch_size)
-        losses.append(metrics["loss"])
-        accuracies.append(metrics["accuracy"])
+    losses, accuracies = evaluate_mixtures(states, grid, cfg, data, batch_size)
     vertex = [losses[grid.index(tuple(float(i == j) for j in range(len(states))))] for i in range(len(states))]
     barriers = [loss - sum(wi * li for wi, li in zip(w, vertex, strict=True)) for w, loss in zip(grid, losses,
                                                                                                  strict=True)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, get_arch
+from glmc.barrier import mix
 from glmc.canonical import Form, to_model
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
@@ -191,11 +192,6 @@ class Endpoint:
 
     state: State
     latents: Latents | None = None
-
-
-def mix(states: Sequence[Mapping[str, torch.Tensor]], weights: Weights) -> State:
-    """Σ_i w_i θ_i key by key (λ θ_A + (1−λ) θ_B for two models)."""
-    return {k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) for k in states[0]}  # type: ignore[misc]
 
 
 class _Logits(nn.Module):
