@@ -76,7 +76,7 @@ def save_checkpoint(
     if not overwrite and path.exists():
         raise CheckpointError(f"{path} already exists; refusing to overwrite it")
     state = _cpu_state(model_or_state)
-    blob = json.dumps({**meta.to_dict(), "format": FORMAT_VERSION, "sha256": _digest(state)}, sort_keys=True)
+    blob = json.dumps({**meta.to_dict(), "format": FORMAT_VERSION, "sha256": state_digest(state)}, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
@@ -106,7 +106,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], Checkpoi
     if META_KEY not in header:
         raise CheckpointError(f"{path} has no {META_KEY!r} metadata; it was not written by glmc")
     blob = _parse_blob(path, header[META_KEY])
-    if blob.pop("sha256", None) != _digest(state):
+    if blob.pop("sha256", None) != state_digest(state):
         raise CheckpointError(f"{path} is corrupt: its tensors do not match the stored checksum")
     return state, CheckpointMeta.from_dict(blob)
 
@@ -141,7 +141,7 @@ def _cpu_state(model_or_state: nn.Module | Mapping[str, torch.Tensor]) -> dict[s
     return {key: value.detach().to("cpu").contiguous().clone() for key, value in state.items()}
 
 
-def _digest(state: Mapping[str, torch.Tensor]) -> str:
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over names, dtypes, shapes and raw bytes, in sorted key order."""
     h = hashlib.sha256()
     for key in sorted(state):

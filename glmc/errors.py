@@ -19,3 +19,7 @@ class CheckpointError(GlmcError):
 
 class SpecError(GlmcError):
     """A state dict that a symmetry spec does not cover exactly once, or two models that differ."""
+
+
+class DeployError(GlmcError):
+    """A SuperLink or SuperNode that would not start or join, or a flwr command that failed; quotes its log."""

@@ -17,7 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from client.data import eval_subset, label_counts, pool, split_config
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
-from glmc.checkpoint import CheckpointMeta
+from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.errors import ConfigError
 from glmc.train import evaluate, seed_everything, set_threads
 from server.hooks import (
@@ -143,6 +143,8 @@ def main(grid: Grid, context: Context) -> None:
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
         min_evaluate_nodes=1 if settings.fraction_evaluate else 0)
+    # The digest glmc.checkpoint stores: a resumed deployment can be checked against its checkpoint bit for bit.
+    log.info("global model after round %d: sha256 %s", done, state_digest(initial.to_torch_state_dict()))
     strategy.start(grid, initial, num_rounds=settings.num_server_rounds - done, timeout=settings.round_timeout,
                    train_config=ConfigRecord(), evaluate_config=ConfigRecord(),
                    evaluate_fn=central_evaluator(settings, cfg))

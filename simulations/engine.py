@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ BIN = Path(sys.executable).parent  # flwr and flower-superlink live next to this
 
 
 @dataclass(frozen=True)
-class SimulationResult:
+class RunResult:
     """How a `flwr run` ended: its id, final status (``finished:completed`` on success) and wall time."""
 
     run_id: str | None
@@ -54,16 +54,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def flwr_env(flwr_home: Path, http_port: int, control_port: int) -> dict[str, str]:
-    """The environment every flwr command of this project runs with (flower.md, "Environment")."""
-    return os.environ | {
+def flwr_env(flwr_home: Path, http_port: int | None = None, control_port: int | None = None) -> dict[str, str]:
+    """The environment every flwr command of this project runs with (flower.md, "Environment").
+
+    ``http_port`` and ``control_port`` move the local SuperLink that `flwr run` starts for a simulation;
+    a deployment (:mod:`deploy`) starts its own SuperLink and leaves them out.
+    """
+    ports = {} if http_port is None or control_port is None else {
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port), "FLWR_LOCAL_CONTROL_API_PORT": str(control_port)}
+    return os.environ | ports | {
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "FLWR_HOME": str(flwr_home),
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
         "GLMC_DATA": str(data_root().resolve()),  # the apps run from an installed copy of the project
         "HF_HUB_OFFLINE": "1",
     }
@@ -93,9 +97,28 @@ def stop_pid(pid: int, grace: float = 10.0) -> None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            os.kill(pid, 0)
+            if not running(pid):
+                return
             time.sleep(0.2)
         os.kill(pid, signal.SIGKILL)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process: a zombie (exited, not yet reaped) is not; our own is reaped here."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after "(comm)": [state, ppid, ...] (Linux); None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
 
 
 @contextlib.contextmanager
@@ -113,7 +136,7 @@ def local_superlink_env(flwr_home: Path | None = None) -> Iterator[dict[str, str
                 stop_pid(pid)
 
 
-def _flwr(args: list[str], env: Mapping[str, str], timeout: float) -> dict[str, Any]:
+def flwr_json(args: list[str], env: Mapping[str, str], timeout: float) -> dict[str, Any]:
     """Run one flwr CLI command with ``--format json``; its JSON answer (success false on no answer)."""
     proc = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], cwd=PROJECT, env=dict(env),
                           capture_output=True, text=True, timeout=timeout, check=False)
@@ -125,8 +148,8 @@ def _flwr(args: list[str], env: Mapping[str, str], timeout: float) -> dict[str, 
 
 
 def run_simulation(run_config: Mapping[str, Any], num_supernodes: int, *, cpus_per_client: int = 1,
-                   timeout: float = 7200, env: Mapping[str, str] | None = None) -> SimulationResult:
-    """`flwr run . --stream` with these run-config overrides; returns the run's final status.
+                   timeout: float = 7200, env: Mapping[str, str] | None = None) -> RunResult:
+    """`flwr run . --stream` on the local simulation engine with these run-config overrides.
 
     ``env``: an environment from :func:`local_superlink_env` to share one SuperLink across runs; without
     it, the run gets its own, stopped before this returns.
@@ -135,18 +158,31 @@ def run_simulation(run_config: Mapping[str, Any], num_supernodes: int, *, cpus_p
         with local_superlink_env() as own:
             return run_simulation(run_config, num_supernodes, cpus_per_client=cpus_per_client, timeout=timeout,
                                   env=own)
+    federation = f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
+    return run_app(run_config, env, ["--federation-config", federation], timeout=timeout)
+
+
+def run_app(run_config: Mapping[str, Any], env: Mapping[str, str], options: Sequence[str] = (), *,
+            superlink: str | None = None, wait: bool = True, timeout: float = 7200) -> RunResult:
+    """`flwr run . [superlink] --stream` with these run-config overrides; the run's final status from `flwr ls`.
+
+    ``superlink``: the name of a SuperLink connection in ``$FLWR_HOME/config.toml`` (a deployment);
+    default, the local simulation SuperLink. ``options``: more `flwr run` flags. Without ``wait``
+    (no ``--stream``), it returns as soon as the run is submitted, with its status then.
+    """
     start = time.monotonic()
+    target = [superlink] if superlink else []
     with tempfile.NamedTemporaryFile("w", suffix=".toml") as overrides:
         overrides.write("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
         overrides.flush()
-        federation = f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
-        started = _flwr(["run", str(PROJECT), "--stream", "--federation-config", federation,
-                         "--run-config", overrides.name], env, timeout)
+        started = flwr_json(["run", str(PROJECT), *target, *(["--stream"] if wait else []), *options,
+                             "--run-config", overrides.name], env, timeout)
     run_id = started.get("run-id")
     if not run_id:
-        return SimulationResult(None, "not-started", str(started.get("error", started)), time.monotonic() - start)
-    runs = _flwr(["ls", "--run-id", str(run_id)], env, 120).get("runs") or [{}]
-    result = SimulationResult(str(run_id), runs[0].get("status", "unknown"), runs[0].get("status-details", ""),
-                              time.monotonic() - start)
+        error = started.get("error") or started.get("error-message") or started
+        return RunResult(None, "not-started", str(error), time.monotonic() - start)
+    runs = flwr_json(["ls", *target, "--run-id", str(run_id)], env, 120).get("runs") or [{}]
+    result = RunResult(str(run_id), runs[0].get("status", "unknown"), runs[0].get("status-details", ""),
+                       time.monotonic() - start)
     log.info("run %s: %s in %.0f s %s", run_id, result.status, result.seconds, "" if result.ok else result.details)
     return result

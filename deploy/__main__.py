@@ -1,0 +1,7 @@
+"""``python -m deploy``: see :mod:`deploy.cli`."""
+
+import sys
+
+from deploy.cli import main
+
+sys.exit(main())
