@@ -60,13 +60,15 @@ def pair_barriers(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path, 
     return report
 
 
-def pair_report(run: dict[str, Any], learned: dict[str, Any], model: dict[str, Any], a: Path, b: Path) -> dict:
-    """Every method's curve for one pair: the data-free and activation methods in one run, then each learned
-    method in its own (cached) run with the model's learning flags."""
+def pair_report(run: dict[str, Any], learned: dict[str, Any], model: dict[str, Any], a: Path, b: Path,
+                learn: bool) -> dict:
+    """Every method's curve for one pair: the data-free and activation methods in one run, then (if ``learn``)
+    each learned method in its own (cached) run with the model's learning flags."""
     report = pair_barriers(run, model, a, b, run["methods"], ["--batch", str(run["batch"])], "")
-    extra = model.get("learn", learned["args"])
-    for method in learned["methods"]:
-        report["curves"] += pair_barriers(run, model, a, b, [method], extra, f"_{method}")["curves"]
+    if learn:
+        extra = model.get("learn", learned["args"])
+        for method in learned["methods"]:
+            report["curves"] += pair_barriers(run, model, a, b, [method], extra, f"_{method}")["curves"]
     return report
 
 
@@ -103,8 +105,9 @@ def summarise(model: dict[str, Any], reports: list[dict[str, Any]], methods: lis
     """One row per method: barrier mean ± s.e. over pairs, ratio to vanilla, midpoint accuracy, align time."""
     rows = []
     for method in methods:
-        curves = [next(c for c in r["curves"] if c["method"] == method) for r in reports]
-        vanilla = [next(c for c in r["curves"] if c["method"] == "none")["barrier"] for r in reports]
+        measured = [r for r in reports if any(c["method"] == method for c in r["curves"])]
+        curves = [next(c for c in r["curves"] if c["method"] == method) for r in measured]
+        vanilla = [next(c for c in r["curves"] if c["method"] == "none")["barrier"] for r in measured]
         barrier, se = mean_se([c["barrier"] for c in curves])
         ratio, ratio_se = mean_se([c["barrier"] / v for c, v in zip(curves, vanilla, strict=True)])
         mid, _ = mean_se([c["accuracies"][len(c["lambdas"]) // 2] for c in curves])
@@ -121,7 +124,8 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
              f"Command: `{meta['command']}`, config `{meta['config']}`.",
              f"Machine: {meta['machine']}; torch threads {meta['threads']}; wall time {meta['wall_minutes']:.1f} min.",
              f"Barrier = max over {meta['points']} λ of L(θ(λ)) − [λ L(θ_A) + (1−λ) L(θ_B)] on the first "
-             f"{meta['limit']} held-out samples (fewer where a model overrides it); mean ± s.e. over all seed pairs.",
+             f"{meta['limit']} held-out samples (fewer where a model overrides it); mean ± s.e. over the seed pairs "
+             "counted in `pairs`.",
              "",
              "| model | data | method | pairs | barrier | ÷ vanilla | midpoint acc | align s |",
              "|---|---|---|---|---|---|---|---|"]
@@ -156,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     for model in config["models"]:
         paths = train_missing(run, model)
         settings = run | model.get("run", {})  # a model may override run settings such as limit
-        reports = [pair_report(settings, learned, model, a, b) for a, b in itertools.combinations(paths, 2)]
+        pairs = list(itertools.combinations(paths, 2))
+        learn_pairs = model.get("learn_pairs", len(pairs))  # learned methods on the first pairs only
+        reports = [pair_report(settings, learned, model, a, b, i < learn_pairs) for i, (a, b) in enumerate(pairs)]
         reports_by_model[model["preset"]] = reports
         rows += summarise(model, reports, run["methods"] + learned["methods"])
     presets = [] if args.no_timing else config["timing"]["presets"]
