@@ -181,8 +181,15 @@ def run_app(run_config: Mapping[str, Any], env: Mapping[str, str], options: Sequ
     if not run_id:
         error = started.get("error") or started.get("error-message") or started
         return RunResult(None, "not-started", str(error), time.monotonic() - start)
-    runs = flwr_json(["ls", *target, "--run-id", str(run_id)], env, 120).get("runs") or [{}]
-    result = RunResult(str(run_id), runs[0].get("status", "unknown"), runs[0].get("status-details", ""),
-                       time.monotonic() - start)
+    result = run_status(str(run_id), env, superlink=superlink, start=start)
     log.info("run %s: %s in %.0f s %s", run_id, result.status, result.seconds, "" if result.ok else result.details)
     return result
+
+
+def run_status(run_id: str, env: Mapping[str, str], *, superlink: str | None = None,
+               start: float | None = None) -> RunResult:
+    """What `flwr ls --run-id` says of run ``run_id`` now; ``seconds`` counts from ``start`` (monotonic)."""
+    target = [superlink] if superlink else []
+    runs = flwr_json(["ls", *target, "--run-id", run_id], env, 120).get("runs") or [{}]
+    return RunResult(run_id, runs[0].get("status", "unknown"), runs[0].get("status-details", ""),
+                     time.monotonic() - (start or time.monotonic()))

@@ -2,9 +2,10 @@
 SuperLink with two SuperNodes on loopback, with TLS and node authentication.
 
 The slow tests share one deployment (module fixture) and run in file order: nodes that must be refused,
-two rounds of weight-aligned merging, then the faults (a SuperNode stopped mid-round and restarted, and
-the SuperLink stopped after round 2 and resumed with ``resume=true``). Every process they start is stopped
-by its recorded PID in a ``finally``. Measured figures are logged (``-o log_cli=true --log-cli-level=INFO``).
+two rounds of weight-aligned merging, then the faults: the SuperLink stopped after round 2 and that run
+resumed with ``resume=true`` (rounds 3 and 4), with a SuperNode stopped mid-round 3 and restarted. Every
+process they start is stopped by its recorded PID in a ``finally``. Measured figures are logged
+(``-o log_cli=true --log-cli-level=INFO`` shows them).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from deploy.processes import Process, descendants, launch, stop
 from glmc.checkpoint import load_checkpoint, state_digest
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError, DeployError
-from simulations.engine import flwr_env, flwr_json, free_port, listening_pid, running
+from simulations.engine import flwr_env, flwr_json, free_port, listening_pid, run_status, running
 
 log = logging.getLogger(__name__)
 
@@ -160,18 +161,23 @@ def test_nodes_without_the_ca_or_a_registered_key_cannot_join(cluster: Cluster, 
     rogue = make_node_key(tmp_path, "rogue")
     with pytest.raises(DeployError, match=r"node-2 exited before it could join.*\[code: 2004\] Failed to activate"):
         start_node(spec, 2, key=rogue, port=free_port())
-    argv = node_argv(spec, 3, port=free_port())
+    argv = node_argv(spec, 3, key=rogue, port=free_port())  # TLS fails before the key is looked at
     flag = argv.index("--root-certificates")
     del argv[flag:flag + 2]  # no CA: the node can only trust the system's roots, which never signed our SuperLink
     no_ca = launch("node-3", argv, tmp_path / "no-ca.log", flwr_env(tmp_path / "home"), tmp_path)
     with pytest.raises(DeployError, match="CERTIFICATE_VERIFY_FAILED"):
         wait_joined(no_ca)  # stops it whatever happens
-    nodes = flwr_json(["supernode", "ls", spec.name], cluster.env, 120)["nodes"]
-    assert sorted(n["status"] for n in nodes) == ["online", "online"]  # only the two registered nodes
+    assert statuses(cluster) == ["online", "online"]  # only the two registered nodes
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output dir of the deployed runs: the fault test resumes the run of the two-round test."""
+    return tmp_path_factory.mktemp("runs")
 
 
 @pytest.mark.slow
-def test_two_rounds_over_grpc_with_tls(cluster: Cluster, tmp_path: Path) -> None:
+def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path) -> None:
     spec = cluster.spec
     superlink = cluster.process("superlink")
     assert listening_pid(spec.fleet_port) == superlink.pid
@@ -181,10 +187,10 @@ def test_two_rounds_over_grpc_with_tls(cluster: Cluster, tmp_path: Path) -> None
         argv = cluster.process(node).argv
         assert "--grpc-rere" in argv and "--root-certificates" in argv and "--insecure" not in argv
 
-    result = run(cluster, RUN | {"num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": "tls"})
+    result = run(cluster, RUN | {"num-server-rounds": 2, "output-dir": str(runs), "run-name": "tls"})
     assert result.ok, f"{result.status}: {result.details}"
     log.info("2 rounds over gRPC with TLS: %.1f s", result.seconds)
-    records = json.loads((tmp_path / "tls" / "metrics.json").read_text())["records"]
+    records = json.loads((runs / "tls" / "metrics.json").read_text())["records"]
     assert [r["round"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert r["aggregated"] and r["replies"] == 2 and r["valid"] == 2 and not r["dropped"], r
@@ -195,40 +201,48 @@ def test_two_rounds_over_grpc_with_tls(cluster: Cluster, tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_a_node_stopped_mid_round_and_the_superlink_stopped_after_round_two(cluster: Cluster, tmp_path: Path) -> None:
-    """Round 1 finishes with the reply that arrived (min-train-nodes=1); the restarted node is in round 2; the
-    SuperLink is stopped after round 2, and ``resume=true`` continues from the round-2 checkpoint bit for bit."""
-    config = RUN | {"num-server-rounds": 3, "min-train-nodes": 1, "round-timeout": 300.0,
-                    "output-dir": str(tmp_path), "run-name": "faults"}
+def test_superlink_stopped_after_round_two_resumes_and_survives_a_node_stopped_mid_round(cluster: Cluster,
+                                                                                        runs: Path) -> None:
+    """The SuperLink is stopped after round 2 and started again; ``resume=true`` continues from the round-2
+    checkpoint bit for bit. In round 3 a SuperNode is stopped mid-round: the round finishes with the reply
+    that arrived (min-train-nodes=1), and the restarted node is back in round 4."""
+    checkpoint = runs / "tls" / "checkpoints" / "round-002.safetensors"
+    if not checkpoint.is_file():
+        pytest.skip("needs the run of test_two_rounds_over_grpc_with_tls")
+    stopped = time.monotonic()
+    restart(cluster, "superlink")
+    wait_for(lambda: statuses(cluster) == ["online", "online"], cluster, "both nodes to reconnect")
+    log.info("SuperLink restarted; both SuperNodes back after %.1f s", time.monotonic() - stopped)
+
     node = cluster.process("node-1")
-    seen = len(node.log_text())  # the previous test's run left its instructions in this log
+    seen = len(node.log_text())  # the earlier run left its instructions in this log
+    config = RUN | {"num-server-rounds": 4, "resume": True, "min-train-nodes": 1, "round-timeout": 300.0,
+                    "output-dir": str(runs), "run-name": "tls"}
+    start = time.monotonic()
     started = run(cluster, config, wait=False)
     assert started.run_id, started.details
-    wait_for(lambda: "Receiving: train message" in node.log_text()[seen:], cluster,
-             "node-1 to get its round-1 instruction")
+    wait_for(lambda: "Receiving: train message" in node.log_text()[seen:], cluster, "node-1's round-3 instruction")
     killed = time.monotonic()
     assert stop(node)
     offline = seconds_until_offline(cluster, node_id(node), killed)
-    restart(cluster, "node-1")
+    restarted = restart(cluster, "node-1")
     log.info("SIGTERM mid-round: node offline after %.1f s; restarted and joined after %.1f s", offline,
              time.monotonic() - killed)
-    checkpoints = tmp_path / "faults" / "checkpoints"
-    wait_for(lambda: (checkpoints / "round-002.safetensors").is_file(), cluster, "the round-2 checkpoint")
-    restart(cluster, "superlink")  # SIGTERM during round 3, then a new SuperLink on the same database
-    records = json.loads((tmp_path / "faults" / "metrics.json").read_text())["records"]
-    assert [r["round"] for r in records] == [0, 1, 2]
-    assert records[1]["aggregated"] and records[1]["replies"] == 2 and records[1]["valid"] == 1
-    assert "Node Unavailable" in records[1]["dropped"][0]
-    assert records[2]["aggregated"] and records[2]["valid"] == 2, "the restarted node missed round 2"
+    wait_for(lambda: run_status(started.run_id, cluster.env, superlink=cluster.spec.name).status.startswith(
+        "finished"), cluster, "the resumed run to finish")
+    result = run_status(started.run_id, cluster.env, superlink=cluster.spec.name, start=start)
+    assert result.ok, f"{result.status}: {result.details}"
+    log.info("resumed rounds 3 and 4 in %.1f s", result.seconds)
 
-    resumed = run(cluster, config | {"resume": True, "min-train-nodes": 2})
-    assert resumed.ok, f"{resumed.status}: {resumed.details}"
-    log.info("resumed round 3 after a SuperLink restart in %.1f s", resumed.seconds)
-    saved, _ = load_checkpoint(checkpoints / "round-002.safetensors")
-    server_log = (tmp_path / "faults" / "server.log").read_text()
+    saved, _ = load_checkpoint(checkpoint)
+    server_log = (runs / "tls" / "server.log").read_text()
     assert f"global model after round 2: sha256 {state_digest(saved)}" in server_log
-    records = json.loads((tmp_path / "faults" / "metrics.json").read_text())["records"]
-    assert [r["round"] for r in records] == [0, 1, 2, 3] and records[3]["valid"] == 2
+    records = json.loads((runs / "tls" / "metrics.json").read_text())["records"]
+    assert [r["round"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[3]["aggregated"] and records[3]["replies"] == 2 and records[3]["valid"] == 1
+    assert "Node Unavailable" in records[3]["dropped"][0]
+    assert records[4]["aggregated"] and records[4]["valid"] == 2, "the restarted node missed round 4"
+    assert "Receiving: train message" in restarted.log_text()
 
 
 @pytest.mark.slow
@@ -266,13 +280,15 @@ def node_id(node: Process) -> str:
     return line.rsplit(":", 1)[1].strip()
 
 
+def statuses(cluster: Cluster, node: str | None = None) -> list[str]:
+    """The sorted statuses `flwr supernode ls` gives every node, or only ``node``."""
+    nodes = flwr_json(["supernode", "ls", cluster.spec.name], cluster.env, 60).get("nodes", [])
+    return sorted(n["status"] for n in nodes if node in (None, n["node-id"]))
+
+
 def seconds_until_offline(cluster: Cluster, node: str, since: float) -> float:
     """Poll `flwr supernode ls` until ``node`` is offline; seconds since ``since``."""
-    def offline() -> bool:
-        nodes = flwr_json(["supernode", "ls", cluster.spec.name], cluster.env, 60).get("nodes", [])
-        return any(n["node-id"] == node and n["status"] == "offline" for n in nodes)
-
-    wait_for(offline, cluster, f"node {node} to be marked offline")
+    wait_for(lambda: statuses(cluster, node) == ["offline"], cluster, f"node {node} to be marked offline")
     return time.monotonic() - since
 
 
