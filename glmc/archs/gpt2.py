@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.pytorch_utils import Conv1D
 
 from glmc.archs.base import Arch, KeyRule, require_inputs
 from glmc.archs.config import ModelConfig
 from glmc.errors import ConfigError
 from glmc.spec import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS, NORM, RES, Axes
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel
 
 # HF's Conv1D stores weights (in, out), hence transpose=True on every block linear.
 _BLOCK = {
@@ -54,6 +55,10 @@ SPEC: dict[str, Axes] = {
 
 def build(cfg: ModelConfig) -> GPT2LMHeadModel:
     """A standard GPT2LMHeadModel with no pretrained weights and an untied head (symmetry.md §1)."""
+    # Imported here: transformers takes seconds to import, and a ViT-only process (every deployed ClientApp
+    # starts afresh each round) never needs it.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     if cfg.vocab_size <= 0 or cfg.context <= 0:
         raise ConfigError("a gpt2 config needs vocab_size and context set by its dataset")
     hf = GPT2Config(
@@ -81,6 +86,8 @@ def build(cfg: ModelConfig) -> GPT2LMHeadModel:
 
 def _set_head_dim(model: GPT2LMHeadModel, head_dim: int) -> None:
     """Give every attention heads of size d_h ≠ d/H (HF ties them); used by the circuit form and width embedding."""
+    from transformers.pytorch_utils import Conv1D
+
     for block in model.transformer.h:
         attn: Any = block.attn
         inner = attn.num_heads * head_dim
