@@ -25,6 +25,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,8 +148,8 @@ def up(spec: ClusterSpec) -> Cluster:
         cluster.save()
         write_connection(spec.cli_home, spec.name, f"{LOOPBACK}:{spec.control_port}",
                          None if spec.insecure else spec.certs.ca_cert)
-        for index in range(spec.nodes if spec.auth else 0):
-            register_key(cluster, index)
+        with ThreadPoolExecutor() as pool:  # each `flwr` call takes seconds, mostly its imports
+            list(pool.map(lambda index: register_key(cluster, index), range(spec.nodes if spec.auth else 0)))
         nodes = [start_node(spec, index, wait=False) for index in range(spec.nodes)]
         cluster.processes += nodes
         cluster.save()
@@ -161,8 +162,12 @@ def up(spec: ClusterSpec) -> Cluster:
 
 
 def down(cluster: Cluster) -> list[str]:
-    """Stop every recorded process, SuperNodes first; the roles of those that were still running."""
-    stopped = [p.role for p in reversed(cluster.processes) if stop(p)]
+    """Stop every recorded process, the SuperNodes (together) before the SuperLink; the roles of those that
+    were still running."""
+    nodes = [p for p in cluster.processes if p.role != "superlink"]
+    with ThreadPoolExecutor() as pool:
+        stopped = [p.role for p, ended in zip(nodes, pool.map(stop, nodes), strict=True) if ended]
+    stopped += [p.role for p in cluster.processes if p.role == "superlink" and stop(p)]
     if (cluster.spec.root / "cluster.json").is_file():
         cluster.save()  # keeps the log paths; every recorded PID is now gone
     return stopped
@@ -253,15 +258,17 @@ def run(cluster: Cluster, run_config: Mapping[str, Any], *, wait: bool = True, t
     return run_app(config, cluster.env, superlink=cluster.spec.name, wait=wait, timeout=timeout)
 
 
-def wait_until(ready: Callable[[], bool], process: Process, what: str, timeout: float = READY_TIMEOUT) -> None:
-    """Poll ``ready()`` until it holds; a DeployError quoting the log if ``process`` exits or time runs out."""
+def wait_until(ready: Callable[[], bool], process: Process, what: str, timeout: float = READY_TIMEOUT,
+               interval: float = 0.3) -> None:
+    """Poll ``ready()`` every ``interval`` seconds until it holds; a DeployError quoting the log if ``process``
+    exits or time runs out."""
     deadline = time.monotonic() + timeout
     while not ready():
         if not process.alive():
             raise DeployError(f"{process.role} exited before it could {what}: {failure_reason(process.log_text())}")
         if time.monotonic() > deadline:
             raise DeployError(f"{process.role} did not {what} within {timeout:.0f} s; see {process.log}")
-        time.sleep(0.3)
+        time.sleep(interval)
 
 
 def ready_or_stopped(process: Process, ready: Callable[[], bool], what: str) -> Process:

@@ -188,8 +188,8 @@ def run_app(run_config: Mapping[str, Any], env: Mapping[str, str], options: Sequ
 
 def run_status(run_id: str, env: Mapping[str, str], *, superlink: str | None = None,
                start: float | None = None) -> RunResult:
-    """What `flwr ls --run-id` says of run ``run_id`` now; ``seconds`` counts from ``start`` (monotonic)."""
+    """What `flwr ls --run-id` says of run ``run_id`` now; ``seconds`` counts from ``start`` (monotonic), if given."""
     target = [superlink] if superlink else []
     runs = flwr_json(["ls", *target, "--run-id", run_id], env, 120).get("runs") or [{}]
     return RunResult(run_id, runs[0].get("status", "unknown"), runs[0].get("status-details", ""),
-                     time.monotonic() - (start or time.monotonic()))
+                     0.0 if start is None else time.monotonic() - start)
