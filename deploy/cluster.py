@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import re
+import socket
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -138,6 +139,10 @@ def up(spec: ClusterSpec) -> Cluster:
     if (spec.root / "cluster.json").is_file() and any(p.alive() for p in Cluster.load(spec.name,
                                                                                        spec.output_dir).processes):
         raise ConfigError(f"deployment {spec.name!r} is running; stop it first (`python -m deploy down`)")
+    ports = [spec.fleet_port, spec.control_port, *(spec.node_port(i) for i in range(spec.nodes))]
+    if busy := [str(port) for port in ports if port_in_use(port)]:
+        raise ConfigError(f"ports in use on {LOOPBACK}: {', '.join(busy)}; choose others with --fleet-port, "
+                          f"--control-port, --node-port")
     if spec.insecure:
         log.warning(INSECURE_WARNING)
     elif not spec.certs.exist():
@@ -159,6 +164,17 @@ def up(spec: ClusterSpec) -> Cluster:
         down(cluster)
         raise
     return cluster
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:``port`` (whoever owns it; ``ss`` shows only our own PIDs)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed socket in TIME_WAIT does not count
+        try:
+            probe.bind((LOOPBACK, port))
+        except OSError:
+            return True
+    return False
 
 
 def down(cluster: Cluster) -> list[str]:

@@ -119,6 +119,17 @@ def test_spec_checks_and_node_config() -> None:
         ClusterSpec(nodes=2, node_ports=(1,))
 
 
+def test_up_refuses_ports_in_use_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        spec = ClusterSpec(name="busy", nodes=0, fleet_port=port, control_port=free_port(), output_dir=tmp_path)
+        with pytest.raises(ConfigError, match=f"ports in use on 127.0.0.1: {port};"):
+            up(spec)
+    assert not (tmp_path / "busy" / "cluster.json").exists()
+
+
 def test_stop_ends_the_recorded_process_and_its_children_and_nothing_else(tmp_path: Path) -> None:
     script = "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"
     parent = launch("parent", [sys.executable, "-c", script], tmp_path / "p.log", dict(os.environ), tmp_path)
