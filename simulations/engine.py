@@ -5,7 +5,8 @@
 asks ``flwr ls --run-id ID --format json`` for the final status, and always stops the SuperLink it
 started, by the PID listening on its own port. Each call gets its own ``FLWR_HOME`` and free ports
 (``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``, ``FLWR_LOCAL_CONTROL_API_PORT``), so concurrent runs, tests
-and other users of the default port 39091 never meet.
+and other users of the default port 39091 never meet. :func:`run_app` is the same `flwr run` against
+any SuperLink connection; :mod:`deploy` uses it, and the process helpers, for deployments over gRPC.
 """
 
 from __future__ import annotations
