@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -197,13 +198,28 @@ def plot_groups(rows: list[dict[str, Any]], exp: Experiment, out: Path) -> list[
     return paths
 
 
-def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path) -> tuple[str, list[Path]]:
+def provenance(config: Path, rows: list[dict[str, Any]]) -> str:
+    """How the table was made: the command, the machine, the summed wall time of the runs and the load."""
+    import platform
+
+    import torch
+
+    minutes = sum(r["seconds"] for r in rows) / 60
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"Command: `python -m simulations.compare --config {config}`. Machine: {platform.machine()}, "
+            f"{os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}; the runs took "
+            f"{minutes:.0f} min of wall time in all (cells reused from earlier runs included); load average at the "
+            f"end {load}.\n")
+
+
+def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config: Path) -> tuple[str, list[Path]]:
     """results.json, summary.md and the plots; returns the table and the plot paths."""
     table = markdown(summary_rows(rows, exp))
     (out / "results.json").write_text(json.dumps({"experiment": exp.name, "config": exp.run, "rows": rows}, indent=1))
     plots = plot_groups(rows, exp, out)
     settings = ", ".join(f"{k}={v}" for k, v in exp.run.items())
-    text = (f"# {exp.name}\n\n{exp.num_supernodes} clients, seeds {list(exp.seeds)}; {settings}.\n"
+    text = (f"# {exp.name}\n\n{provenance(config, rows)}"
+            f"{exp.num_supernodes} clients, seeds {list(exp.seeds)}; {settings}.\n"
             "Accuracy: the global model on the central test set after the last round, mean ± s.e. over seeds; "
             "Δ: paired by seed.\n\n" + table + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n")
     (out / "summary.md").write_text(text)
@@ -231,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows = run_grid(exp, out, args.force)
-    table, plots = write_outputs(exp, rows, out)
+    table, plots = write_outputs(exp, rows, out, args.config)
     print(table)
     for path in plots:
         print(f"plot: {path}")
