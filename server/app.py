@@ -142,6 +142,7 @@ def main(grid: Grid, context: Context) -> None:
         independent_init=settings.init == "independent", round_offset=done,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
+        min_available_nodes=settings.min_available_nodes or settings.min_train_nodes,
         min_evaluate_nodes=1 if settings.fraction_evaluate else 0)
     # The digest glmc.checkpoint stores: a resumed deployment can be checked against its checkpoint bit for bit.
     log.info("global model after round %d: sha256 %s", done, state_digest(initial.to_torch_state_dict()))

@@ -40,6 +40,7 @@ class RunSettings:
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0  # federated evaluation on each client's held-out 10%
     min_train_nodes: int = 2  # fewer valid replies than this keep the global model for the round
+    min_available_nodes: int = 0  # connected nodes a round waits for before it samples (0 = min-train-nodes)
     round_timeout: float = 3600.0  # seconds to wait for a round's replies; late or missing nodes count as failed
     seed: int = 0
     output_dir: str = "outputs"
@@ -65,8 +66,9 @@ class RunSettings:
                  f"width-tiers must be multipliers in (0, 1], got {self.width_tiers}")
         _require(self.num_server_rounds >= 1 and self.local_epochs >= 1,
                  "num-server-rounds and local-epochs must be >= 1")
-        _require(min(self.local_steps, self.batch_size, self.server_data, self.eval_limit) >= 0,
-                 "local-steps, batch-size, server-data and eval-limit must be >= 0")
+        _require(min(self.local_steps, self.batch_size, self.server_data, self.eval_limit,
+                     self.min_available_nodes) >= 0,
+                 "local-steps, batch-size, server-data, eval-limit and min-available-nodes must be >= 0")
         _require(self.round_timeout > 0, f"round-timeout must be positive, got {self.round_timeout}")
         _require(0 < self.fraction_train <= 1 and 0 <= self.fraction_evaluate <= 1,
                  "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")

@@ -218,7 +218,8 @@ def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path) -> None:
 def test_resume_after_a_superlink_restart_survives_a_stopped_node_and_a_nan_reply(cluster: Cluster, runs: Path) -> None:
     """The SuperLink is stopped after round 2 and started again; ``resume=true`` continues from the round-2
     checkpoint bit for bit. In round 3 a SuperNode is stopped mid-round: the round finishes with the reply
-    that arrived (min-train-nodes=1), and the restarted node is back in round 4, where its reply is NaN (the
+    that arrived (min-train-nodes=1), and the restarted node is back in round 4 (which waits for 2 connected
+    nodes), where its reply is NaN (the
     ``fault-partition`` test hook) and is dropped with the reason while the valid one is merged."""
     checkpoint = runs / "tls" / "checkpoints" / "round-002.safetensors"
     if not checkpoint.is_file():
@@ -230,8 +231,9 @@ def test_resume_after_a_superlink_restart_survives_a_stopped_node_and_a_nan_repl
 
     node = cluster.process("node-1")
     seen = len(node.log_text())  # the earlier run left its instructions in this log
-    config = RUN | {"num-server-rounds": 4, "resume": True, "min-train-nodes": 1, "round-timeout": 300.0,
-                    "fault-partition": 1, "output-dir": str(runs), "run-name": "tls"}
+    # min-available-nodes=2: round 4 waits until the restarted node has joined, so it cannot race the round start.
+    config = RUN | {"num-server-rounds": 4, "resume": True, "min-train-nodes": 1, "min-available-nodes": 2,
+                    "round-timeout": 300.0, "fault-partition": 1, "output-dir": str(runs), "run-name": "tls"}
     start = time.monotonic()
     started = run(cluster, config, wait=False)
     assert started.run_id, started.details
