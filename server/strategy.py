@@ -102,6 +102,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.records: list[RoundRecord] = []
         self.current = RoundRecord(round_offset)
         self.global_arrays: ArrayRecord | None = None
+        self.instructions: list[Message] = []  # this round's train messages; the grid sets their ids when it sends
         self._round_start = time.perf_counter()
 
     def summary(self) -> None:
@@ -115,7 +116,8 @@ class SymmetryAwareFedAvg(FedAvg):
         self._round_start = time.perf_counter()
         self.current = RoundRecord(server_round + self.round_offset)
         messages = list(super().configure_train(server_round + self.round_offset, arrays, config, grid))
-        return self.restrict_to_widths(messages, arrays)
+        self.instructions = self.restrict_to_widths(messages, arrays)
+        return self.instructions
 
     def restrict_to_widths(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """Give every node whose width tier is known (from its last reply) the global model at its own width.
@@ -147,7 +149,8 @@ class SymmetryAwareFedAvg(FedAvg):
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate, then merge the valid replies; None (keep the global model) if too few are valid."""
         replies = list(replies)
-        valid, dropped = split_replies(replies, self.schema)
+        addressees = {m.metadata.message_id: m.metadata.dst_node_id for m in self.instructions}
+        valid, dropped = split_replies(replies, self.schema, addressees)
         record = self.current
         record.replies, record.valid = len(replies), len(valid)
         record.dropped = [f"node {node}: {reason}" for node, reason in dropped]

@@ -109,20 +109,25 @@ def _key_difference(what: str, got: set[str], expected: set[str]) -> str:
     return "; ".join(parts)
 
 
-def split_replies(replies: Iterable[Message], schema: ReplySchema) -> tuple[list[Message], list[tuple[int, str]]]:
-    """(valid replies, [(source node id, reason)] for the dropped ones)."""
+def split_replies(replies: Iterable[Message], schema: ReplySchema,
+                  addressees: Mapping[str, int] | None = None) -> tuple[list[Message], list[tuple[int, str]]]:
+    """(valid replies, [(node id, reason)] for the dropped ones).
+
+    ``addressees`` maps instruction message ids to the node each was sent to: an error reply that the
+    SuperLink makes for a node that went away carries the SuperLink's own id as its source, not the node's.
+    """
     valid, dropped = [], []
     for msg in replies:
         reason = check_reply(msg, schema)
         if reason is None:
             valid.append(msg)
         else:
-            dropped.append((_source(msg), reason))
+            dropped.append((_source(msg, addressees or {}), reason))
     return valid, dropped
 
 
-def _source(msg: Message) -> int:
+def _source(msg: Message, addressees: Mapping[str, int]) -> int:
     try:
-        return int(msg.metadata.src_node_id)
+        return int(addressees.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id))
     except Exception:  # metadata is flwr's; a reply without it still gets a reason logged
         return -1

@@ -201,6 +201,16 @@ def test_every_bad_reply_has_a_one_line_reason() -> None:
         assert reason is not None and expected in reason and "\n" not in reason, case
 
 
+def test_an_error_reply_made_by_the_superlink_names_the_node_it_was_for() -> None:
+    """When a node goes away, the SuperLink answers its instruction itself, from its own node id."""
+    s = strategy(min_train_nodes=1)
+    s.instructions = [instruction(7)]
+    lost = Message(Error(code=0, reason="Node Unavailable"), reply_to=instruction(7))
+    lost.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, as a deployed SuperLink sets it
+    s.aggregate_train(1, [good_replies()[0], lost])
+    assert s.current.dropped == ["node 7: client error: Node Unavailable"]
+
+
 def test_too_few_valid_replies_keep_the_global_model(caplog: pytest.LogCaptureFixture) -> None:
     s = strategy()
     with caplog.at_level(logging.WARNING):
