@@ -92,3 +92,18 @@ def test_console_entry_point_exits_2_with_one_line(tmp_path):
         "glmc: error: unknown preset 'nope'; known: "
         + ", ".join(["vit-tiny", "vit-bench", "vit-paper", "gpt2-tiny", "gpt2-bench", "gpt2-paper"])
     ]
+
+
+def test_symmetry_commands_default_to_one_thread_and_refuse_a_negative_count(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["check", "--model", "vit-tiny"]) == 0
+        assert torch.get_num_threads() == 1
+        assert main(["check", "--model", "vit-tiny", "--threads", "-1"]) == 2
+        assert "--threads must be >= 0" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
