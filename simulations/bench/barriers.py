@@ -78,18 +78,24 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), se
 
 
-def time_weight_matching(preset_name: str, repeats: int) -> dict[str, float]:
-    """Wall time of weight matching between two random-init models of a preset (float64, after canonical form)."""
+def time_weight_matching(preset_name: str, repeats: int, pair: tuple[Path, Path] | None = None) -> dict[str, float]:
+    """Time of weight matching (float64, after canonical form) between two random-init models of a preset, or
+    between the trained checkpoints ``pair``."""
     from glmc.archs import get_arch, preset
     from glmc.canonical import canonicalize
     from glmc.check import random_native
+    from glmc.checkpoint import load_checkpoint
     from glmc.match.weight import weight_match
 
-    cfg = preset(preset_name)
-    cfg = cfg.replace(vocab_size=83) if cfg.family == "gpt2" else cfg
+    if pair is None:
+        cfg = preset(preset_name)
+        cfg = cfg.replace(vocab_size=83) if cfg.family == "gpt2" else cfg
+        natives = [random_native(cfg, s) for s in (0, 1)]
+    else:
+        (first, meta), (second, _) = (load_checkpoint(path) for path in pair)
+        cfg, natives = meta.config, [first, second]
     arch = get_arch(cfg.family)
-
-    a, b = (canonicalize(arch, random_native(cfg, s), cfg.depth) for s in (0, 1))
+    a, b = (canonicalize(arch, native, cfg.depth) for native in natives)
     times, cpu, sweeps = [], [], []
     for _ in range(repeats):
         start = time.process_time()
@@ -136,9 +142,9 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
     lines += ["", "`align s` is the median wall time of the pair runs' alignment (for learned methods: the learning "
               "time), on a machine shared with other jobs; the table below measures the weight-matching cost itself.",
               f"Learned methods' flags: {meta['learn']}.",
-              "", "Weight-matching time between two random-init models of each preset (median of repeats; CPU time"
-              " is the steadier figure on a shared machine):", "",
-              "| preset | wall s | CPU s | sweeps |", "|---|---|---|---|"]
+              "", "Weight-matching time, one torch thread, between two random-init models of each preset and between "
+              "two trained seeds (median of repeats; CPU time is the steadier figure on a shared machine):", "",
+              "| models | wall s | CPU s | sweeps |", "|---|---|---|---|"]
     lines += [f"| {p} | {t['median_seconds']:.2f} | {t['median_cpu_seconds']:.2f} | {t['sweeps']:.0f} |"
               for p, t in timing.items()]
     return "\n".join(lines) + "\n"
@@ -166,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         reports_by_model[model["preset"]] = reports
         rows += summarise(model, reports, run["methods"] + learned["methods"])
     presets = [] if args.no_timing else config["timing"]["presets"]
-    timing = {p: time_weight_matching(p, config["timing"]["repeats"]) for p in presets}
+    repeats = config["timing"]["repeats"]
+    timing = {f"{p} (random init)": time_weight_matching(p, repeats) for p in presets}
+    if not args.no_timing:  # trained models need more sweeps than random ones: time each model's first pair too
+        timing |= {f"{m['preset']} (trained seeds {m['seeds'][0]}, {m['seeds'][1]})": time_weight_matching(
+            m["preset"], repeats, (checkpoint(Path(run["out"]), m["preset"], m["seeds"][0]),
+                                   checkpoint(Path(run["out"]), m["preset"], m["seeds"][1])))
+            for m in config["models"]}
     learn = "; ".join(f"{m['preset']}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
     write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start)
     return 0
