@@ -54,11 +54,12 @@ class ClientShare:
 
 def pool(settings: RunSettings) -> Pool:
     """The cached pool of ``settings``' dataset (keyed only by what shapes it)."""
-    return _pool(settings.dataset, settings.model, settings.partitioner, settings.seed, settings.server_data)
+    return _pool(settings.dataset, settings.model, settings.partitioner, settings.seed, settings.server_data,
+                 settings.train_limit)
 
 
 @functools.lru_cache(maxsize=4)
-def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: int) -> Pool:
+def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: int, train_limit: int) -> Pool:
     task = load_task(dataset, preset(model), seed=seed)
     if partitioner in NATURAL_SPLITS:
         return _text_pool(task, partitioner, seed, server_data)
@@ -67,7 +68,8 @@ def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: in
         raise ConfigError(f"partitioner {partitioner!r} splits labelled images; {dataset!r} has none")
     rows = np.random.default_rng(seed).permutation(len(train))
     server = train.subset(np.sort(rows[:server_data])) if server_data else None
-    return Pool(task, task.test, server, (np.sort(rows[server_data:]),))
+    clients = rows[server_data:server_data + train_limit] if train_limit else rows[server_data:]
+    return Pool(task, task.test, server, (np.sort(clients),))
 
 
 def _text_pool(task: Task, by: str, seed: int, server_data: int) -> Pool:
@@ -117,14 +119,14 @@ def split_config(settings: RunSettings, num_partitions: int) -> Any:
 def _label_split(settings: RunSettings, num_partitions: int) -> list[np.ndarray]:
     """Row indices of every client, cached per process (the partitioners take about a second)."""
     return _label_split_cached(split_config(settings, num_partitions), settings.dataset, settings.model,
-                               settings.server_data)
+                               settings.server_data, settings.train_limit)
 
 
 @functools.lru_cache(maxsize=4)
-def _label_split_cached(cfg: Any, dataset: str, model: str, server_data: int) -> list[np.ndarray]:
+def _label_split_cached(cfg: Any, dataset: str, model: str, server_data: int, train_limit: int) -> list[np.ndarray]:
     from glmc.data import partition_indices
 
-    data = _pool(dataset, model, cfg.scheme, cfg.seed, server_data)
+    data = _pool(dataset, model, cfg.scheme, cfg.seed, server_data, train_limit)
     rows = data.units[0]
     return [rows[part] for part in partition_indices(_images(data.task).labels[rows], cfg)]
 

@@ -49,6 +49,7 @@ class RunSettings:
     batch_size: int = 0  # 0 = the dataset's measured default
     lr: float = 0.0  # 0 = the dataset's measured default
     server_data: int = 0  # training samples held back from every client, for activation/learned alignment
+    train_limit: int = 0  # training images the clients share between them, a seeded subset (0 = all); vision only
     eval_limit: int = 0  # central test samples per evaluation (0 = the whole test set)
     align_iters: int = 1  # universe iterations: 1 = align to the previous global model, more iterate U = mean
     align_workers: int = 1  # processes for each iteration's N pairwise alignments
@@ -66,9 +67,12 @@ class RunSettings:
                  f"width-tiers must be multipliers in (0, 1], got {self.width_tiers}")
         _require(self.num_server_rounds >= 1 and self.local_epochs >= 1,
                  "num-server-rounds and local-epochs must be >= 1")
-        _require(min(self.local_steps, self.batch_size, self.server_data, self.eval_limit,
+        _require(min(self.local_steps, self.batch_size, self.server_data, self.train_limit, self.eval_limit,
                      self.min_available_nodes) >= 0,
-                 "local-steps, batch-size, server-data, eval-limit and min-available-nodes must be >= 0")
+                 "local-steps, batch-size, server-data, train-limit, eval-limit and min-available-nodes must be >= 0")
+        _require(not self.train_limit or self.partitioner in LABEL_SPLITS,
+                 f"train-limit subsamples labelled images; the natural {self.partitioner!r} clients keep their "
+                 "own text (cap local-steps instead)")
         _require(self.round_timeout > 0, f"round-timeout must be positive, got {self.round_timeout}")
         _require(0 < self.fraction_train <= 1 and 0 <= self.fraction_evaluate <= 1,
                  "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")

@@ -29,6 +29,16 @@ def test_server_data_is_held_by_no_client() -> None:
     assert len(held) + 500 >= 59_000  # every other training image goes to some client (a few duplicates aside)
 
 
+def test_train_limit_caps_the_client_pool_and_keeps_server_data_apart() -> None:
+    settings = RunSettings(server_data=300, train_limit=2_000, partitioner="dirichlet", alpha=0.3, seed=2)
+    shares = [client_share(settings, p, 4) for p in range(4)]
+    held = set().union(*(rows_of(s.train) | rows_of(s.val) for s in shares))
+    assert sum(len(s.train) + len(s.val) for s in shares) == 2_000
+    assert not rows_of(pool(settings).server) & held
+    with pytest.raises(ConfigError, match="train-limit"):
+        RunSettings(dataset="shakespeare", partitioner="role", train_limit=100)
+
+
 def test_client_shares_are_seeded_and_label_skewed() -> None:
     settings = RunSettings(partitioner="pathological", classes_per_client=2, seed=3)
     shares = [client_share(settings, p, 5) for p in range(5)]
