@@ -31,7 +31,7 @@ from typing import Any
 
 from server.plots import plot_curves
 from server.settings import RunSettings
-from simulations.engine import PROJECT, local_superlink_env, run_simulation
+from simulations.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
 
 log = logging.getLogger("simulations.compare")
 
@@ -243,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--publish", action="store_true", help="copy the summary to simulations/results/NAME")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    exit_on_sigterm()
     exp = Experiment.load(args.config)
     out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -104,6 +104,11 @@ def stop_pid(pid: int, grace: float = 10.0) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so `finally` blocks stop the SuperLink this process started."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def running(pid: int) -> bool:
     """Whether ``pid`` is a live process: a zombie (exited, not yet reaped) is not; our own is reaped here."""
     with contextlib.suppress(ChildProcessError):

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +41,17 @@ def test_the_superlink_is_found_by_its_port_and_overrides_are_toml() -> None:
         assert listening_pid(s.getsockname()[1]) == os.getpid()
     assert listening_pid(free_port()) is None
     assert [toml_value(v) for v in (True, 3, 0.5, "a'b")] == ["true", "3", "0.5", '"a\'b"']
+
+
+def test_sigterm_runs_the_cleanup_that_stops_the_superlink(tmp_path: Path) -> None:
+    """A harness stopped with SIGTERM (kill, a CI timeout) still runs its `finally` blocks."""
+    done = tmp_path / "cleaned"
+    script = ("import time; from simulations.engine import exit_on_sigterm; exit_on_sigterm()\n"
+              f"try:\n    print('ready', flush=True); time.sleep(60)\nfinally:\n    open({str(done)!r}, 'w').close()")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM and done.is_file()
 
 
 @pytest.mark.slow
