@@ -13,7 +13,9 @@ stored (out, in). Axis kinds (symmetry.md §2–4):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -57,8 +59,14 @@ BLOCK_FOLDS: dict[str, tuple[str, ...]] = {
 BLOCK_WRITERS: tuple[str, ...] = ("blocks.{l}.attn.proj", "blocks.{l}.mlp.fc2")
 
 
-def expand(templates: Mapping[str, object], depth: int) -> dict[str, tuple[int | None, str]]:
+def expand(templates: Mapping[str, object], depth: int) -> Mapping[str, tuple[int | None, str]]:
     """Concrete name → (layer or None, template) for every template, with ``{l}`` over the layers."""
+    return _expand(tuple(templates), depth)
+
+
+@functools.lru_cache(maxsize=64)
+def _expand(templates: tuple[str, ...], depth: int) -> Mapping[str, tuple[int | None, str]]:
+    """Cached: weight matching expands the same spec hundreds of times per pair (read-only view)."""
     out: dict[str, tuple[int | None, str]] = {}
     for template in templates:
         if "{l}" in template:
@@ -66,7 +74,7 @@ def expand(templates: Mapping[str, object], depth: int) -> dict[str, tuple[int |
                 out[template.format(l=layer)] = (layer, template)
         else:
             out[template] = (None, template)
-    return out
+    return MappingProxyType(out)
 
 
 def check_coverage(spec: SpecTable, state: Mapping[str, torch.Tensor], depth: int) -> None:
