@@ -10,6 +10,8 @@ method (architecture.md, "The path the data takes"):
   iterating U ← least-squares coverage-weighted mean), then back to the native form.
 - ``learned``: the same weight-matching iterations, finished by the multi-model learned refinement on the
   server-held batch (paper §4.3).
+- ``canonical``: the ablation of the alignment: the same canonical form, embedding and least-squares merge,
+  with no matching. With equal widths it is FedAvg of the LayerNorm-folded models.
 
 Each client later gets the global model restricted to its own width (:func:`restrict`).
 """
@@ -33,7 +35,8 @@ from server import heterofl
 log = logging.getLogger(__name__)
 
 # aggregation → (pairwise method of each universe iteration, finish with the learned refinement)
-UNIVERSE_METHODS = {"weight": ("weight", False), "activation": ("activation", False), "learned": ("weight", True)}
+UNIVERSE_METHODS = {"weight": ("weight", False), "activation": ("activation", False), "learned": ("weight", True),
+                    "canonical": ("none", False)}
 
 
 @dataclass(frozen=True)

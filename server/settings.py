@@ -15,7 +15,7 @@ from typing import Any
 
 from glmc.errors import ConfigError
 
-AGGREGATIONS = ("fedavg", "weight", "activation", "learned")
+AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical")
 DATA_AGGREGATIONS = ("activation", "learned")  # need the server-held batch (`server-data`)
 INITS = ("shared", "independent")
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")

@@ -20,6 +20,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.serverapp.strategy import FedAvg
 
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
+from glmc.canonical import canonicalize
 from glmc.errors import ConfigError
 from glmc.train import evaluate
 from server import heterofl, protocol
@@ -125,6 +126,28 @@ def test_weight_alignment_never_moves_the_function_of_one_client() -> None:
     x = torch.randn(3, 1, 8, 8)
     merged = {k: torch.from_numpy(v) for k, v in as_numpy(arrays).items()}
     torch.testing.assert_close(logits(merged, x), logits(state(2), x), rtol=1e-4, atol=1e-4)
+
+
+def test_canonical_is_the_example_weighted_mean_of_the_folded_clients() -> None:
+    """The no-alignment ablation: fold every client's LayerNorms, then average the folded weights by examples."""
+    states = [state(i) for i in range(3)]
+    for s in states:  # LayerNorm gains and biases away from 1 and 0, so folding matters
+        for key in (k for k in s if "norm" in k):
+            s[key] = s[key] + 0.3 * torch.randn_like(s[key]) + (0.5 if key.endswith("weight") else 0.0)
+    counts = (10, 20, 30)
+    arrays, _ = strategy("canonical").aggregate_train(1, [reply(s, metrics(examples=n), node=i + 1)
+                                                          for i, (s, n) in enumerate(zip(states, counts, strict=True))])
+    assert arrays is not None
+    arch = get_arch(CFG.family)
+    folded = [canonicalize(arch, s, CFG.depth, dtype=torch.float64) for s in states]
+    merged = canonicalize(arch, {k: torch.from_numpy(v) for k, v in as_numpy(arrays).items()}, CFG.depth,
+                          dtype=torch.float64)
+    for key, value in merged.items():
+        by_hand = sum(n * f[key] for n, f in zip(counts, folded, strict=True)) / sum(counts)
+        torch.testing.assert_close(value, by_hand, rtol=1e-5, atol=1e-6)
+    fedavg, _ = strategy().aggregate_train(1, [reply(s, metrics(examples=n), node=i + 1)
+                                               for i, (s, n) in enumerate(zip(states, counts, strict=True))])
+    assert fedavg is not None and any(not np.allclose(v, as_numpy(fedavg)[k]) for k, v in as_numpy(arrays).items())
 
 
 def _bad_arrays(kind: str) -> ArrayRecord:
