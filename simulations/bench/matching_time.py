@@ -1,0 +1,62 @@
+"""Weight-matching time alone, apart from the barrier benchmark: the ``[timing]`` presets of its config between
+random inits, and every configured model's first trained pair whose checkpoints exist (no training here).
+
+    .venv/bin/python -m simulations.bench.matching_time [--config simulations/bench/configs/barriers.toml]
+
+Run it on an idle machine: it is the figure that a shared CPU distorts most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+from simulations.bench.barriers import checkpoint, time_weight_matching
+
+RESULTS = Path("simulations/results/matching-time")
+
+
+def trained_pairs(config: dict) -> dict[str, tuple[Path, Path]]:
+    """Each configured model's first seed pair, where both checkpoints are on disk."""
+    out = Path(config["run"]["out"])
+    pairs = {f"{m['preset']} (trained seeds {m['seeds'][0]}, {m['seeds'][1]})":
+             (checkpoint(out, m["preset"], m["seeds"][0]), checkpoint(out, m["preset"], m["seeds"][1]))
+             for m in config["models"]}
+    return {name: pair for name, pair in pairs.items() if all(p.is_file() for p in pair)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
+    args = parser.parse_args(argv)
+    config = tomllib.loads(Path(args.config).read_text())
+    torch.set_num_threads(config["run"]["threads"])
+    repeats, start = config["timing"]["repeats"], time.perf_counter()
+    timing = {f"{p} (random init)": time_weight_matching(p, repeats) for p in config["timing"]["presets"]}
+    timing |= {name: time_weight_matching("", repeats, pair) for name, pair in trained_pairs(config).items()}
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = ["# Weight-matching time", "",
+             f"Command: `python -m simulations.bench.matching_time --config {args.config}`. Machine: "
+             f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, python "
+             f"{platform.python_version()}, torch {torch.__version__}; wall time {time.perf_counter() - start:.0f} s; "
+             f"load average at the end {load}.",
+             f"Weight matching (float64, canonical form), median of {repeats} repeats.", "",
+             "| models | wall s | CPU s | sweeps |", "|---|---|---|---|"]
+    lines += [f"| {p} | {t['median_seconds']:.2f} | {t['median_cpu_seconds']:.2f} | {t['sweeps']:.0f} |"
+              for p, t in timing.items()]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "results.json").write_text(json.dumps({"load_average": os.getloadavg(), "timing": timing}, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
