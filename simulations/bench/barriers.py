@@ -144,10 +144,15 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
               f"Learned methods' flags: {meta['learn']}.",
               "", "Weight-matching time, one torch thread, between two random-init models of each preset and between "
               "two trained seeds (median of repeats; CPU time is the steadier figure on a shared machine):", "",
-              "| models | wall s | CPU s | sweeps |", "|---|---|---|---|"]
-    lines += [f"| {p} | {t['median_seconds']:.2f} | {t['median_cpu_seconds']:.2f} | {t['sweeps']:.0f} |"
-              for p, t in timing.items()]
+              *timing_table(timing)]
     return "\n".join(lines) + "\n"
+
+
+def timing_table(timing: dict[str, Any]) -> list[str]:
+    """The weight-matching timing as markdown table lines, one row per pair of models."""
+    return ["| models | wall s | CPU s | sweeps |", "|---|---|---|---|",
+            *(f"| {p} | {t['median_seconds']:.2f} | {t['median_cpu_seconds']:.2f} | {t['sweeps']:.0f} |"
+              for p, t in timing.items())]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from simulations.bench.barriers import checkpoint, time_weight_matching
+from simulations.bench.barriers import checkpoint, time_weight_matching, timing_table
 
 RESULTS = Path("simulations/results/matching-time")
 
@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{platform.python_version()}, torch {torch.__version__}; wall time {time.perf_counter() - start:.0f} s; "
              f"load average at the end {load}.",
              f"Weight matching (float64, canonical form), median of {repeats} repeats.", "",
-             "| models | wall s | CPU s | sweeps |", "|---|---|---|---|"]
-    lines += [f"| {p} | {t['median_seconds']:.2f} | {t['median_cpu_seconds']:.2f} | {t['sweeps']:.0f} |"
-              for p, t in timing.items()]
+             *timing_table(timing)]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "results.json").write_text(json.dumps({"load_average": os.getloadavg(), "timing": timing}, indent=1))
