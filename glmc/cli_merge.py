@@ -49,6 +49,9 @@ def add_universe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tol", type=float, default=1e-3,
                         help="stop when U moves, or the mean distance to U falls, by less than this (relative)")
     parser.add_argument("--workers", type=int, default=1, help="processes aligning models in parallel")
+    parser.add_argument("--concentration", type=float,
+                        help="learned: refinement weights ~ Dirichlet(c·N·w); 0.1 is the paper's, spread over the "
+                        "simplex; default 10, near the weighted mean that the merge keeps")
 
 
 def _weights(text: str | None, n: int) -> list[float] | None:

@@ -98,10 +98,12 @@ def _train_subset(meta: CheckpointMeta, data: str | None, n: int | None) -> Data
 
 
 def learn_options(args: argparse.Namespace) -> LearnConfig:
-    """Learned-matching options from --lr / --epochs / --steps; flags left out keep LearnConfig's defaults."""
+    """Learned-matching options from --lr / --epochs / --steps (and --concentration where a command has it); flags
+    left out keep LearnConfig's defaults."""
     from glmc.match.learned import LearnConfig
 
-    given = {k: v for k, v in {"lr": args.lr, "epochs": args.epochs}.items() if v is not None}
+    flags = {"lr": args.lr, "epochs": args.epochs, "concentration": getattr(args, "concentration", None)}
+    given = {k: v for k, v in flags.items() if v is not None}
     return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
 
 

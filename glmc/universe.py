@@ -9,7 +9,7 @@ minimises the multi-model barrier of Eq. 2. Models narrower than the universe ar
 
 ``method="none"`` skips alignment: one least-squares merge, i.e. FedAvg at equal widths and HeteroFL with
 coordinate placements, through the same code path. ``refine=True`` finishes with the multi-model learned
-refinement (mixing weights ~ Dirichlet(0.1·N·ŵ), symmetry.md §7; ``glmc.match.dual.refine_universe``).
+refinement (mixing weights ~ Dirichlet(c·N·ŵ), symmetry.md §7; ``glmc.match.dual.refine_universe``).
 """
 
 from __future__ import annotations

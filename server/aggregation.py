@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch, scale_width
 from glmc.canonical import canonicalize
+from glmc.match.learned import LearnConfig
 from glmc.universe import universe_match
 from glmc.widths import Placement, embed, place, project
 from server import heterofl
@@ -81,7 +82,8 @@ def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], f
 
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
-          data: Dataset | None = None, iters: int = 1, workers: int = 1) -> MergeResult:
+          data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
+          ) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
@@ -99,7 +101,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     result = universe_match(states, full, method, weights=weights, anchor=start,
                             reference=max(range(len(clients)), key=weights.__getitem__), configs=configs,
                             max_iters=iters, data=data, batch=len(data) if data is not None else 512,  # type: ignore[arg-type]
-                            workers=workers, refine=refine)
+                            workers=workers, refine=refine, learn=learn)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     return MergeResult(_float32(arch.to_native(result.merged, full.depth)), seconds, before,
                        mean_pairwise_distance(result.aligned), list(result.placements))

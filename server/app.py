@@ -19,6 +19,7 @@ from client.data import eval_subset, label_counts, pool, split_config
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.errors import ConfigError
+from glmc.match.learned import LearnConfig
 from glmc.train import evaluate, seed_everything, set_threads
 from server.hooks import (
     CheckpointWriter,
@@ -139,6 +140,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy = SymmetryAwareFedAvg(
         settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
         align_iters=settings.align_iters, align_workers=settings.align_workers,
+        learn=LearnConfig(concentration=settings.refine_concentration),
         independent_init=settings.init == "independent", round_offset=done,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,

@@ -53,6 +53,9 @@ class RunSettings:
     eval_limit: int = 0  # central test samples per evaluation (0 = the whole test set)
     align_iters: int = 1  # universe iterations: 1 = align to the previous global model, more iterate U = mean
     align_workers: int = 1  # processes for each iteration's N pairwise alignments
+    # learned: the refinement's mixing weights ~ Dirichlet(c·N·w); 10 stays near the weighted mean that becomes the
+    # global model, the paper's 0.1 spreads them over the simplex (glmc.match.learned.LearnConfig.concentration)
+    refine_concentration: float = 10.0
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
@@ -74,6 +77,8 @@ class RunSettings:
                  f"train-limit subsamples labelled images; the natural {self.partitioner!r} clients keep their "
                  "own text (cap local-steps instead)")
         _require(self.round_timeout > 0, f"round-timeout must be positive, got {self.round_timeout}")
+        _require(self.refine_concentration > 0,
+                 f"refine-concentration must be positive, got {self.refine_concentration}")
         _require(0 < self.fraction_train <= 1 and 0 <= self.fraction_evaluate <= 1,
                  "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")
         _require(min(self.min_train_nodes, self.align_iters, self.align_workers, self.client_threads) >= 1,

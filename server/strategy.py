@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State
 from glmc.errors import ConfigError
+from glmc.match.learned import LearnConfig
 from glmc.widths import Placement
 from server import protocol
 from server.aggregation import Client, MergeResult, embedded_distance, merge, restrict, universe_states
@@ -82,7 +83,7 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
                  server_data: Dataset | None = None, align_iters: int = 1, align_workers: int = 1,
-                 independent_init: bool = False,
+                 learn: LearnConfig | None = None, independent_init: bool = False,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
@@ -94,6 +95,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.server_data = server_data
         self.align_iters = align_iters
         self.align_workers = align_workers
+        self.learn = learn  # options of the learned refinement (LearnConfig's defaults if None)
         self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
         self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
         self.independent_init = independent_init
@@ -199,7 +201,7 @@ class SymmetryAwareFedAvg(FedAvg):
         fresh = self.independent_init and global_round == 1 and self.aggregation != "fedavg"
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
-                     iters=self.align_iters, workers=self.align_workers)
+                     iters=self.align_iters, workers=self.align_workers, learn=self.learn)
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(

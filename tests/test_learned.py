@@ -7,6 +7,7 @@ import json
 import logging
 from dataclasses import dataclass, replace
 
+import numpy as np
 import pytest
 import torch
 from conftest import synthetic_images, synthetic_text
@@ -20,7 +21,7 @@ from glmc.checkpoint import load_model
 from glmc.cli import main
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
-from glmc.match.dual import dual_match, refine_universe
+from glmc.match.dual import dual_match, mixing_sampler, refine_universe
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, learned_match
 from glmc.match.soft import soft_match
 from glmc.match.weight import weight_match
@@ -188,6 +189,16 @@ def test_refine_universe_keeps_the_reference_and_every_function(trained):
         assert _gap(apply(state, arch.spec, t, cfg.heads), native, cfg) <= 1e-5
     with pytest.raises(ConfigError, match="positive weight"):
         refine_universe(states, cfg, trained.data, weights=[1, 1], options=FAST)
+
+
+def test_refinement_weights_centre_on_the_weighted_mean_by_default():
+    weights = [0.5, 0.3, 0.2]
+    for concentration, spread in ((LearnConfig().concentration, (0.0, 0.3)), (0.1, (0.8, 2.0))):
+        sampler = mixing_sampler(weights, LearnConfig(concentration=concentration))
+        draws = np.array([sampler() for _ in range(4000)])
+        assert np.allclose(draws.sum(1), 1.0) and np.allclose(draws.mean(0), weights, atol=0.02)
+        deviation = float(np.abs(draws - weights).sum(1).mean())  # L1 distance from the mean, per draw
+        assert spread[0] <= deviation <= spread[1], (concentration, deviation)
 
 
 class _PoisonedAfter(Dataset):

@@ -5,8 +5,9 @@ identity and π_B at weight matching, and both are exact symmetries. Because eve
 parameters and preserves the function of *any* (folded) parameter vector, π_A⁻¹ maps that path point by point
 onto λ θ_A + (1−λ) π_A⁻¹π_B(θ_B) with identical losses; so the pairwise result leaves A in place and moves B by
 π_A⁻¹ ∘ π_B, and the barrier is the one of the dual path. The multi-model refinement draws the mixing weights
-from Dirichlet(0.1·1) over N models already aligned into one universe and learns a transform per model, the
-reference fixed.
+from Dirichlet(c·N·ŵ) over N models already aligned into one universe and learns a transform per model, the
+reference fixed: the paper's c = 0.1 spreads them over the simplex, the default c = 10 keeps them near the
+weighted mean that a merge keeps (``LearnConfig.concentration``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def _validation_points(weights: Sequence[float], reference: int) -> list[Weights
     return points
 
 
+def mixing_sampler(weights: Sequence[float], options: LearnConfig) -> Sampler:
+    """Mixing weights ~ Dirichlet(c·N·ŵ): mean ŵ (normalised ``weights``), closer to it the larger c."""
+    return Sampler(options.seed, alpha=[options.concentration * len(weights) * x for x in weights])
+
+
 def refine_universe(states: Sequence[State], cfg: ModelConfig, data: Dataset, weights: Sequence[float] | None = None,
                     *, reference: int = 0, form: Form = "standard", options: LearnConfig | None = None,
                     validation: Dataset | None = None) -> list[Transform]:
@@ -86,7 +92,6 @@ def refine_universe(states: Sequence[State], cfg: ModelConfig, data: Dataset, we
     endpoints = [Endpoint(s, None if i == reference else
                           Latents(Transform(cfg.depth), cfg, options, fix_ones=fix_ones, seed=i))
                  for i, s in enumerate(states)]
-    sampler = Sampler(options.seed, alpha=[options.concentration * n * x for x in w])
-    learned = learn(endpoints, cfg, data, sampler, _validation_points(w, reference), options, form=form,
-                    validation=validation)
+    learned = learn(endpoints, cfg, data, mixing_sampler(w, options), _validation_points(w, reference), options,
+                    form=form, validation=validation)
     return [t or Transform(cfg.depth) for t in learned.transforms]

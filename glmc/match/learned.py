@@ -54,7 +54,10 @@ class LearnConfig:
     weight_decay: float = 0.0  # the projections are scale-invariant, so decay would only raise the step size
     batch_size: int = 128
     lam: tuple[float, float] = (0.4, 0.6)  # a pair's λ ~ U(lo, hi), the weight of A (paper App. C.1.1)
-    concentration: float = 0.1  # several models' weights ~ Dirichlet(c·N·w) with w the normalised weights
+    # Several models' weights ~ Dirichlet(c·N·w), w the normalised weights: c = 10 samples near the weighted mean,
+    # the model a merge keeps (as λ ~ U(0.4, 0.6) does for a pair). Merging 5 vit-bench seeds (20000 samples, one
+    # pass): the paper's c = 0.1, mostly near the corners, gave 80.5% merged accuracy, c = 10 84.6%, c = 100 84.8%.
+    concentration: float = 10.0
     val_fraction: float = 0.1  # of the given training data, held out for early stopping
     val_max: int = 1000
     eval_every: int = 50  # steps between validations
