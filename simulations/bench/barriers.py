@@ -12,6 +12,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -128,7 +129,8 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
     """The committed summary: the barrier table, the timing table and how it was produced."""
     lines = ["# Pairwise loss barriers (symmetry core)", "",
              f"Command: `{meta['command']}`, config `{meta['config']}`.",
-             f"Machine: {meta['machine']}; torch threads {meta['threads']}; wall time {meta['wall_minutes']:.1f} min.",
+             f"Machine: {meta['machine']}; torch threads {meta['threads']}; wall time {meta['wall_minutes']:.1f} min"
+             + (f"; kept from the run before: {', '.join(meta['kept'])}." if meta.get("kept") else "."),
              f"Barrier = max over {meta['points']} λ of L(θ(λ)) − [λ L(θ_A) + (1−λ) L(θ_B)] on the first "
              f"{meta['limit']} held-out samples (fewer where a model overrides it); mean ± s.e. over the seed pairs "
              "counted in `pairs`.",
@@ -158,17 +160,21 @@ def timing_table(timing: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
-    parser.add_argument("--models", nargs="*", help="only these presets (their pair reports are cached)")
+    parser.add_argument("--models", nargs="*", help="measure only these presets (their pair reports are cached); "
+                        "the other presets' rows, and the timing under --no-timing, stay as the results file has them")
     parser.add_argument("--no-timing", action="store_true", help="skip the weight-matching timing")
     args = parser.parse_args(argv)
     config = tomllib.loads(Path(args.config).read_text())
-    if args.models:
-        config["models"] = [m for m in config["models"] if m["preset"] in args.models]
     run, start = config["run"], time.perf_counter()
+    previous = previous_results(Path(run["results"])) if args.models else {}
     torch.set_num_threads(run["threads"])
     rows, reports_by_model = [], {}
     learned = config.get("learned", {"methods": [], "args": []})
     for model in config["models"]:
+        if args.models and model["preset"] not in args.models:
+            rows += [r for r in previous.get("rows", []) if r["preset"] == model["preset"]]
+            reports_by_model[model["preset"]] = previous.get("pairs", {}).get(model["preset"], [])
+            continue
         paths = train_missing(run, model)
         settings = run | model.get("run", {})  # a model may override run settings such as limit
         pairs = list(itertools.combinations(paths, 2))
@@ -176,29 +182,45 @@ def main(argv: list[str] | None = None) -> int:
         reports = [pair_report(settings, learned, model, a, b, i < learn_pairs) for i, (a, b) in enumerate(pairs)]
         reports_by_model[model["preset"]] = reports
         rows += summarise(model, reports, run["methods"] + learned["methods"])
-    presets = [] if args.no_timing else config["timing"]["presets"]
-    repeats = config["timing"]["repeats"]
-    timing = {f"{p} (random init)": time_weight_matching(p, repeats) for p in presets}
-    if not args.no_timing:  # trained models need more sweeps than random ones: time each model's first pair too
-        timing |= {f"{m['preset']} (trained seeds {m['seeds'][0]}, {m['seeds'][1]})": time_weight_matching(
-            m["preset"], repeats, (checkpoint(Path(run["out"]), m["preset"], m["seeds"][0]),
-                                   checkpoint(Path(run["out"]), m["preset"], m["seeds"][1])))
-            for m in config["models"]}
+    timing = previous.get("timing", {}) if args.no_timing else measure_timing(config)
     learn = "; ".join(f"{m['preset']}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
-    write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start)
+    kept = [m["preset"] for m in config["models"] if args.models and m["preset"] not in args.models]
+    kept += ["timing"] if args.no_timing and timing else []
+    write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start, kept)
     return 0
 
 
+def measure_timing(config: dict[str, Any]) -> dict[str, Any]:
+    """Weight-matching time for random inits of each timing preset and for each model's first trained pair (trained
+    models need more sweeps than random ones)."""
+    repeats, out = config["timing"]["repeats"], Path(config["run"]["out"])
+    timing = {f"{p} (random init)": time_weight_matching(p, repeats) for p in config["timing"]["presets"]}
+    for m in config["models"]:
+        first, second = (checkpoint(out, m["preset"], seed) for seed in m["seeds"][:2])
+        timing[f"{m['preset']} (trained seeds {m['seeds'][0]}, {m['seeds'][1]})"] = time_weight_matching(
+            m["preset"], repeats, (first, second))
+    return timing
+
+
+def previous_results(results: Path) -> dict[str, Any]:
+    """The results.json a partial run (``--models``) keeps the other presets' rows from; empty if there is none."""
+    path = results / "results.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def write_results(run: dict[str, Any], learn: str, config: str, rows: list[dict[str, Any]], timing: dict[str, Any],
-                  reports: dict[str, list[dict[str, Any]]], seconds: float) -> None:
+                  reports: dict[str, list[dict[str, Any]]], seconds: float, kept: list[str]) -> None:
     """summary.md, results.json and one curve plot per model (its first pair) under the results folder."""
     from glmc.barrier import BarrierCurve
     from glmc.plots import plot_barrier_curves
 
     out = Path(run["results"])
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python -m simulations.bench.barriers", "config": config, "points": run["points"],
+    flags = [a for i, a in enumerate(sys.argv[1:]) if "--config" not in (a, sys.argv[i])]  # the config has its own
+    command = " ".join(["python -m simulations.bench.barriers", *flags])
+    meta = {"command": command, "config": config, "points": run["points"],
             "limit": run["limit"], "threads": run["threads"], "learn": learn, "wall_minutes": seconds / 60,
+            "kept": kept,
             "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads, "
                        f"python {platform.python_version()}, torch {torch.__version__}".strip()}
     (out / "summary.md").write_text(markdown(rows, timing, meta))
