@@ -186,20 +186,32 @@ def main(argv: list[str] | None = None) -> int:
     learn = "; ".join(f"{m['preset']}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
     kept = [m["preset"] for m in config["models"] if args.models and m["preset"] not in args.models]
     kept += ["timing"] if args.no_timing and timing else []
-    write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start, kept)
+    write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start, kept,
+                  command_line(sys.argv[1:] if argv is None else argv))
     return 0
+
+
+def trained_pairs(config: dict[str, Any]) -> dict[str, tuple[Path, Path]]:
+    """Each configured model's first seed pair, where both checkpoints are on disk."""
+    out = Path(config["run"]["out"])
+    pairs = {f"{m['preset']} (trained seeds {m['seeds'][0]}, {m['seeds'][1]})":
+             (checkpoint(out, m["preset"], m["seeds"][0]), checkpoint(out, m["preset"], m["seeds"][1]))
+             for m in config["models"]}
+    return {name: pair for name, pair in pairs.items() if all(p.is_file() for p in pair)}
 
 
 def measure_timing(config: dict[str, Any]) -> dict[str, Any]:
     """Weight-matching time for random inits of each timing preset and for each model's first trained pair (trained
     models need more sweeps than random ones)."""
-    repeats, out = config["timing"]["repeats"], Path(config["run"]["out"])
+    repeats = config["timing"]["repeats"]
     timing = {f"{p} (random init)": time_weight_matching(p, repeats) for p in config["timing"]["presets"]}
-    for m in config["models"]:
-        first, second = (checkpoint(out, m["preset"], seed) for seed in m["seeds"][:2])
-        timing[f"{m['preset']} (trained seeds {m['seeds'][0]}, {m['seeds'][1]})"] = time_weight_matching(
-            m["preset"], repeats, (first, second))
-    return timing
+    return timing | {name: time_weight_matching("", repeats, pair) for name, pair in trained_pairs(config).items()}
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as run, without ``--config`` (the summary names the config on its own)."""
+    flags = [a for a, before in zip(argv, ["", *argv], strict=False) if "--config" not in (a, before)]
+    return " ".join(["python -m simulations.bench.barriers", *flags])
 
 
 def previous_results(results: Path) -> dict[str, Any]:
@@ -209,15 +221,13 @@ def previous_results(results: Path) -> dict[str, Any]:
 
 
 def write_results(run: dict[str, Any], learn: str, config: str, rows: list[dict[str, Any]], timing: dict[str, Any],
-                  reports: dict[str, list[dict[str, Any]]], seconds: float, kept: list[str]) -> None:
+                  reports: dict[str, list[dict[str, Any]]], seconds: float, kept: list[str], command: str) -> None:
     """summary.md, results.json and one curve plot per model (its first pair) under the results folder."""
     from glmc.barrier import BarrierCurve
     from glmc.plots import plot_barrier_curves
 
     out = Path(run["results"])
     out.mkdir(parents=True, exist_ok=True)
-    flags = [a for i, a in enumerate(sys.argv[1:]) if "--config" not in (a, sys.argv[i])]  # the config has its own
-    command = " ".join(["python -m simulations.bench.barriers", *flags])
     meta = {"command": command, "config": config, "points": run["points"],
             "limit": run["limit"], "threads": run["threads"], "learn": learn, "wall_minutes": seconds / 60,
             "kept": kept,

@@ -18,18 +18,9 @@ from pathlib import Path
 
 import torch
 
-from simulations.bench.barriers import checkpoint, time_weight_matching, timing_table
+from simulations.bench.barriers import measure_timing, timing_table
 
 RESULTS = Path("simulations/results/matching-time")
-
-
-def trained_pairs(config: dict) -> dict[str, tuple[Path, Path]]:
-    """Each configured model's first seed pair, where both checkpoints are on disk."""
-    out = Path(config["run"]["out"])
-    pairs = {f"{m['preset']} (trained seeds {m['seeds'][0]}, {m['seeds'][1]})":
-             (checkpoint(out, m["preset"], m["seeds"][0]), checkpoint(out, m["preset"], m["seeds"][1]))
-             for m in config["models"]}
-    return {name: pair for name, pair in pairs.items() if all(p.is_file() for p in pair)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,8 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     config = tomllib.loads(Path(args.config).read_text())
     torch.set_num_threads(config["run"]["threads"])
     repeats, start = config["timing"]["repeats"], time.perf_counter()
-    timing = {f"{p} (random init)": time_weight_matching(p, repeats) for p in config["timing"]["presets"]}
-    timing |= {name: time_weight_matching("", repeats, pair) for name, pair in trained_pairs(config).items()}
+    timing = measure_timing(config)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = ["# Weight-matching time", "",
              f"Command: `python -m simulations.bench.matching_time --config {args.config}`. Machine: "
