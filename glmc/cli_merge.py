@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
 from glmc.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -33,13 +34,8 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument("--simplex-points", type=int, default=66, help="at most this many simplex grid weights")
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
-    parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
-    parser.add_argument("--batch", type=int, help="training samples for activation (default 512) and learned "
-                        f"(default {LEARN_SAMPLES}) merging")
-    parser.add_argument("--epochs", type=int, default=1, help="learned: passes over the training samples")
-    parser.add_argument("--steps", type=int, help="learned: this many steps instead of --epochs")
-    parser.add_argument("--lr", type=float, help="learned: AdamW learning rate on the latents")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+    add_learn_arguments(parser, f"training samples for activation (default 512) and learned (default {LEARN_SAMPLES}) "
+                        "merging", epochs=1)
     add_universe_arguments(parser)
 
 
@@ -76,11 +72,10 @@ def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
 
 def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointMeta, n: int) -> MergeSetup:
     """The MergeSetup of one method: training samples only for the data-driven ones (never the test split)."""
-    from glmc.cli_symmetry import _train_subset, learn_options
     from glmc.merge import DATA_METHODS, MergeSetup
 
     samples = args.batch or (LEARN_SAMPLES if method == "learned" else 512)
-    train = _train_subset(dataclasses.replace(meta, config=target), args.data, samples) if method in DATA_METHODS \
+    train = train_subset(dataclasses.replace(meta, config=target), args.data, samples) if method in DATA_METHODS \
         else None
     learn = learn_options(args)
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, args.iters,

@@ -9,17 +9,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glmc import cli_merge
+from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
 from glmc.errors import CheckpointError, ConfigError
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
 METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.align.METHODS
 
 if TYPE_CHECKING:
-    from torch.utils.data import Dataset
 
     from glmc.align import Alignment
     from glmc.checkpoint import CheckpointMeta
-    from glmc.match.learned import LearnConfig
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,13 +49,8 @@ def run_check(args: argparse.Namespace) -> int:
 def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", type=Path, help="reference checkpoint A (.safetensors)")
     parser.add_argument("b", type=Path, help="checkpoint B, moved towards A")
-    parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
-    parser.add_argument("--batch", type=int, help="training samples given to data-driven methods "
-                        f"(default: {ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
-    parser.add_argument("--epochs", type=int, help="learned methods: passes over the training samples (default 2)")
-    parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs")
-    parser.add_argument("--lr", type=float, help="learned methods: AdamW learning rate on the latents")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+    add_learn_arguments(parser, "training samples given to data-driven methods (default: "
+                        f"{ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
 
 
 def add_align_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,36 +76,11 @@ def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, Checkpoint
     return state_a, state_b, meta_a, meta_b
 
 
-def _train_subset(meta: CheckpointMeta, data: str | None, n: int | None) -> Dataset:
-    """``n`` samples (all for None) of the checkpoint's training split, drawn with a fixed seed (never the held-out
-    split)."""
-    import torch
-    from torch.utils.data import Subset
-
-    from glmc.tasks import load_task
-
-    train = load_task(meta.dataset, meta.config, data).train
-    if n is None:
-        return train
-    idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:n]  # type: ignore[arg-type]
-    return Subset(train, idx.tolist())
-
-
-def learn_options(args: argparse.Namespace) -> LearnConfig:
-    """Learned-matching options from --lr / --epochs / --steps (and --concentration where a command has it); flags
-    left out keep LearnConfig's defaults."""
-    from glmc.match.learned import LearnConfig
-
-    flags = {"lr": args.lr, "epochs": args.epochs, "concentration": getattr(args, "concentration", None)}
-    given = {k: v for k, v in flags.items() if v is not None}
-    return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
-
-
 def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta) -> Alignment:
     from glmc.align import DATA_METHODS, LEARNED_METHODS, align_pair
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
-    data = _train_subset(meta, args.data, samples) if method in DATA_METHODS else None
+    data = train_subset(meta, args.data, samples) if method in DATA_METHODS else None
     learn = learn_options(args) if method in LEARNED_METHODS else None
     return align_pair(state_a, state_b, meta.config, method, data=data, batch=samples or ACTIVATION_SAMPLES,
                       learn=learn)

@@ -18,7 +18,8 @@ from glmc.archs import Arch, ModelConfig, State, build_model, get_arch
 from glmc.barrier import interpolate
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import load_model
-from glmc.cli import main
+from glmc.cli import build_parser, main
+from glmc.cli_learn import learn_options
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.match.dual import dual_match, mixing_sampler, refine_universe
@@ -199,6 +200,18 @@ def test_refinement_weights_centre_on_the_weighted_mean_by_default():
         assert np.allclose(draws.sum(1), 1.0) and np.allclose(draws.mean(0), weights, atol=0.02)
         deviation = float(np.abs(draws - weights).sum(1).mean())  # L1 distance from the mean, per draw
         assert spread[0] <= deviation <= spread[1], (concentration, deviation)
+
+
+def test_learned_flags_reach_learn_config_in_every_command():
+    parser = build_parser()
+    flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--quiet"]
+    commands = {"align": ["a", "b", "--out", "o"], "barrier": ["a", "b", "--json", "o"], "merge": ["a", "--out", "o"]}
+    for command, rest in commands.items():
+        learn = learn_options(parser.parse_args([command, *rest, *flags]))
+        assert (learn.lr, learn.batch_size, learn.steps, learn.progress) == (0.01, 32, 7, False), command
+    assert learn_options(parser.parse_args(["align", "a", "b", "--out", "o"])).epochs == LearnConfig().epochs
+    merged = learn_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"]))
+    assert (merged.epochs, merged.concentration) == (1, 0.1)  # merge's own default of one pass
 
 
 class _PoisonedAfter(Dataset):

@@ -1,0 +1,52 @@
+"""Options of the data-driven methods, declared once for ``glmc align``, ``barrier`` and ``merge``: which training
+samples they see, and how learned matching trains on them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from glmc.checkpoint import CheckpointMeta
+    from glmc.match.learned import LearnConfig
+
+
+def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
+    """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
+    --batch-size and --quiet."""
+    parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
+    parser.add_argument("--batch", type=int, help=batch_help)
+    parser.add_argument("--epochs", type=int, default=epochs,
+                        help=f"learned methods: passes over the training samples (default {epochs or 2})")
+    parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs")
+    parser.add_argument("--lr", type=float, help="learned methods: AdamW learning rate on the latents")
+    parser.add_argument("--batch-size", type=int, help="learned methods: samples per step (default 128)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+
+
+def learn_options(args: argparse.Namespace) -> LearnConfig:
+    """Learned-matching options from the flags above (and --concentration where a command has it); flags left out
+    keep LearnConfig's defaults."""
+    from glmc.match.learned import LearnConfig
+
+    flags = {"lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size,
+             "concentration": getattr(args, "concentration", None)}
+    given = {k: v for k, v in flags.items() if v is not None}
+    return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
+
+
+def train_subset(meta: CheckpointMeta, data: str | None, n: int | None) -> Dataset:
+    """``n`` samples (all for None) of the checkpoint's training split, drawn with a fixed seed (never the held-out
+    split)."""
+    import torch
+    from torch.utils.data import Subset
+
+    from glmc.tasks import load_task
+
+    train = load_task(meta.dataset, meta.config, data).train
+    if n is None:
+        return train
+    idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:n]  # type: ignore[arg-type]
+    return Subset(train, idx.tolist())
