@@ -172,7 +172,7 @@ def universe_match(
         _iterate(result, job, workers, iteration, weights)
         if _converged(result.history, tol):
             break
-    if refine:
+    if refine and len(aligned) > 1:  # one model's merge is itself: there is no mixture to refine
         _refine(result, job, weights, reference)
     return result
 

@@ -4,7 +4,8 @@
 FedAvg exactly. ``weight``, ``activation`` and ``learned`` hand the decoded client states to
 :func:`server.aggregation.merge`. Every reply is validated first (:mod:`server.validation`); a bad
 one is dropped with a one-line reason, and with fewer than ``min_train_nodes`` valid replies the
-global model is kept for the round.
+global model is kept for the round; so it is when the merge itself fails (a ``GlmcError``, logged and
+kept in the round's ``failure``).
 
 The round loop stays flwr's ``Strategy.start``; this class only wraps its ``evaluate_fn`` so that,
 after the central evaluation of each round, the named hooks ``on_round_end(record, arrays)`` run
@@ -27,7 +28,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, GlmcError
 from glmc.match.learned import LearnConfig
 from glmc.widths import Placement
 from server import protocol
@@ -49,6 +50,7 @@ class RoundRecord:
     valid: int = 0
     dropped: list[str] = field(default_factory=list)  # "node N: reason"
     aggregated: bool = False
+    failure: str | None = None  # why the valid replies could not be merged (the global model was kept)
     central_loss: float | None = None
     central_accuracy: float | None = None
     mean_client_accuracy: float | None = None  # each client's trained model on the central test subset
@@ -164,7 +166,12 @@ class SymmetryAwareFedAvg(FedAvg):
             return None, None
         start = time.perf_counter()
         clients = [self._decode(msg) for msg in valid]
-        arrays, metrics = self._aggregate(record, valid, clients)
+        try:
+            arrays, metrics = self._aggregate(record, valid, clients)
+        except GlmcError as err:  # e.g. a merge the valid replies cannot make: the global model stays
+            log.error("round %d: aggregation failed, keeping the global model: %s", record.round, err)
+            record.failure = str(err)
+            return None, None
         record.aggregate_seconds = time.perf_counter() - start
         record.aggregated = arrays is not None
         self._record_client_metrics(record, valid, metrics)

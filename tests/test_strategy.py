@@ -22,6 +22,7 @@ from flwr.serverapp.strategy import FedAvg
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
 from glmc.errors import ConfigError
+from glmc.match.learned import LearnConfig
 from glmc.train import evaluate
 from server import heterofl, protocol
 from server.aggregation import Client
@@ -243,6 +244,15 @@ def test_too_few_valid_replies_keep_the_global_model(caplog: pytest.LogCaptureFi
     assert any("keeping the global model" in r.getMessage() for r in caplog.records)
 
 
+def test_a_merge_that_fails_keeps_the_global_model(caplog: pytest.LogCaptureFixture) -> None:
+    s = strategy("learned")  # valid replies, but no server-held data for the refinement
+    with caplog.at_level(logging.ERROR):
+        arrays, metrics_ = s.aggregate_train(1, good_replies())
+    assert arrays is None and metrics_ is None and s.global_arrays is None
+    assert not s.current.aggregated and "needs data" in (s.current.failure or "")
+    assert any("aggregation failed, keeping the global model" in r.getMessage() for r in caplog.records)
+
+
 def test_round_hooks_see_every_round() -> None:
     seen: list[tuple[int, bool]] = []
 
@@ -337,9 +347,11 @@ def test_heterofl_keeps_entries_nobody_holds() -> None:
     np.testing.assert_array_equal(merged[key][:HALF.mlp, :HALF.width], half_state(2)[key].numpy())
 
 
-def test_a_narrow_client_merged_alone_keeps_its_function_both_ways() -> None:
+@pytest.mark.parametrize("aggregation", ["weight", "learned"])
+def test_a_narrow_client_merged_alone_keeps_its_function_both_ways(aggregation: str) -> None:
     """Exact embedding into the universe, then projection back onto the client's placement (the downlink)."""
-    s = mixed_strategy("weight")
+    learn = LearnConfig(steps=4, eval_every=2, batch_size=16, lr=0.05)
+    s = mixed_strategy(aggregation, server_data=synthetic_images(48), learn=learn)
     half = half_state(5)
     arrays, _ = s.aggregate_train(2, [reply(half, metrics(**{protocol.TIER_KEY: 0.5}), node=9)])
     assert arrays is not None
