@@ -12,6 +12,9 @@ method (architecture.md, "The path the data takes"):
   server-held batch (paper §4.3).
 - ``canonical``: the ablation of the alignment: the same canonical form, embedding and least-squares merge,
   with no matching. With equal widths it is FedAvg of the LayerNorm-folded models.
+- ``fedavg-ft``: the control for the server-held data: ``fedavg``, then the merged model itself trained on that
+  data with the learned refinement's budget (:func:`finetune`). ``learned`` minus ``fedavg-ft`` is what spending
+  the same samples on choosing symmetries, rather than on the weights, is worth.
 
 Each client later gets the global model restricted to its own width (:func:`restrict`).
 """
@@ -20,21 +23,26 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, get_arch, scale_width
+from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
+from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
+from glmc.train import TrainConfig, train
 from glmc.universe import universe_match
 from glmc.widths import Placement, embed, place, project
 from server import heterofl
 
 log = logging.getLogger(__name__)
 
+# Aggregations that average HeteroFL width slices without alignment; their clients get slices back.
+SLICED = ("fedavg", "fedavg-ft")
 # aggregation → (pairwise method of each universe iteration, finish with the learned refinement)
 UNIVERSE_METHODS = {"weight": ("weight", False), "activation": ("activation", False), "learned": ("weight", True),
                     "canonical": ("none", False)}
@@ -54,7 +62,7 @@ class MergeResult:
     """The merged native state (float32, full width), its cost, and where every client now sits."""
 
     state: State
-    align_seconds: float
+    align_seconds: float  # the server's own step: alignment, or fedavg-ft's fine-tuning
     distance_before: float  # mean pairwise ‖θ_i − θ_j‖ of the clients in the universe (canonical, embedded)
     distance_after: float  # the same after alignment
     placements: list[Placement | None]  # per client, for restricting the next global model (None: HeteroFL)
@@ -81,20 +89,34 @@ def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], f
                                    for s, c in zip(states, configs, strict=True)])
 
 
+def finetune(native: State, full: ModelConfig, data: Dataset | None, config: TrainConfig) -> tuple[State, float]:
+    """The full-width native model trained on the server-held ``data`` (``fedavg-ft``); returns it and the seconds."""
+    if data is None:
+        raise ConfigError("fedavg-ft fine-tunes on server-held data: set server-data > 0")
+    start = time.perf_counter()
+    model = build_model(full)
+    model.load_state_dict(native, strict=True)
+    train(model, get_arch(full.family), data, config, progress=False)
+    return _float32(model.state_dict()), time.perf_counter() - start
+
+
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
           data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
-          ) -> MergeResult:
+          tune: TrainConfig | None = None) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
+    ``tune``: how ``fedavg-ft`` trains the merged model (default: one epoch, one thread).
     """
     states, configs = universe_states(clients, full)
     before = embedded_distance(states, configs, full)
     weights = [c.weight for c in clients]
-    if aggregation == "fedavg":
+    if aggregation in SLICED:
         previous = anchor if anchor is not None else clients[0].state
-        native = heterofl.merge([c.state for c in clients], configs, weights, full, previous)
-        return MergeResult(_float32(native), 0.0, before, before, [None] * len(clients))
+        native, seconds = _float32(heterofl.merge([c.state for c in clients], configs, weights, full, previous)), 0.0
+        if aggregation == "fedavg-ft":
+            native, seconds = finetune(native, full, data, tune or TrainConfig(threads=1))
+        return MergeResult(native, seconds, before, before, [None] * len(clients))
     arch = get_arch(full.family)
     method, refine = UNIVERSE_METHODS[aggregation]
     start = canonicalize(arch, anchor, full.depth, dtype=torch.float64) if anchor is not None else None
@@ -109,12 +131,12 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
 
 def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float, aggregation: str,
              placement: Placement | None = None) -> State:
-    """The global model at a client's width: its HeteroFL slice (fedavg), else its projection onto the
+    """The global model at a client's width: its HeteroFL slice (fedavg, fedavg-ft), else its projection onto the
     client's subspace of the universe (``placement``: where alignment last put it; default: the exact embedding)."""
     narrow = scale_width(full, tier)
     if narrow == full:
         return dict(global_native)
-    if aggregation == "fedavg":
+    if aggregation in SLICED:
         return _float32(heterofl.restrict(global_native, full, narrow))
     arch = get_arch(full.family)
     canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)

@@ -20,7 +20,7 @@ from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
-from glmc.train import evaluate, seed_everything, set_threads
+from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.hooks import (
     CheckpointWriter,
     EnsembleEvaluator,
@@ -94,6 +94,13 @@ def central_evaluator(settings: RunSettings, cfg: ModelConfig) -> EvaluateFn:
     return evaluate_global
 
 
+def server_tuning(settings: RunSettings, learn: LearnConfig) -> TrainConfig:
+    """How ``fedavg-ft`` trains the merged model: the learned refinement's epochs and batch size over the same
+    server-held samples, at the clients' learning rate, on the server's one thread."""
+    lr = settings.lr or pool(settings).task.defaults.get("lr", TrainConfig.lr)
+    return TrainConfig(epochs=learn.epochs, batch_size=learn.batch_size, lr=lr, seed=settings.seed, threads=1)
+
+
 def run_header(settings: RunSettings, num_nodes: int) -> dict[str, Any]:
     """What metrics.json says about the run besides its rounds: settings, split and its label counts."""
     task = pool(settings).task
@@ -137,10 +144,11 @@ def main(grid: Grid, context: Context) -> None:
         log.info("%s already has %d of %d rounds; nothing to do", run_dir, done, settings.num_server_rounds)
         return
     num_nodes = len(list(grid.get_node_ids()))
+    learn = LearnConfig(concentration=settings.refine_concentration)
     strategy = SymmetryAwareFedAvg(
         settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
         align_iters=settings.align_iters, align_workers=settings.align_workers,
-        learn=LearnConfig(concentration=settings.refine_concentration),
+        learn=learn, tune=server_tuning(settings, learn),
         independent_init=settings.init == "independent", round_offset=done,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,

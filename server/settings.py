@@ -15,8 +15,8 @@ from typing import Any
 
 from glmc.errors import ConfigError
 
-AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical")
-DATA_AGGREGATIONS = ("activation", "learned")  # need the server-held batch (`server-data`)
+AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft")
+DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft")  # need the server-held batch (`server-data`)
 INITS = ("shared", "independent")
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
@@ -84,7 +84,7 @@ class RunSettings:
         _require(min(self.min_train_nodes, self.align_iters, self.align_workers, self.client_threads) >= 1,
                  "min-train-nodes, align-iters, align-workers and client-threads must be >= 1")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
-                 f"aggregation {self.aggregation!r} aligns on server-held data: set server-data > 0")
+                 f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, Any]) -> RunSettings:

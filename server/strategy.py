@@ -1,8 +1,8 @@
 """SymmetryAwareFedAvg: FedAvg whose averaging step first aligns the clients' Transformers.
 
 ``aggregation="fedavg"`` runs flwr's own ``FedAvg.aggregate_train`` on the valid replies, so it is
-FedAvg exactly. ``weight``, ``activation`` and ``learned`` hand the decoded client states to
-:func:`server.aggregation.merge`. Every reply is validated first (:mod:`server.validation`); a bad
+FedAvg exactly. ``weight``, ``activation``, ``learned``, ``canonical`` and ``fedavg-ft`` hand the decoded
+client states to :func:`server.aggregation.merge`. Every reply is validated first (:mod:`server.validation`); a bad
 one is dropped with a one-line reason, and with fewer than ``min_train_nodes`` valid replies the
 global model is kept for the round; so it is when the merge itself fails (a ``GlmcError``, logged and
 kept in the round's ``failure``).
@@ -15,6 +15,7 @@ the loop. ``round_offset`` makes a resumed run count rounds globally.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -30,6 +31,7 @@ from torch.utils.data import Dataset
 from glmc.archs import ModelConfig, State
 from glmc.errors import ConfigError, GlmcError
 from glmc.match.learned import LearnConfig
+from glmc.train import TrainConfig
 from glmc.widths import Placement
 from server import protocol
 from server.aggregation import Client, MergeResult, embedded_distance, merge, restrict, universe_states
@@ -85,7 +87,7 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
                  server_data: Dataset | None = None, align_iters: int = 1, align_workers: int = 1,
-                 learn: LearnConfig | None = None, independent_init: bool = False,
+                 learn: LearnConfig | None = None, tune: TrainConfig | None = None, independent_init: bool = False,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
@@ -98,6 +100,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.align_iters = align_iters
         self.align_workers = align_workers
         self.learn = learn  # options of the learned refinement (LearnConfig's defaults if None)
+        self.tune = tune  # how fedavg-ft trains the merged model on the server data (its seed moves by round)
         self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
         self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
         self.independent_init = independent_init
@@ -207,8 +210,9 @@ class SymmetryAwareFedAvg(FedAvg):
         # With independent inits the round-1 global model is an unrelated random net: no anchor then.
         fresh = self.independent_init and global_round == 1 and self.aggregation != "fedavg"
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
+        tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
-                     iters=self.align_iters, workers=self.align_workers, learn=self.learn)
+                     iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune)
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(

@@ -6,6 +6,7 @@ clients, and every class of bad reply dropped with a reason while the global mod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -23,7 +24,7 @@ from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
-from glmc.train import evaluate
+from glmc.train import TrainConfig, evaluate, train
 from server import heterofl, protocol
 from server.aggregation import Client
 from server.hooks import EnsembleEvaluator
@@ -149,6 +150,36 @@ def test_canonical_is_the_example_weighted_mean_of_the_folded_clients() -> None:
     fedavg, _ = strategy().aggregate_train(1, [reply(s, metrics(examples=n), node=i + 1)
                                                for i, (s, n) in enumerate(zip(states, counts, strict=True))])
     assert fedavg is not None and any(not np.allclose(v, as_numpy(fedavg)[k]) for k, v in as_numpy(arrays).items())
+
+
+def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data() -> None:
+    """The server-data control: the example-weighted mean, then trained by glmc.train on the server-held samples."""
+    data = synthetic_images(40)
+    tune = TrainConfig(epochs=2, batch_size=16, lr=1e-2, seed=5, threads=1)
+    s = strategy("fedavg-ft", server_data=data, tune=tune)
+    s.current = RoundRecord(3)  # as configure_train opens round 3
+    arrays, _ = s.aggregate_train(3, good_replies())
+    assert arrays is not None
+    states = [state(i) for i in range(3)]
+    mean = heterofl.merge(states, [CFG] * 3, [10.0, 20.0, 30.0], CFG, states[0])
+    for key, value in mean.items():  # the equal-width HeteroFL average is the weighted mean
+        torch.testing.assert_close(value, (10 * states[0][key] + 20 * states[1][key] + 30 * states[2][key]) / 60)
+    model = build_model(CFG)
+    model.load_state_dict(mean)
+    fit = train(model, get_arch(CFG.family), data, dataclasses.replace(tune, seed=tune.seed + 3), progress=False)
+    assert fit["steps"] == 6  # 2 epochs of ⌈40 / 16⌉ batches: the round moves the seed, not the budget
+    ours = as_numpy(arrays)
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(ours[key], value.numpy())
+    assert any(not np.allclose(ours[k], v.numpy(), atol=1e-3) for k, v in mean.items())
+    assert s.current.align_seconds > 0
+
+
+def test_fedavg_ft_needs_server_data() -> None:
+    with pytest.raises(ConfigError, match="server-data"):
+        RunSettings(aggregation="fedavg-ft")
+    s = strategy("fedavg-ft")
+    assert s.aggregate_train(1, good_replies()) == (None, None) and "server-data" in (s.current.failure or "")
 
 
 def _bad_arrays(kind: str) -> ArrayRecord:
