@@ -45,7 +45,8 @@ class _Parser(argparse.ArgumentParser):
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``glmc train``."""
     parser.add_argument("--model", required=True, help="preset name, e.g. vit-bench or gpt2-bench")
-    parser.add_argument("--dataset", required=True, help="fashion-mnist or shakespeare")
+    parser.add_argument("--dataset", required=True,
+                        help="fashion-mnist, shakespeare, or a fetched cifar10, cifar100 or tiny-imagenet")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--width-mult", type=float, default=1.0, help="scale width, MLP and heads (0.25, 0.5, 1)")

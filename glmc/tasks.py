@@ -1,12 +1,14 @@
 """Tasks: a dataset name plus a preset give the data and the config with its data-dependent fields set.
 
-Vision fills ``num_classes``, ``in_chans`` and ``img_size``; text fills ``vocab_size`` (the context
-comes from the preset and sets the window length). Each task also carries training defaults
+Vision fills ``num_classes``, ``in_chans``, ``img_size`` and the ``patch`` that divides the images
+(the dataset's ``HubSpec``: 7 for Fashion-MNIST, 4 for CIFAR, 8 for Tiny ImageNet); text fills
+``vocab_size`` (the context comes from the preset and sets the window length). Each task also carries training defaults
 that were measured to work on this 2-core CPU (see the README's "Measured" section).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,10 +17,13 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig
+from glmc.data.hub import HUB_DATASETS, HUB_ONLY, load_hub_copy
 from glmc.errors import ConfigError
 
 if TYPE_CHECKING:
-    from glmc.data import CharVocab
+    from glmc.data import CharVocab, VisionSplits
+
+VISION_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "batch_size": 128}
 
 
 @dataclass(frozen=True)
@@ -39,17 +44,28 @@ def _require_family(dataset: str, cfg: ModelConfig, family: str) -> None:
         raise ConfigError(f"dataset {dataset!r} needs a {family} preset, got a {cfg.family} config")
 
 
+def _vision_task(cfg: ModelConfig, data: VisionSplits) -> Task:
+    """The task of loaded vision splits: the config takes their classes, channels, size and patch."""
+    config = cfg.replace(num_classes=data.num_classes, in_chans=data.in_chans, img_size=data.img_size,
+                         patch=HUB_DATASETS[data.name].patch)
+    if data.img_size % config.patch:
+        raise ConfigError(f"patch {config.patch} does not divide the {data.img_size}-pixel {data.name} images")
+    split = f"{data.name} official split: {len(data.train)} train / {len(data.test)} test images"
+    return Task(data.name, config, data.train, data.test, split, defaults=dict(VISION_DEFAULTS))
+
+
 def fashion_mnist_task(cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:
     """Fashion-MNIST's official 60k/10k split for a ViT; ``seed`` is unused (the split is fixed)."""
     from glmc.data import load_fashion_mnist
 
     _require_family("fashion-mnist", cfg, "vit")
-    data = load_fashion_mnist(path)
-    if data.img_size % cfg.patch:
-        raise ConfigError(f"patch {cfg.patch} does not divide the {data.img_size}-pixel images")
-    config = cfg.replace(num_classes=data.num_classes, in_chans=data.in_chans, img_size=data.img_size)
-    split = f"fashion-mnist official split: {len(data.train)} train / {len(data.test)} test images"
-    return Task("fashion-mnist", config, data.train, data.test, split, defaults={"lr": 1e-3, "batch_size": 128})
+    return _vision_task(cfg, load_fashion_mnist(path))
+
+
+def hub_task(dataset: str, cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:
+    """A fetched hub set (CIFAR-10/100, Tiny ImageNet) and its official split; ``seed`` is unused."""
+    _require_family(dataset, cfg, "vit")
+    return _vision_task(cfg, load_hub_copy(dataset, path))
 
 
 def shakespeare_task(cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:
@@ -74,7 +90,11 @@ def shakespeare_task(cfg: ModelConfig, path: str | Path | None = None, seed: int
     )
 
 
-TASKS: dict[str, Callable[..., Task]] = {"fashion-mnist": fashion_mnist_task, "shakespeare": shakespeare_task}
+TASKS: dict[str, Callable[..., Task]] = {
+    "fashion-mnist": fashion_mnist_task,
+    "shakespeare": shakespeare_task,
+    **{name: functools.partial(hub_task, name) for name in HUB_ONLY},
+}
 
 
 def load_task(dataset: str, cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:

