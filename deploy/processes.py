@@ -11,8 +11,6 @@ Linux only (``/proc``), like ``ss`` in :mod:`simulations.engine`.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -20,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from simulations.engine import proc_stat, running, stop_pid
+from simulations.engine import running, start_time, stop_tree
 
 TERM_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
 
@@ -75,33 +73,5 @@ def stop(process: Process, sig: signal.Signals = signal.SIGTERM, grace: float = 
     """
     if not process.alive():
         return False
-    family = [(pid, start_time(pid)) for pid in descendants(process.pid)]
-    if sig == signal.SIGTERM:
-        stop_pid(process.pid, grace)
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, sig)
-    for pid, started in family:
-        if running(pid) and start_time(pid) == started:
-            stop_pid(pid, grace)
+    stop_tree(process.pid, grace, sig)
     return True
-
-
-def start_time(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot, or None if there is no such process."""
-    fields = proc_stat(pid)
-    return int(fields[19]) if fields else None
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` in the process tree (children first), from the parent links in /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))):
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, frontier = [], [pid]
-    while frontier:
-        below = children.get(frontier.pop(), [])
-        found += below
-        frontier += below
-    return found

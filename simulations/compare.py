@@ -83,7 +83,9 @@ def _keys(axis: dict[str, Any]) -> dict[str, Any]:
 
 
 def grid(exp: Experiment) -> list[Cell]:
-    return [Cell(a, s, w, seed) for s in exp.splits for w in exp.widths for a in exp.aggregations for seed in exp.seeds]
+    """Seed by seed: each seed runs every aggregation before the next starts, so a grid stopped part-way (its
+    finished cells are kept) already holds paired comparisons."""
+    return [Cell(a, s, w, seed) for seed in exp.seeds for s in exp.splits for w in exp.widths for a in exp.aggregations]
 
 
 def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str]) -> dict[str, Any]:

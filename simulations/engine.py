@@ -93,7 +93,7 @@ def listening_pid(port: int) -> int | None:
 
 
 def stop_pid(pid: int, grace: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds; only this one PID (its superexec child follows it)."""
+    """SIGTERM, then SIGKILL after ``grace`` seconds; only this one PID (see :func:`stop_tree` for what it started)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -102,6 +102,43 @@ def stop_pid(pid: int, grace: float = 10.0) -> None:
                 return
             time.sleep(0.2)
         os.kill(pid, signal.SIGKILL)
+
+
+def stop_tree(pid: int, grace: float = 10.0, first: signal.Signals = signal.SIGTERM) -> None:
+    """End ``pid`` (``first``, then SIGKILL after ``grace``), then whatever it had started that still runs.
+
+    The descendants are found before ``pid`` is signalled: a SuperLink stopped mid-run leaves its simulation
+    process and that process's Ray workers running otherwise (they are re-parented to init).
+    """
+    family = [(child, start_time(child)) for child in descendants(pid)]
+    if first == signal.SIGTERM:
+        stop_pid(pid, grace)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, first)
+    for child, started in family:
+        if running(child) and start_time(child) == started:
+            stop_pid(child, grace)
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot, or None if there is no such process."""
+    fields = proc_stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` in the process tree (children first), from the parent links in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += below
+    return found
 
 
 def exit_on_sigterm() -> None:
@@ -138,8 +175,8 @@ def local_superlink_env(flwr_home: Path | None = None) -> Iterator[dict[str, str
         finally:
             pid = listening_pid(http_port)
             if pid is not None:
-                log.info("stopping the local SuperLink (pid %d, port %d)", pid, http_port)
-                stop_pid(pid)
+                log.info("stopping the local SuperLink (pid %d, port %d) and what it started", pid, http_port)
+                stop_tree(pid)
 
 
 def flwr_json(args: list[str], env: Mapping[str, str], timeout: float) -> dict[str, Any]:
