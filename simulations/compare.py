@@ -100,14 +100,24 @@ def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str]) -> dic
             "seconds": round(result.seconds, 1), "records": records}
 
 
-def run_grid(exp: Experiment, out: Path, force: bool) -> list[dict[str, Any]]:
-    """Every cell, reusing the saved rows of finished ones unless ``force``."""
+def pending(cell: Cell) -> dict[str, Any]:
+    """The row of a cell not run yet (``--finished-only``): counted in a group's runs, with no records."""
+    return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
+            "widths": cell.widths["label"], "seed": cell.seed, "status": "pending", "details": "", "seconds": 0.0,
+            "records": []}
+
+
+def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True) -> list[dict[str, Any]]:
+    """Every cell, reusing the saved rows of finished ones unless ``force``; without ``run``, only those."""
     rows = []
     with local_superlink_env() as env:
         for cell in grid(exp):
             saved = out / "cells" / f"{cell.name}.json"
             if saved.is_file() and not force:
                 rows.append(json.loads(saved.read_text()))
+                continue
+            if not run:
+                rows.append(pending(cell))
                 continue
             row = run_cell(exp, cell, out, env)
             if row["status"] == "finished:completed":
@@ -220,7 +230,10 @@ def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config
     (out / "results.json").write_text(json.dumps({"experiment": exp.name, "config": exp.run, "rows": rows}, indent=1))
     plots = plot_groups(rows, exp, out)
     settings = ", ".join(f"{k}={v}" for k, v in exp.run.items())
-    text = (f"# {exp.name}\n\n{provenance(config, rows)}"
+    waiting = [r["cell"] for r in rows if r["status"] == "pending"]
+    partial = (f"**Partial:** {len(rows) - len(waiting)} of {len(rows)} cells finished; not run yet: "
+               f"{', '.join(waiting)}.\n" if waiting else "")
+    text = (f"# {exp.name}\n\n{partial}{provenance(config, rows)}"
             f"{exp.num_supernodes} clients, seeds {list(exp.seeds)}; {settings}.\n"
             "Accuracy: the global model on the central test set after the last round, mean ± s.e. over seeds; "
             "Δ: paired by seed.\n\n" + table + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n")
@@ -243,20 +256,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="output directory (default: outputs/NAME)")
     parser.add_argument("--force", action="store_true", help="run finished cells again")
     parser.add_argument("--publish", action="store_true", help="copy the summary to simulations/results/NAME")
+    parser.add_argument("--finished-only", action="store_true",
+                        help="run nothing: summarise the cells already finished (e.g. while the grid runs)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     exit_on_sigterm()
     exp = Experiment.load(args.config)
     out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    rows = run_grid(exp, out, args.force)
+    rows = run_grid(exp, out, args.force, run=not args.finished_only)
     table, plots = write_outputs(exp, rows, out, args.config)
     print(table)
     for path in plots:
         print(f"plot: {path}")
     if args.publish:
         print(f"published to {publish(out, exp.name)}")
-    failed = [r for r in rows if r["status"] != "finished:completed"]
+    failed = [r for r in rows if r["status"] not in ("finished:completed", "pending")]
     for row in failed:
         print(f"FAILED {row['cell']}: {row['status']} {row['details']}", file=sys.stderr)
     return 1 if failed else 0

@@ -41,3 +41,29 @@ def test_smoke_experiment_finishes_every_cell(config: Path, tmp_path: Path) -> N
     summary = (tmp_path / "summary.md").read_text()
     assert all(f"| {a} |" in summary for a in exp.aggregations)
     assert list(tmp_path.glob("accuracy-*.png"))
+
+
+def test_the_grid_runs_seed_by_seed() -> None:
+    """Every aggregation of a seed runs before the next seed, so a grid stopped part-way is paired."""
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift.toml")
+    seeds = [cell.seed for cell in compare.grid(exp)]
+    assert seeds == sorted(seeds) and len(seeds) == len(exp.seeds) * len(exp.aggregations)
+
+
+def test_finished_only_summarises_saved_cells_and_runs_nothing(tmp_path: Path) -> None:
+    """--finished-only: finished cells in the table, the rest listed as pending; no simulation starts."""
+    config = PROJECT / "simulations" / "configs" / "drift-smoke.toml"
+    exp = compare.Experiment.load(config)
+    done = compare.grid(exp)[0]
+    records = [{"round": k, "central_accuracy": 0.25 * k, "central_loss": 1.0, "mean_client_accuracy": 0.5,
+                "align_seconds": 0.0, "round_seconds": 1.0, "distance_before": 2.0, "distance_after": 2.0}
+               for k in range(3)]
+    row = compare.pending(done) | {"status": "finished:completed", "records": records}
+    (tmp_path / "cells").mkdir()
+    (tmp_path / "cells" / f"{done.name}.json").write_text(json.dumps(row))
+    assert compare.main(["--config", str(config), "--out", str(tmp_path), "--finished-only"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    others = [c.name for c in compare.grid(exp) if c != done]
+    assert f"**Partial:** 1 of {len(others) + 1} cells finished" in summary and all(c in summary for c in others)
+    assert f"| {done.aggregation} | 1/1 | 50.0 ± 0.0 |" in summary
+    assert not (tmp_path / "runs").exists()
