@@ -23,15 +23,20 @@ import torch
 from glmc.cli import main as glmc
 
 
-def checkpoint(out: Path, preset: str, seed: int) -> Path:
-    return out / preset / f"seed{seed}.safetensors"
+def label(model: dict[str, Any]) -> str:
+    """A model entry's name: its ``name`` (e.g. a preset trained longer), else its preset."""
+    return model.get("name", model["preset"])
+
+
+def checkpoint(out: Path, name: str, seed: int) -> Path:
+    return out / name / f"seed{seed}.safetensors"
 
 
 def train_missing(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:
     """Train every configured seed that has no checkpoint yet; return all checkpoint paths."""
     paths = []
     for seed in model["seeds"]:
-        path = checkpoint(Path(run["out"]), model["preset"], seed)
+        path = checkpoint(Path(run["out"]), label(model), seed)
         if not path.exists():
             args = ["train", "--model", model["preset"], "--dataset", model["dataset"], "--seed", str(seed)]
             if glmc([*args, *model["train"], "--out", str(path), "--quiet"]) != 0:
@@ -44,7 +49,7 @@ def pair_barriers(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path, 
                   extra: list[str], tag: str) -> dict[str, Any]:
     """Run ``glmc barrier`` for one pair with ``methods`` and extra flags, unless a report with the same settings
     exists (so an interrupted benchmark resumes where it stopped)."""
-    out = Path(run["out"]) / "barriers" / f"{model['preset']}_{a.stem}_{b.stem}{tag}.json"
+    out = Path(run["out"]) / "barriers" / f"{label(model)}_{a.stem}_{b.stem}{tag}.json"
     settings = {"points": run["points"], "methods": methods, "extra": extra}
     if out.exists():
         cached = json.loads(out.read_text())
@@ -119,7 +124,8 @@ def summarise(model: dict[str, Any], reports: list[dict[str, Any]], methods: lis
         ratio, ratio_se = mean_se([c["barrier"] / v for c, v in zip(curves, vanilla, strict=True)])
         mid, _ = mean_se([c["accuracies"][len(c["lambdas"]) // 2] for c in curves])
         seconds = statistics.median(c["align_seconds"] for c in curves)
-        rows.append({"preset": model["preset"], "dataset": model["dataset"], "method": method, "pairs": len(curves),
+        rows.append({"model": label(model), "preset": model["preset"], "dataset": model["dataset"], "method": method,
+                     "pairs": len(curves),
                      "barrier": barrier, "barrier_se": se, "ratio_to_vanilla": ratio, "ratio_se": ratio_se,
                      "midpoint_accuracy": mid, "align_seconds": seconds})
     return rows
@@ -138,7 +144,7 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
              "| model | data | method | pairs | barrier | ÷ vanilla | midpoint acc | align s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['preset']} | {r['dataset']} | {r['method']} | {r['pairs']} | "
+        lines.append(f"| {r.get('model', r['preset'])} | {r['dataset']} | {r['method']} | {r['pairs']} | "
                      f"{r['barrier']:.3f} ± {r['barrier_se']:.3f} | {100 * r['ratio_to_vanilla']:.1f}% ± "
                      f"{100 * r['ratio_se']:.1f} | {r['midpoint_accuracy']:.3f} | {r['align_seconds']:.2f} |")
     lines += ["", "`align s` is the median wall time of the pair runs' alignment (for learned methods: the learning "
@@ -160,8 +166,8 @@ def timing_table(timing: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
-    parser.add_argument("--models", nargs="*", help="measure only these presets (their pair reports are cached); "
-                        "the other presets' rows, and the timing under --no-timing, stay as the results file has them")
+    parser.add_argument("--models", nargs="*", help="measure only these model entries (by name, else preset; their "
+                        "pair reports are cached); the others' rows, and the timing under --no-timing, stay as before")
     parser.add_argument("--no-timing", action="store_true", help="skip the weight-matching timing")
     args = parser.parse_args(argv)
     config = tomllib.loads(Path(args.config).read_text())
@@ -171,20 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     rows, reports_by_model = [], {}
     learned = config.get("learned", {"methods": [], "args": []})
     for model in config["models"]:
-        if args.models and model["preset"] not in args.models:
-            rows += [r for r in previous.get("rows", []) if r["preset"] == model["preset"]]
-            reports_by_model[model["preset"]] = previous.get("pairs", {}).get(model["preset"], [])
+        if args.models and label(model) not in args.models:
+            rows += [r for r in previous.get("rows", []) if r.get("model", r["preset"]) == label(model)]
+            reports_by_model[label(model)] = previous.get("pairs", {}).get(label(model), [])
             continue
         paths = train_missing(run, model)
         settings = run | model.get("run", {})  # a model may override run settings such as limit
         pairs = list(itertools.combinations(paths, 2))
         learn_pairs = model.get("learn_pairs", len(pairs))  # learned methods on the first pairs only
         reports = [pair_report(settings, learned, model, a, b, i < learn_pairs) for i, (a, b) in enumerate(pairs)]
-        reports_by_model[model["preset"]] = reports
+        reports_by_model[label(model)] = reports
         rows += summarise(model, reports, run["methods"] + learned["methods"])
     timing = previous.get("timing", {}) if args.no_timing else measure_timing(config)
-    learn = "; ".join(f"{m['preset']}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
-    kept = [m["preset"] for m in config["models"] if args.models and m["preset"] not in args.models]
+    learn = "; ".join(f"{label(m)}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
+    kept = [label(m) for m in config["models"] if args.models and label(m) not in args.models]
     kept += ["timing"] if args.no_timing and timing else []
     write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start, kept,
                   command_line(sys.argv[1:] if argv is None else argv))
@@ -194,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
 def trained_pairs(config: dict[str, Any]) -> dict[str, tuple[Path, Path]]:
     """Each configured model's first seed pair, where both checkpoints are on disk."""
     out = Path(config["run"]["out"])
-    pairs = {f"{m['preset']} (trained seeds {m['seeds'][0]}, {m['seeds'][1]})":
-             (checkpoint(out, m["preset"], m["seeds"][0]), checkpoint(out, m["preset"], m["seeds"][1]))
+    pairs = {f"{label(m)} (trained seeds {m['seeds'][0]}, {m['seeds'][1]})":
+             (checkpoint(out, label(m), m["seeds"][0]), checkpoint(out, label(m), m["seeds"][1]))
              for m in config["models"]}
     return {name: pair for name, pair in pairs.items() if all(p.is_file() for p in pair)}
 
