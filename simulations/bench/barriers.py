@@ -66,14 +66,19 @@ def pair_barriers(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path, 
     return report
 
 
+def learned_methods(learned: dict[str, Any], model: dict[str, Any]) -> list[str]:
+    """The learned methods measured for ``model``: its own ``learn_methods``, else the ``[learned]`` table's."""
+    return model.get("learn_methods", learned["methods"])
+
+
 def pair_report(run: dict[str, Any], learned: dict[str, Any], model: dict[str, Any], a: Path, b: Path,
                 learn: bool) -> dict:
     """Every method's curve for one pair: the data-free and activation methods in one run, then (if ``learn``)
-    each learned method in its own (cached) run with the model's learning flags."""
+    each of the model's learned methods in its own (cached) run with the model's learning flags."""
     report = pair_barriers(run, model, a, b, run["methods"], ["--batch", str(run["batch"])], "")
     if learn:
         extra = model.get("learn", learned["args"])
-        for method in learned["methods"]:
+        for method in learned_methods(learned, model):
             report["curves"] += pair_barriers(run, model, a, b, [method], extra, f"_{method}")["curves"]
     return report
 
@@ -135,7 +140,8 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
     """The committed summary: the barrier table, the timing table and how it was produced."""
     lines = ["# Pairwise loss barriers (symmetry core)", "",
              f"Command: `{meta['command']}`, config `{meta['config']}`.",
-             f"Machine: {meta['machine']}; torch threads {meta['threads']}; wall time {meta['wall_minutes']:.1f} min"
+             f"Machine: {meta['machine']}; torch threads {meta['threads']}; wall time {meta['wall_minutes']:.1f} min "
+             "(of this run: cached pair reports are reused, and each keeps its own align time)"
              + (f"; kept from the run before: {', '.join(meta['kept'])}." if meta.get("kept") else "."),
              f"Barrier = max over {meta['points']} λ of L(θ(λ)) − [λ L(θ_A) + (1−λ) L(θ_B)] on the first "
              f"{meta['limit']} held-out samples (fewer where a model overrides it); mean ± s.e. over the seed pairs "
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         learn_pairs = model.get("learn_pairs", len(pairs))  # learned methods on the first pairs only
         reports = [pair_report(settings, learned, model, a, b, i < learn_pairs) for i, (a, b) in enumerate(pairs)]
         reports_by_model[label(model)] = reports
-        rows += summarise(model, reports, run["methods"] + learned["methods"])
+        rows += summarise(model, reports, run["methods"] + learned_methods(learned, model))
     timing = previous.get("timing", {}) if args.no_timing else measure_timing(config)
     learn = "; ".join(f"{label(m)}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
     kept = [label(m) for m in config["models"] if args.models and label(m) not in args.models]
@@ -243,7 +249,7 @@ def write_results(run: dict[str, Any], learn: str, config: str, rows: list[dict[
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "timing": timing,
                                                   "pairs": reports}, indent=1))
     fields = BarrierCurve.__dataclass_fields__
-    for preset, pairs in reports.items():
+    for preset, pairs in ((p, r) for p, r in reports.items() if r):  # a model kept but never measured: no plot
         curves = [BarrierCurve(**{k: c[k] for k in fields}) for c in pairs[0]["curves"]]
         plot_barrier_curves(curves, out / f"curves_{preset}.png", f"{preset}: {pairs[0]['a']} vs {pairs[0]['b']}")
     print((out / "summary.md").read_text())
