@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmc import cli_merge, cli_symmetry
+from glmc.cli_learn import DATA_HELP
 from glmc.errors import CheckpointError, ConfigError, GlmcError
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=float, default=0.05, help="fraction of steps spent warming up")
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core)")
-    parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
+    parser.add_argument("--data", help=DATA_HELP)
     parser.add_argument("--out", required=True, type=Path, help="checkpoint path, *.safetensors")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")

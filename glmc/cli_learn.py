@@ -12,11 +12,13 @@ if TYPE_CHECKING:
     from glmc.checkpoint import CheckpointMeta
     from glmc.match.learned import LearnConfig
 
+DATA_HELP = "dataset directory (default: the dataset's own copy, under $GLMC_DATA, .data/ or the system path)"
+
 
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
     """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
     --batch-size and --quiet."""
-    parser.add_argument("--data", help="dataset directory (default: $GLMC_DATA, then the system copy)")
+    parser.add_argument("--data", help=DATA_HELP)
     parser.add_argument("--batch", type=int, help=batch_help)
     parser.add_argument("--epochs", type=int, default=epochs,
                         help=f"learned methods: passes over the training samples (default {epochs or 2})")

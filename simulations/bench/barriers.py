@@ -178,22 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = tomllib.loads(Path(args.config).read_text())
     run, start = config["run"], time.perf_counter()
-    previous = previous_results(Path(run["results"])) if args.models else {}
     torch.set_num_threads(run["threads"])
-    rows, reports_by_model = [], {}
     learned = config.get("learned", {"methods": [], "args": []})
-    for model in config["models"]:
-        if args.models and label(model) not in args.models:
-            rows += [r for r in previous.get("rows", []) if r.get("model", r["preset"]) == label(model)]
-            reports_by_model[label(model)] = previous.get("pairs", {}).get(label(model), [])
-            continue
-        paths = train_missing(run, model)
-        settings = run | model.get("run", {})  # a model may override run settings such as limit
-        pairs = list(itertools.combinations(paths, 2))
-        learn_pairs = model.get("learn_pairs", len(pairs))  # learned methods on the first pairs only
-        reports = [pair_report(settings, learned, model, a, b, i < learn_pairs) for i, (a, b) in enumerate(pairs)]
-        reports_by_model[label(model)] = reports
-        rows += summarise(model, reports, run["methods"] + learned_methods(learned, model))
+    measured = {label(m): measure_model(run, learned, m) for m in config["models"]
+                if not args.models or label(m) in args.models}
+    # read only now, so that another partial run that finished meanwhile keeps its rows
+    previous = previous_results(Path(run["results"])) if args.models else {}
+    rows, reports_by_model = [], {}
+    for name in (label(m) for m in config["models"]):
+        model_rows, reports = measured.get(name) or (
+            [r for r in previous.get("rows", []) if r.get("model", r["preset"]) == name],
+            previous.get("pairs", {}).get(name, []))
+        rows += model_rows
+        reports_by_model[name] = reports
     timing = previous.get("timing", {}) if args.no_timing else measure_timing(config)
     learn = "; ".join(f"{label(m)}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
     kept = [label(m) for m in config["models"] if args.models and label(m) not in args.models]
@@ -201,6 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start, kept,
                   command_line(sys.argv[1:] if argv is None else argv))
     return 0
+
+
+def measure_model(run: dict[str, Any], learned: dict[str, Any],
+                  model: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Train the model's missing seeds and measure every pair (cached); its summary rows and pair reports."""
+    paths = train_missing(run, model)
+    settings = run | model.get("run", {})  # a model may override run settings such as limit
+    pairs = list(itertools.combinations(paths, 2))
+    learn_pairs = model.get("learn_pairs", len(pairs))  # learned methods on the first pairs only
+    reports = [pair_report(settings, learned, model, a, b, i < learn_pairs) for i, (a, b) in enumerate(pairs)]
+    return summarise(model, reports, run["methods"] + learned_methods(learned, model)), reports
 
 
 def trained_pairs(config: dict[str, Any]) -> dict[str, tuple[Path, Path]]:
