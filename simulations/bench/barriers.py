@@ -184,17 +184,15 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.models or label(m) in args.models}
     # read only now, so that another partial run that finished meanwhile keeps its rows
     previous = previous_results(Path(run["results"])) if args.models else {}
-    rows, reports_by_model = [], {}
-    for name in (label(m) for m in config["models"]):
-        model_rows, reports = measured.get(name) or (
-            [r for r in previous.get("rows", []) if r.get("model", r["preset"]) == name],
-            previous.get("pairs", {}).get(name, []))
-        rows += model_rows
-        reports_by_model[name] = reports
+    names = [label(m) for m in config["models"]]
+    kept_rows = {name: ([r for r in previous.get("rows", []) if r.get("model", r["preset"]) == name],
+                        previous.get("pairs", {}).get(name, [])) for name in names if name not in measured}
+    every = measured | kept_rows
+    rows = [row for name in names for row in every[name][0]]  # the config's order, measured or kept
+    reports_by_model = {name: every[name][1] for name in names}
     timing = previous.get("timing", {}) if args.no_timing else measure_timing(config)
     learn = "; ".join(f"{label(m)}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
-    kept = [label(m) for m in config["models"] if args.models and label(m) not in args.models]
-    kept += ["timing"] if args.no_timing and timing else []
+    kept = [*kept_rows, *(["timing"] if args.no_timing and timing else [])]
     write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start, kept,
                   command_line(sys.argv[1:] if argv is None else argv))
     return 0
