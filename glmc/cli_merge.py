@@ -34,6 +34,9 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument("--simplex-points", type=int, default=66, help="at most this many simplex grid weights")
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
+    parser.add_argument("--restore-norms", action="store_true",
+                        help="rescale every merged MLP neuron and head to its inputs' mean norm: a data-free repair "
+                        "of the shrinkage that averaging imperfectly aligned units causes")
     add_learn_arguments(parser, f"training samples for activation (default 512) and learned (default {LEARN_SAMPLES}) "
                         "merging", epochs=1)
     add_universe_arguments(parser)
@@ -79,7 +82,7 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
         else None
     learn = learn_options(args)
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, args.iters,
-                      args.tol, args.workers, learn)
+                      args.tol, args.workers, learn, getattr(args, "restore_norms", False))
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
@@ -139,7 +142,8 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     meta = dataclasses.replace(metas[0], config=setup.target, width_mult=mult, seed=None, split=split, metrics={},
                                train={})
     save_checkpoint(args.out, {k: v.to(torch.float32) for k, v in native.items()}, meta)
-    return result, {"out": str(args.out), "method": setup.method, "target": setup.target.to_dict(),
+    return result, {"out": str(args.out), "method": setup.method, "restore_norms": setup.restore_norms,
+                    "target": setup.target.to_dict(),
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
 
 

@@ -24,6 +24,7 @@ from glmc.barrier import barrier_curve, evaluate_mixtures
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
 from glmc.errors import ConfigError
+from glmc.rescale import restore_norms
 from glmc.train import evaluate
 from glmc.universe import UniverseResult, universe_match
 from glmc.widths import WIDTH_FIELDS, check_embeddable
@@ -136,6 +137,7 @@ class MergeSetup:
     tol: float = 1e-3
     workers: int = 1
     learn: LearnConfig | None = None
+    restore_norms: bool = False  # rescale the merged units to their inputs' mean norm (glmc.rescale)
 
 
 def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
@@ -145,7 +147,8 @@ def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
 
 def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
                  ) -> UniverseResult:
-    """Canonicalise every native state (float64), embed it into the target and run universe matching."""
+    """Canonicalise every native state (float64), embed it into the target and run universe matching (then, if
+    asked, restore the merged units' norms)."""
     if setup.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {setup.method!r}; known: {', '.join(MERGE_METHODS)}")
     arch = get_arch(setup.target.family)
@@ -155,10 +158,13 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     states = [arch.to_canonical(_float64(s), c.depth) if raw else canonicalize(arch, s, c.depth, dtype=torch.float64)
               for s, c in zip(natives, configs, strict=True)]
     pairwise = "weight" if setup.method == "learned" else setup.method
-    return universe_match(states, setup.target, pairwise, weights=setup.weights, configs=configs,
-                          reference=_reference(configs, setup.target), max_iters=setup.max_iters, tol=setup.tol,
-                          data=setup.train, batch=setup.batch, workers=setup.workers,
-                          refine=setup.method == "learned", learn=setup.learn)
+    result = universe_match(states, setup.target, pairwise, weights=setup.weights, configs=configs,
+                            reference=_reference(configs, setup.target), max_iters=setup.max_iters, tol=setup.tol,
+                            data=setup.train, batch=setup.batch, workers=setup.workers,
+                            refine=setup.method == "learned", learn=setup.learn)
+    if setup.restore_norms:
+        result.merged = restore_norms(result.merged, result.aligned, setup.target, setup.weights)
+    return result
 
 
 def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,

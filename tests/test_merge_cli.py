@@ -64,6 +64,18 @@ def test_vanilla_merge_at_one_width_is_the_mean_of_the_inputs(trio, tmp_path):
 
 
 @needs_data
+def test_restore_norms_gives_the_merged_neurons_their_inputs_mean_norm(trio, tmp_path):
+    out, report = tmp_path / "restored.safetensors", tmp_path / "restored.json"
+    argv = ["merge", *map(str, trio[:2]), "--method", "none", "--restore-norms", "--out", str(out), "--json",
+            str(report), "--limit", "16", "--simplex-points", "3", "--quiet"]
+    assert main(argv) == 0
+    rows = [torch.cat([s["blocks.0.mlp.fc1.weight"], s["blocks.0.mlp.fc1.bias"][:, None]], 1).norm(dim=1)
+            for s in (load_checkpoint(p)[0] for p in (out, *trio[:2]))]
+    assert json.loads(report.read_text())["restore_norms"] is True
+    assert torch.allclose(rows[0], (rows[1] + rows[2]) / 2, rtol=1e-5)
+
+
+@needs_data
 def test_barrier_simplex_writes_a_heat_map(trio, tmp_path, capsys):
     report, plot = tmp_path / "simplex.json", tmp_path / "simplex.png"
     argv = ["barrier", "--simplex", str(trio[0]), str(trio[1]), str(trio[2]), "--method", "none", "--method",

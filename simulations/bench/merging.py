@@ -44,7 +44,8 @@ def merge(run: dict[str, Any], spec: dict[str, Any], method: str) -> dict[str, A
     args = ["merge", *map(str, checkpoints(run, spec["models"])), "--method", method, "--out",
             f"{out}.safetensors", "--json", f"{out}.json", "--limit", str(spec["limit"]), "--simplex-points",
             str(spec["simplex_points"]), "--workers", str(run["workers"]), "--force", "--quiet"]
-    if glmc(args + (spec.get("learn", run["learn"]) if method == "learned" else [])) != 0:
+    extra = [*spec.get("args", []), *(spec.get("learn", run["learn"]) if method == "learned" else [])]
+    if glmc(args + extra) != 0:
         raise SystemExit(f"glmc merge failed: {spec['name']} by {method}")
     return json.loads(Path(f"{out}.json").read_text())
 
@@ -106,7 +107,8 @@ def time_universe(run: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, A
 def row(name: str, report: dict[str, Any]) -> dict[str, Any]:
     """One summary row of a merge report."""
     inputs = [r["accuracy"] for r in report["inputs"]]
-    return {"group": name, "method": report["method"], "models": len(inputs),
+    method = report["method"] + (", norms restored" if report.get("restore_norms") else "")
+    return {"group": name, "method": method, "models": len(inputs),
             "inputs": [f"{Path(r['path']).parent.name}/{Path(r['path']).stem} ({r['accuracy']:.4f})"
                        for r in report["inputs"]],
             "mean_input_accuracy": statistics.fmean(inputs),

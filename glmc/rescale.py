@@ -1,0 +1,105 @@
+"""Data-free repair of a merge's variance collapse: give every unit of the merged model back its inputs' norm.
+
+Averaging units that are only approximately aligned cancels their misaligned parts, so the merged units are
+shorter than any input's: pre-activations and attention logits shrink, the "variance collapse" that REPAIR
+(Jordan et al., 2022) measures in activations and mends with data. Here the weights alone are used: each
+merged unit is rescaled so that its norm is the weighted mean of the inputs' norms of that unit. The units are
+the MLP neurons, read by fc1's rows [w | b] and written by fc2's columns, and the heads, whose QK and OV
+circuits over x̃ = [x; 1] set the q rows and the proj columns. An input that does not hold a unit (a narrower
+model embedded in the universe, whose unit is zero) is left out of that unit's mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from glmc.archs import ModelConfig, State
+
+# A unit family: the merged state and one layer → a (units,) norm per unit, and the rescaling by (units,) factors.
+Norms = Callable[[Mapping[str, torch.Tensor], int, ModelConfig], torch.Tensor]
+Scale = Callable[[State, int, ModelConfig, torch.Tensor], None]
+
+
+def _augmented(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """[W | b] of a linear layer (out, in + 1)."""
+    return torch.cat([state[f"{name}.w"], state[f"{name}.b"][:, None]], 1)
+
+
+def _heads(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
+    """(3, H, d_h, d + 1): the q, k and v factors of every head, bias column last."""
+    return _augmented(state, f"blocks.{layer}.attn.qkv").reshape(3, cfg.heads, -1, cfg.width + 1)
+
+
+def _mlp_in_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
+    return _augmented(state, f"blocks.{layer}.mlp.fc1").norm(dim=1)
+
+
+def _mlp_out_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
+    return state[f"blocks.{layer}.mlp.fc2.w"].norm(dim=0)
+
+
+def _qk_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
+    f = _heads(state, layer, cfg)
+    return torch.einsum("hae,haf->hef", f[0], f[1]).flatten(1).norm(dim=1)
+
+
+def _ov_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
+    proj = state[f"blocks.{layer}.attn.proj.w"].reshape(cfg.width, cfg.heads, -1)
+    return torch.einsum("dha,hae->hde", proj, _heads(state, layer, cfg)[2]).flatten(1).norm(dim=1)
+
+
+def _scale_mlp_in(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
+    for suffix in ("w", "b"):
+        name = f"blocks.{layer}.mlp.fc1.{suffix}"
+        state[name] = state[name] * (s[:, None] if suffix == "w" else s)
+
+
+def _scale_mlp_out(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
+    name = f"blocks.{layer}.mlp.fc2.w"
+    state[name] = state[name] * s[None, :]
+
+
+def _scale_q(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
+    ones = torch.ones(3, cfg.heads, dtype=s.dtype)
+    ones[0] = s
+    for suffix in ("w", "b"):
+        name = f"blocks.{layer}.attn.qkv.{suffix}"
+        x = state[name].reshape(3, cfg.heads, -1, *state[name].shape[1:])
+        state[name] = (x * ones.reshape(3, cfg.heads, 1, *[1] * (x.dim() - 3))).reshape(state[name].shape)
+
+
+def _scale_proj(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
+    name = f"blocks.{layer}.attn.proj.w"
+    w = state[name].reshape(cfg.width, cfg.heads, -1)
+    state[name] = (w * s[None, :, None]).reshape(cfg.width, -1)
+
+
+UNITS: tuple[tuple[Norms, Scale], ...] = (
+    (_mlp_in_norms, _scale_mlp_in),
+    (_mlp_out_norms, _scale_mlp_out),
+    (_qk_norms, _scale_q),
+    (_ov_norms, _scale_proj),
+)
+
+
+def target_norms(inputs: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """Per unit, the weighted mean of the inputs' norms over the inputs that hold the unit (norm > 0)."""
+    norms = torch.stack(list(inputs))  # (N, units)
+    held = (norms > 0).to(norms.dtype) * weights[:, None]
+    return (held * norms).sum(0) / held.sum(0).clamp_min(torch.finfo(norms.dtype).tiny)
+
+
+def restore_norms(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[str, torch.Tensor]],
+                  cfg: ModelConfig, weights: Sequence[float] | None = None) -> State:
+    """``merged`` with every MLP neuron and head rescaled to the weighted mean norm of that unit in ``inputs``
+    (canonical states in the merged model's basis and width, e.g. universe matching's aligned models)."""
+    n = torch.tensor([1.0] * len(inputs) if weights is None else list(weights), dtype=torch.float64)
+    out = dict(merged)
+    for layer in range(cfg.depth):
+        for norms, scale in UNITS:
+            have = norms(out, layer, cfg)
+            want = target_norms([norms(s, layer, cfg) for s in inputs], n).to(have.dtype)
+            scale(out, layer, cfg, torch.where(have > 0, want / have.clamp_min(torch.finfo(have.dtype).tiny), 1.0))
+    return out
