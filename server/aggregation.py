@@ -34,15 +34,15 @@ from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
+from glmc.rescale import restore_norms
 from glmc.train import TrainConfig, train
 from glmc.universe import universe_match
 from glmc.widths import Placement, embed, place, project
 from server import heterofl
+from server.settings import SLICED
 
 log = logging.getLogger(__name__)
 
-# Aggregations that average HeteroFL width slices without alignment; their clients get slices back.
-SLICED = ("fedavg", "fedavg-ft")
 # aggregation → (pairwise method of each universe iteration, finish with the learned refinement)
 UNIVERSE_METHODS = {"weight": ("weight", False), "activation": ("activation", False), "learned": ("weight", True),
                     "canonical": ("none", False)}
@@ -102,11 +102,12 @@ def finetune(native: State, full: ModelConfig, data: Dataset | None, config: Tra
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
           data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
-          tune: TrainConfig | None = None) -> MergeResult:
+          tune: TrainConfig | None = None, restore: bool = False) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
     ``tune``: how ``fedavg-ft`` trains the merged model (default: one epoch, one thread).
+    ``restore``: rescale the aligned merge's units to the clients' mean norm (:func:`glmc.rescale.restore_norms`).
     """
     states, configs = universe_states(clients, full)
     before = embedded_distance(states, configs, full)
@@ -125,7 +126,8 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
                             max_iters=iters, data=data, batch=len(data) if data is not None else 512,  # type: ignore[arg-type]
                             workers=workers, refine=refine, learn=learn)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
-    return MergeResult(_float32(arch.to_native(result.merged, full.depth)), seconds, before,
+    merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
+    return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before,
                        mean_pairwise_distance(result.aligned), list(result.placements))
 
 

@@ -17,6 +17,8 @@ from glmc.errors import ConfigError
 
 AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft")
 DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft")  # need the server-held batch (`server-data`)
+# Aggregations that average HeteroFL width slices without alignment; their clients get slices back.
+SLICED = ("fedavg", "fedavg-ft")
 INITS = ("shared", "independent")
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
@@ -56,6 +58,8 @@ class RunSettings:
     # learned: the refinement's mixing weights ~ Dirichlet(c·N·w); 10 stays near the weighted mean that becomes the
     # global model, the paper's 0.1 spreads them over the simplex (glmc.match.learned.LearnConfig.concentration)
     refine_concentration: float = 10.0
+    # rescale every merged MLP neuron and head to the clients' mean norm (glmc.rescale); aligned aggregations only
+    restore_norms: bool = False
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
@@ -83,6 +87,8 @@ class RunSettings:
                  "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")
         _require(min(self.min_train_nodes, self.align_iters, self.align_workers, self.client_threads) >= 1,
                  "min-train-nodes, align-iters, align-workers and client-threads must be >= 1")
+        _require(not (self.restore_norms and self.aggregation in SLICED),
+                 f"restore-norms rescales aligned merges; aggregation {self.aggregation!r} averages width slices")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
 

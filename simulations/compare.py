@@ -10,7 +10,8 @@ accuracy-against-round plot per split and width mix, one curve per aggregation. 
 summary, JSON and plots to ``simulations/results/NAME/``.
 
 Config: ``[experiment]`` (name, num-supernodes, seeds, aggregations), ``[run]`` (run-config keys shared by
-every cell) and ``[[splits]]`` / ``[[widths]]`` tables, each a ``label`` plus the run-config keys it sets.
+every cell) and ``[[splits]]`` / ``[[widths]]`` tables, each a ``label`` plus the run-config keys it sets. An
+aggregation is a name, or a variant: a table with a ``label``, its ``aggregation`` and the keys it sets.
 """
 
 from __future__ import annotations
@@ -43,18 +44,20 @@ class Experiment:
     name: str
     num_supernodes: int
     seeds: tuple[int, ...]
-    aggregations: tuple[str, ...]
+    aggregations: tuple[str, ...]  # labels: an aggregation's name, or a variant's label
     run: dict[str, Any]
     splits: tuple[dict[str, Any], ...]
     widths: tuple[dict[str, Any], ...]
+    variants: dict[str, dict[str, Any]]  # label → the run-config keys of that aggregation (at least its name)
 
     @classmethod
     def load(cls, path: Path) -> Experiment:
         raw = tomllib.loads(path.read_text())
         exp = raw["experiment"]
-        return cls(exp["name"], int(exp["num-supernodes"]), tuple(exp["seeds"]), tuple(exp["aggregations"]),
+        variants = dict(_variant(a) for a in exp["aggregations"])
+        return cls(exp["name"], int(exp["num-supernodes"]), tuple(exp["seeds"]), tuple(variants),
                    dict(raw.get("run", {})), tuple(raw.get("splits", [{"label": "default"}])),
-                   tuple(raw.get("widths", [{"label": "default"}])))
+                   tuple(raw.get("widths", [{"label": "default"}])), variants)
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Cell:
 
     def run_config(self, exp: Experiment, out: Path) -> dict[str, Any]:
         """The run-config overrides of this cell, checked by the apps' own parser before anything starts."""
-        config = {**exp.run, **_keys(self.split), **_keys(self.widths), "aggregation": self.aggregation,
+        config = {**exp.run, **_keys(self.split), **_keys(self.widths), **exp.variants[self.aggregation],
                   "seed": self.seed, "output-dir": str(out / "runs"), "run-name": self.name}
         RunSettings.from_run_config(config)
         return config
@@ -80,6 +83,15 @@ class Cell:
 
 def _keys(axis: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in axis.items() if k != "label"}
+
+
+def _variant(entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """An ``aggregations`` entry as (label, run-config keys): a name stands for itself."""
+    if isinstance(entry, str):
+        return entry, {"aggregation": entry}
+    if "label" not in entry or "aggregation" not in entry:
+        raise SystemExit(f"an aggregation variant needs a label and an aggregation: {entry}")
+    return entry["label"], _keys(entry)
 
 
 def grid(exp: Experiment) -> list[Cell]:

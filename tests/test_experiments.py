@@ -67,3 +67,16 @@ def test_finished_only_summarises_saved_cells_and_runs_nothing(tmp_path: Path) -
     assert f"**Partial:** 1 of {len(others) + 1} cells finished" in summary and all(c in summary for c in others)
     assert f"| {done.aggregation} | 1/1 | 50.0 ± 0.0 |" in summary
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_aggregation_variant_sets_its_own_run_config_keys(tmp_path: Path) -> None:
+    """A table in ``aggregations`` is one more curve: its label names the cells, its keys reach the run config."""
+    config = tmp_path / "variant.toml"
+    config.write_text('[experiment]\nname = "v"\nnum-supernodes = 2\nseeds = [0]\naggregations = ["weight", '
+                      '{ label = "weight-norms", aggregation = "weight", restore-norms = true }]\n')
+    exp = compare.Experiment.load(config)
+    plain, variant = compare.grid(exp)
+    assert exp.aggregations == ("weight", "weight-norms") and variant.name.startswith("weight-norms_")
+    assert "restore-norms" not in plain.run_config(exp, tmp_path)
+    assert variant.run_config(exp, tmp_path) | {"restore-norms": True} == variant.run_config(exp, tmp_path)
+    assert variant.run_config(exp, tmp_path)["aggregation"] == "weight"

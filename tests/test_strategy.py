@@ -152,6 +152,26 @@ def test_canonical_is_the_example_weighted_mean_of_the_folded_clients() -> None:
     assert fedavg is not None and any(not np.allclose(v, as_numpy(fedavg)[k]) for k, v in as_numpy(arrays).items())
 
 
+def test_restore_norms_gives_the_merged_neurons_the_clients_mean_norm() -> None:
+    """Alignment only permutes neurons and rotates the stream, so each client's total of fc1 row norms [w|b] is kept;
+    after the restoration the merge's total is the example-weighted mean of those totals."""
+    states, counts = [state(i) for i in range(3)], (10, 20, 30)
+    replies = [reply(s, metrics(examples=n), node=i + 1) for i, (s, n) in enumerate(zip(states, counts, strict=True))]
+    restored, _ = strategy("weight", restore_norms=True).aggregate_train(1, replies)
+    plain, _ = strategy("weight").aggregate_train(1, replies)
+    assert restored is not None and plain is not None
+    arch = get_arch(CFG.family)
+
+    def total(native: dict[str, torch.Tensor]) -> float:
+        folded = canonicalize(arch, native, CFG.depth, dtype=torch.float64)
+        rows = torch.cat([folded["blocks.0.mlp.fc1.w"], folded["blocks.0.mlp.fc1.b"][:, None]], 1)
+        return float(rows.norm(dim=1).sum())
+
+    merged = [total({k: torch.from_numpy(v) for k, v in as_numpy(a).items()}) for a in (restored, plain)]
+    by_hand = sum(n * total(s) for n, s in zip(counts, states, strict=True)) / sum(counts)
+    assert merged[0] == pytest.approx(by_hand, rel=1e-5) and merged[1] < 0.95 * by_hand
+
+
 def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data() -> None:
     """The server-data control: the example-weighted mean, then trained by glmc.train on the server-held samples."""
     data = synthetic_images(40)
@@ -319,6 +339,11 @@ def test_pyproject_config_matches_the_settings_defaults() -> None:
 def test_bad_run_config_is_a_config_error(key: str, value: object) -> None:
     with pytest.raises(ConfigError):
         RunSettings.from_run_config({key: value})
+
+
+def test_restore_norms_needs_an_aligned_aggregation() -> None:
+    with pytest.raises(ConfigError, match="restore-norms"):
+        RunSettings.from_run_config({"aggregation": "fedavg", "restore-norms": True})
 
 
 def test_run_config_values_are_coerced() -> None:
