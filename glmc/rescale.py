@@ -50,10 +50,14 @@ def _ov_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -
     return torch.einsum("dha,hae->hde", proj, _heads(state, layer, cfg)[2]).flatten(1).norm(dim=1)
 
 
+def _scale_rows(state: State, name: str, factor: torch.Tensor) -> None:
+    """Scale each output row of linear layer ``name``, weight and bias alike."""
+    state[f"{name}.w"] = state[f"{name}.w"] * factor[:, None]
+    state[f"{name}.b"] = state[f"{name}.b"] * factor
+
+
 def _scale_mlp_in(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
-    for suffix in ("w", "b"):
-        name = f"blocks.{layer}.mlp.fc1.{suffix}"
-        state[name] = state[name] * (s[:, None] if suffix == "w" else s)
+    _scale_rows(state, f"blocks.{layer}.mlp.fc1", s)
 
 
 def _scale_mlp_out(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
@@ -62,12 +66,9 @@ def _scale_mlp_out(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) 
 
 
 def _scale_q(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
-    ones = torch.ones(3, cfg.heads, dtype=s.dtype)
-    ones[0] = s
-    for suffix in ("w", "b"):
-        name = f"blocks.{layer}.attn.qkv.{suffix}"
-        x = state[name].reshape(3, cfg.heads, -1, *state[name].shape[1:])
-        state[name] = (x * ones.reshape(3, cfg.heads, 1, *[1] * (x.dim() - 3))).reshape(state[name].shape)
+    """Scale head h's q rows (the first third of qkv, head by head) by s[h]; k and v stay."""
+    q = s.repeat_interleave(state[f"blocks.{layer}.attn.qkv.w"].shape[0] // (3 * cfg.heads))
+    _scale_rows(state, f"blocks.{layer}.attn.qkv", torch.cat([q, torch.ones(2 * q.numel(), dtype=s.dtype)]))
 
 
 def _scale_proj(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
