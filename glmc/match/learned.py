@@ -56,7 +56,7 @@ class LearnConfig:
     lam: tuple[float, float] = (0.4, 0.6)  # a pair's λ ~ U(lo, hi), the weight of A (paper App. C.1.1)
     # Several models' weights ~ Dirichlet(c·N·w), w the normalised weights: c = 10 samples near the weighted mean,
     # the model a merge keeps (as λ ~ U(0.4, 0.6) does for a pair). Merging 5 vit-bench seeds (20000 samples, one
-    # pass; simulations/results/merging): the paper's c = 0.1, mostly near the corners, 81.7%; c = 10, 84.6%.
+    # pass; simulations/results/merging): the paper's c = 0.1, mostly near the corners, 80.8%; c = 10, 84.5%.
     concentration: float = 10.0
     val_fraction: float = 0.1  # of the given training data, held out for early stopping
     val_max: int = 1000
