@@ -44,20 +44,23 @@ class Experiment:
     name: str
     num_supernodes: int
     seeds: tuple[int, ...]
-    aggregations: tuple[str, ...]  # labels: an aggregation's name, or a variant's label
     run: dict[str, Any]
     splits: tuple[dict[str, Any], ...]
     widths: tuple[dict[str, Any], ...]
     variants: dict[str, dict[str, Any]]  # label → the run-config keys of that aggregation (at least its name)
 
+    @property
+    def aggregations(self) -> tuple[str, ...]:
+        """The labels in config order: an aggregation's name, or a variant's label."""
+        return tuple(self.variants)
+
     @classmethod
     def load(cls, path: Path) -> Experiment:
         raw = tomllib.loads(path.read_text())
         exp = raw["experiment"]
-        variants = dict(_variant(a) for a in exp["aggregations"])
-        return cls(exp["name"], int(exp["num-supernodes"]), tuple(exp["seeds"]), tuple(variants),
-                   dict(raw.get("run", {})), tuple(raw.get("splits", [{"label": "default"}])),
-                   tuple(raw.get("widths", [{"label": "default"}])), variants)
+        return cls(exp["name"], int(exp["num-supernodes"]), tuple(exp["seeds"]), dict(raw.get("run", {})),
+                   tuple(raw.get("splits", [{"label": "default"}])), tuple(raw.get("widths", [{"label": "default"}])),
+                   dict(_variant(a) for a in exp["aggregations"]))
 
 
 @dataclass(frozen=True)
