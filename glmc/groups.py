@@ -6,16 +6,24 @@ the rmsnorm form has the whole O(d).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from scipy.optimize import linear_sum_assignment
 
 
 def ones_complement(d: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """(d, d−1) orthonormal basis B⊥ of the complement of the all-ones vector."""
+    """(d, d−1) orthonormal basis B⊥ of the complement of the all-ones vector (a fresh copy of a cached basis)."""
+    return _ones_complement(d).to(dtype, copy=True)
+
+
+@functools.cache
+def _ones_complement(d: int) -> torch.Tensor:
+    """B⊥ in float64, computed once per width: every residual Procrustes step of a matching needs it."""
     basis = torch.eye(d, dtype=torch.float64)
     basis[:, 0] = 1.0
     q, _ = torch.linalg.qr(basis)
-    return q[:, 1:].to(dtype)
+    return q[:, 1:]
 
 
 def lift_fixing_ones(r: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from glmc import groups
+from glmc.archs.base import State
 from glmc.match.common import MatchResult, cross, gather, sq_distance
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable
 from glmc.transforms import Transform, apply
@@ -39,6 +40,11 @@ def _circuit_gram(x: torch.Tensor, y: torch.Tensor, u: torch.Tensor, v: torch.Te
     return (torch.einsum("iae,jbe->ijab", x, y) * torch.einsum("iaf,jbf->ijab", u, v)).sum((2, 3))
 
 
+def _circuit_norms(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """‖X_iᵀ U_i‖² for every head i, the diagonal of ``_circuit_gram(x, x, u, u)`` at 1/H of its cost: (H,)."""
+    return (x @ x.mT * (u @ u.mT)).sum((1, 2))
+
+
 def head_cost(fa: tuple[torch.Tensor, torch.Tensor], fb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """‖QK_i^A − QK_j^B‖² + ‖OV_i^A − OV_j^B‖² on the (bias-augmented) circuits, (H, H)."""
     (qkv_a, o_a), (qkv_b, o_b) = fa, fb
@@ -46,15 +52,14 @@ def head_cost(fa: tuple[torch.Tensor, torch.Tensor], fb: tuple[torch.Tensor, tor
     pairs = ((qkv_a[0], qkv_a[1], qkv_b[0], qkv_b[1]), (qkv_a[2], o_a, qkv_b[2], o_b))
     for xa, ya, xb, yb in pairs:
         # QK_i = X_iᵀ Y_i; OV_i = O_i V_i with O_iᵀ stored as the second factor.
-        norm_a = torch.diagonal(_circuit_gram(xa, xa, ya, ya))
-        norm_b = torch.diagonal(_circuit_gram(xb, xb, yb, yb))
-        cost += norm_a[:, None] + norm_b[None, :] - 2 * _circuit_gram(xa, xb, ya, yb)
+        cost += _circuit_norms(xa, ya)[:, None] + _circuit_norms(xb, yb)[None, :] - 2 * _circuit_gram(xa, xb, ya, yb)
     return cost
 
 
-def _within_head(fa: torch.Tensor, fb: torch.Tensor) -> torch.Tensor:
-    """Per-head orthogonal maps R_i = argmin ‖F_A,i − R_i F_B,i‖ for stacked factors (H, d_h, m)."""
-    return groups.polar(fa @ fb.mT)
+def _within_head(fa: list[torch.Tensor], fb: list[torch.Tensor]) -> torch.Tensor:
+    """Per-head orthogonal maps R_i = argmin ‖F_A,i − R_i F_B,i‖ for each pair of stacked factors (H, d_h, m_k),
+    solved in one batched SVD: (K, H, d_h, d_h)."""
+    return groups.polar(torch.stack([x @ y.mT for x, y in zip(fa, fb, strict=True)]))
 
 
 def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
@@ -65,8 +70,8 @@ def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], sp
     if not within:
         return perm, None, None
     (qkv_a, o_a), (qkv_b, o_b) = fa, (fb[0][:, perm], fb[1][perm])
-    qk = _within_head(torch.cat([qkv_a[0], qkv_a[1]], -1), torch.cat([qkv_b[0], qkv_b[1]], -1))
-    ov = _within_head(torch.cat([qkv_a[2], o_a], -1), torch.cat([qkv_b[2], o_b], -1))
+    qk, ov = _within_head([torch.cat([qkv_a[0], qkv_a[1]], -1), torch.cat([qkv_a[2], o_a], -1)],
+                          [torch.cat([qkv_b[0], qkv_b[1]], -1), torch.cat([qkv_b[2], o_b], -1)])
     return perm, qk, ov
 
 
@@ -76,15 +81,21 @@ def solve_mlp(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec
     return groups.assignment(cross(a, b, spec, depth, (MLP, MLP_IN), layer))
 
 
+def _units_only(t: Transform) -> Transform:
+    """T without its residual map: the head and MLP maps alone, which commute with the residual one."""
+    return Transform(t.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
+
+
 def _solve_units(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 heads: int, residual: torch.Tensor | None, within: bool) -> Transform:
-    """Given the residual map, every layer's heads and MLP units, each an independent LAP."""
+                 heads: int, residual: torch.Tensor | None, within: bool) -> tuple[Transform, State]:
+    """Given the residual map, every layer's heads and MLP units, each an independent LAP; with T(B), reached
+    by moving the already rotated B's units only, so no tensor is rotated twice."""
     moved = apply(b, spec, Transform(depth, residual=residual), heads)
     t = Transform(depth, residual=residual)
     for layer in range(depth):
         t.heads[layer], t.qk[layer], t.ov[layer] = solve_heads(a, moved, spec, depth, layer, heads, within)
         t.mlp[layer] = solve_mlp(a, moved, spec, depth, layer)
-    return t
+    return t, apply(moved, spec, _units_only(t), heads)
 
 
 def _exact(t: Transform, fix_ones: bool) -> Transform:
@@ -107,14 +118,13 @@ def weight_match(
     """
     start = time.perf_counter()
     a, b = ({k: v.to(dtype) for k, v in s.items()} for s in (a, b))
-    t = _solve_units(a, b, spec, depth, heads, None, within=not permutations_only)
-    objective = [sq_distance(a, apply(b, spec, t, heads))]
+    t, moved = _solve_units(a, b, spec, depth, heads, None, within=not permutations_only)
+    objective = [sq_distance(a, moved)]
     sweeps = 1 if permutations_only else max_sweeps
     for sweep in range(1, sweeps):
-        without_residual = Transform(depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
-        residual = solve_residual(a, apply(b, spec, without_residual, heads), spec, depth, fix_ones)
-        candidate = _solve_units(a, b, spec, depth, heads, residual, within=True)
-        value = sq_distance(a, apply(b, spec, candidate, heads))
+        residual = solve_residual(a, apply(b, spec, _units_only(t), heads), spec, depth, fix_ones)
+        candidate, moved = _solve_units(a, b, spec, depth, heads, residual, within=True)
+        value = sq_distance(a, moved)
         log.info("weight matching sweep %d: ‖A − T(B)‖² = %.6g", sweep, value)
         if value > objective[-1] * (1 - tol):
             if value < objective[-1]:

@@ -156,17 +156,18 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
     lines += ["", "`align s` is the median wall time of the pair runs' alignment (for learned methods: the learning "
               "time), on a machine shared with other jobs; the table below measures the weight-matching cost itself.",
               f"Learned methods' flags: {meta['learn']}.",
-              "", "Weight-matching time, one torch thread, between two random-init models of each preset and between "
-              "two trained seeds (median of repeats; CPU time is the steadier figure on a shared machine):", "",
+              "", "Weight-matching time at each torch thread count, between two random-init models of each preset and "
+              "between two trained seeds (median of repeats; CPU time is the steadier figure on a shared machine):",
+              "",
               *timing_table(timing)]
     return "\n".join(lines) + "\n"
 
 
 def timing_table(timing: dict[str, Any]) -> list[str]:
     """The weight-matching timing as markdown table lines, one row per pair of models."""
-    return ["| models | wall s | CPU s | sweeps |", "|---|---|---|---|",
-            *(f"| {p} | {t['median_seconds']:.2f} | {t['median_cpu_seconds']:.2f} | {t['sweeps']:.0f} |"
-              for p, t in timing.items())]
+    return ["| models | threads | wall s | CPU s | sweeps |", "|---|---|---|---|---|",
+            *(f"| {t['models']} | {t['threads']} | {t['median_seconds']:.2f} | "
+              f"{t['median_cpu_seconds']:.2f} | {t['sweeps']:.0f} |" for t in timing.values())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,10 +221,19 @@ def trained_pairs(config: dict[str, Any]) -> dict[str, tuple[Path, Path]]:
 
 def measure_timing(config: dict[str, Any]) -> dict[str, Any]:
     """Weight-matching time for random inits of each timing preset and for each model's first trained pair (trained
-    models need more sweeps than random ones)."""
-    repeats = config["timing"]["repeats"]
-    timing = {f"{p} (random init)": time_weight_matching(p, repeats) for p in config["timing"]["presets"]}
-    return timing | {name: time_weight_matching("", repeats, pair) for name, pair in trained_pairs(config).items()}
+    models need more sweeps than random ones), at each of the ``[timing]`` thread counts."""
+    repeats, before = config["timing"]["repeats"], torch.get_num_threads()
+    cases: dict[str, tuple[str, tuple[Path, Path] | None]] = {f"{p} (random init)": (p, None)
+                                                              for p in config["timing"]["presets"]}
+    cases |= {name: ("", pair) for name, pair in trained_pairs(config).items()}
+    timing = {}
+    for threads in config["timing"]["threads"]:
+        torch.set_num_threads(threads)
+        for name, (preset_name, pair) in cases.items():
+            timing[f"{name}, {threads} threads"] = {"models": name, "threads": threads,
+                                                    **time_weight_matching(preset_name, repeats, pair)}
+    torch.set_num_threads(before)
+    return timing
 
 
 def command_line(argv: list[str]) -> str:
