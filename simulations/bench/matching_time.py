@@ -28,16 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
     args = parser.parse_args(argv)
     config = tomllib.loads(Path(args.config).read_text())
-    torch.set_num_threads(config["run"]["threads"])
     repeats, start = config["timing"]["repeats"], time.perf_counter()
     timing = measure_timing(config)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = ["# Weight-matching time", "",
              f"Command: `python -m simulations.bench.matching_time --config {args.config}`. Machine: "
-             f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, python "
+             f"{platform.machine()}, {os.cpu_count()} cores, python "
              f"{platform.python_version()}, torch {torch.__version__}; wall time {time.perf_counter() - start:.0f} s; "
              f"load average at the end {load}.",
-             f"Weight matching (float64, canonical form), median of {repeats} repeats.", "",
+             f"Weight matching (float64 in, float32 search, canonical form), median of {repeats} repeats at each "
+             "torch thread count.", "",
              *timing_table(timing)]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
