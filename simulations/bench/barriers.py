@@ -7,6 +7,8 @@ barrier for every method through ``glmc barrier``, times weight matching, and wr
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import itertools
 import json
 import math
@@ -15,6 +17,7 @@ import statistics
 import sys
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,20 +186,33 @@ def main(argv: list[str] | None = None) -> int:
     learned = config.get("learned", {"methods": [], "args": []})
     measured = {label(m): measure_model(run, learned, m) for m in config["models"]
                 if not args.models or label(m) in args.models}
-    # read only now, so that another partial run that finished meanwhile keeps its rows
-    previous = previous_results(Path(run["results"])) if args.models else {}
+    timing = None if args.no_timing else measure_timing(config)
+    with results_lock(Path(run["out"])):
+        # read only now, under the lock, so that another partial run that finished meanwhile keeps its rows
+        previous = previous_results(Path(run["results"])) if args.models else {}
+        summarise_run(args, config, start, measured, previous, timing,
+                      command_line(sys.argv[1:] if argv is None else argv))
+    return 0
+
+
+def summarise_run(args: argparse.Namespace, config: dict[str, Any], start: float,
+                  measured: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]], previous: dict[str, Any],
+                  timing: dict[str, Any] | None, command: str) -> None:
+    """Merge this run's models with the rows kept from ``previous`` and write the results."""
+    run = config["run"]
+    learned = config.get("learned", {"methods": [], "args": []})
     names = [label(m) for m in config["models"]]
     kept_rows = {name: ([r for r in previous.get("rows", []) if r.get("model", r["preset"]) == name],
                         previous.get("pairs", {}).get(name, [])) for name in names if name not in measured}
     every = measured | kept_rows
     rows = [row for name in names for row in every[name][0]]  # the config's order, measured or kept
     reports_by_model = {name: every[name][1] for name in names}
-    timing = previous.get("timing", {}) if args.no_timing else measure_timing(config)
+    if timing is None:
+        timing = previous.get("timing", {})
     learn = "; ".join(f"{label(m)}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
     kept = [*kept_rows, *(["timing"] if args.no_timing and timing else [])]
     write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start, kept,
-                  command_line(sys.argv[1:] if argv is None else argv))
-    return 0
+                  command)
 
 
 def measure_model(run: dict[str, Any], learned: dict[str, Any],
@@ -240,6 +256,19 @@ def command_line(argv: list[str]) -> str:
     """The command as run, without ``--config`` (the summary names the config on its own)."""
     flags = [a for a, before in zip(argv, ["", *argv], strict=False) if "--config" not in (a, before)]
     return " ".join(["python -m simulations.bench.barriers", *flags])
+
+
+@contextlib.contextmanager
+def results_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock (a file in the git-ignored ``out``), so two partial runs that end together cannot
+    interleave their read of results.json and their write of it: each keeps the other's rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def previous_results(results: Path) -> dict[str, Any]:
