@@ -11,7 +11,7 @@ from glmc.barrier import barrier_curve, interpolate
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError, SpecError
 from glmc.match.common import sq_distance
-from glmc.match.weight import weight_match
+from glmc.match.weight import head_cost, weight_match
 from glmc.train import evaluate
 from glmc.transforms import apply, random_transform
 from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
@@ -60,9 +60,23 @@ def test_weight_matching_of_independent_models_is_exact_and_descends(name):
     aligned = apply(b, arch.spec, result.transform, cfg.heads)
     assert all(later <= earlier + 1e-9 for earlier, later in zip(result.objective, result.objective[1:], strict=False))
     assert sq_distance(a, aligned) < sq_distance(a, b)
+    # the search's last objective (float32, T(B) reached in two stages) is the distance of the exact result
+    assert result.objective[-1] == pytest.approx(sq_distance(a, aligned), rel=1e-4)
     with torch.no_grad():
         moved = arch.logits(to_model(aligned, cfg), x)
     assert (moved - logits_of(native_b, cfg, x)).abs().max() <= 1e-5
+
+
+def test_head_cost_is_the_distance_between_circuits():
+    g = torch.Generator().manual_seed(3)
+    heads, d_h, m = 3, 4, 6
+    fa, fb = ((torch.randn(3, heads, d_h, m, generator=g, dtype=torch.float64),
+               torch.randn(heads, d_h, m, generator=g, dtype=torch.float64)) for _ in range(2))
+    def circuits(f, i):  # QK_i = W_Q,iᵀ W_K,i and OV_i = (W_O,iᵀ)ᵀ W_V,i, each (m, m)
+        return f[0][0, i].T @ f[0][1, i], f[1][i].T @ f[0][2, i]
+    expected = torch.tensor([[sum(float(((x - y) ** 2).sum()) for x, y in zip(circuits(fa, i), circuits(fb, j)))
+                              for j in range(heads)] for i in range(heads)], dtype=torch.float64)
+    assert torch.allclose(head_cost(fa, fb), expected, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
