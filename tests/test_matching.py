@@ -74,8 +74,9 @@ def test_head_cost_is_the_distance_between_circuits():
                torch.randn(heads, d_h, m, generator=g, dtype=torch.float64)) for _ in range(2))
     def circuits(f, i):  # QK_i = W_Q,iᵀ W_K,i and OV_i = (W_O,iᵀ)ᵀ W_V,i, each (m, m)
         return f[0][0, i].T @ f[0][1, i], f[1][i].T @ f[0][2, i]
-    expected = torch.tensor([[sum(float(((x - y) ** 2).sum()) for x, y in zip(circuits(fa, i), circuits(fb, j), strict=True))
-                              for j in range(heads)] for i in range(heads)], dtype=torch.float64)
+    def distance(i, j):
+        return sum(float(((x - y) ** 2).sum()) for x, y in zip(circuits(fa, i), circuits(fb, j), strict=True))
+    expected = torch.tensor([[distance(i, j) for j in range(heads)] for i in range(heads)], dtype=torch.float64)
     assert torch.allclose(head_cost(fa, fb), expected, rtol=1e-10, atol=1e-10)
 
 
