@@ -190,29 +190,28 @@ def main(argv: list[str] | None = None) -> int:
     with results_lock(Path(run["out"])):
         # read only now, under the lock, so that another partial run that finished meanwhile keeps its rows
         previous = previous_results(Path(run["results"])) if args.models else {}
-        summarise_run(args, config, start, measured, previous, timing,
+        summarise_run(config, args.config, learned, start, measured, previous, timing,
                       command_line(sys.argv[1:] if argv is None else argv))
     return 0
 
 
-def summarise_run(args: argparse.Namespace, config: dict[str, Any], start: float,
+def summarise_run(config: dict[str, Any], config_path: str, learned: dict[str, Any], start: float,
                   measured: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]], previous: dict[str, Any],
                   timing: dict[str, Any] | None, command: str) -> None:
-    """Merge this run's models with the rows kept from ``previous`` and write the results."""
+    """Merge this run's models with the rows kept from ``previous`` (and its timing, when this run measured none)
+    and write the results."""
     run = config["run"]
-    learned = config.get("learned", {"methods": [], "args": []})
     names = [label(m) for m in config["models"]]
     kept_rows = {name: ([r for r in previous.get("rows", []) if r.get("model", r["preset"]) == name],
                         previous.get("pairs", {}).get(name, [])) for name in names if name not in measured}
     every = measured | kept_rows
     rows = [row for name in names for row in every[name][0]]  # the config's order, measured or kept
     reports_by_model = {name: every[name][1] for name in names}
-    if timing is None:
-        timing = previous.get("timing", {})
+    kept_timing = previous.get("timing", {}) if timing is None else {}
     learn = "; ".join(f"{label(m)}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
-    kept = [*kept_rows, *(["timing"] if args.no_timing and timing else [])]
-    write_results(run, learn, args.config, rows, timing, reports_by_model, time.perf_counter() - start, kept,
-                  command)
+    kept = [*kept_rows, *(["timing"] if kept_timing else [])]
+    write_results(run, learn, config_path, rows, timing or kept_timing, reports_by_model,
+                  time.perf_counter() - start, kept, command)
 
 
 def measure_model(run: dict[str, Any], learned: dict[str, Any],
