@@ -26,6 +26,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State
@@ -124,9 +125,15 @@ class SymmetryAwareFedAvg(FedAvg):
         """FedAvg's sampling, with the global round number and a fresh round record."""
         self._round_start = time.perf_counter()
         self.current = RoundRecord(server_round + self.round_offset)
+        self.await_nodes(grid)
         messages = list(super().configure_train(server_round + self.round_offset, arrays, config, grid))
         self.instructions = self.restrict_to_widths(messages, arrays)
         return self.instructions
+
+    def await_nodes(self, grid: Grid) -> None:
+        """Wait until ``min_available_nodes`` are connected. FedAvg sizes its sample from the nodes connected
+        *before* it waits, so a node that joins during the wait would otherwise be left out of the round."""
+        sample_nodes(grid, self.min_available_nodes, 0)
 
     def restrict_to_widths(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """Give every node whose width tier is known (from its last reply) the global model at its own width.
@@ -151,6 +158,7 @@ class SymmetryAwareFedAvg(FedAvg):
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """FedAvg's sampling for federated evaluation, each node getting the global model at its own width."""
+        self.await_nodes(grid)
         messages = list(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid))
         return self.restrict_to_widths(messages, arrays)
 

@@ -18,7 +18,9 @@ import pytest
 import torch
 from conftest import synthetic_images
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+from flwr.supercore.task_identity import TaskIdentity
 
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
@@ -318,6 +320,49 @@ def test_round_hooks_see_every_round() -> None:
     assert arrays is not None
     record = s.end_round(3, arrays, MetricRecord({"central-loss": 1.5, "central-accuracy": 0.25}))
     assert seen == [(3, True)] and record.central_accuracy == 0.25 and record.mean_client_accuracy == 0.5
+
+
+class JoiningGrid(Grid):
+    """A grid whose nodes connect one per ``get_node_ids`` call (as a restarted SuperNode rejoins mid-wait)."""
+
+    def __init__(self, nodes: int) -> None:
+        self.nodes, self.connected = nodes, 1
+
+    def get_node_ids(self) -> list[int]:
+        seen = list(range(1, self.connected + 1))
+        self.connected = min(self.connected + 1, self.nodes)
+        return seen
+
+    def create_message(self, *args: object, **kwargs: object) -> Message:
+        raise NotImplementedError
+
+    def set_run(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError
+
+    @property
+    def run(self) -> None:  # type: ignore[override]
+        raise NotImplementedError
+
+    def push_messages(self, *args: object, **kwargs: object) -> list[str]:
+        raise NotImplementedError
+
+    def pull_messages(self, *args: object, **kwargs: object) -> list[Message]:
+        raise NotImplementedError
+
+    def send_and_receive(self, *args: object, **kwargs: object) -> list[Message]:
+        raise NotImplementedError
+
+
+def test_a_round_that_waits_for_nodes_samples_every_node_that_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """min-available-nodes=3 with fraction 1: all three nodes get the round, not just the one connected at first."""
+    for key in ("_task_id", "_run_id", "_node_id"):  # what the ServerApp process sets before messages are made
+        monkeypatch.setattr(TaskIdentity, key, 1)
+    s = strategy(min_train_nodes=1, min_available_nodes=3, fraction_evaluate=1.0, min_evaluate_nodes=1)
+    arrays = ArrayRecord(state(0))  # type: ignore[arg-type]
+    train = s.configure_train(1, arrays, ConfigRecord(), JoiningGrid(3))
+    evaluate_ = s.configure_evaluate(1, arrays, ConfigRecord(), JoiningGrid(3))
+    for messages in (train, evaluate_):
+        assert sorted(m.metadata.dst_node_id for m in messages) == [1, 2, 3]
 
 
 def test_unknown_aggregation_fails_at_start() -> None:
