@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glmc import groups
 from glmc.align import align_pair
 from glmc.archs import get_arch
 from glmc.barrier import barrier_curve, interpolate
@@ -48,15 +49,20 @@ def test_permutation_only_matching_recovers_permutations(name):
     result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=True)
     assert result.transform.residual is None and all(m is None for m in result.transform.qk)
     assert sq_distance(a, apply(b, arch.spec, result.transform, cfg.heads)) < 1e-20
+    with pytest.raises(ConfigError, match="takes no start map"):
+        weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=True, start=torch.eye(cfg.width))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_weight_matching_of_independent_models_is_exact_and_descends(name):
+@pytest.mark.parametrize("start", [None, 3])
+def test_weight_matching_of_independent_models_is_exact_and_descends(name, start):
+    """From the identity and from a random residual start (``start`` seeds a random Q with Q·1 = 1)."""
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
     native_b, x = random_native(cfg, 9), inputs(cfg)
     a, b = (canonicalize(arch, s, cfg.depth) for s in (random_native(cfg, 8), native_b))
-    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads)
+    q = None if start is None else groups.random_orthogonal(cfg.width, torch.Generator().manual_seed(start))
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=q)
     aligned = apply(b, arch.spec, result.transform, cfg.heads)
     assert all(later <= earlier + 1e-9 for earlier, later in zip(result.objective, result.objective[1:], strict=False))
     assert sq_distance(a, aligned) < sq_distance(a, b)

@@ -13,6 +13,7 @@ import torch
 
 from glmc import groups
 from glmc.archs.base import State
+from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, cross, gather, sq_distance
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable
 from glmc.transforms import Transform, apply
@@ -109,16 +110,22 @@ def _exact(t: Transform, fix_ones: bool) -> Transform:
 def weight_match(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, heads: int,
     *, fix_ones: bool = True, permutations_only: bool = False, max_sweeps: int = 15, tol: float = 1e-3,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, start: torch.Tensor | None = None,
 ) -> MatchResult:
     """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` leaves the residual and within-head maps alone (ablation).
+
+    ``start``: the residual map the first sweep assumes (identity if None); another start can end in another
+    local optimum (``simulations.bench.weight_starts`` measures how far apart they are).
 
     The search runs in ``dtype`` (float32 halves its cost); the result is re-projected in float64, so it is
     exact. Sweeps stop when ‖A − T(B)‖² improves by less than ``tol`` (relative), after ``max_sweeps`` at most.
     """
-    start = time.perf_counter()
+    began = time.perf_counter()
+    if start is not None and permutations_only:
+        raise ConfigError("permutation-only weight matching leaves the residual alone: it takes no start map")
     a, b = ({k: v.to(dtype) for k, v in s.items()} for s in (a, b))
-    t, moved = _solve_units(a, b, spec, depth, heads, None, within=not permutations_only)
+    residual = None if start is None else start.to(dtype)
+    t, moved = _solve_units(a, b, spec, depth, heads, residual, within=not permutations_only)
     objective = [sq_distance(a, moved)]
     sweeps = 1 if permutations_only else max_sweeps
     for sweep in range(1, sweeps):
@@ -131,4 +138,4 @@ def weight_match(
                 t, objective = candidate, [*objective, value]
             break
         t, objective = candidate, [*objective, value]
-    return MatchResult(_exact(t, fix_ones), objective, time.perf_counter() - start, {"sweeps": len(objective)})
+    return MatchResult(_exact(t, fix_ones), objective, time.perf_counter() - began, {"sweeps": len(objective)})
