@@ -2,6 +2,9 @@
 and how far apart their barriers are. Uses the barrier benchmark's checkpoints (no training here).
 
     .venv/bin/python -m simulations.bench.weight_starts [--config simulations/bench/configs/barriers.toml]
+        [--models NAME ...]
+
+Each model's entry is added to results.json when it ends, so models can run one per process, in parallel.
 
 Start 0 is the identity (what ``glmc align --method weight`` does); the others are Haar-random Q with Q·1 = 1.
 """
@@ -14,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -24,22 +28,28 @@ from torch.utils.data import Dataset, Subset
 
 from glmc import groups
 from glmc.align import align_pair
-from glmc.archs import get_arch
+from glmc.archs import ModelConfig, State, get_arch
 from glmc.barrier import barrier_curve
 from glmc.canonical import canonicalize
 from glmc.checkpoint import load_checkpoint
 from glmc.match.weight import weight_match
 from glmc.tasks import load_task
 from glmc.transforms import apply
-from simulations.bench.barriers import checkpoint, label, mean_se
+from simulations.bench.barriers import checkpoint, label, mean_se, previous_results, results_lock
 
 RESULTS = Path("simulations/results/weight-starts")
 
 
-def held_out(dataset: str, cfg: Any, limit: int) -> Dataset:
+def held_out(dataset: str, cfg: ModelConfig, limit: int) -> Dataset:
     """The first ``limit`` test samples, as the barrier benchmark measures them."""
     test = load_task(dataset, cfg).test
     return Subset(test, range(min(limit, len(test))))  # type: ignore[arg-type]
+
+
+def barrier(a: State, b: State, cfg: ModelConfig, test: Dataset) -> float:
+    """The loss barrier between canonical A and B, evaluated in float32 as ``glmc barrier`` does."""
+    a, b = ({k: v.to(torch.float32) for k, v in s.items()} for s in (a, b))
+    return barrier_curve(a, b, cfg, test).barrier
 
 
 def pair_starts(a_path: Path, b_path: Path, dataset: str, limit: int, count: int, seed: int) -> dict[str, Any]:
@@ -53,13 +63,13 @@ def pair_starts(a_path: Path, b_path: Path, dataset: str, limit: int, count: int
     for index in range(count):
         q = None if index == 0 else groups.random_orthogonal(cfg.width, generator)
         result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=q)
-        curve = barrier_curve(a, apply(b, arch.spec, result.transform, cfg.heads), cfg, test)
+        value = barrier(a, apply(b, arch.spec, result.transform, cfg.heads), cfg, test)
         starts.append({"start": index, "objective": result.objective[-1], "sweeps": len(result.objective),
-                       "barrier": curve.barrier, "align_seconds": result.seconds})
+                       "barrier": value, "align_seconds": result.seconds})
         print(f"{a_path.stem} {b_path.stem} start {index}: objective {result.objective[-1]:.2f}, "
-              f"barrier {curve.barrier:.3f}", flush=True)
+              f"barrier {value:.3f}", flush=True)
     vanilla = align_pair(native_a, native_b, cfg, "none")
-    vanilla_barrier = barrier_curve(vanilla.a, vanilla.b, cfg, test).barrier
+    vanilla_barrier = barrier(vanilla.a, vanilla.b, cfg, test)
     return {"pair": [a_path.stem, b_path.stem], "vanilla": vanilla_barrier, "starts": starts}
 
 
@@ -76,9 +86,10 @@ def pair_row(report: dict[str, Any]) -> dict[str, Any]:
             "correlation": statistics.correlation(objectives, barriers)}
 
 
-def markdown(name: str, rows: list[dict[str, Any]], count: int, meta: str) -> list[str]:
-    """The per-pair table and the mean ratios to vanilla of each choice of start."""
-    lines = [f"## {name}: {count} starts per pair", "",
+def markdown(name: str, entry: dict[str, Any]) -> list[str]:
+    """One model's per-pair table, the mean ratios to vanilla of each choice of start, and how it was run."""
+    rows = entry["rows"]
+    lines = [f"## {name}: {entry['count']} starts per pair", "",
              "| pair | vanilla | objective spread | identity start | lowest objective | min | median | max | "
              "corr(objective, barrier) |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['pair']} | {r['vanilla']:.3f} | {r['objective_spread_pct']:.2f}% | {r['identity']:.3f} | "
@@ -90,36 +101,59 @@ def markdown(name: str, rows: list[dict[str, Any]], count: int, meta: str) -> li
                       "(needs held-out data: an oracle)")):
         ratio, se = mean_se([r[key] / r["vanilla"] for r in rows])
         lines.append(f"- {what}: {100 * ratio:.1f}% ± {100 * se:.1f}")
-    return [*lines, "", meta, ""]
+    return [*lines, "", f"Barriers on the first {entry['limit']} test samples, 21 λ values; weight matching as "
+            f"`glmc align --method weight` (15 sweeps at most, tolerance 1e-3); random starts seeded "
+            f"{entry['seed']}. Command: `{entry['command']}`. Machine: {entry['machine']}; wall time "
+            f"{entry['seconds'] / 60:.1f} min.", ""]
+
+
+def measure_model(run: dict[str, Any], starts: dict[str, Any], model: dict[str, Any], command: str,
+                  ) -> dict[str, Any]:
+    """Every pair of one model's seeds from every start, with the settings and wall time."""
+    began, limit = time.perf_counter(), model.get("run", {}).get("limit", run["limit"])
+    paths = [checkpoint(Path(run["out"]), label(model), s) for s in model["seeds"]]
+    if missing := [str(p) for p in paths if not p.is_file()]:
+        raise SystemExit(f"missing checkpoints (run simulations.bench.barriers first): {', '.join(missing)}")
+    reports = [pair_starts(a, b, model["dataset"], limit, starts["count"], starts["seed"])
+               for a, b in itertools.combinations(paths, 2)]
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
+               f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
+    return {"reports": reports, "rows": [pair_row(r) for r in reports], "count": starts["count"],
+            "seed": starts["seed"], "limit": limit, "command": command, "machine": machine,
+            "seconds": time.perf_counter() - began}
+
+
+def write(out: Path, name: str, entry: dict[str, Any], order: list[str]) -> None:
+    """Add one model's entry to results.json (under the barrier bench's lock: runs of other models may end at
+    the same time) and rewrite summary.md from every model stored."""
+    with results_lock(out):
+        results = previous_results(RESULTS) | {name: entry}
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "results.json").write_text(json.dumps(results, indent=1))
+    names = sorted(results, key=lambda n: order.index(n) if n in order else len(order))
+    lines = ["# Weight matching from several residual starts", "",
+             "Start 0 is the identity (what `glmc align --method weight` does); the others are Haar-random "
+             "residual maps Q with Q·1 = 1. Objective: ‖A − T(B)‖² at the end of the search.", ""]
+    for model in names:
+        lines += markdown(model, results[model])
+    (RESULTS / "summary.md").write_text("\n".join(lines))
+    print("\n".join(markdown(name, entry)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
+    parser.add_argument("--models", nargs="+", help="measure only these of the config's [starts] models")
     args = parser.parse_args(argv)
     config = tomllib.loads(Path(args.config).read_text())
     run, starts = config["run"], config["starts"]
     torch.set_num_threads(run["threads"])
-    began, lines, results = time.perf_counter(), ["# Weight matching from several residual starts", ""], {}
-    for model in (m for m in config["models"] if label(m) in starts["models"]):
-        limit = model.get("run", {}).get("limit", run["limit"])
-        paths = [checkpoint(Path(run["out"]), label(model), s) for s in model["seeds"]]
-        if missing := [str(p) for p in paths if not p.is_file()]:
-            raise SystemExit(f"missing checkpoints (run simulations.bench.barriers first): {', '.join(missing)}")
-        reports = [pair_starts(a, b, model["dataset"], limit, starts["count"], starts["seed"])
-                   for a, b in itertools.combinations(paths, 2)]
-        rows = [pair_row(r) for r in reports]
-        results[label(model)] = {"reports": reports, "rows": rows}
-        meta = (f"Barriers on the first {limit} test samples, 21 λ values; weight matching as `glmc align --method "
-                f"weight` (15 sweeps at most, tolerance 1e-3), random starts seeded {starts['seed']}.")
-        lines += markdown(label(model), rows, starts["count"], meta)
-    lines.append(f"Command: `python -m simulations.bench.weight_starts --config {args.config}`. Machine: "
-                 f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
-                 f"{torch.__version__}, {run['threads']} thread(s); wall time {time.perf_counter() - began:.0f} s.")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "results.json").write_text(json.dumps(results, indent=1))
-    print("\n".join(lines))
+    wanted = args.models or starts["models"]
+    if unknown := sorted(set(wanted) - set(starts["models"])):
+        raise SystemExit(f"not in [starts] models of {args.config}: {', '.join(unknown)}")
+    command = " ".join(["python -m simulations.bench.weight_starts", *(argv if argv is not None else sys.argv[1:])])
+    for model in (m for m in config["models"] if label(m) in wanted):
+        write(Path(run["out"]), label(model), measure_model(run, starts, model, command), starts["models"])
     return 0
 
 
