@@ -17,7 +17,7 @@ DATA_HELP = "dataset directory (default: the dataset's own copy, under $GLMC_DAT
 
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
     """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
-    --batch-size and --quiet."""
+    --batch-size, --lam and --quiet."""
     parser.add_argument("--data", help=DATA_HELP)
     parser.add_argument("--batch", type=int, help=batch_help)
     parser.add_argument("--epochs", type=int, default=epochs,
@@ -25,6 +25,9 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs")
     parser.add_argument("--lr", type=float, help="learned methods: AdamW learning rate on the latents")
     parser.add_argument("--batch-size", type=int, help="learned methods: samples per step (default 128)")
+    parser.add_argument("--lam", type=float, nargs=2, metavar=("LO", "HI"),
+                        help="learned methods on a pair: train at λ ~ U(LO, HI), the weight of A (default 0.4 0.6, "
+                             "the paper's; a wide-to-narrow pair peaks nearer the narrow end, so widen it there)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
 
 
@@ -34,7 +37,7 @@ def learn_options(args: argparse.Namespace) -> LearnConfig:
     from glmc.match.learned import LearnConfig
 
     flags = {"lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size,
-             "concentration": getattr(args, "concentration", None)}
+             "concentration": getattr(args, "concentration", None), "lam": tuple(args.lam) if args.lam else None}
     given = {k: v for k, v in flags.items() if v is not None}
     return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
 

@@ -204,12 +204,16 @@ def test_refinement_weights_centre_on_the_weighted_mean_by_default():
 
 def test_learned_flags_reach_learn_config_in_every_command():
     parser = build_parser()
-    flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--quiet"]
+    flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--lam", "0.1", "0.9", "--quiet"]
     commands = {"align": ["a", "b", "--out", "o"], "barrier": ["a", "b", "--json", "o"], "merge": ["a", "--out", "o"]}
     for command, rest in commands.items():
         learn = learn_options(parser.parse_args([command, *rest, *flags]))
-        assert (learn.lr, learn.batch_size, learn.steps, learn.progress) == (0.01, 32, 7, False), command
-    assert learn_options(parser.parse_args(["align", "a", "b", "--out", "o"])).epochs == LearnConfig().epochs
+        assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.progress) == (0.01, 32, 7, (0.1, 0.9),
+                                                                                         False), command
+    default = learn_options(parser.parse_args(["align", "a", "b", "--out", "o"]))
+    assert (default.epochs, default.lam) == (LearnConfig().epochs, LearnConfig().lam)
+    with pytest.raises(ConfigError, match="λ range"):
+        learn_options(parser.parse_args(["align", "a", "b", "--out", "o", "--lam", "0.9", "0.1"]))
     merged = learn_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"]))
     assert (merged.epochs, merged.concentration) == (1, 0.1)  # merge's own default of one pass
 
