@@ -52,12 +52,11 @@ def barrier(a: State, b: State, cfg: ModelConfig, test: Dataset) -> float:
     return barrier_curve(a, b, cfg, test).barrier
 
 
-def pair_starts(a_path: Path, b_path: Path, dataset: str, limit: int, count: int, seed: int) -> dict[str, Any]:
+def pair_starts(names: tuple[str, str], natives: tuple[State, State], cfg: ModelConfig, test: Dataset, count: int,
+                seed: int) -> dict[str, Any]:
     """The vanilla barrier, then weight matching from ``count`` starts: each one's objective, sweeps and barrier."""
-    (native_a, meta), (native_b, _) = (load_checkpoint(p) for p in (a_path, b_path))
-    cfg = meta.config
-    arch, test = get_arch(cfg.family), held_out(dataset, cfg, limit)
-    a, b = (canonicalize(arch, s, cfg.depth) for s in (native_a, native_b))
+    arch = get_arch(cfg.family)
+    a, b = (canonicalize(arch, s, cfg.depth) for s in natives)
     generator = torch.Generator().manual_seed(seed)
     starts = []
     for index in range(count):
@@ -66,11 +65,10 @@ def pair_starts(a_path: Path, b_path: Path, dataset: str, limit: int, count: int
         value = barrier(a, apply(b, arch.spec, result.transform, cfg.heads), cfg, test)
         starts.append({"start": index, "objective": result.objective[-1], "sweeps": len(result.objective),
                        "barrier": value, "align_seconds": result.seconds})
-        print(f"{a_path.stem} {b_path.stem} start {index}: objective {result.objective[-1]:.2f}, "
-              f"barrier {value:.3f}", flush=True)
-    vanilla = align_pair(native_a, native_b, cfg, "none")
-    vanilla_barrier = barrier(vanilla.a, vanilla.b, cfg, test)
-    return {"pair": [a_path.stem, b_path.stem], "vanilla": vanilla_barrier, "starts": starts}
+        print(f"{names[0]} {names[1]} start {index}: objective {result.objective[-1]:.2f}, barrier {value:.3f}",
+              flush=True)
+    vanilla = align_pair(*natives, cfg, "none")
+    return {"pair": list(names), "vanilla": barrier(vanilla.a, vanilla.b, cfg, test), "starts": starts}
 
 
 def pair_row(report: dict[str, Any]) -> dict[str, Any]:
@@ -114,8 +112,11 @@ def measure_model(run: dict[str, Any], starts: dict[str, Any], model: dict[str, 
     paths = [checkpoint(Path(run["out"]), label(model), s) for s in model["seeds"]]
     if missing := [str(p) for p in paths if not p.is_file()]:
         raise SystemExit(f"missing checkpoints (run simulations.bench.barriers first): {', '.join(missing)}")
-    reports = [pair_starts(a, b, model["dataset"], limit, starts["count"], starts["seed"])
-               for a, b in itertools.combinations(paths, 2)]
+    loaded = {p.stem: load_checkpoint(p) for p in paths}  # each checkpoint and the test split read once
+    cfg = next(iter(loaded.values()))[1].config
+    test = held_out(model["dataset"], cfg, limit)
+    reports = [pair_starts((a, b), (loaded[a][0], loaded[b][0]), cfg, test, starts["count"], starts["seed"])
+               for a, b in itertools.combinations(loaded, 2)]
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
                f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
     return {"reports": reports, "rows": [pair_row(r) for r in reports], "count": starts["count"],
