@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import ModelConfig, State, cast, get_arch
 from glmc.canonical import Form, canonicalize
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
@@ -95,7 +95,7 @@ def align_pair(
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
     if method == "none":
-        a, b = (arch.to_canonical({k: v.to(dtype) for k, v in s.items()}, cfg.depth) for s in (native_a, native_b))
+        a, b = (arch.to_canonical(cast(s, dtype), cfg.depth) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))
     result = _match(method, a, b, cfg, form, data, batch, learn)

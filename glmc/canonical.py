@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from glmc.archs import Arch, ModelConfig, State, get_arch
+from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.spec import RES, expand
 
 Form = Literal["standard", "rmsnorm", "circuit"]
@@ -64,7 +64,7 @@ def canonicalize(
     """
     state = arch.to_canonical(native, depth)
     if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
+        state = cast(state, dtype)
     state = fold_layernorms(arch, state, depth)
     if form == "rmsnorm":
         state = centre_writers(arch, state, depth)

@@ -86,12 +86,9 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
-    from torch.utils.data import Subset
+    from glmc.tasks import held_out
 
-    from glmc.tasks import load_task
-
-    test = load_task(meta.dataset, target, args.data).test
-    return Subset(test, range(min(args.limit, len(test)))) if args.limit else test  # type: ignore[arg-type]
+    return held_out(meta.dataset, target, args.data, args.limit)
 
 
 def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta], Any, float]:
@@ -132,7 +129,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     """Universe matching, then the merged model written as a standard float32 checkpoint."""
     import torch
 
-    from glmc.archs import get_arch
+    from glmc.archs import cast, get_arch
     from glmc.checkpoint import save_checkpoint
     from glmc.merge import merge_states
 
@@ -141,7 +138,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     split = f"merged from {len(natives)} checkpoints by {setup.method}: {', '.join(p.name for p in args.checkpoints)}"
     meta = dataclasses.replace(metas[0], config=setup.target, width_mult=mult, seed=None, split=split, metrics={},
                                train={})
-    save_checkpoint(args.out, {k: v.to(torch.float32) for k, v in native.items()}, meta)
+    save_checkpoint(args.out, cast(native, torch.float32), meta)
     return result, {"out": str(args.out), "method": setup.method, "restore_norms": setup.restore_norms,
                     "target": setup.target.to_dict(),
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}

@@ -92,7 +92,7 @@ def run_align(args: argparse.Namespace) -> int:
 
     import torch
 
-    from glmc.archs import get_arch
+    from glmc.archs import cast, get_arch
     from glmc.checkpoint import save_checkpoint
 
     if args.out.exists() and not args.force:
@@ -101,8 +101,7 @@ def run_align(args: argparse.Namespace) -> int:
     aligned = _align(args, args.method, state_a, state_b, meta)
     native = get_arch(meta.config.family).to_native(aligned.b, meta.config.depth)
     split = f"{meta_b.split}; aligned to {args.a.name} by {args.method}"
-    native32 = {k: v.to(torch.float32) for k, v in native.items()}
-    save_checkpoint(args.out, native32, dataclasses.replace(meta_b, split=split))
+    save_checkpoint(args.out, cast(native, torch.float32), dataclasses.replace(meta_b, split=split))
     result = aligned.result
     print(json.dumps({"out": str(args.out), "method": args.method, "seconds": round(result.seconds, 3),
                       "objective": result.objective, **{k: v for k, v in result.info.items() if k != "sweeps"}}))
@@ -122,23 +121,21 @@ def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
 def run_barrier(args: argparse.Namespace) -> int:
     """Align B to A by each method and measure the loss barrier on held-out data (paper Eq. 1)."""
     import torch
-    from torch.utils.data import Subset
 
+    from glmc.archs import cast
     from glmc.barrier import barrier_curve
-    from glmc.tasks import load_task
+    from glmc.tasks import held_out
 
     if args.simplex:
         return cli_merge.run_simplex(args)
     if args.points < 2:
         raise ConfigError("--points must be at least 2")
     state_a, state_b, meta, _ = _load_pair(args.a, args.b)
-    test = load_task(meta.dataset, meta.config, args.data).test
-    if args.limit:
-        test = Subset(test, range(min(args.limit, len(test))))  # type: ignore[arg-type]
+    test = held_out(meta.dataset, meta.config, args.data, args.limit)
     curves = []
     for method in args.method or ["weight"]:
         aligned = _align(args, method, state_a, state_b, meta)
-        a, b = ({k: v.to(torch.float32) for k, v in s.items()} for s in (aligned.a, aligned.b))
+        a, b = (cast(s, torch.float32) for s in (aligned.a, aligned.b))
         curve = barrier_curve(a, b, meta.config, test, args.points, method=method)
         curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds, "align_info": aligned.result.info})
         print(f"{method:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from glmc.archs import Arch, ModelConfig, State, get_arch, preset, scale_width
+from glmc.archs import Arch, ModelConfig, cast, get_arch, preset, scale_width
 from glmc.barrier import barrier_curve, evaluate_mixtures
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
@@ -155,8 +155,8 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     # Vanilla averaging at one width takes the models as trained, like the paper's baseline; everything else
     # (and any embedding across widths) needs the standard form, LayerNorms folded.
     raw = setup.method == "none" and all(c == setup.target for c in configs)
-    states = [arch.to_canonical(_float64(s), c.depth) if raw else canonicalize(arch, s, c.depth, dtype=torch.float64)
-              for s, c in zip(natives, configs, strict=True)]
+    states = [arch.to_canonical(cast(s, torch.float64), c.depth) if raw
+              else canonicalize(arch, s, c.depth, dtype=torch.float64) for s, c in zip(natives, configs, strict=True)]
     pairwise = "weight" if setup.method == "learned" else setup.method
     result = universe_match(states, setup.target, pairwise, weights=setup.weights, configs=configs,
                             reference=_reference(configs, setup.target), max_iters=setup.max_iters, tol=setup.tol,
@@ -182,18 +182,10 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
         narrow = canonicalize(arch, natives[i], cfg.depth, dtype=torch.float64)
         pair = universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
                               data=setup.train, batch=setup.batch, learn=setup.learn)
-        a, b = (_float32(s) for s in (wide, pair.aligned[0]))
+        a, b = (cast(s, torch.float32) for s in (wide, pair.aligned[0]))
         curve = barrier_curve(a, b, setup.target, test, points, method=setup.method)
         rows.append({"input": i, "width": cfg.width, "barrier": curve.barrier, "curve": curve.to_dict()})
     return rows
-
-
-def _float32(state: Mapping[str, torch.Tensor]) -> State:
-    return {k: v.to(torch.float32) for k, v in state.items()}
-
-
-def _float64(state: Mapping[str, torch.Tensor]) -> State:
-    return {k: v.to(torch.float64) for k, v in state.items()}
 
 
 def evaluate_merge(result: UniverseResult, natives: Sequence[Mapping[str, torch.Tensor]],
@@ -206,7 +198,8 @@ def evaluate_merge(result: UniverseResult, natives: Sequence[Mapping[str, torch.
         model = arch.build(cfg)
         model.load_state_dict(native)
         models.append(model.eval())
-    merged = evaluate(to_model(_float32(result.merged), setup.target), arch, test)
-    simplex = simplex_barrier([_float32(s) for s in result.aligned], setup.target, test, steps, method=setup.method)
+    merged = evaluate(to_model(cast(result.merged, torch.float32), setup.target), arch, test)
+    aligned = [cast(s, torch.float32) for s in result.aligned]
+    simplex = simplex_barrier(aligned, setup.target, test, steps, method=setup.method)
     return {"inputs": [evaluate(m, arch, test) for m in models], "merged": merged,
             "ensemble": ensemble_metrics(models, arch, test), "simplex": simplex.to_dict()}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from glmc.archs import ModelConfig
 from glmc.data.hub import HUB_DATASETS, HUB_ONLY, load_hub_copy
@@ -102,3 +102,9 @@ def load_task(dataset: str, cfg: ModelConfig, path: str | Path | None = None, se
     if dataset not in TASKS:
         raise ConfigError(f"unknown dataset {dataset!r}; known: {', '.join(TASKS)}")
     return TASKS[dataset](cfg, path, seed)
+
+
+def held_out(dataset: str, cfg: ModelConfig, path: str | Path | None = None, limit: int | None = None) -> Dataset:
+    """The test split, cut to its first ``limit`` samples: the fixed set every barrier and merge is measured on."""
+    test = load_task(dataset, cfg, path).test
+    return Subset(test, range(min(limit, len(test)))) if limit else test  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from glmc.archs.base import Arch, KeyRule, State
+from glmc.archs.base import Arch, KeyRule, State, cast
 from glmc.archs.config import PRESETS, ModelConfig, preset, scale_width
 from glmc.archs.gpt2 import GPT2
 from glmc.archs.vit import VIT
@@ -23,5 +23,5 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return get_arch(cfg.family).build(cfg)
 
 
-__all__ = ["ARCHS", "PRESETS", "Arch", "KeyRule", "ModelConfig", "State", "build_model", "get_arch", "preset",
-           "scale_width"]
+__all__ = ["ARCHS", "PRESETS", "Arch", "KeyRule", "ModelConfig", "State", "build_model", "cast", "get_arch",
+           "preset", "scale_width"]

@@ -15,6 +15,11 @@ from glmc.spec import SpecTable, expand
 State = dict[str, torch.Tensor]
 
 
+def cast(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> State:
+    """Every tensor of ``state`` in ``dtype``, detached: float64 to search exactly, float32 to evaluate or save."""
+    return {k: v.detach().to(dtype) for k, v in state.items()}
+
+
 @dataclass(frozen=True)
 class KeyRule:
     """Where a canonical parameter lives in the native state dict, and whether it is stored (in, out)."""

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
 from glmc import groups
-from glmc.archs import Arch, ModelConfig, State, get_arch
+from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.barrier import mix
 from glmc.canonical import Form, to_model
 from glmc.errors import ConfigError
@@ -213,7 +213,7 @@ class Path:
 
     def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype) -> None:
         self.arch, self.cfg, self.dtype = get_arch(cfg.family), cfg, dtype
-        self.states = [{k: v.detach().to(dtype) for k, v in e.state.items()} for e in endpoints]
+        self.states = [cast(e.state, dtype) for e in endpoints]
         self.module = _Logits(self.arch, to_model(self.states[0], cfg, form))
 
     def point(self, transforms: Sequence[Transform | None], weights: Weights) -> State:

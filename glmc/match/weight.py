@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from glmc import groups
-from glmc.archs.base import State
+from glmc.archs.base import State, cast
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, cross, gather, sq_distance
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable
@@ -123,7 +123,7 @@ def weight_match(
     began = time.perf_counter()
     if start is not None and permutations_only:
         raise ConfigError("permutation-only weight matching leaves the residual alone: it takes no start map")
-    a, b = ({k: v.to(dtype) for k, v in s.items()} for s in (a, b))
+    a, b = (cast(s, dtype) for s in (a, b))
     residual = None if start is None else start.to(dtype)
     t, moved = _solve_units(a, b, spec, depth, heads, residual, within=not permutations_only)
     objective = [sq_distance(a, moved)]

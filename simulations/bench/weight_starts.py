@@ -24,31 +24,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset
 
 from glmc import groups
 from glmc.align import align_pair
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import ModelConfig, State, cast, get_arch
 from glmc.barrier import barrier_curve
 from glmc.canonical import canonicalize
 from glmc.checkpoint import load_checkpoint
 from glmc.match.weight import weight_match
-from glmc.tasks import load_task
+from glmc.tasks import held_out
 from glmc.transforms import apply
 from simulations.bench.barriers import checkpoint, label, mean_se, previous_results, results_lock
 
 RESULTS = Path("simulations/results/weight-starts")
 
 
-def held_out(dataset: str, cfg: ModelConfig, limit: int) -> Dataset:
-    """The first ``limit`` test samples, as the barrier benchmark measures them."""
-    test = load_task(dataset, cfg).test
-    return Subset(test, range(min(limit, len(test))))  # type: ignore[arg-type]
-
-
 def barrier(a: State, b: State, cfg: ModelConfig, test: Dataset) -> float:
     """The loss barrier between canonical A and B, evaluated in float32 as ``glmc barrier`` does."""
-    a, b = ({k: v.to(torch.float32) for k, v in s.items()} for s in (a, b))
+    a, b = (cast(s, torch.float32) for s in (a, b))
     return barrier_curve(a, b, cfg, test).barrier
 
 
@@ -114,7 +108,7 @@ def measure_model(run: dict[str, Any], starts: dict[str, Any], model: dict[str, 
         raise SystemExit(f"missing checkpoints (run simulations.bench.barriers first): {', '.join(missing)}")
     loaded = {p.stem: load_checkpoint(p) for p in paths}  # each checkpoint and the test split read once
     cfg = next(iter(loaded.values()))[1].config
-    test = held_out(model["dataset"], cfg, limit)
+    test = held_out(model["dataset"], cfg, limit=limit)
     reports = [pair_starts((a, b), (loaded[a][0], loaded[b][0]), cfg, test, starts["count"], starts["seed"])
                for a, b in itertools.combinations(loaded, 2)]
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
