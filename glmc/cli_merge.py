@@ -114,9 +114,9 @@ def run_merge(args: argparse.Namespace) -> int:
     natives, metas, target, mult = _prepare(args, args.checkpoints)
     setup = _setup(args, args.method, target, metas[0], len(natives))
     configs = [m.config for m in metas]
+    test = _test_split(metas[0], target, args)  # before the merge: a bad --limit or missing data costs nothing
     result, report = _merge_and_save(args, natives, metas, setup, mult)
-    report |= _evaluate(args, natives, configs, setup, metas[0], grid_steps(len(natives), args.simplex_points),
-                        result)
+    report |= _evaluate(args, natives, configs, setup, test, grid_steps(len(natives), args.simplex_points), result)
     _print_merge(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -144,12 +144,11 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
 
 
-def _evaluate(args: argparse.Namespace, natives: list[dict], configs: list, setup: MergeSetup, meta: CheckpointMeta,
+def _evaluate(args: argparse.Namespace, natives: list[dict], configs: list, setup: MergeSetup, test: Dataset,
               steps: int, result: UniverseResult) -> dict[str, Any]:
     """Test metrics of every input, the merge and the ensemble; the simplex barrier; across widths, Fig. 3c."""
     from glmc.merge import evaluate_merge, width_barriers
 
-    test = _test_split(meta, setup.target, args)
     report = evaluate_merge(result, natives, configs, setup, test, steps)
     report["inputs"] = [{"path": str(p), "width": c.width} | m
                         for p, c, m in zip(args.checkpoints, configs, report["inputs"], strict=True)]

@@ -106,5 +106,7 @@ def load_task(dataset: str, cfg: ModelConfig, path: str | Path | None = None, se
 
 def held_out(dataset: str, cfg: ModelConfig, path: str | Path | None = None, limit: int | None = None) -> Dataset:
     """The test split, cut to its first ``limit`` samples: the fixed set every barrier and merge is measured on."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"limit must be at least 1 held-out sample, got {limit}")
     test = load_task(dataset, cfg, path).test
-    return Subset(test, range(min(limit, len(test)))) if limit else test  # type: ignore[arg-type]
+    return test if limit is None else Subset(test, range(min(limit, len(test))))  # type: ignore[arg-type]

@@ -112,5 +112,10 @@ def test_target_narrower_than_an_input_fails_in_one_line(trio, tmp_path, capsys)
 
 def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
     out = str(tmp_path / "m.safetensors")
+    _fails_with_one_line(["merge", *map(str, trio), "--limit", "0", "--out", out], capsys, "limit must be at least 1")
+    assert not (tmp_path / "m.safetensors").exists()  # refused before the merge: nothing written
+    report = str(tmp_path / "b.json")
+    _fails_with_one_line(["barrier", *map(str, trio[:2]), "--limit", "-3", "--json", report], capsys,
+                         "limit must be at least 1")
     _fails_with_one_line(["merge", *map(str, trio), "--weights", "1,2", "--out", out], capsys, "needs 3 positive")
     _fails_with_one_line(["merge", *map(str, trio), "--method", "magic", "--out", out], capsys, "unknown merge method")
