@@ -74,15 +74,13 @@ def learned_methods(learned: dict[str, Any], model: dict[str, Any]) -> list[str]
     return model.get("learn_methods", learned["methods"])
 
 
-def pair_report(run: dict[str, Any], learned: dict[str, Any], model: dict[str, Any], a: Path, b: Path,
-                learn: bool) -> dict:
-    """Every method's curve for one pair: the data-free and activation methods in one run, then (if ``learn``)
-    each of the model's learned methods in its own (cached) run with the model's learning flags."""
+def pair_report(run: dict[str, Any], learned: dict[str, Any], model: dict[str, Any], a: Path, b: Path) -> dict:
+    """Every method's curve for one pair: the data-free and activation methods in one run, then each of the
+    model's learned methods in its own (cached) run with the model's learning flags."""
     report = pair_barriers(run, model, a, b, run["methods"], ["--batch", str(run["batch"])], "")
-    if learn:
-        extra = model.get("learn", learned["args"])
-        for method in learned_methods(learned, model):
-            report["curves"] += pair_barriers(run, model, a, b, [method], extra, f"_{method}")["curves"]
+    extra = model.get("learn", learned["args"])
+    for method in learned_methods(learned, model):
+        report["curves"] += pair_barriers(run, model, a, b, [method], extra, f"_{method}")["curves"]
     return report
 
 
@@ -220,8 +218,7 @@ def measure_model(run: dict[str, Any], learned: dict[str, Any],
     paths = train_missing(run, model)
     settings = run | model.get("run", {})  # a model may override run settings such as limit
     pairs = list(itertools.combinations(paths, 2))
-    learn_pairs = model.get("learn_pairs", len(pairs))  # learned methods on the first pairs only
-    reports = [pair_report(settings, learned, model, a, b, i < learn_pairs) for i, (a, b) in enumerate(pairs)]
+    reports = [pair_report(settings, learned, model, a, b) for a, b in pairs]
     return summarise(model, reports, run["methods"] + learned_methods(learned, model)), reports
 
 
