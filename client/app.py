@@ -19,7 +19,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.data import ClientShare, client_share, eval_subset, pool
-from glmc.archs import ModelConfig, build_model, get_arch, scale_width
+from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.errors import ConfigError
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
 from server import protocol
@@ -93,7 +93,7 @@ def _train_config(settings: RunSettings, defaults: dict, seed: int) -> TrainConf
 
 def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[str, torch.Tensor]:
     """The float32 state dict to send; the fault-partition TEST HOOK turns it into NaNs."""
-    state = {k: v.detach().to(torch.float32) for k, v in model.state_dict().items()}
+    state = cast(model.state_dict(), torch.float32)
     if node.partition_id == settings.fault_partition:
         log.warning("fault-partition test hook: partition %d replies NaN weights", node.partition_id)
         state = {k: torch.full_like(v, math.nan) for k, v in state.items()}

@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from client.data import eval_subset, label_counts, pool, split_config
-from glmc.archs import ModelConfig, build_model, get_arch, scale_width
+from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
@@ -75,7 +75,7 @@ def initial_model(settings: RunSettings, run_dir: Path, cfg: ModelConfig) -> tup
         return found[0], ArrayRecord(found[1])  # type: ignore[arg-type]
     clear_outputs(run_dir)
     seed_everything(settings.seed)
-    state = {k: v.detach().to(torch.float32) for k, v in build_model(cfg).state_dict().items()}
+    state = cast(build_model(cfg).state_dict(), torch.float32)
     return 0, ArrayRecord(state)  # type: ignore[arg-type]
 
 
