@@ -35,7 +35,8 @@ def run_check(args: argparse.Namespace) -> int:
     from glmc.archs import preset
     from glmc.check import TOLERANCE, invariance_errors
 
-    changes = {k: getattr(args, k) for k in ("width", "depth", "heads", "mlp", "activation") if getattr(args, k)}
+    changes = {k: getattr(args, k) for k in ("width", "depth", "heads", "mlp", "activation")
+               if getattr(args, k) is not None}  # --width 0 is an error to report, not "no override"
     cfg = preset(args.model).replace(**changes)
     if cfg.family == "gpt2":
         cfg = cfg.replace(vocab_size=67)  # any vocabulary will do for an invariance check

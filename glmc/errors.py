@@ -1,5 +1,9 @@
 """The project's exceptions, in one place, so callers can catch one base and print one line."""
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
 
 class GlmcError(Exception):
     """Base of every error glmc raises on purpose; its message is one line naming the problem."""
@@ -23,3 +27,15 @@ class SpecError(GlmcError):
 
 class DeployError(GlmcError):
     """A SuperLink or SuperNode that would not start or join, or a flwr command that failed; quotes its log."""
+
+
+Rule = tuple[str, Callable[[float], bool], Mapping[str, float | None]]  # (what is allowed, test, name → value)
+
+
+def check_options(what: str, rules: Iterable[Rule]) -> None:
+    """ConfigError naming every option that breaks its rule, e.g. "learned matching: epochs=0 (must be ≥ 1)";
+    options given as None are unset and pass."""
+    bad = [f"{name}={value} (must be {allowed})" for allowed, test, values in rules
+           for name, value in values.items() if value is not None and not test(value)]
+    if bad:
+        raise ConfigError(f"{what}: {'; '.join(bad)}")

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from glmc.archs import Arch
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, check_options
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,13 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or not 0 <= self.warmup < 1:
-            raise ConfigError(f"need epochs >= 1, batch_size >= 1, lr > 0 and warmup in [0, 1): {self}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"max_steps must be positive, got {self.max_steps}")
+        check_options("training", [
+            ("≥ 1", lambda v: v >= 1,
+             {"epochs": self.epochs, "batch_size": self.batch_size, "max_steps": self.max_steps}),
+            ("finite and > 0", lambda v: math.isfinite(v) and v > 0, {"lr": self.lr}),
+            ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0,
+             {"weight_decay": self.weight_decay, "grad_clip": self.grad_clip, "threads": self.threads}),
+            ("in [0, 1)", lambda v: 0 <= v < 1, {"warmup": self.warmup})])
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -85,12 +85,19 @@ def _fails_with_one_line(argv: list[str], capsys, expect: str) -> None:
         (["--model", "vit-tiny", "--dataset", "mnist"], "unknown dataset 'mnist'"),
         (["--model", "gpt2-tiny", "--dataset", "fashion-mnist"], "needs a vit preset"),
         (["--model", "vit-tiny"], "required: --dataset"),
+        (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--epochs", "0", "--lr", "nan"],
+         "training: epochs=0 (must be ≥ 1); lr=nan (must be finite and > 0)"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(extra, expect, tmp_path, capsys):
     out = tmp_path / "never.safetensors"
     _fails_with_one_line(["train", *extra, "--out", str(out)], capsys, expect)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("size", ["width", "depth", "heads", "mlp"])
+def test_check_refuses_a_size_below_one(size, capsys):
+    _fails_with_one_line(["check", "--model", "vit-tiny", f"--{size}", "0"], capsys, f"{size}=0 (must be ≥ 1)")
 
 
 def test_existing_out_is_not_overwritten(tmp_path, capsys):

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, check_options
 
 Family = Literal["vit", "gpt2"]
 
@@ -36,14 +36,14 @@ class ModelConfig:
     context: int = 0
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            if self.heads <= 0 or self.width % self.heads:
+        if self.head_dim == 0 and self.heads > 0:  # heads ≤ 0 is reported with the other sizes below
+            if self.width % self.heads:
                 raise ConfigError(f"width {self.width} is not divisible by heads {self.heads}")
             object.__setattr__(self, "head_dim", self.width // self.heads)
         if self.norm_eps == 0.0:
             object.__setattr__(self, "norm_eps", DEFAULT_NORM_EPS[self.family])
-        if min(self.width, self.depth, self.heads, self.mlp, self.head_dim) <= 0:
-            raise ConfigError(f"every size must be positive: {self}")
+        for sizes in (("width", "depth", "heads", "mlp"), ("head_dim",)):  # head_dim after the sizes it comes from
+            check_options("model config", [("≥ 1", lambda v: v >= 1, {k: getattr(self, k) for k in sizes})])
 
     @property
     def attn_dim(self) -> int:

@@ -31,7 +31,7 @@ from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.barrier import mix
 from glmc.canonical import Form, to_model
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, check_options
 from glmc.match.common import MatchResult
 from glmc.train import cosine_schedule, token_loss
 from glmc.transforms import Transform, apply
@@ -74,16 +74,16 @@ class LearnConfig:
 
     def __post_init__(self) -> None:
         lo, hi = self.lam
-        if self.epochs < 1 or (self.steps is not None and self.steps < 1) or self.batch_size < 1:
-            raise ConfigError(f"learned matching needs epochs, steps and batch_size ≥ 1: {self}")
-        if not (math.isfinite(self.lr) and self.lr >= 0 and self.weight_decay >= 0):
-            raise ConfigError(f"lr and weight_decay must be finite and ≥ 0, got {self.lr}, {self.weight_decay}")
-        if not 0 <= lo <= hi <= 1:
-            raise ConfigError(f"λ range must satisfy 0 ≤ lo ≤ hi ≤ 1, got {self.lam}")
-        if not 0 < self.val_fraction < 1 or self.val_max < 1 or self.eval_every < 1 or self.patience < 0:
-            raise ConfigError(f"need 0 < val_fraction < 1, val_max ≥ 1, eval_every ≥ 1, patience ≥ 0: {self}")
-        if self.noise <= 0 or self.soft_gain <= 0 or self.concentration <= 0 or self.sinkhorn_iters < 1:
-            raise ConfigError(f"noise, soft_gain, concentration and sinkhorn_iters must be positive: {self}")
+        check_options("learned matching", [
+            ("≥ 1", lambda v: v >= 1, {"epochs": self.epochs, "steps": self.steps, "batch_size": self.batch_size,
+                                       "val_max": self.val_max, "eval_every": self.eval_every,
+                                       "sinkhorn_iters": self.sinkhorn_iters}),
+            ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0,
+             {"lr": self.lr, "weight_decay": self.weight_decay, "patience": self.patience}),
+            ("> 0", lambda v: v > 0, {"noise": self.noise, "soft_gain": self.soft_gain,
+                                      "concentration": self.concentration}),
+            ("in (0, 1)", lambda v: 0 < v < 1, {"val_fraction": self.val_fraction}),
+            ("in [0, 1], lo ≤ hi", lambda v: 0 <= v <= 1 and lo <= hi, {"λ range lo": lo, "λ range hi": hi})])
 
 
 # Projections (Eq. 5) and latent initialisations.
