@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,7 +62,7 @@ def _weights(text: str | None, n: int) -> list[float] | None:
         weights = [float(w) for w in text.split(",")]
     except ValueError as err:
         raise ConfigError(f"--weights must be comma-separated numbers, got {text!r}") from err
-    if len(weights) != n or min(weights) <= 0:
+    if len(weights) != n or not all(math.isfinite(w) and w > 0 for w in weights):
         raise ConfigError(f"--weights needs {n} positive numbers, got {text!r}")
     return weights
 

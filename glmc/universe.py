@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import multiprocessing
 import time
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, check_options
 from glmc.match.common import MatchResult, sq_distance
 from glmc.transforms import Transform, apply, compose
 from glmc.widths import Placement, embed, lstsq_merge, move, place
@@ -154,8 +155,10 @@ def universe_match(
     """
     if len(states) == 0:
         raise ConfigError("universe matching needs at least one model")
-    if weights is not None and (len(weights) != len(states) or min(weights) <= 0):
+    if weights is not None and (len(weights) != len(states) or not all(math.isfinite(w) and w > 0 for w in weights)):
         raise ConfigError(f"need one positive weight per model, got {list(weights)} for {len(states)} models")
+    check_options("universe matching", [("≥ 1", lambda v: v >= 1, {"max_iters": max_iters, "workers": workers}),
+                                        ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0, {"tol": tol})])
     aligned, placements = _into_universe(states, cfg, configs)
     transforms = [Transform.identity(cfg.depth) for _ in aligned]
     if method == "none":

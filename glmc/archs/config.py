@@ -87,7 +87,7 @@ def preset(name: str) -> ModelConfig:
 
 def scale_width(cfg: ModelConfig, mult: float) -> ModelConfig:
     """Scale d, f and H by ``mult`` with d_h fixed, as HeteroFL-style width tiers do."""
-    if mult <= 0 or mult > 1:
+    if not 0 < mult <= 1:  # NaN fails too
         raise ConfigError(f"width multiplier must be in (0, 1], got {mult}")
     heads = cfg.heads * mult
     if abs(heads - round(heads)) > 1e-9 or round(heads) < 1:
