@@ -15,11 +15,19 @@ if TYPE_CHECKING:
 DATA_HELP = "dataset directory (default: the dataset's own copy, under $GLMC_DATA, .data/ or the system path)"
 
 
+def count(text: str) -> int:
+    """An argparse type for a number of samples: an integer of at least 1 (0 would silently mean the default)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
     """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
     --batch-size, --lam and --quiet."""
     parser.add_argument("--data", help=DATA_HELP)
-    parser.add_argument("--batch", type=int, help=batch_help)
+    parser.add_argument("--batch", type=count, help=batch_help)
     parser.add_argument("--epochs", type=int, default=epochs,
                         help=f"learned methods: passes over the training samples (default {epochs or 2})")
     parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs")

@@ -117,6 +117,8 @@ def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
     report = str(tmp_path / "b.json")
     _fails_with_one_line(["barrier", *map(str, trio[:2]), "--limit", "-3", "--json", report], capsys,
                          "limit must be at least 1")
+    _fails_with_one_line(["barrier", *map(str, trio[:2]), "--method", "activation", "--batch", "0", "--json", report],
+                         capsys, "--batch: must be at least 1, got 0")  # 0 once meant the default, 512
     _fails_with_one_line(["merge", *map(str, trio), "--weights", "1,2", "--out", out], capsys, "needs 3 positive")
     _fails_with_one_line(["merge", *map(str, trio), "--method", "magic", "--out", out], capsys, "unknown merge method")
     bad = {("--weights", "1,nan,2"): "needs 3 positive", ("--width-mult", "nan"): "must be in (0, 1], got nan",
