@@ -8,12 +8,13 @@ so each value is coerced here and a wrong one is a one-line ConfigError naming t
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, check_options
 
 AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft")
 DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft")  # need the server-held batch (`server-data`)
@@ -80,6 +81,11 @@ class RunSettings:
         _require(not self.train_limit or self.partitioner in LABEL_SPLITS,
                  f"train-limit subsamples labelled images; the natural {self.partitioner!r} clients keep their "
                  "own text (cap local-steps instead)")
+        check_options("run config", [
+            ("finite and > 0", lambda v: math.isfinite(v) and v > 0, {"alpha": self.alpha}),
+            ("finite and ≥ 0 (0: the dataset's default)", lambda v: math.isfinite(v) and v >= 0, {"lr": self.lr}),
+            ("≥ 1", lambda v: v >= 1, {"classes-per-client": self.classes_per_client}),
+            ("≥ 0", lambda v: v >= 0, {"seed": self.seed})])
         _require(self.round_timeout > 0, f"round-timeout must be positive, got {self.round_timeout}")
         _require(self.refine_concentration > 0,
                  f"refine-concentration must be positive, got {self.refine_concentration}")
