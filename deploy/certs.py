@@ -66,6 +66,8 @@ def make_certificates(out: Path, hosts: Sequence[str] = (), *, force: bool = Fal
     An existing set is kept unless ``force``: replacing the CA would lock out every node that holds the
     old ``ca.crt``.
     """
+    if not all(host.strip() for host in hosts):
+        raise ConfigError(f"a certificate host must be a DNS name or IP address, got {list(hosts)}")
     paths = CertPaths(out)
     if paths.exist() and not force:
         raise ConfigError(f"{out} already holds certificates; pass --force to replace them")

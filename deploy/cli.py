@@ -155,3 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GlmcError as err:
         print(f"deploy: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # an unwritable --out or --output-dir, a port the system refuses
+        print(f"deploy: error: {err.strerror or err}{f': {err.filename}' if err.filename else ''}", file=sys.stderr)
+        return 2

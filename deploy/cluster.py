@@ -71,6 +71,9 @@ class ClusterSpec:
             raise ConfigError(f"{self.nodes} nodes need {self.nodes} node ports, got {list(self.node_ports)}")
         if self.auth and self.insecure:
             raise ConfigError("node authentication needs TLS: drop --insecure or --auth")
+        ports = [self.fleet_port, self.control_port, *(self.node_port(i) for i in range(self.nodes))]
+        if not all(0 < port < 65536 for port in ports) or len(set(ports)) != len(ports):
+            raise ConfigError(f"fleet, control and node ports must be distinct, in 1..65535, got {ports}")
 
     @property
     def root(self) -> Path:

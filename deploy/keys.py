@@ -37,6 +37,8 @@ class NodeKey:
 
 def make_node_key(out: Path, name: str, *, force: bool = False) -> NodeKey:
     """Write ``out/name`` (private, mode 0600) and ``out/name.pub``; an existing pair is kept unless ``force``."""
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise ConfigError(f"a key name must be letters, digits, - and _, got {name!r}")
     key = NodeKey(out / name)
     if key.private.exists() and not force:
         raise ConfigError(f"{key.private} exists; pass --force to replace it")

@@ -117,6 +117,23 @@ def test_spec_checks_and_node_config() -> None:
         ClusterSpec(auth=True, insecure=True)
     with pytest.raises(ConfigError, match="node ports"):
         ClusterSpec(nodes=2, node_ports=(1,))
+    for ports in ({"fleet_port": 0}, {"fleet_port": 70000}, {"node_ports": (9094, 9093)}):
+        with pytest.raises(ConfigError, match=r"distinct, in 1\.\.65535"):
+            ClusterSpec(nodes=2, **ports)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("argv", "expect"), [
+    (["certs", "--out", "{tmp}/c", "--host", ""], "a certificate host must be"),
+    (["keys", "--out", "{tmp}/k", "../escape"], "a key name must be"),
+    (["certs", "--out", "/proc/no-such-dir"], "No such file or directory: /proc/no-such-dir"),
+    (["up", "--nodes", "1", "--fleet-port", "0", "--output-dir", "{tmp}"], "distinct, in 1..65535"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(argv: list[str], expect: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2  # these once passed, or ended in a traceback
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("deploy: error: ") and expect in err[0], err
+    assert not any(tmp_path.iterdir())
 
 
 def test_up_refuses_ports_in_use_before_starting_anything(tmp_path: Path) -> None:
