@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glmc.errors import ConfigError
 from server.plots import plot_curves
 from server.settings import RunSettings
 from simulations.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
@@ -56,11 +57,27 @@ class Experiment:
 
     @classmethod
     def load(cls, path: Path) -> Experiment:
-        raw = tomllib.loads(path.read_text())
-        exp = raw["experiment"]
-        return cls(exp["name"], int(exp["num-supernodes"]), tuple(exp["seeds"]), dict(raw.get("run", {})),
-                   tuple(raw.get("splits", [{"label": "default"}])), tuple(raw.get("widths", [{"label": "default"}])),
-                   dict(_variant(a) for a in exp["aggregations"]))
+        """The config at ``path``, every cell's run config checked by the apps' parser before any cell runs; a
+        missing file, bad TOML, a missing key or a bad run-config value is a one-line ConfigError."""
+        try:
+            raw = tomllib.loads(path.read_text())
+            exp = raw["experiment"]
+            axes = [tuple(raw.get(axis, [{"label": "default"}])) for axis in ("splits", "widths")]
+            loaded = cls(exp["name"], int(exp["num-supernodes"]), tuple(exp["seeds"]), dict(raw.get("run", {})),
+                         *axes, dict(_variant(a) for a in exp["aggregations"]))
+        except OSError as err:
+            raise ConfigError(f"cannot read {path}: {err.strerror}") from err
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path} is not valid TOML: {err}") from err
+        except KeyError as err:
+            raise ConfigError(f"{path} lacks {err.args[0]!r} ([experiment] needs name, num-supernodes, seeds and "
+                              "aggregations)") from err
+        for cell in grid(loaded):
+            try:
+                cell.run_config(loaded, Path("outputs"))
+            except ConfigError as err:
+                raise ConfigError(f"{path}, cell {cell.name}: {err}") from err
+        return loaded
 
 
 @dataclass(frozen=True)
@@ -93,7 +110,7 @@ def _variant(entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if isinstance(entry, str):
         return entry, {"aggregation": entry}
     if "label" not in entry or "aggregation" not in entry:
-        raise SystemExit(f"an aggregation variant needs a label and an aggregation: {entry}")
+        raise ConfigError(f"an aggregation variant needs a label and an aggregation: {entry}")
     return entry["label"], _keys(entry)
 
 
@@ -276,7 +293,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     exit_on_sigterm()
-    exp = Experiment.load(args.config)
+    try:
+        exp = Experiment.load(args.config)
+    except ConfigError as err:
+        print(f"compare: error: {err}", file=sys.stderr)
+        return 2
     out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows = run_grid(exp, out, args.force, run=not args.finished_only)

@@ -80,3 +80,24 @@ def test_an_aggregation_variant_sets_its_own_run_config_keys(tmp_path: Path) -> 
     assert "restore-norms" not in plain.run_config(exp, tmp_path)
     config = variant.run_config(exp, tmp_path)
     assert config["restore-norms"] is True and config["aggregation"] == "weight"
+
+
+@pytest.mark.parametrize(("text", "expect"), [
+    ("[experiment]\nname = 'x'\n", "lacks 'num-supernodes'"),
+    ("name = = 1\n", "is not valid TOML"),
+    ("[experiment]\nname = 'x'\nnum-supernodes = 2\nseeds = [0, 1]\naggregations = ['fedavg', 'weight']\n"
+     "[[splits]]\nlabel = 'bad'\npartitioner = 'dirichlet'\nalpha = -1.0\n",
+     "cell fedavg_bad_default_s0: run config: alpha"),
+    ("[experiment]\nname = 'x'\nnum-supernodes = 2\nseeds = [0]\naggregations = ['fedavg', { label = 'v' }]\n",
+     "needs a label and an aggregation"),
+])
+def test_a_bad_config_fails_in_one_line_before_any_cell_runs(text: str, expect: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    out = tmp_path / "out"
+    # a bad cell once failed only when its turn came, after the cells before it had run
+    assert compare.main(["--config", str(config), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("compare: error: ") and expect in err[0], err
+    assert not out.exists()
