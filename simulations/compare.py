@@ -62,9 +62,9 @@ class Experiment:
         try:
             raw = tomllib.loads(path.read_text())
             exp = raw["experiment"]
-            axes = [tuple(raw.get(axis, [{"label": "default"}])) for axis in ("splits", "widths")]
+            splits, widths = (tuple(raw.get(axis, [{"label": "default"}])) for axis in ("splits", "widths"))
             loaded = cls(exp["name"], int(exp["num-supernodes"]), tuple(exp["seeds"]), dict(raw.get("run", {})),
-                         *axes, dict(_variant(a) for a in exp["aggregations"]))
+                         splits, widths, dict(_variant(a) for a in exp["aggregations"]))
         except OSError as err:
             raise ConfigError(f"cannot read {path}: {err.strerror}") from err
         except tomllib.TOMLDecodeError as err:
