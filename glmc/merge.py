@@ -175,6 +175,7 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
         return []
     arch = get_arch(setup.target.family)
     wide = canonicalize(arch, natives[ref], setup.target.depth, dtype=torch.float64)
+    wide32 = cast(wide, torch.float32)
     rows = []
     for i, cfg in enumerate(configs):
         if cfg == setup.target:
@@ -182,8 +183,8 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
         narrow = canonicalize(arch, natives[i], cfg.depth, dtype=torch.float64)
         pair = universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
                               data=setup.train, batch=setup.batch, learn=setup.learn)
-        a, b = (cast(s, torch.float32) for s in (wide, pair.aligned[0]))
-        curve = barrier_curve(a, b, setup.target, test, points, method=setup.method)
+        curve = barrier_curve(wide32, cast(pair.aligned[0], torch.float32), setup.target, test, points,
+                              method=setup.method)
         rows.append({"input": i, "width": cfg.width, "barrier": curve.barrier, "curve": curve.to_dict()})
     return rows
 
