@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import ModelConfig, State, cast, get_arch
 from glmc.canonical import Form, to_model
 from glmc.train import evaluate
 
@@ -28,11 +28,13 @@ def interpolate(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], la
 
 
 def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequence[Sequence[float]],
-                      cfg: ModelConfig, data: Dataset, batch_size: int = 256,
-                      form: Form = "standard") -> tuple[list[float], list[float]]:
-    """Loss and accuracy of Σ w_i θ_i on ``data`` for every weight vector w of ``grid``; one model is built
-    once and reloaded at each point."""
+                      cfg: ModelConfig, data: Dataset, batch_size: int = 256, form: Form = "standard",
+                      dtype: torch.dtype | None = None) -> tuple[list[float], list[float]]:
+    """Loss and accuracy of Σ w_i θ_i on ``data`` for every weight vector w of ``grid``, in ``dtype`` (default: the
+    states' own); one model is built once and reloaded at each point."""
     arch = get_arch(cfg.family)
+    if dtype is not None:
+        states = [cast(s, dtype) for s in states]
     model = to_model(states[0], cfg, form)
     losses, accuracies = [], []
     for weights in grid:
@@ -67,10 +69,12 @@ def linear_barriers(lambdas: list[float], losses: list[float]) -> list[float]:
 def barrier_curve(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], cfg: ModelConfig, data: Dataset,
     points: int = 21, batch_size: int = 256, form: Form = "standard", method: str = "",
+    dtype: torch.dtype | None = None,
 ) -> BarrierCurve:
-    """Evaluate θ(λ) on ``data`` at ``points`` evenly spaced λ in [0, 1] (both ends included)."""
+    """Evaluate θ(λ) on ``data`` at ``points`` evenly spaced λ in [0, 1] (both ends included), in ``dtype``
+    (default: the states' own; the tools evaluate in float32, as the models run)."""
     lambdas = [i / (points - 1) for i in range(points)]
     losses, accuracies = evaluate_mixtures((a, b), [(lam, 1.0 - lam) for lam in lambdas], cfg, data, batch_size,
-                                           form)
+                                           form, dtype)
     barriers = linear_barriers(lambdas, losses)
     return BarrierCurve(lambdas, losses, accuracies, barriers, max(barriers), method)

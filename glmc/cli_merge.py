@@ -186,7 +186,6 @@ def run_simplex(args: argparse.Namespace) -> int:
     """Align A, B, C into one universe per method; the loss over the simplex grid, its barrier, a heat map."""
     import torch
 
-    from glmc.archs import cast
     from glmc.merge import merge_states, simplex_barrier
 
     if args.simplex_steps < 2:
@@ -198,8 +197,8 @@ def run_simplex(args: argparse.Namespace) -> int:
     for method in args.method or ["none", "weight"]:
         setup = _setup(args, method, target, metas[0], 3)
         result = merge_states(natives, [m.config for m in metas], setup)
-        floats = [cast(s, torch.float32) for s in result.aligned]
-        panel = simplex_barrier(floats, target, test, args.simplex_steps, method=method).to_dict()
+        panel = simplex_barrier(result.aligned, target, test, args.simplex_steps, method=method,
+                                dtype=torch.float32).to_dict()
         panels.append(panel | {"universe_seconds": result.seconds})
         print(f"{method:12s} simplex barrier {panel['barrier']:.4f}  merge {result.seconds:.2f} s", file=sys.stderr)
     _write_simplex(args, paths, panels)

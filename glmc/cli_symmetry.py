@@ -123,7 +123,6 @@ def run_barrier(args: argparse.Namespace) -> int:
     """Align B to A by each method and measure the loss barrier on held-out data (paper Eq. 1)."""
     import torch
 
-    from glmc.archs import cast
     from glmc.barrier import barrier_curve
     from glmc.tasks import held_out
 
@@ -136,8 +135,7 @@ def run_barrier(args: argparse.Namespace) -> int:
     curves = []
     for method in args.method or ["weight"]:
         aligned = _align(args, method, state_a, state_b, meta)
-        a, b = (cast(s, torch.float32) for s in (aligned.a, aligned.b))
-        curve = barrier_curve(a, b, meta.config, test, args.points, method=method)
+        curve = barrier_curve(aligned.a, aligned.b, meta.config, test, args.points, method=method, dtype=torch.float32)
         curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds, "align_info": aligned.result.info})
         print(f"{method:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)
     _write_barrier_outputs(args, curves)

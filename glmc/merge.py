@@ -74,10 +74,10 @@ class SimplexBarrier:
 
 
 def simplex_barrier(states: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig, data: Dataset, steps: int,
-                    batch_size: int = 256, method: str = "") -> SimplexBarrier:
-    """Evaluate Σ w_i θ_i on ``data`` over :func:`simplex_grid`."""
+                    batch_size: int = 256, method: str = "", dtype: torch.dtype | None = None) -> SimplexBarrier:
+    """Evaluate Σ w_i θ_i on ``data`` over :func:`simplex_grid`, in ``dtype`` (default: the states' own)."""
     grid = simplex_grid(len(states), steps)
-    losses, accuracies = evaluate_mixtures(states, grid, cfg, data, batch_size)
+    losses, accuracies = evaluate_mixtures(states, grid, cfg, data, batch_size, dtype=dtype)
     vertex = [losses[grid.index(tuple(float(i == j) for j in range(len(states))))] for i in range(len(states))]
     barriers = [loss - sum(wi * li for wi, li in zip(w, vertex, strict=True)) for w, loss in zip(grid, losses,
                                                                                                  strict=True)]
@@ -175,7 +175,6 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
         return []
     arch = get_arch(setup.target.family)
     wide = canonicalize(arch, natives[ref], setup.target.depth, dtype=torch.float64)
-    wide32 = cast(wide, torch.float32)
     rows = []
     for i, cfg in enumerate(configs):
         if cfg == setup.target:
@@ -183,8 +182,8 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
         narrow = canonicalize(arch, natives[i], cfg.depth, dtype=torch.float64)
         pair = universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
                               data=setup.train, batch=setup.batch, learn=setup.learn)
-        curve = barrier_curve(wide32, cast(pair.aligned[0], torch.float32), setup.target, test, points,
-                              method=setup.method)
+        curve = barrier_curve(wide, pair.aligned[0], setup.target, test, points, method=setup.method,
+                              dtype=torch.float32)
         rows.append({"input": i, "width": cfg.width, "barrier": curve.barrier, "curve": curve.to_dict()})
     return rows
 
@@ -200,7 +199,6 @@ def evaluate_merge(result: UniverseResult, natives: Sequence[Mapping[str, torch.
         model.load_state_dict(native)
         models.append(model.eval())
     merged = evaluate(to_model(cast(result.merged, torch.float32), setup.target), arch, test)
-    aligned = [cast(s, torch.float32) for s in result.aligned]
-    simplex = simplex_barrier(aligned, setup.target, test, steps, method=setup.method)
+    simplex = simplex_barrier(result.aligned, setup.target, test, steps, method=setup.method, dtype=torch.float32)
     return {"inputs": [evaluate(m, arch, test) for m in models], "merged": merged,
             "ensemble": ensemble_metrics(models, arch, test), "simplex": simplex.to_dict()}

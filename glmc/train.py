@@ -158,11 +158,12 @@ def train_step(
 @torch.no_grad()
 def evaluate(model: nn.Module, arch: Arch, dataset: Dataset, batch_size: int = 256) -> dict[str, float]:
     """Mean cross-entropy in nats per target and accuracy (next-char accuracy for text)."""
-    device = next(model.parameters()).device
+    param = next(model.parameters())
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for x, y in DataLoader(dataset, batch_size=batch_size, shuffle=False):
-        x, y = x.to(device), y.to(device)
+        # images in the model's own precision (a float32 evaluation of float64 data, or the reverse); tokens as they are
+        x, y = x.to(param.device, param.dtype) if x.is_floating_point() else x.to(param.device), y.to(param.device)
         logits = arch.logits(model, x)
         loss_sum += token_loss(logits, y, reduction="sum").item()
         correct += int((logits.argmax(-1) == y).sum())

@@ -7,7 +7,7 @@ import torch
 
 from glmc import groups
 from glmc.align import align_pair
-from glmc.archs import get_arch
+from glmc.archs import cast, get_arch
 from glmc.barrier import barrier_curve, interpolate
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError, SpecError
@@ -101,6 +101,10 @@ def test_barrier_endpoints_equal_endpoint_losses(name):
     mid = evaluate(to_model(interpolate(aligned.a, aligned.b, 0.5), cfg), arch, data)["loss"]
     assert curve.barriers[2] == pytest.approx(mid - 0.5 * (loss_a + loss_b), abs=1e-12)
     assert curve.barrier == max(curve.barriers)
+    # dtype=float32 evaluates the float64 states as the tools do: the same as casting them first
+    single = barrier_curve(aligned.a, aligned.b, cfg, data, points=5, dtype=torch.float32)
+    cast_first = barrier_curve(*(cast(s, torch.float32) for s in (aligned.a, aligned.b)), cfg, data, points=5)
+    assert single.losses == cast_first.losses != curve.losses
 
 
 def test_alignment_refuses_mismatched_models_and_missing_data():

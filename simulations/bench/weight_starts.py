@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from glmc import groups
 from glmc.align import align_pair
-from glmc.archs import ModelConfig, State, cast, get_arch
+from glmc.archs import ModelConfig, State, get_arch
 from glmc.barrier import barrier_curve
 from glmc.canonical import canonicalize
 from glmc.checkpoint import load_checkpoint
@@ -42,8 +42,7 @@ RESULTS = Path("simulations/results/weight-starts")
 
 def barrier(a: State, b: State, cfg: ModelConfig, test: Dataset) -> float:
     """The loss barrier between canonical A and B, evaluated in float32 as ``glmc barrier`` does."""
-    a, b = (cast(s, torch.float32) for s in (a, b))
-    return barrier_curve(a, b, cfg, test).barrier
+    return barrier_curve(a, b, cfg, test, dtype=torch.float32).barrier
 
 
 def pair_starts(names: tuple[str, str], natives: tuple[State, State], cfg: ModelConfig, test: Dataset, count: int,
