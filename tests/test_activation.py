@@ -70,7 +70,7 @@ def test_recovers_a_permutation_transform(pair: tuple[ModelConfig, State, State]
     spec, batch = get_arch(cfg.family).spec, random_batch(cfg)
     b = apply(a, spec, permutation_transform(cfg, seed=3), cfg.heads)
     assert sq_distance(a, b) > 1.0  # the transform really moved B away from A
-    result = activation_match(a, b, cfg, batch, batch_size=10)
+    result = activation_match(a, b, cfg, batch, batch_size=10, residual=True)
     aligned = apply(b, spec, result.transform, cfg.heads)
     assert max(float((a[k] - aligned[k]).abs().max()) for k in a) < 1e-8
     assert logits_gap(aligned, b, cfg, batch) < 1e-10
@@ -82,7 +82,7 @@ def test_recovers_a_permutation_transform(pair: tuple[ModelConfig, State, State]
 def test_independent_models_function_preserved_and_closer(pair: tuple[ModelConfig, State, State]) -> None:
     cfg, a, b = pair
     spec, batch = get_arch(cfg.family).spec, random_batch(cfg)
-    result = activation_match(a, b, cfg, batch)
+    result = activation_match(a, b, cfg, batch, residual=True)
     aligned = apply(b, spec, result.transform, cfg.heads)
     assert logits_gap(aligned, b, cfg, batch) <= 1e-10
     assert result.objective[-1] <= sq_distance(a, b)
@@ -111,11 +111,22 @@ def test_chunked_statistics_match_one_pass(pair: tuple[ModelConfig, State, State
 
 def test_matches_a_model_to_itself_at_identity(pair: tuple[ModelConfig, State, State]) -> None:
     cfg, a, _ = pair
-    t = activation_match(a, a, cfg, random_batch(cfg)).transform
+    t = activation_match(a, a, cfg, random_batch(cfg), residual=True).transform
     assert torch.equal(t.residual, torch.eye(cfg.width, dtype=torch.float64))
     for layer in range(cfg.depth):
         assert torch.equal(t.heads[layer], torch.arange(cfg.heads))
         assert torch.equal(t.mlp[layer], torch.arange(cfg.mlp))
+
+
+def test_a_language_model_keeps_its_residual_by_default(pair: tuple[ModelConfig, State, State]) -> None:
+    """Verma & Elbayad permute the residual for classifiers and leave it for language models (§5.3)."""
+    cfg, a, b = pair
+    batch = random_batch(cfg)
+    default, permuted = activation_match(a, b, cfg, batch), activation_match(a, b, cfg, batch, residual=True)
+    assert (default.transform.residual is None) == (cfg.family == "gpt2")
+    assert permuted.transform.residual is not None
+    assert [torch.equal(x, y) for x, y in zip(default.transform.mlp, permuted.transform.mlp, strict=True)] == (
+        [True] * cfg.depth)  # the MLP and head LAPs read the same correlations either way
 
 
 BAD_BATCHES = {

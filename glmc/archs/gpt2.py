@@ -118,4 +118,5 @@ GPT2 = Arch(
     logits=logits,
     module_names=_MODULES,
     check_inputs=check_inputs,
+    activation_residual=False,  # a language model: the residual stays as it is (Verma & Elbayad §5.3)
 )

@@ -3,6 +3,7 @@
 Run A and B on the same batch, take the Pearson correlation (Eq. 1) of their MLP hidden features, per-head
 attention features and residual-stream features, and solve a linear assignment (Eq. 2) for each: the
 residual permutation, each layer's MLP permutation, and each layer's heads in two stages (Eq. 5–6, Alg. 1).
+Language models keep their residual stream as it is, as the paper does for masked language modelling (§5.3).
 Hooks are placed through the arch's canonical module table: no architecture is named here.
 """
 
@@ -142,12 +143,15 @@ def solve_heads(corr: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Ten
     return outer, chosen, values
 
 
-def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype,
+def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype, residual: bool,
            ) -> tuple[Transform, dict[str, float]]:
-    """Every LAP from the correlations: residual permutation, MLP permutations, heads with within-head maps."""
+    """Every LAP from the correlations: the residual permutation (if ``residual``), MLP permutations, heads with
+    within-head maps."""
     t = Transform(cfg.depth)
-    res = groups.assignment(corr["residual", -1])
-    t.residual = _permutation_matrix(res, dtype)
+    res = torch.arange(cfg.width)
+    if residual:
+        res = groups.assignment(corr["residual", -1])
+        t.residual = _permutation_matrix(res, dtype)
     mlp, head = [], []
     for layer in range(cfg.depth):
         perm = groups.assignment(corr["mlp", layer])
@@ -162,16 +166,18 @@ def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtyp
 
 
 def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, *,
-                     batch_size: int = 64) -> MatchResult:
+                     batch_size: int = 64, residual: bool | None = None) -> MatchResult:
     """Find T with T(θ_B) ≡ θ_B as a function and its features correlated with A's (Verma & Elbayad §3).
 
-    ``a``, ``b``: canonical standard-form states of ``cfg``; ``batch``: model input (images or token ids).
+    ``a``, ``b``: canonical standard-form states of ``cfg``; ``batch``: model input (images or token ids);
+    ``residual``: permute the residual stream too (default: the family's ``activation_residual``).
     The objective is ‖θ_A − T(θ_B)‖², comparable with weight matching; ``info`` holds mean matched correlations.
     """
     start = time.perf_counter()
     corr = correlations(a, b, cfg, batch, batch_size=batch_size)
     dtype = next(iter(b.values())).dtype
-    t, info = _solve(corr, cfg, dtype)
+    residual = get_arch(cfg.family).activation_residual if residual is None else residual
+    t, info = _solve(corr, cfg, dtype, residual)
     objective = sq_distance(a, apply(b, get_arch(cfg.family).spec, t, cfg.heads))
     log.info("activation matching: ‖A − T(B)‖² = %.6g, correlations %s", objective, info)
     return MatchResult(t, [objective], time.perf_counter() - start, dict(info))
