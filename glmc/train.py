@@ -54,7 +54,8 @@ class TrainConfig:
              {"epochs": self.epochs, "batch_size": self.batch_size, "max_steps": self.max_steps}),
             ("finite and > 0", lambda v: math.isfinite(v) and v > 0, {"lr": self.lr}),
             ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0,
-             {"weight_decay": self.weight_decay, "grad_clip": self.grad_clip, "threads": self.threads}),
+             {"weight_decay": self.weight_decay, "threads": self.threads}),
+            ("> 0 (inf: no clipping)", lambda v: v > 0, {"grad_clip": self.grad_clip}),  # 0 would zero every step
             ("in [0, 1)", lambda v: 0 <= v < 1, {"warmup": self.warmup})])
 
     def to_dict(self) -> dict[str, Any]:
