@@ -33,6 +33,7 @@ from typing import Any
 
 from deploy.certs import CertPaths, make_certificates
 from deploy.connection import write_connection
+from deploy.files import require_plain_name
 from deploy.keys import NodeKey, make_node_key
 from deploy.processes import Process, launch, stop
 from glmc.errors import ConfigError, DeployError
@@ -63,8 +64,7 @@ class ClusterSpec:
     output_dir: Path = Path("outputs/deploy")
 
     def __post_init__(self) -> None:
-        if not self.name.replace("-", "").replace("_", "").isalnum():
-            raise ConfigError(f"deployment name must be letters, digits, - and _, got {self.name!r}")
+        require_plain_name("deployment name", self.name)
         if self.nodes < 0 or not self.tiers or not all(0 < t <= 1 for t in self.tiers):
             raise ConfigError(f"need nodes >= 0 and tiers in (0, 1], got {self.nodes} and {self.tiers}")
         if self.node_ports and len(self.node_ports) != self.nodes:

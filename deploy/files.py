@@ -1,9 +1,11 @@
-"""Writing deployment files: atomically, and private keys readable by their owner only."""
+"""Writing deployment files: atomically, private keys readable by their owner only, under plain names."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from glmc.errors import ConfigError
 
 
 def write_file(path: Path, data: bytes, *, secret: bool = False) -> None:
@@ -14,3 +16,9 @@ def write_file(path: Path, data: bytes, *, secret: bool = False) -> None:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     tmp.replace(path)
+
+
+def require_plain_name(what: str, name: str) -> None:
+    """ConfigError unless ``name`` is letters, digits, - and _: it becomes a file or folder name, never a path."""
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise ConfigError(f"{what} must be letters, digits, - and _, got {name!r}")

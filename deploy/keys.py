@@ -20,7 +20,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from deploy.files import write_file
+from deploy.files import require_plain_name, write_file
 from glmc.errors import ConfigError
 
 
@@ -37,8 +37,7 @@ class NodeKey:
 
 def make_node_key(out: Path, name: str, *, force: bool = False) -> NodeKey:
     """Write ``out/name`` (private, mode 0600) and ``out/name.pub``; an existing pair is kept unless ``force``."""
-    if not name.replace("-", "").replace("_", "").isalnum():
-        raise ConfigError(f"a key name must be letters, digits, - and _, got {name!r}")
+    require_plain_name("a key name", name)
     key = NodeKey(out / name)
     if key.private.exists() and not force:
         raise ConfigError(f"{key.private} exists; pass --force to replace it")
