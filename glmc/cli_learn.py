@@ -16,8 +16,12 @@ DATA_HELP = "dataset directory (default: the dataset's own copy, under $GLMC_DAT
 
 
 def count(text: str) -> int:
-    """An argparse type for a number of samples: an integer of at least 1 (0 would silently mean the default)."""
-    value = int(text)
+    """An argparse type for a count (samples, iterations, workers): an integer of at least 1 (0 would silently mean
+    the default, or nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
-from glmc.errors import ConfigError
+from glmc.cli_learn import add_learn_arguments, count, learn_options, train_subset
+from glmc.errors import ConfigError, check_weights
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
@@ -45,26 +44,24 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_universe_arguments(parser: argparse.ArgumentParser) -> None:
     """Universe-matching options, shared by ``merge`` and ``barrier --simplex``."""
-    parser.add_argument("--iters", type=int, default=5, help="universe iterations at most")
+    parser.add_argument("--iters", type=count, default=5, help="universe iterations at most")
     parser.add_argument("--tol", type=float, default=1e-3,
                         help="stop when U moves, or the mean distance to U falls, by less than this (relative)")
-    parser.add_argument("--workers", type=int, default=1, help="processes aligning models in parallel")
+    parser.add_argument("--workers", type=count, default=1, help="processes aligning models in parallel")
     parser.add_argument("--concentration", type=float,
                         help="learned: refinement weights ~ Dirichlet(c·N·w); 0.1 is the paper's, spread over the "
                         "simplex; default 10, near the weighted mean that the merge keeps")
 
 
 def _weights(text: str | None, n: int) -> list[float] | None:
-    """``n1,n2,...`` as n positive floats."""
+    """``n1,n2,...`` as n positive floats, checked before any merging."""
     if text is None:
         return None
     try:
         weights = [float(w) for w in text.split(",")]
     except ValueError as err:
         raise ConfigError(f"--weights must be comma-separated numbers, got {text!r}") from err
-    if len(weights) != n or not all(math.isfinite(w) and w > 0 for w in weights):
-        raise ConfigError(f"--weights needs {n} positive numbers, got {text!r}")
-    return weights
+    return check_weights(weights, n)
 
 
 def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 
 
@@ -39,3 +40,11 @@ def check_options(what: str, rules: Iterable[Rule]) -> None:
            for name, value in values.items() if value is not None and not test(value)]
     if bad:
         raise ConfigError(f"{what}: {'; '.join(bad)}")
+
+
+def check_weights(weights: Iterable[float], n: int) -> list[float]:
+    """``weights`` as floats, one per model and each finite and positive, else a one-line ConfigError."""
+    floats = [float(w) for w in weights]
+    if len(floats) != n or not all(math.isfinite(w) and w > 0 for w in floats):
+        raise ConfigError(f"need one positive weight per model, got {floats} for {n} models")
+    return floats

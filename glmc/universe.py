@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.errors import ConfigError, check_options
+from glmc.errors import ConfigError, check_options, check_weights
 from glmc.match.common import MatchResult, sq_distance
 from glmc.transforms import Transform, apply, compose
 from glmc.widths import Placement, embed, lstsq_merge, move, place
@@ -155,8 +155,8 @@ def universe_match(
     """
     if len(states) == 0:
         raise ConfigError("universe matching needs at least one model")
-    if weights is not None and (len(weights) != len(states) or not all(math.isfinite(w) and w > 0 for w in weights)):
-        raise ConfigError(f"need one positive weight per model, got {list(weights)} for {len(states)} models")
+    if weights is not None:
+        check_weights(weights, len(states))
     check_options("universe matching", [("≥ 1", lambda v: v >= 1, {"max_iters": max_iters, "workers": workers}),
                                         ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0, {"tol": tol})])
     aligned, placements = _into_universe(states, cfg, configs)

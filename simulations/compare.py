@@ -24,7 +24,6 @@ import os
 import shutil
 import statistics
 import sys
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from glmc.errors import ConfigError
 from server.plots import plot_curves
 from server.settings import RunSettings
 from simulations.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
+from simulations.tomlfile import read_toml
 
 log = logging.getLogger("simulations.compare")
 
@@ -60,15 +60,11 @@ class Experiment:
         """The config at ``path``, every cell's run config checked by the apps' parser before any cell runs; a
         missing file, bad TOML, a missing key or a bad run-config value is a one-line ConfigError."""
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = read_toml(path)
             exp = raw["experiment"]
             splits, widths = (tuple(raw.get(axis, [{"label": "default"}])) for axis in ("splits", "widths"))
             loaded = cls(exp["name"], int(exp["num-supernodes"]), tuple(exp["seeds"]), dict(raw.get("run", {})),
                          splits, widths, dict(_variant(a) for a in exp["aggregations"]))
-        except OSError as err:
-            raise ConfigError(f"cannot read {path}: {err.strerror}") from err
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path} is not valid TOML: {err}") from err
         except KeyError as err:
             raise ConfigError(f"{path} lacks {err.args[0]!r} ([experiment] needs name, num-supernodes, seeds and "
                               "aggregations)") from err

@@ -188,8 +188,9 @@ def test_refine_universe_keeps_the_reference_and_every_function(trained):
     assert transforms[1].residual is not None  # learned, not left at the identity
     for state, native, t in zip(states, natives, transforms, strict=True):
         assert _gap(apply(state, arch.spec, t, cfg.heads), native, cfg) <= 1e-5
-    with pytest.raises(ConfigError, match="positive weight"):
-        refine_universe(states, cfg, trained.data, weights=[1, 1], options=FAST)
+    for bad in ([1, 1], [1, float("nan"), 1], [1, float("inf"), 1]):  # NaN and inf once passed `min(w) <= 0`
+        with pytest.raises(ConfigError, match="positive weight"):
+            refine_universe(states, cfg, trained.data, weights=bad, options=FAST)
 
 
 def test_refinement_weights_centre_on_the_weighted_mean_by_default():

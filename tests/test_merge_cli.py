@@ -119,11 +119,14 @@ def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
                          "limit must be at least 1")
     _fails_with_one_line(["barrier", *map(str, trio[:2]), "--method", "activation", "--batch", "0", "--json", report],
                          capsys, "--batch: must be at least 1, got 0")  # 0 once meant the default, 512
-    _fails_with_one_line(["merge", *map(str, trio), "--weights", "1,2", "--out", out], capsys, "needs 3 positive")
+    _fails_with_one_line(["merge", *map(str, trio), "--weights", "1,2", "--out", out], capsys,
+                         "need one positive weight per model")
     _fails_with_one_line(["merge", *map(str, trio), "--method", "magic", "--out", out], capsys, "unknown merge method")
-    bad = {("--weights", "1,nan,2"): "needs 3 positive", ("--width-mult", "nan"): "must be in (0, 1], got nan",
-           ("--iters", "0"): "max_iters=0 (must be ≥ 1)", ("--tol", "nan"): "tol=nan (must be finite and ≥ 0)",
-           ("--workers", "0"): "workers=0 (must be ≥ 1)"}
+    bad = {("--weights", "1,nan,2"): "need one positive weight per model",
+           ("--width-mult", "nan"): "must be in (0, 1], got nan",
+           ("--iters", "0"): "--iters: must be at least 1, got 0", ("--tol", "nan"): "tol=nan (must be finite and ≥ 0)",
+           ("--workers", "0"): "--workers: must be at least 1, got 0",
+           ("--iters", "two"): "--iters: must be a whole number, got 'two'"}
     for flag, expect in bad.items():  # each once went through: a traceback, or a merge with a meaningless setting
         _fails_with_one_line(["merge", *map(str, trio), *flag, "--out", out], capsys, expect)
     assert not (tmp_path / "m.safetensors").exists()

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import Form
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn
 from glmc.transforms import Transform, compose, invert
@@ -84,9 +84,7 @@ def refine_universe(states: Sequence[State], cfg: ModelConfig, data: Dataset, we
     n = len(states)
     if n < 2 or not 0 <= reference < n:
         raise ConfigError(f"refining a universe needs at least 2 models and a reference among them, got {n}")
-    w = [1.0] * n if weights is None else [float(x) for x in weights]
-    if len(w) != n or min(w) <= 0:
-        raise ConfigError(f"need one positive weight per model, got {list(w)} for {n} models")
+    w = [1.0] * n if weights is None else check_weights(weights, n)
     w = [x / sum(w) for x in w]
     fix_ones = form == "standard"
     endpoints = [Endpoint(s, None if i == reference else

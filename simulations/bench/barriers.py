@@ -16,7 +16,6 @@ import platform
 import statistics
 import sys
 import time
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from glmc.cli import main as glmc
+from simulations.tomlfile import config_or_exit
 
 
 def label(model: dict[str, Any]) -> str:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                         "pair reports are cached); the others' rows, and the timing under --no-timing, stay as before")
     parser.add_argument("--no-timing", action="store_true", help="skip the weight-matching timing")
     args = parser.parse_args(argv)
-    config = tomllib.loads(Path(args.config).read_text())
+    config = config_or_exit(parser, args.config)
     run, start = config["run"], time.perf_counter()
     torch.set_num_threads(run["threads"])
     learned = config.get("learned", {"methods": [], "args": []})

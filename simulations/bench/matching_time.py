@@ -13,12 +13,12 @@ import json
 import os
 import platform
 import time
-import tomllib
 from pathlib import Path
 
 import torch
 
 from simulations.bench.barriers import measure_timing, timing_table
+from simulations.tomlfile import config_or_exit
 
 RESULTS = Path("simulations/results/matching-time")
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
     args = parser.parse_args(argv)
-    config = tomllib.loads(Path(args.config).read_text())
+    config = config_or_exit(parser, args.config)
     repeats, start = config["timing"]["repeats"], time.perf_counter()
     timing = measure_timing(config)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

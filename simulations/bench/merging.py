@@ -14,13 +14,13 @@ import platform
 import re
 import statistics
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from glmc.cli import main as glmc
+from simulations.tomlfile import config_or_exit
 
 
 def checkpoints(run: dict[str, Any], models: list[list[Any]]) -> list[Path]:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="simulations/bench/configs/merging.toml")
     parser.add_argument("--resume", action="store_true", help="reuse the reports and timings already written")
     args = parser.parse_args(argv)
-    config = tomllib.loads(Path(args.config).read_text())
+    config = config_or_exit(parser, args.config)
     run, start = config["run"] | {"resume": args.resume}, time.perf_counter()
     torch.set_num_threads(run["threads"])
     reports = {spec["name"]: [merge(run, spec, m) for m in spec["methods"]] for spec in config["merges"]}

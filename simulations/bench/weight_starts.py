@@ -19,7 +19,6 @@ import platform
 import statistics
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from glmc.match.weight import weight_match
 from glmc.tasks import held_out
 from glmc.transforms import apply
 from simulations.bench.barriers import checkpoint, label, mean_se, previous_results, results_lock
+from simulations.tomlfile import config_or_exit
 
 RESULTS = Path("simulations/results/weight-starts")
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
     parser.add_argument("--models", nargs="+", help="measure only these of the config's [starts] models")
     args = parser.parse_args(argv)
-    config = tomllib.loads(Path(args.config).read_text())
+    config = config_or_exit(parser, args.config)
     run, starts = config["run"], config["starts"]
     torch.set_num_threads(run["threads"])
     wanted = args.models or starts["models"]

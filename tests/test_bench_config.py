@@ -1,0 +1,29 @@
+"""The benches' entry points refuse a missing or malformed config in one line, exit 2, before measuring anything."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from simulations.bench import barriers, matching_time, merging, weight_starts
+
+BENCHES: dict[str, Callable[[list[str]], int]] = {
+    "barriers": barriers.main, "matching_time": matching_time.main, "merging": merging.main,
+    "weight_starts": weight_starts.main}
+
+
+@pytest.mark.parametrize("name", BENCHES)
+@pytest.mark.parametrize(("text", "expect"), [(None, "cannot read"), ("run = = 1\n", "is not valid TOML")])
+def test_a_missing_or_malformed_bench_config_fails_in_one_line(name: str, text: str | None, expect: str,
+                                                               tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "bench.toml"
+    if text is not None:
+        config.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:  # each once ended in a FileNotFoundError or TOMLDecodeError traceback
+        BENCHES[name](["--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ": error: " in err[0] and expect in err[0] and str(config) in err[0], err
