@@ -37,6 +37,9 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--restore-norms", action="store_true",
                         help="rescale every merged MLP neuron and head to its inputs' mean norm: a data-free repair "
                         "of the shrinkage that averaging imperfectly aligned units causes")
+    parser.add_argument("--repair", type=count, metavar="N",
+                        help="then reset every merged channel's mean and std to the inputs' weighted mean, measured on "
+                        "N training samples (REPAIR, Jordan et al. 2022); the merge then depends on data")
     add_learn_arguments(parser, f"training samples for activation (default 512) and learned (default {LEARN_SAMPLES}) "
                         "merging", epochs=1)
     add_universe_arguments(parser)
@@ -72,15 +75,17 @@ def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
 
 
 def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointMeta, n: int) -> MergeSetup:
-    """The MergeSetup of one method: training samples only for the data-driven ones (never the test split)."""
+    """The MergeSetup of one method: training samples only for the data-driven ones and REPAIR (never the test
+    split)."""
     from glmc.merge import DATA_METHODS, MergeSetup
 
     samples = args.batch or (LEARN_SAMPLES if method == "learned" else 512)
-    train = train_subset(dataclasses.replace(meta, config=target), args.data, samples) if method in DATA_METHODS \
-        else None
+    repair = getattr(args, "repair", None) or 0
+    wanted = max(samples, repair) if method in DATA_METHODS else repair  # a seeded draw: its first `samples` stay
+    train = train_subset(dataclasses.replace(meta, config=target), args.data, wanted) if wanted else None
     learn = learn_options(args)
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, args.iters,
-                      args.tol, args.workers, learn, getattr(args, "restore_norms", False))
+                      args.tol, args.workers, learn, getattr(args, "restore_norms", False), repair)
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
@@ -138,6 +143,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
                                train={})
     save_checkpoint(args.out, cast(native, torch.float32), meta)
     return result, {"out": str(args.out), "method": setup.method, "restore_norms": setup.restore_norms,
+                    "repair": setup.repair,
                     "target": setup.target.to_dict(),
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
 

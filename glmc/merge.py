@@ -19,11 +19,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from glmc.align import inputs_of
 from glmc.archs import Arch, ModelConfig, cast, get_arch, preset, scale_width
 from glmc.barrier import barrier_curve, evaluate_mixtures
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
 from glmc.errors import ConfigError
+from glmc.repair import repair
 from glmc.rescale import restore_norms
 from glmc.train import evaluate
 from glmc.universe import UniverseResult, universe_match
@@ -138,6 +140,7 @@ class MergeSetup:
     workers: int = 1
     learn: LearnConfig | None = None
     restore_norms: bool = False  # rescale the merged units to their inputs' mean norm (glmc.rescale)
+    repair: int = 0  # reset the merged channels' statistics on this many of ``train``'s inputs (glmc.repair); 0: off
 
 
 def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
@@ -148,7 +151,7 @@ def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
 def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
                  ) -> UniverseResult:
     """Canonicalise every native state (float64), embed it into the target and run universe matching (then, if
-    asked, restore the merged units' norms)."""
+    asked, restore the merged units' norms and REPAIR their statistics)."""
     if setup.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {setup.method!r}; known: {', '.join(MERGE_METHODS)}")
     arch = get_arch(setup.target.family)
@@ -164,6 +167,11 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
                             refine=setup.method == "learned", learn=setup.learn)
     if setup.restore_norms:
         result.merged = restore_norms(result.merged, result.aligned, setup.target, setup.weights)
+    if setup.repair:
+        if setup.train is None:
+            raise ConfigError("REPAIR measures activation statistics: give it training samples")
+        result.merged = repair(result.merged, result.aligned, setup.target, inputs_of(setup.train, setup.repair),
+                               setup.weights)
     return result
 
 

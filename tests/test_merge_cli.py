@@ -130,3 +130,25 @@ def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
     for flag, expect in bad.items():  # each once went through: a traceback, or a merge with a meaningless setting
         _fails_with_one_line(["merge", *map(str, trio), *flag, "--out", out], capsys, expect)
     assert not (tmp_path / "m.safetensors").exists()
+
+
+@needs_data
+def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp_path):
+    from glmc.align import inputs_of
+    from glmc.archs import get_arch
+    from glmc.canonical import canonicalize
+    from glmc.cli_learn import train_subset
+    from glmc.repair import channel_stats
+
+    out, report = tmp_path / "repaired.safetensors", tmp_path / "repaired.json"
+    argv = ["merge", *map(str, trio[:2]), "--method", "none", "--repair", "48", "--out", str(out), "--json",
+            str(report), "--limit", "16", "--simplex-points", "3", "--quiet"]
+    assert main(argv) == 0
+    assert json.loads(report.read_text())["repair"] == 48
+    loaded = [load_checkpoint(p) for p in (out, *trio[:2])]
+    x = inputs_of(train_subset(loaded[0][1], None, 48), 48)  # the merge's own draw of the training split
+    site = [("blocks.{l}.mlp.fc2", 0)]  # the last site repaired: every earlier site is already as it ends
+    stats = [channel_stats(canonicalize(get_arch("vit"), s, 1, dtype=torch.float64), VIT, x, site, 16)[site[0]]
+             for s, _ in loaded]
+    for i in range(2):  # mean, std
+        assert torch.allclose(stats[0][i], (stats[1][i] + stats[2][i]) / 2, rtol=1e-4, atol=1e-5)
