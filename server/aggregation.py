@@ -30,10 +30,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from glmc.align import inputs_of
 from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
+from glmc.repair import repair as repair_statistics
 from glmc.rescale import restore_norms
 from glmc.train import TrainConfig, train
 from glmc.universe import universe_match
@@ -102,12 +104,13 @@ def finetune(native: State, full: ModelConfig, data: Dataset | None, config: Tra
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
           data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
-          tune: TrainConfig | None = None, restore: bool = False) -> MergeResult:
+          tune: TrainConfig | None = None, restore: bool = False, repair: bool = False) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
     ``tune``: how ``fedavg-ft`` trains the merged model (default: one epoch, one thread).
     ``restore``: rescale the aligned merge's units to the clients' mean norm (:func:`glmc.rescale.restore_norms`).
+    ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
     """
     states, configs = universe_states(clients, full)
     before = embedded_distance(states, configs, full)
@@ -127,6 +130,10 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
                             workers=workers, refine=refine, learn=learn)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
+    if repair:
+        if data is None:
+            raise ConfigError("repair measures statistics on server-held data: give the strategy server data")
+        merged = repair_statistics(merged, result.aligned, full, inputs_of(data, len(data)), weights)  # type: ignore[arg-type]
     return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before,
                        mean_pairwise_distance(result.aligned), list(result.placements))
 

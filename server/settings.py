@@ -61,6 +61,9 @@ class RunSettings:
     refine_concentration: float = 10.0
     # rescale every merged MLP neuron and head to the clients' mean norm (glmc.rescale); aligned aggregations only
     restore_norms: bool = False
+    # reset every merged channel's mean and std to the clients' on the server-held data (REPAIR, glmc.repair);
+    # aligned aggregations only
+    repair: bool = False
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
@@ -95,6 +98,10 @@ class RunSettings:
                  "min-train-nodes, align-iters, align-workers and client-threads must be >= 1")
         _require(not (self.restore_norms and self.aggregation in SLICED),
                  f"restore-norms rescales aligned merges; aggregation {self.aggregation!r} averages width slices")
+        _require(not (self.repair and self.aggregation in SLICED),
+                 f"repair resets aligned merges; aggregation {self.aggregation!r} averages width slices")
+        _require(not self.repair or self.server_data > 0, "repair measures statistics on server-held data: set "
+                 "server-data > 0")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
 

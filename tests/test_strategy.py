@@ -26,6 +26,7 @@ from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
+from glmc.repair import channel_stats
 from glmc.train import TrainConfig, evaluate, train
 from server import heterofl, protocol
 from server.aggregation import Client
@@ -392,6 +393,34 @@ def test_bad_run_config_is_a_config_error(key: str, value: object) -> None:
 def test_restore_norms_needs_an_aligned_aggregation() -> None:
     with pytest.raises(ConfigError, match="restore-norms"):
         RunSettings.from_run_config({"aggregation": "fedavg", "restore-norms": True})
+
+
+def test_repair_needs_an_aligned_aggregation_and_server_data() -> None:
+    with pytest.raises(ConfigError, match="repair resets aligned merges"):
+        RunSettings.from_run_config({"aggregation": "fedavg", "repair": True, "server-data": 100})
+    with pytest.raises(ConfigError, match="set server-data > 0"):
+        RunSettings.from_run_config({"aggregation": "weight", "repair": True})
+
+
+def test_repair_gives_the_merged_channels_the_clients_statistics_on_the_server_data() -> None:
+    """Alignment moves a client's channels but keeps each one's statistics, so after REPAIR the global model's fc1
+    channels have, in total, the example-weighted mean of the clients' means and stds on the server data."""
+    states, counts, data = [state(i) for i in range(3)], (10, 20, 30), synthetic_images(24)
+    replies = [reply(s, metrics(examples=n), node=i + 1) for i, (s, n) in enumerate(zip(states, counts, strict=True))]
+    repaired, _ = strategy("weight", repair=True, server_data=data).aggregate_train(1, replies)
+    plain, _ = strategy("weight", server_data=data).aggregate_train(1, replies)
+    assert repaired is not None and plain is not None
+    arch, site = get_arch(CFG.family), [("blocks.{l}.mlp.fc1", 0)]
+
+    def totals(native: dict[str, torch.Tensor]) -> torch.Tensor:
+        folded = canonicalize(arch, {k: v.double() for k, v in native.items()}, CFG.depth, dtype=torch.float64)
+        mean, std = channel_stats(folded, CFG, data.tensors[0], site, 8)[site[0]]
+        return torch.stack([mean.sum(), std.sum()])
+
+    merged = [totals({k: torch.from_numpy(v) for k, v in as_numpy(a).items()}) for a in (repaired, plain)]
+    by_hand = sum(n * totals(s) for n, s in zip(counts, states, strict=True)) / sum(counts)
+    torch.testing.assert_close(merged[0], by_hand, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(merged[1], by_hand, rtol=1e-2)
 
 
 def test_run_config_values_are_coerced() -> None:
