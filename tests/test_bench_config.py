@@ -27,3 +27,9 @@ def test_a_missing_or_malformed_bench_config_fails_in_one_line(name: str, text: 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and ": error: " in err[0] and expect in err[0] and str(config) in err[0], err
+
+
+def test_the_merging_bench_refuses_an_unknown_merge_to_measure(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:  # before loading a checkpoint: nothing is measured or written
+        merging.main(["--only", "no such merge"])
+    assert exit_info.value.code == 2 and "no merge named 'no such merge'" in capsys.readouterr().err

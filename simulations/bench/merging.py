@@ -167,27 +167,48 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="simulations/bench/configs/merging.toml")
     parser.add_argument("--resume", action="store_true", help="reuse the reports and timings already written")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="measure only these merges (by name); every "
+                        "other merge, the simplex panels and the timing are kept from the published results.json")
     args = parser.parse_args(argv)
     config = config_or_exit(parser, args.config)
     run, start = config["run"] | {"resume": args.resume}, time.perf_counter()
     torch.set_num_threads(run["threads"])
-    reports = {spec["name"]: [merge(run, spec, m) for m in spec["methods"]] for spec in config["merges"]}
-    panels = simplex(run, config["simplex"])
-    timing = time_universe(run, config["timing"])
-    write_results(run, args.config, reports, panels, timing, config["timing"], time.perf_counter() - start)
+    kept = published(parser, run, config, args.only) if args.only else None
+    reports = {spec["name"]: kept["reports"][spec["name"]] if kept and spec["name"] not in args.only
+               else [merge(run, spec, m) for m in spec["methods"]] for spec in config["merges"]}
+    panels = kept["simplex"] if kept else simplex(run, config["simplex"])
+    timing = kept["timing"] if kept else time_universe(run, config["timing"])
+    reused = (f"kept from the published results: every merge but {', '.join(args.only)}, the simplex, the timing"
+              if kept else "reports of earlier invocations reused" if args.resume else "everything computed")
+    write_results(run, args.config, reports, panels, timing, config["timing"], time.perf_counter() - start, reused)
     return 0
+
+
+def published(parser: argparse.ArgumentParser, run: dict[str, Any], config: dict[str, Any],
+              only: list[str]) -> dict[str, Any]:
+    """The published results.json, checked to hold every merge that ``--only`` does not measure."""
+    names = [spec["name"] for spec in config["merges"]]
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        parser.error(f"--only: no merge named {unknown[0]!r} in the config")
+    path = Path(run["results"]) / "results.json"
+    kept = json.loads(path.read_text()) if path.exists() else {"reports": {}}
+    missing = [n for n in names if n not in only and n not in kept["reports"]]
+    if missing:
+        parser.error(f"--only: {path} has no report of {missing[0]!r}: measure it too")
+    return kept
 
 
 def write_results(run: dict[str, Any], config: str, reports: dict[str, list[dict[str, Any]]],
                   panels: dict[str, Any], timing: list[dict[str, Any]], timing_spec: dict[str, Any],
-                  seconds: float) -> None:
+                  seconds: float, reused: str) -> None:
     """summary.md and results.json under the results folder (the simplex plot is already there)."""
     out = Path(run["results"])
     out.mkdir(parents=True, exist_ok=True)
     rows = [row(name, r) for name, group in reports.items() for r in group]
     seeds = timing_spec["seeds"]
     meta = {"command": "python -m simulations.bench.merging", "config": config, "wall_minutes": seconds / 60,
-            "reused": "reports of earlier invocations reused" if run.get("resume") else "everything computed",
+            "reused": reused,
             "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
             "timing_models": f"{timing_spec['group']} seeds {seeds} plus {timing_spec['copies']} randomly "
                              f"transformed copies of them (exact symmetries; each is aligned to U, the mean, "
