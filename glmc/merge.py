@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from glmc.align import inputs_of
 from glmc.archs import Arch, ModelConfig, cast, get_arch, preset, scale_width
 from glmc.barrier import barrier_curve, evaluate_mixtures
 from glmc.canonical import canonicalize, to_model
@@ -168,10 +167,7 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     if setup.restore_norms:
         result.merged = restore_norms(result.merged, result.aligned, setup.target, setup.weights)
     if setup.repair:
-        if setup.train is None:
-            raise ConfigError("REPAIR measures activation statistics: give it training samples")
-        result.merged = repair(result.merged, result.aligned, setup.target, inputs_of(setup.train, setup.repair),
-                               setup.weights)
+        result.merged = repair(result.merged, result.aligned, setup.target, setup.train, setup.repair, setup.weights)
     return result
 
 

@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 from torch.utils.hooks import RemovableHandle
 
+from glmc.align import inputs_of
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import to_model
 from glmc.errors import ConfigError
@@ -28,11 +30,10 @@ SITES = ("blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")
 Stats = tuple[torch.Tensor, torch.Tensor]  # per output channel: mean, standard deviation
 
 
-def channel_stats(state: Mapping[str, torch.Tensor], cfg: ModelConfig, batch: torch.Tensor,
-                sites: Sequence[tuple[str, int]], batch_size: int) -> dict[tuple[str, int], Stats]:
-    """Mean and std (over every token of ``batch``) of each site's output channels in the model of ``state``."""
+def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites: Sequence[tuple[str, int]],
+                  batch_size: int) -> dict[tuple[str, int], Stats]:
+    """Mean and std (over every token of ``batch``) of each site's output channels in ``model`` (of ``cfg``)."""
     arch = get_arch(cfg.family)
-    model = to_model(state, cfg)
     sums: dict[tuple[str, int], list[torch.Tensor]] = {}
 
     def record(key: tuple[str, int]) -> RemovableHandle:
@@ -43,7 +44,7 @@ def channel_stats(state: Mapping[str, torch.Tensor], cfg: ModelConfig, batch: to
         return arch.module(model, key[0], key[1]).register_forward_hook(hook)
 
     handles = [record(site) for site in sites]
-    dtype = next(iter(state.values())).dtype
+    dtype = next(model.parameters()).dtype
     try:
         with torch.no_grad():
             for chunk in torch.split(batch, batch_size):
@@ -79,18 +80,23 @@ def _reset(state: State, site: str, layer: int, have: Stats, want: Stats) -> Non
 
 
 def repair(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig,
-           batch: torch.Tensor, weights: Sequence[float] | None = None, *, batch_size: int = 128) -> State:
+           data: Dataset | None, samples: int | None = None, weights: Sequence[float] | None = None, *,
+           batch_size: int = 128) -> State:
     """``merged`` (a canonical standard state of ``cfg``) with every site's output channels reset to the
     ``weights``-mean statistics of ``inputs`` (canonical states in its basis and width, e.g. universe matching's
-    aligned models), measured on ``batch`` (model inputs from the training split, never the held-out one)."""
-    if len(batch) == 0:
-        raise ConfigError("REPAIR needs at least one training input to measure activation statistics")
-    get_arch(cfg.family).check_inputs(cfg, batch)
+    aligned models), measured on the first ``samples`` inputs of ``data`` (all if None; training samples, never the
+    held-out split). The merged model is built once and reloaded after each site."""
+    if data is None or len(data) == 0 or samples == 0:  # type: ignore[arg-type]
+        raise ConfigError("REPAIR needs training inputs to measure activation statistics")
+    batch = inputs_of(data, len(data) if samples is None else samples)  # type: ignore[arg-type]
+    arch = get_arch(cfg.family)
+    arch.check_inputs(cfg, batch)
     sites = [(site, layer) for layer in range(cfg.depth) for site in SITES]
     n = torch.tensor([1.0] * len(inputs) if weights is None else list(weights), dtype=torch.float64)
-    measured = [channel_stats(s, cfg, batch, sites, batch_size) for s in inputs]
-    out = dict(merged)
+    measured = [channel_stats(to_model(s, cfg), cfg, batch, sites, batch_size) for s in inputs]
+    out, model = dict(merged), to_model(merged, cfg)
     for site, layer in sites:
-        have = channel_stats(out, cfg, batch, [(site, layer)], batch_size)[site, layer]
+        have = channel_stats(model, cfg, batch, [(site, layer)], batch_size)[site, layer]
         _reset(out, site, layer, have, _target([m[site, layer] for m in measured], n))
+        model.load_state_dict(arch.to_native(out, cfg.depth))
     return out

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from glmc.align import inputs_of
 from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
 from glmc.errors import ConfigError
@@ -131,9 +130,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
     if repair:
-        if data is None:
-            raise ConfigError("repair measures statistics on server-held data: give the strategy server data")
-        merged = repair_statistics(merged, result.aligned, full, inputs_of(data, len(data)), weights)  # type: ignore[arg-type]
+        merged = repair_statistics(merged, result.aligned, full, data, weights=weights)
     return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before,
                        mean_pairwise_distance(result.aligned), list(result.placements))
 

@@ -136,7 +136,7 @@ def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
 def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp_path):
     from glmc.align import inputs_of
     from glmc.archs import get_arch
-    from glmc.canonical import canonicalize
+    from glmc.canonical import canonicalize, to_model
     from glmc.cli_learn import train_subset
     from glmc.repair import channel_stats
 
@@ -148,7 +148,8 @@ def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp
     loaded = [load_checkpoint(p) for p in (out, *trio[:2])]
     x = inputs_of(train_subset(loaded[0][1], None, 48), 48)  # the merge's own draw of the training split
     site = [("blocks.{l}.mlp.fc2", 0)]  # the last site repaired: every earlier site is already as it ends
-    stats = [channel_stats(canonicalize(get_arch("vit"), s, 1, dtype=torch.float64), VIT, x, site, 16)[site[0]]
+    stats = [channel_stats(to_model(canonicalize(get_arch("vit"), s, 1, dtype=torch.float64), VIT), VIT, x, site,
+                           16)[site[0]]
              for s, _ in loaded]
     for i in range(2):  # mean, std
         assert torch.allclose(stats[0][i], (stats[1][i] + stats[2][i]) / 2, rtol=1e-4, atol=1e-5)

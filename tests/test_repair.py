@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, get_arch, preset, scale_width
 from glmc.barrier import mix
-from glmc.canonical import canonicalize
+from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.repair import SITES, channel_stats, repair
 from glmc.widths import embed, place
@@ -26,19 +27,22 @@ def _canonical(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg.depth, dtype=torch.float64)
 
 
-def _inputs(cfg: ModelConfig) -> torch.Tensor:
-    data = synthetic_images(64) if cfg.family == "vit" else synthetic_text(32, vocab=VOCAB)
-    return data.tensors[0]
+def _data(cfg: ModelConfig) -> TensorDataset:
+    return synthetic_images(64) if cfg.family == "vit" else synthetic_text(32, vocab=VOCAB)
+
+
+def _stats(state: dict[str, torch.Tensor], cfg: ModelConfig, sites: list[tuple[str, int]]) -> dict:
+    return channel_stats(to_model(state, cfg), cfg, _data(cfg).tensors[0], sites, 16)
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_every_channel_ends_with_the_weighted_mean_statistics_of_the_inputs(family):
-    cfg, x = CONFIGS[family], _inputs(CONFIGS[family])
+    cfg = CONFIGS[family]
     inputs = [_canonical(cfg, 0), _canonical(cfg, 1)]
     merged = mix(inputs, [0.75, 0.25])
-    repaired = repair(merged, inputs, cfg, x, [3.0, 1.0])
-    before, after = (channel_stats(s, cfg, x, SITES_OF[family], 16) for s in (merged, repaired))
-    a, b = (channel_stats(s, cfg, x, SITES_OF[family], 16) for s in inputs)
+    repaired = repair(merged, inputs, cfg, _data(cfg), weights=[3.0, 1.0])
+    before, after = (_stats(s, cfg, SITES_OF[family]) for s in (merged, repaired))
+    a, b = (_stats(s, cfg, SITES_OF[family]) for s in inputs)
     for site in SITES_OF[family]:
         for i, what in enumerate(("mean", "std")):
             want = 0.75 * a[site][i] + 0.25 * b[site][i]
@@ -48,12 +52,12 @@ def test_every_channel_ends_with_the_weighted_mean_statistics_of_the_inputs(fami
 
 def test_a_channel_an_input_does_not_hold_takes_the_other_inputs_statistics():
     wide = CONFIGS["vit"]
-    narrow, x = scale_width(wide, 0.5), _inputs(wide)
+    narrow = scale_width(wide, 0.5)
     a, b = _canonical(wide, 0), embed(_canonical(narrow, 1), place(narrow, wide))
-    repaired = repair(mix([a, b], [0.5, 0.5]), [a, b], wide, x)
+    repaired = repair(mix([a, b], [0.5, 0.5]), [a, b], wide, _data(wide))
     site = [("blocks.{l}.mlp.fc1", 0)]
-    (own_mean, own_std), (_, dead_std) = (channel_stats(s, wide, x, site, 16)[site[0]] for s in (a, b))
-    mean, std = channel_stats(repaired, wide, x, site, 16)[site[0]]
+    (own_mean, own_std), (_, dead_std) = (_stats(s, wide, site)[site[0]] for s in (a, b))
+    mean, std = _stats(repaired, wide, site)[site[0]]
     dead = dead_std == 0
     assert dead.any() and torch.allclose(std[dead], own_std[dead], rtol=1e-6)
     assert torch.allclose(mean[dead], own_mean[dead], rtol=1e-6, atol=1e-9)
@@ -62,14 +66,15 @@ def test_a_channel_an_input_does_not_hold_takes_the_other_inputs_statistics():
 def test_a_merge_of_identical_models_is_left_as_it_is():
     cfg = CONFIGS["gpt2"]
     state = _canonical(cfg, 0)
-    repaired = repair(mix([state, state], [0.5, 0.5]), [state, state], cfg, _inputs(cfg))
+    repaired = repair(mix([state, state], [0.5, 0.5]), [state, state], cfg, _data(cfg))
     assert all(torch.allclose(repaired[k], state[k], rtol=1e-9, atol=1e-9) for k in state)
 
 
 def test_no_inputs_or_inputs_of_the_wrong_shape_are_refused_in_one_line():
     cfg = CONFIGS["vit"]
     state = _canonical(cfg, 0)
-    with pytest.raises(ConfigError, match="at least one training input"):
-        repair(state, [state], cfg, torch.zeros(0, 1, 8, 8))
+    for empty in (None, TensorDataset(torch.zeros(0, 1, 8, 8), torch.zeros(0))):
+        with pytest.raises(ConfigError, match="needs training inputs"):
+            repair(state, [state], cfg, empty)
     with pytest.raises(ConfigError, match="does not fit the vit model"):
-        repair(state, [state], cfg, torch.zeros(4, 3, 32, 32))
+        repair(state, [state], cfg, TensorDataset(torch.zeros(4, 3, 32, 32), torch.zeros(4)))

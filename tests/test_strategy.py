@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
-from glmc.canonical import canonicalize
+from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
 from glmc.repair import channel_stats
@@ -414,7 +414,7 @@ def test_repair_gives_the_merged_channels_the_clients_statistics_on_the_server_d
 
     def totals(native: dict[str, torch.Tensor]) -> torch.Tensor:
         folded = canonicalize(arch, {k: v.double() for k, v in native.items()}, CFG.depth, dtype=torch.float64)
-        mean, std = channel_stats(folded, CFG, data.tensors[0], site, 8)[site[0]]
+        mean, std = channel_stats(to_model(folded, CFG), CFG, data.tensors[0], site, 8)[site[0]]
         return torch.stack([mean.sum(), std.sum()])
 
     merged = [totals({k: torch.from_numpy(v) for k, v in as_numpy(a).items()}) for a in (repaired, plain)]
