@@ -9,6 +9,7 @@ the strategy only ever sees valid replies, so the global model never takes in a 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -111,8 +112,10 @@ def _key_difference(what: str, got: set[str], expected: set[str]) -> str:
 
 def split_replies(replies: Iterable[Message], schema: ReplySchema,
                   addressees: Mapping[str, int] | None = None) -> tuple[list[Message], list[tuple[int, str]]]:
-    """(valid replies, [(node id, reason)] for the dropped ones).
+    """(valid replies in a canonical order, [(node id, reason)] for the dropped ones).
 
+    The valid replies are sorted by a digest of their arrays, not kept in arrival order: float sums depend on
+    their order, so without it two runs of one seed drift apart by rounding from the first average on.
     ``addressees`` maps instruction message ids to the node each was sent to: an error reply that the
     SuperLink makes for a node that went away carries the SuperLink's own id as its source, not the node's.
     """
@@ -123,7 +126,17 @@ def split_replies(replies: Iterable[Message], schema: ReplySchema,
             valid.append(msg)
         else:
             dropped.append((_source(msg, addressees or {}), reason))
-    return valid, dropped
+    return sorted(valid, key=_content_digest), dropped
+
+
+def _content_digest(msg: Message) -> str:
+    """SHA-256 over a valid reply's array names and bytes: the same trained models sort the same way."""
+    digest = hashlib.sha256()
+    for record in msg.content.array_records.values():
+        for key, array in sorted(record.items()):
+            digest.update(key.encode())
+            digest.update(array.data)
+    return digest.hexdigest()
 
 
 def _source(msg: Message, addressees: Mapping[str, int]) -> int:
