@@ -10,6 +10,7 @@ needs data, and the merged model's function changes (that is its purpose); the i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -30,25 +31,38 @@ SITES = ("blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")
 Stats = tuple[torch.Tensor, torch.Tensor]  # per output channel: mean, standard deviation
 
 
+class _AllSitesRecorded(Exception):
+    """Raised from the hook of the last site a forward pass reaches, to skip the rest of the network."""
+
+
 def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites: Sequence[tuple[str, int]],
                   batch_size: int) -> dict[tuple[str, int], Stats]:
-    """Mean and std (over every token of ``batch``) of each site's output channels in ``model`` (of ``cfg``)."""
+    """Mean and std (over every token of ``batch``) of each site's output channels in ``model`` (of ``cfg``).
+
+    Each chunk's forward pass stops once every site has recorded it: the layers after the last site are not run.
+    """
     arch = get_arch(cfg.family)
     sums: dict[tuple[str, int], list[torch.Tensor]] = {}
+    seen: set[tuple[str, int]] = set()  # the sites the current chunk has reached
 
     def record(key: tuple[str, int]) -> RemovableHandle:
         def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
             rows = out.detach().reshape(-1, out.shape[-1]).double()
             terms = [torch.tensor(float(rows.shape[0]), dtype=torch.float64), rows.sum(0), (rows * rows).sum(0)]
             sums[key] = terms if key not in sums else [s + t for s, t in zip(sums[key], terms, strict=True)]
+            seen.add(key)
+            if len(seen) == len(handles):
+                raise _AllSitesRecorded
         return arch.module(model, key[0], key[1]).register_forward_hook(hook)
 
-    handles = [record(site) for site in sites]
+    handles = [record(site) for site in dict.fromkeys(sites)]
     dtype = next(model.parameters()).dtype
     try:
         with torch.no_grad():
             for chunk in torch.split(batch, batch_size):
-                arch.logits(model, chunk.to(dtype) if chunk.is_floating_point() else chunk)
+                seen.clear()
+                with contextlib.suppress(_AllSitesRecorded):
+                    arch.logits(model, chunk.to(dtype) if chunk.is_floating_point() else chunk)
     finally:
         for handle in handles:
             handle.remove()

@@ -78,3 +78,20 @@ def test_no_inputs_or_inputs_of_the_wrong_shape_are_refused_in_one_line():
             repair(state, [state], cfg, empty)
     with pytest.raises(ConfigError, match="does not fit the vit model"):
         repair(state, [state], cfg, TensorDataset(torch.zeros(4, 3, 32, 32), torch.zeros(4)))
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_statistics_stop_the_forward_pass_at_the_last_site_and_match_a_full_pass(family):
+    """Measuring the first block's sites runs no later block, and gives what a pass through every site gives."""
+    cfg = CONFIGS[family]
+    state = _canonical(cfg, 0)
+    model = to_model(state, cfg)
+    later = []
+    get_arch(cfg.family).module(model, "blocks.{l}", cfg.depth - 1).register_forward_hook(
+        lambda *_: later.append(1))
+    first = [(s, 0) for s in SITES]
+    early = channel_stats(model, cfg, _data(cfg).tensors[0], first, 16)
+    assert not later
+    full = _stats(state, cfg, SITES_OF[family])
+    for site in first:
+        assert all(torch.equal(x, y) for x, y in zip(early[site], full[site], strict=True)), site
