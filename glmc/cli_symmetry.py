@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from glmc import cli_merge
 from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
-from glmc.errors import CheckpointError, ConfigError
+from glmc.errors import ConfigError
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
 METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.align.METHODS
@@ -95,9 +95,9 @@ def run_align(args: argparse.Namespace) -> int:
 
     from glmc.archs import cast, get_arch
     from glmc.checkpoint import save_checkpoint
+    from glmc.cli import _check_out
 
-    if args.out.exists() and not args.force:
-        raise CheckpointError(f"{args.out} already exists; pass --force to overwrite it")
+    _check_out(args.out, args.force)
     state_a, state_b, meta, meta_b = _load_pair(args.a, args.b)
     aligned = _align(args, args.method, state_a, state_b, meta)
     native = get_arch(meta.config.family).to_native(aligned.b, meta.config.depth)

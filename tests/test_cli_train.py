@@ -108,6 +108,16 @@ def test_existing_out_is_not_overwritten(tmp_path, capsys):
     assert out.read_bytes() == b"precious"
 
 
+@pytest.mark.parametrize("command", [["train", "--model", "vit-tiny", "--dataset", "fashion-mnist"],
+                                     ["align", "a.safetensors", "b.safetensors"],
+                                     ["merge", "a.safetensors", "b.safetensors"]])
+def test_out_must_be_a_safetensors_path(command, tmp_path, capsys):
+    """Every command that writes a checkpoint refuses another suffix before any work, and writes nothing."""
+    out = tmp_path / "model.txt"
+    _fails_with_one_line([*command, "--out", str(out)], capsys, "--out must end in .safetensors")
+    assert not out.exists()
+
+
 def test_missing_data_says_how_to_get_it(tmp_path, capsys):
     argv = ["train", "--model", "gpt2-tiny", "--dataset", "shakespeare", "--data", str(tmp_path)]
     _fails_with_one_line([*argv, "--out", str(tmp_path / "x.safetensors")], capsys, "glmc.data.fetch")
