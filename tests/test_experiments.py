@@ -69,6 +69,23 @@ def test_finished_only_summarises_saved_cells_and_runs_nothing(tmp_path: Path) -
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_summary_pairs_final_last_three_and_all_round_accuracy_by_seed() -> None:
+    """Each Δ column is the mean over seeds of (aggregation − fedavg of the same seed), per metric, in points."""
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
+    curves = {("fedavg", 0): [0.1, 0.5, 0.6, 0.7, 0.6], ("fedavg", 1): [0.2, 0.4, 0.4, 0.5, 0.5],
+              ("weight", 0): [0.3, 0.6, 0.5, 0.7, 0.7], ("weight", 1): [0.4, 0.5, 0.6, 0.6, 0.4]}
+    rows = [{"split": "dirichlet0.1", "widths": "equal", "aggregation": agg, "seed": seed,
+             "status": "finished:completed",
+             "records": [{"round": k, "central_accuracy": 0.05 if k == 0 else acc[k - 1], "mean_client_accuracy": None,
+                          "align_seconds": 0.0, "round_seconds": 1.0} for k in range(len(acc) + 1)]}
+            for (agg, seed), acc in curves.items()]
+    weight = next(r for r in compare.summary_rows(rows, exp) if r["aggregation"] == "weight")
+    # per seed, in points: final +10, −10; last 3 rounds 0, +20/3; all rounds +30/5, +50/5
+    assert weight["Δ vs fedavg (pts)"] == "0.0 ± 10.0"
+    assert weight["Δ, last 3 rounds"] == "3.3 ± 3.3"
+    assert weight["Δ, all rounds"] == "8.0 ± 2.0"
+
+
 def test_an_aggregation_variant_sets_its_own_run_config_keys(tmp_path: Path) -> None:
     """A table in ``aggregations`` is one more curve: its label names the cells, its keys reach the run config."""
     config = tmp_path / "variant.toml"
