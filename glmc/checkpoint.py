@@ -26,7 +26,7 @@ from safetensors.torch import save
 from torch import nn
 
 from glmc.archs import ModelConfig, build_model
-from glmc.errors import CheckpointError, GlmcError
+from glmc.errors import CheckpointError, ConfigError, GlmcError
 
 META_KEY = "glmc"
 FORMAT_VERSION = 1
@@ -60,6 +60,14 @@ class CheckpointMeta:
             return cls(**{**data, "config": ModelConfig.from_dict(dict(data["config"]))})
         except (GlmcError, KeyError, TypeError) as err:
             raise CheckpointError(f"invalid checkpoint metadata: {_one_line(err)}") from err
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Fail before any work if ``--out`` is not a .safetensors path or would be overwritten."""
+    if out.suffix != ".safetensors":
+        raise ConfigError(f"--out must end in .safetensors, got {out}")
+    if out.exists() and not force:
+        raise CheckpointError(f"{out} already exists; pass --force to overwrite it")
 
 
 def save_checkpoint(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmc import cli_merge, cli_symmetry
 from glmc.cli_learn import DATA_HELP
-from glmc.errors import CheckpointError, ConfigError, GlmcError
+from glmc.errors import ConfigError, GlmcError
 
 if TYPE_CHECKING:
     from glmc.train import TrainConfig
@@ -67,11 +67,11 @@ def run_train(args: argparse.Namespace) -> int:
     """Train a preset on a dataset, evaluate on its test split, print the metrics, save a checkpoint."""
     # Imported here so that `glmc --help` and usage errors answer without loading torch.
     from glmc.archs import build_model, get_arch, preset, scale_width
-    from glmc.checkpoint import CheckpointMeta, save_checkpoint
+    from glmc.checkpoint import CheckpointMeta, check_out, save_checkpoint
     from glmc.tasks import load_task
     from glmc.train import evaluate, seed_everything, train
 
-    _check_out(args.out, args.force)
+    check_out(args.out, args.force)
     task = load_task(args.dataset, scale_width(preset(args.model), args.width_mult), args.data, args.seed)
     cfg = _train_config(args, task.defaults)
     arch = get_arch(task.config.family)
@@ -112,14 +112,6 @@ def _train_config(args: argparse.Namespace, defaults: dict[str, Any]) -> TrainCo
         threads=args.threads,
         **(defaults | given),
     )
-
-
-def _check_out(out: Path, force: bool) -> None:
-    """Fail before any work if ``--out`` is not a .safetensors path or would be overwritten."""
-    if out.suffix != ".safetensors":
-        raise ConfigError(f"--out must end in .safetensors, got {out}")
-    if out.exists() and not force:
-        raise CheckpointError(f"{out} already exists; pass --force to overwrite it")
 
 
 COMMANDS: dict[str, Command] = {

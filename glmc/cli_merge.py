@@ -108,12 +108,12 @@ def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], l
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
-    from glmc.cli import _check_out
+    from glmc.checkpoint import check_out
     from glmc.merge import MERGE_METHODS, grid_steps
 
     if args.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {args.method!r}; known: {', '.join(MERGE_METHODS)}")
-    _check_out(args.out, args.force)
+    check_out(args.out, args.force)
     natives, metas, target, mult = _prepare(args, args.checkpoints)
     setup = _setup(args, args.method, target, metas[0], len(natives))
     configs = [m.config for m in metas]

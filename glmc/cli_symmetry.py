@@ -94,10 +94,9 @@ def run_align(args: argparse.Namespace) -> int:
     import torch
 
     from glmc.archs import cast, get_arch
-    from glmc.checkpoint import save_checkpoint
-    from glmc.cli import _check_out
+    from glmc.checkpoint import check_out, save_checkpoint
 
-    _check_out(args.out, args.force)
+    check_out(args.out, args.force)
     state_a, state_b, meta, meta_b = _load_pair(args.a, args.b)
     aligned = _align(args, args.method, state_a, state_b, meta)
     native = get_arch(meta.config.family).to_native(aligned.b, meta.config.depth)

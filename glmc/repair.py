@@ -43,6 +43,7 @@ def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites
     """
     arch = get_arch(cfg.family)
     sums: dict[tuple[str, int], list[torch.Tensor]] = {}
+    wanted = list(dict.fromkeys(sites))
     seen: set[tuple[str, int]] = set()  # the sites the current chunk has reached
 
     def record(key: tuple[str, int]) -> RemovableHandle:
@@ -51,11 +52,11 @@ def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites
             terms = [torch.tensor(float(rows.shape[0]), dtype=torch.float64), rows.sum(0), (rows * rows).sum(0)]
             sums[key] = terms if key not in sums else [s + t for s, t in zip(sums[key], terms, strict=True)]
             seen.add(key)
-            if len(seen) == len(handles):
+            if len(seen) == len(wanted):
                 raise _AllSitesRecorded
         return arch.module(model, key[0], key[1]).register_forward_hook(hook)
 
-    handles = [record(site) for site in dict.fromkeys(sites)]
+    handles = [record(site) for site in wanted]
     dtype = next(model.parameters()).dtype
     try:
         with torch.no_grad():

@@ -182,6 +182,14 @@ def paired(ok: list[dict[str, Any]], base: list[dict[str, Any]], metric: Callabl
     return [a - b for r in ok if (a := metric(r)) is not None and (b := by_seed.get(r["seed"])) is not None]
 
 
+# The summary's columns of paired differences from FedAvg: final accuracy, and its mean over the last rounds / all.
+DELTAS: tuple[tuple[str, Callable[[dict[str, Any]], float | None]], ...] = (
+    ("Δ vs fedavg (pts)", lambda r: final(r, "central_accuracy")),
+    ("Δ, last 3 rounds", lambda r: round_mean(r, 3)),
+    ("Δ, all rounds", round_mean),
+)
+
+
 def align_share(row: dict[str, Any]) -> float | None:
     """Alignment seconds over total round seconds, over the trained rounds."""
     rounds = [r for r in row["records"] if r["round"] > 0]
@@ -214,9 +222,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, 
         for agg in exp.aggregations:
             cell = select(rows, split, widths, agg)
             ok = [r for r in cell if r["status"] == "finished:completed"]
-            deltas = {name: "–" if agg == "fedavg" else _fmt(paired(ok, base, metric)) for name, metric in (
-                ("Δ vs fedavg (pts)", lambda r: final(r, "central_accuracy")),
-                ("Δ, last 3 rounds", lambda r: round_mean(r, 3)), ("Δ, all rounds", round_mean))}
+            deltas = {name: "–" if agg == "fedavg" else _fmt(paired(ok, base, metric)) for name, metric in DELTAS}
             table.append({
                 "split": split, "widths": widths, "aggregation": agg, "runs": f"{len(ok)}/{len(cell)}",
                 "accuracy %": _fmt([final(r, "central_accuracy") for r in ok]), **deltas,
