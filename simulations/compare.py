@@ -7,7 +7,8 @@ Every cell is a real `flwr run . --stream` (:mod:`simulations.engine`) of the ap
 metrics, checkpoints and plot), ``cells/<cell>.json`` (a finished cell is not run again unless ``--force``),
 ``results.json``, ``summary.md`` (mean ± s.e. over seeds, and the paired difference to fedavg) and one
 accuracy-against-round plot per split and width mix, one curve per aggregation. ``--publish`` copies the
-summary, JSON and plots to ``simulations/results/NAME/``.
+summary, JSON and plots to ``simulations/results/NAME/``; ``--from-results`` summarises the rows of an earlier
+results.json again, running nothing.
 
 Config: ``[experiment]`` (name, num-supernodes, seeds, aggregations), ``[run]`` (run-config keys shared by
 every cell) and ``[[splits]]`` / ``[[widths]]`` tables, each a ``label`` plus the run-config keys it sets. An
@@ -125,7 +126,7 @@ def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str]) -> dic
     records = json.loads(metrics_path.read_text())["records"] if result.ok and metrics_path.is_file() else []
     return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
             "widths": cell.widths["label"], "seed": cell.seed, "status": result.status, "details": result.details,
-            "seconds": round(result.seconds, 1), "records": records}
+            "seconds": round(result.seconds, 1), "load": [round(x, 2) for x in os.getloadavg()], "records": records}
 
 
 def pending(cell: Cell) -> dict[str, Any]:
@@ -153,6 +154,22 @@ def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True) -> list[
                 saved.write_text(json.dumps(row))
             rows.append(row)
     return rows
+
+
+def saved_rows(exp: Experiment, path: Path) -> list[dict[str, Any]]:
+    """The rows of an earlier ``results.json`` of this experiment, to summarise again without running anything;
+    a file of another experiment or grid is a one-line ConfigError."""
+    try:
+        saved = json.loads(path.read_text())
+        name, config, rows = saved["experiment"], saved["config"], saved["rows"]
+        cells = sorted(r["cell"] for r in rows)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"cannot read the rows of {path}: {err!r}") from err
+    if name != exp.name or cells != sorted(c.name for c in grid(exp)):
+        raise ConfigError(f"{path} holds experiment {name!r} with other cells than the {exp.name!r} grid")
+    if config != exp.run:
+        raise ConfigError(f"{path} ran with another [run] config than {exp.name!r} has now")
+    return list(rows)
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
@@ -260,17 +277,18 @@ def plot_groups(rows: list[dict[str, Any]], exp: Experiment, out: Path) -> list[
 
 
 def provenance(config: Path, rows: list[dict[str, Any]]) -> str:
-    """How the table was made: the command, the machine, the summed wall time of the runs and the load."""
+    """How the table was made: the command, the machine, the summed wall time of the runs and their load."""
     import platform
 
     import torch
 
     minutes = sum(r["seconds"] for r in rows) / 60
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    loads = [r["load"][0] for r in rows if r.get("load")]
+    load = (f"1-minute load average at the end of each run {min(loads):.1f}–{max(loads):.1f}" if loads else
+            "the load was not recorded (these runs predate its recording)")
     return (f"Command: `python -m simulations.compare --config {config}`. Machine: {platform.machine()}, "
             f"{os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}; the runs took "
-            f"{minutes:.0f} min of wall time in all (cells reused from earlier runs included); load average at the "
-            f"end {load}.\n")
+            f"{minutes:.0f} min of wall time in all (cells reused from earlier runs included); {load}.\n")
 
 
 def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config: Path) -> tuple[str, list[Path]]:
@@ -305,21 +323,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.compare", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, type=Path, help="simulations/configs/NAME.toml")
     parser.add_argument("--out", type=Path, help="output directory (default: outputs/NAME)")
-    parser.add_argument("--force", action="store_true", help="run finished cells again")
     parser.add_argument("--publish", action="store_true", help="copy the summary to simulations/results/NAME")
-    parser.add_argument("--finished-only", action="store_true",
-                        help="run nothing: summarise the cells already finished (e.g. while the grid runs)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--force", action="store_true", help="run finished cells again")
+    mode.add_argument("--finished-only", action="store_true",
+                      help="run nothing: summarise the cells already finished (e.g. while the grid runs)")
+    mode.add_argument("--from-results", type=Path, metavar="JSON",
+                      help="run nothing: summarise the rows of an earlier results.json of this experiment again "
+                           "(e.g. simulations/results/NAME/results.json after the table gains a column)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     exit_on_sigterm()
     try:
         exp = Experiment.load(args.config)
+        rows = saved_rows(exp, args.from_results) if args.from_results else None
     except ConfigError as err:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2
     out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    rows = run_grid(exp, out, args.force, run=not args.finished_only)
+    if rows is None:
+        rows = run_grid(exp, out, args.force, run=not args.finished_only)
     table, plots = write_outputs(exp, rows, out, args.config)
     print(table)
     for path in plots:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,6 +69,54 @@ def test_finished_only_summarises_saved_cells_and_runs_nothing(tmp_path: Path) -
     assert f"**Partial:** 1 of {len(others) + 1} cells finished" in summary and all(c in summary for c in others)
     assert f"| {done.aggregation} | 1/1 | 50.0 ± 0.0 |" in summary
     assert not (tmp_path / "runs").exists()
+
+
+def _finished_rows(exp: compare.Experiment) -> list[dict[str, object]]:
+    """A finished row for every cell of ``exp``, with made-up records and the load at its end."""
+    return [compare.pending(cell) | {
+        "status": "finished:completed", "seconds": 60.0, "load": [0.5 + i, 1.0, 1.0],
+        "records": [{"round": k, "central_accuracy": 0.1 * (k + i), "central_loss": 1.0, "mean_client_accuracy": 0.5,
+                     "align_seconds": 0.0, "round_seconds": 1.0, "distance_before": 2.0, "distance_after": 2.0}
+                    for k in range(3)]} for i, cell in enumerate(compare.grid(exp))]
+
+
+def test_from_results_summarises_an_earlier_results_json_again_and_runs_nothing(tmp_path: Path) -> None:
+    """--from-results rebuilds the same table from results.json alone; the load comes from the rows, not from now."""
+    config = PROJECT / "simulations" / "configs" / "drift-smoke.toml"
+    exp = compare.Experiment.load(config)
+    first, again = tmp_path / "first", tmp_path / "again"
+    (first / "cells").mkdir(parents=True)
+    for row in _finished_rows(exp):
+        (first / "cells" / f"{row['cell']}.json").write_text(json.dumps(row))
+    assert compare.main(["--config", str(config), "--out", str(first), "--finished-only"]) == 0
+    results = first / "results.json"
+    assert compare.main(["--config", str(config), "--out", str(again), "--from-results", str(results)]) == 0
+    summary = (again / "summary.md").read_text()
+    assert summary == (first / "summary.md").read_text()
+    cells = len(compare.grid(exp))
+    assert f"load average at the end of each run 0.5–{cells - 0.5:.1f}" in summary
+    assert json.loads((again / "results.json").read_text()) == json.loads(results.read_text())
+    assert not (again / "runs").exists() and not (again / "cells").exists()
+
+
+@pytest.mark.parametrize(("edit", "expect"), [
+    (lambda saved: saved | {"experiment": "other"}, "with other cells than"),
+    (lambda saved: saved | {"rows": saved["rows"][1:]}, "with other cells than"),
+    (lambda saved: saved | {"config": saved["config"] | {"num-server-rounds": 7}}, "another [run] config"),
+    (lambda saved: {"rows": saved["rows"]}, "cannot read the rows"),
+])
+def test_from_results_refuses_rows_of_another_grid_in_one_line(edit: Callable[[dict[str, Any]], dict[str, Any]],
+                                                               expect: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    config = PROJECT / "simulations" / "configs" / "drift-smoke.toml"
+    exp = compare.Experiment.load(config)
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(edit({"experiment": exp.name, "config": exp.run, "rows": _finished_rows(exp)})))
+    assert compare.main(["--config", str(config), "--out", str(tmp_path / "out"), "--from-results",
+                         str(results)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("compare: error: ") and expect in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_summary_pairs_final_last_three_and_all_round_accuracy_by_seed() -> None:
