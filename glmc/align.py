@@ -19,6 +19,7 @@ from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
 from glmc.match.learned import LearnConfig
 from glmc.spec import check_same_shapes
+from glmc.tasks import inputs_of
 from glmc.transforms import Transform, apply
 
 METHODS = ("none", "weight", "weight-perm", "activation", "learned", "learned-perm", "soft", "dual")
@@ -34,12 +35,6 @@ class Alignment:
     b: State
     method: str
     result: MatchResult
-
-
-def inputs_of(data: Dataset, n: int) -> torch.Tensor:
-    """The first ``n`` inputs of a dataset of (input, target) pairs, stacked into one batch."""
-    count = min(n, len(data))  # type: ignore[arg-type]
-    return torch.stack([data[i][0] for i in range(count)])
 
 
 def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset | None,

@@ -14,6 +14,8 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, cast, get_arch
 from glmc.canonical import Form, to_model
+from glmc.errors import ConfigError
+from glmc.repair import RepairTarget
 from glmc.train import evaluate
 
 
@@ -29,16 +31,22 @@ def interpolate(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], la
 
 def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequence[Sequence[float]],
                       cfg: ModelConfig, data: Dataset, batch_size: int = 256, form: Form = "standard",
-                      dtype: torch.dtype | None = None) -> tuple[list[float], list[float]]:
+                      dtype: torch.dtype | None = None, repair_data: Dataset | None = None,
+                      ) -> tuple[list[float], list[float]]:
     """Loss and accuracy of Σ w_i θ_i on ``data`` for every weight vector w of ``grid``, in ``dtype`` (default: the
-    states' own); one model is built once and reloaded at each point."""
+    states' own); one model is built once and reloaded at each point. With ``repair_data`` (training samples),
+    each mixture is first REPAIRed to the w-mean of the states' channel statistics on all of them."""
+    if repair_data is not None and form != "standard":
+        raise ConfigError(f"REPAIR needs the standard form, not {form!r}")
     arch = get_arch(cfg.family)
     if dtype is not None:
         states = [cast(s, dtype) for s in states]
+    target = RepairTarget.measure(states, cfg, repair_data) if repair_data is not None else None
     model = to_model(states[0], cfg, form)
     losses, accuracies = [], []
     for weights in grid:
-        model.load_state_dict(arch.to_native(mix(states, weights), cfg.depth))
+        mixed = mix(states, weights)
+        model.load_state_dict(arch.to_native(target.repair(mixed, weights) if target else mixed, cfg.depth))
         metrics = evaluate(model, arch, data, batch_size)
         losses.append(metrics["loss"])
         accuracies.append(metrics["accuracy"])
@@ -69,12 +77,13 @@ def linear_barriers(lambdas: list[float], losses: list[float]) -> list[float]:
 def barrier_curve(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], cfg: ModelConfig, data: Dataset,
     points: int = 21, batch_size: int = 256, form: Form = "standard", method: str = "",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, repair_data: Dataset | None = None,
 ) -> BarrierCurve:
     """Evaluate θ(λ) on ``data`` at ``points`` evenly spaced λ in [0, 1] (both ends included), in ``dtype``
-    (default: the states' own; the tools evaluate in float32, as the models run)."""
+    (default: the states' own; the tools evaluate in float32, as the models run); with ``repair_data``, each θ(λ)
+    REPAIRed first (Jordan et al., 2022), which leaves both ends as they are."""
     lambdas = [i / (points - 1) for i in range(points)]
     losses, accuracies = evaluate_mixtures((a, b), [(lam, 1.0 - lam) for lam in lambdas], cfg, data, batch_size,
-                                           form, dtype)
+                                           form, dtype, repair_data)
     barriers = linear_barriers(lambdas, losses)
     return BarrierCurve(lambdas, losses, accuracies, barriers, max(barriers), method)

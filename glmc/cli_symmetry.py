@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glmc import cli_merge
-from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
+from glmc.cli_learn import add_learn_arguments, count, learn_options, train_subset
 from glmc.errors import ConfigError
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
@@ -115,6 +115,10 @@ def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
     parser.add_argument("--json", required=True, type=Path, help="write the curves here")
     parser.add_argument("--plot", type=Path, help="write a loss/accuracy plot here (.png)")
+    parser.add_argument("--repair", type=count, metavar="N",
+                        help="REPAIR every point of the path first (Jordan et al. 2022): reset each channel's mean "
+                             "and std to the λ-mean of A's and B's, measured on N training samples; each curve is "
+                             "named METHOD+repair")
     cli_merge.add_simplex_arguments(parser)
 
 
@@ -126,17 +130,22 @@ def run_barrier(args: argparse.Namespace) -> int:
     from glmc.tasks import held_out
 
     if args.simplex:
+        if args.repair:
+            raise ConfigError("--repair applies to the pairwise curves, not to --simplex")
         return cli_merge.run_simplex(args)
     if args.points < 2:
         raise ConfigError("--points must be at least 2")
     state_a, state_b, meta, _ = _load_pair(args.a, args.b)
     test = held_out(meta.dataset, meta.config, args.data, args.limit)
+    repair = train_subset(meta, args.data, args.repair) if args.repair else None
     curves = []
     for method in args.method or ["weight"]:
         aligned = _align(args, method, state_a, state_b, meta)
-        curve = barrier_curve(aligned.a, aligned.b, meta.config, test, args.points, method=method, dtype=torch.float32)
+        name = f"{method}+repair" if repair is not None else method
+        curve = barrier_curve(aligned.a, aligned.b, meta.config, test, args.points, method=name, dtype=torch.float32,
+                              repair_data=repair)
         curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds, "align_info": aligned.result.info})
-        print(f"{method:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)
+        print(f"{name:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)
     _write_barrier_outputs(args, curves)
     return 0
 

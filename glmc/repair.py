@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 from torch.utils.hooks import RemovableHandle
 
-from glmc.align import inputs_of
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import to_model
 from glmc.errors import ConfigError
+from glmc.tasks import inputs_of
 
 # The linear layers whose output channels are repaired, block by block in forward order (canonical prefixes): the
 # MLP's pre-activations and both residual writers. Not qkv: q and k act only through their product, which
@@ -94,24 +95,50 @@ def _reset(state: State, site: str, layer: int, have: Stats, want: Stats) -> Non
     state[f"{name}.b"] = ((b.double() - mean) * scale + mean_t).to(b.dtype)
 
 
+@dataclass
+class RepairTarget:
+    """The inputs' channel statistics on one batch, measured once: REPAIR then resets any weighted merge of those
+    inputs (a universe merge, or every point of an interpolation path) to its weights' mean statistics."""
+
+    cfg: ModelConfig
+    batch: torch.Tensor
+    measured: list[dict[tuple[str, int], Stats]]
+    batch_size: int = 128
+
+    @classmethod
+    def measure(cls, inputs: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig, data: Dataset | None,
+                samples: int | None = None, batch_size: int = 128) -> RepairTarget:
+        """Statistics of ``inputs`` (canonical states of ``cfg``, in one basis and width, e.g. universe matching's
+        aligned models) on the first ``samples`` inputs of ``data`` (all if None; training samples, never the
+        held-out split)."""
+        if data is None or len(data) == 0 or samples == 0:  # type: ignore[arg-type]
+            raise ConfigError("REPAIR needs training inputs to measure activation statistics")
+        batch = inputs_of(data, len(data) if samples is None else samples)  # type: ignore[arg-type]
+        get_arch(cfg.family).check_inputs(cfg, batch)
+        measured = [channel_stats(to_model(s, cfg), cfg, batch, _sites(cfg), batch_size) for s in inputs]
+        return cls(cfg, batch, measured, batch_size)
+
+    def repair(self, merged: Mapping[str, torch.Tensor], weights: Sequence[float] | None = None) -> State:
+        """``merged`` with every site's output channels reset, in forward order, to the ``weights``-mean (default
+        equal) statistics of the inputs. The merged model is built once and reloaded after each site."""
+        arch = get_arch(self.cfg.family)
+        n = torch.tensor([1.0] * len(self.measured) if weights is None else list(weights), dtype=torch.float64)
+        out, model = dict(merged), to_model(merged, self.cfg)
+        for site, layer in _sites(self.cfg):
+            have = channel_stats(model, self.cfg, self.batch, [(site, layer)], self.batch_size)[site, layer]
+            _reset(out, site, layer, have, _target([m[site, layer] for m in self.measured], n))
+            model.load_state_dict(arch.to_native(out, self.cfg.depth))
+        return out
+
+
+def _sites(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """Every repaired site, block by block in forward order."""
+    return [(site, layer) for layer in range(cfg.depth) for site in SITES]
+
+
 def repair(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig,
            data: Dataset | None, samples: int | None = None, weights: Sequence[float] | None = None, *,
            batch_size: int = 128) -> State:
-    """``merged`` (a canonical standard state of ``cfg``) with every site's output channels reset to the
-    ``weights``-mean statistics of ``inputs`` (canonical states in its basis and width, e.g. universe matching's
-    aligned models), measured on the first ``samples`` inputs of ``data`` (all if None; training samples, never the
-    held-out split). The merged model is built once and reloaded after each site."""
-    if data is None or len(data) == 0 or samples == 0:  # type: ignore[arg-type]
-        raise ConfigError("REPAIR needs training inputs to measure activation statistics")
-    batch = inputs_of(data, len(data) if samples is None else samples)  # type: ignore[arg-type]
-    arch = get_arch(cfg.family)
-    arch.check_inputs(cfg, batch)
-    sites = [(site, layer) for layer in range(cfg.depth) for site in SITES]
-    n = torch.tensor([1.0] * len(inputs) if weights is None else list(weights), dtype=torch.float64)
-    measured = [channel_stats(to_model(s, cfg), cfg, batch, sites, batch_size) for s in inputs]
-    out, model = dict(merged), to_model(merged, cfg)
-    for site, layer in sites:
-        have = channel_stats(model, cfg, batch, [(site, layer)], batch_size)[site, layer]
-        _reset(out, site, layer, have, _target([m[site, layer] for m in measured], n))
-        model.load_state_dict(arch.to_native(out, cfg.depth))
-    return out
+    """``merged`` (a canonical standard state of ``cfg``) REPAIRed to the ``weights``-mean statistics of ``inputs``
+    on the first ``samples`` inputs of ``data``: :class:`RepairTarget` measured and applied once."""
+    return RepairTarget.measure(inputs, cfg, data, samples, batch_size).repair(merged, weights)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data import Dataset, Subset
 
 from glmc.archs import ModelConfig
@@ -110,3 +111,9 @@ def held_out(dataset: str, cfg: ModelConfig, path: str | Path | None = None, lim
         raise ConfigError(f"limit must be at least 1 held-out sample, got {limit}")
     test = load_task(dataset, cfg, path).test
     return test if limit is None else Subset(test, range(min(limit, len(test))))  # type: ignore[arg-type]
+
+
+def inputs_of(data: Dataset, n: int) -> torch.Tensor:
+    """The first ``n`` inputs of a dataset of (input, target) pairs, stacked into one batch."""
+    count = min(n, len(data))  # type: ignore[arg-type]
+    return torch.stack([data[i][0] for i in range(count)])

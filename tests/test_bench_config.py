@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from simulations.bench import barriers, matching_time, merging, weight_starts
+from simulations.bench import barriers, matching_time, merging, repair_barriers, weight_starts
 
 BENCHES: dict[str, Callable[[list[str]], int]] = {
     "barriers": barriers.main, "matching_time": matching_time.main, "merging": merging.main,
-    "weight_starts": weight_starts.main}
+    "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main}
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -33,3 +33,15 @@ def test_the_merging_bench_refuses_an_unknown_merge_to_measure(capsys: pytest.Ca
     with pytest.raises(SystemExit) as exit_info:  # before loading a checkpoint: nothing is measured or written
         merging.main(["--only", "no such merge"])
     assert exit_info.value.code == 2 and "no merge named 'no such merge'" in capsys.readouterr().err
+
+
+def test_the_repair_bench_divides_each_pair_by_its_own_plain_vanilla_barrier() -> None:
+    def curve(barrier: float) -> dict[str, object]:
+        return {"barrier": barrier, "lambdas": [0.0, 0.5, 1.0], "accuracies": [0.9, barrier / 10, 0.9]}
+
+    pairs = [{"none": curve(2.0), "weight+repair": curve(0.2)}, {"none": curve(1.0), "weight+repair": curve(0.3)}]
+    rows = {r["curve"]: r for r in repair_barriers.summary_rows("m", pairs)}
+    assert rows["none"]["ratio_to_vanilla"] == 1.0 and rows["none"]["ratio_se"] == 0.0
+    assert rows["weight+repair"]["ratio_to_vanilla"] == pytest.approx(0.2)  # mean of 0.1 and 0.3, not 0.5 / 3
+    assert rows["weight+repair"]["barrier"] == pytest.approx(0.25)
+    assert rows["weight+repair"]["midpoint_accuracy"] == pytest.approx(0.025)

@@ -134,11 +134,11 @@ def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
 
 @needs_data
 def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp_path):
-    from glmc.align import inputs_of
     from glmc.archs import get_arch
     from glmc.canonical import canonicalize, to_model
     from glmc.cli_learn import train_subset
     from glmc.repair import channel_stats
+    from glmc.tasks import inputs_of
 
     out, report = tmp_path / "repaired.safetensors", tmp_path / "repaired.json"
     argv = ["merge", *map(str, trio[:2]), "--method", "none", "--repair", "48", "--out", str(out), "--json",
@@ -153,3 +153,24 @@ def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp
              for s, _ in loaded]
     for i in range(2):  # mean, std
         assert torch.allclose(stats[0][i], (stats[1][i] + stats[2][i]) / 2, rtol=1e-4, atol=1e-5)
+
+
+@needs_data
+def test_barrier_repair_names_its_curves_and_keeps_both_ends(trio, tmp_path, capsys):
+    """`glmc barrier --repair N`: one METHOD+repair curve per method, whose ends are the models' own losses."""
+    plain, repaired = tmp_path / "plain.json", tmp_path / "repaired.json"
+    common = [*map(str, trio[:2]), "--method", "none", "--method", "weight", "--points", "3", "--limit", "32",
+              "--quiet"]
+    assert main(["barrier", *common, "--json", str(plain)]) == 0
+    assert main(["barrier", *common, "--repair", "48", "--json", str(repaired)]) == 0
+    curves = [json.loads(p.read_text())["curves"] for p in (plain, repaired)]
+    assert [c["method"] for c in curves[1]] == ["none+repair", "weight+repair"]
+    for before, after in zip(*curves, strict=True):
+        assert after["losses"][0] == pytest.approx(before["losses"][0], rel=1e-5)
+        assert after["losses"][-1] == pytest.approx(before["losses"][-1], rel=1e-5)
+        assert after["losses"][1] != pytest.approx(before["losses"][1], rel=1e-4)
+    capsys.readouterr()
+    _fails_with_one_line(["barrier", *common, "--repair", "0", "--json", str(repaired)], capsys,
+                         "--repair: must be at least 1, got 0")
+    _fails_with_one_line(["barrier", "--simplex", str(trio[0]), *map(str, trio[1:]), "--repair", "8", "--json",
+                          str(repaired)], capsys, "--repair applies to the pairwise curves, not to --simplex")

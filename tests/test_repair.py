@@ -1,5 +1,6 @@
 """REPAIR after a merge: every repaired channel ends with its inputs' weighted mean statistics, channels an input
-does not hold are left out of that mean, a merge of identical models is left as it is, and bad data is refused."""
+does not hold are left out of that mean, a merge of identical models is left as it is, and bad data is refused;
+along a path, every point is REPAIRed and both ends stay the models themselves."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import torch
 from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, get_arch, preset, scale_width
-from glmc.barrier import mix
+from glmc.barrier import barrier_curve, mix
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.repair import SITES, channel_stats, repair
+from glmc.train import evaluate
 from glmc.widths import embed, place
 from tests.conftest import synthetic_images, synthetic_text
 from tests.symmetry_models import VOCAB, random_native
@@ -95,3 +97,26 @@ def test_statistics_stop_the_forward_pass_at_the_last_site_and_match_a_full_pass
     full = _stats(state, cfg, SITES_OF[family])
     for site in first:
         assert all(torch.equal(x, y) for x, y in zip(early[site], full[site], strict=True)), site
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_repaired_path_keeps_both_ends_and_repairs_every_point_on_it(family):
+    """With repair_data, θ(λ) is REPAIRed to the λ-mean statistics before it is evaluated: both ends keep the models'
+    own losses (so the barrier keeps its definition), and each point is what repair() of that mixture gives."""
+    cfg = CONFIGS[family]
+    a, b = _canonical(cfg, 0), _canonical(cfg, 1)
+    data = _data(cfg)
+    plain, repaired = (barrier_curve(a, b, cfg, data, points=5, repair_data=r) for r in (None, data))
+    for end in (0, -1):
+        assert repaired.losses[end] == pytest.approx(plain.losses[end], rel=1e-9), end
+    for lam, loss in zip(repaired.lambdas, repaired.losses, strict=True):
+        state = repair(mix([a, b], [lam, 1 - lam]), [a, b], cfg, data, weights=[lam, 1 - lam])
+        assert loss == pytest.approx(evaluate(to_model(state, cfg), get_arch(cfg.family), data)["loss"], rel=1e-9)
+    assert repaired.losses[2] != pytest.approx(plain.losses[2], rel=1e-3)  # the midpoint did change
+
+
+def test_a_repaired_path_needs_the_standard_form():
+    cfg = CONFIGS["vit"]
+    state = _canonical(cfg, 0)
+    with pytest.raises(ConfigError, match="REPAIR needs the standard form"):
+        barrier_curve(state, state, cfg, _data(cfg), points=3, form="circuit", repair_data=_data(cfg))
