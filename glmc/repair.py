@@ -68,11 +68,13 @@ def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites
     finally:
         for handle in handles:
             handle.remove()
-    stats = {}
-    for key, (n, total, squares) in sums.items():
-        mean = total / n
-        stats[key] = mean, (squares / n - mean * mean).clamp_min(0).sqrt()
-    return stats
+    return {key: _moments(*terms) for key, terms in sums.items()}
+
+
+def _moments(n: torch.Tensor, total: torch.Tensor, squares: torch.Tensor) -> Stats:
+    """Mean and (population) standard deviation from the count, sum and sum of squares."""
+    mean = total / n
+    return mean, (squares / n - mean * mean).clamp_min(0).sqrt()
 
 
 def _target(inputs: Sequence[Stats], weights: torch.Tensor) -> Stats:
@@ -84,15 +86,16 @@ def _target(inputs: Sequence[Stats], weights: torch.Tensor) -> Stats:
     return (held * means).sum(0) / total, (held * stds).sum(0) / total
 
 
-def _reset(state: State, site: str, layer: int, have: Stats, want: Stats) -> None:
+def _reset(state: State, site: str, layer: int, have: Stats, want: Stats) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``[w | b]`` of the site's linear layer rescaled and shifted so its channels get ``want``'s statistics;
-    a channel the merged model holds constant (std 0) is only shifted."""
+    a channel the merged model holds constant (std 0) is only shifted. Returns the channels' (scale, shift)."""
     (mean, std), (mean_t, std_t) = have, want
     scale = torch.where(std > 0, std_t / std.clamp_min(torch.finfo(std.dtype).tiny), 1.0)
     name = site.format(l=layer)
     w, b = state[f"{name}.w"], state[f"{name}.b"]
     state[f"{name}.w"] = w * scale.to(w.dtype)[:, None]
     state[f"{name}.b"] = ((b.double() - mean) * scale + mean_t).to(b.dtype)
+    return scale, mean_t - mean * scale
 
 
 @dataclass
@@ -120,14 +123,32 @@ class RepairTarget:
 
     def repair(self, merged: Mapping[str, torch.Tensor], weights: Sequence[float] | None = None) -> State:
         """``merged`` with every site's output channels reset, in forward order, to the ``weights``-mean (default
-        equal) statistics of the inputs. The merged model is built once and reloaded after each site."""
+        equal) statistics of the inputs, in one forward pass of the whole batch: each site's hook measures its
+        output, resets the layer's rows and passes the reset output on, so every later site sees the earlier ones
+        repaired (what re-measuring after each site gives, without a pass per site)."""
         arch = get_arch(self.cfg.family)
         n = torch.tensor([1.0] * len(self.measured) if weights is None else list(weights), dtype=torch.float64)
-        out, model = dict(merged), to_model(merged, self.cfg)
-        for site, layer in _sites(self.cfg):
-            have = channel_stats(model, self.cfg, self.batch, [(site, layer)], self.batch_size)[site, layer]
-            _reset(out, site, layer, have, _target([m[site, layer] for m in self.measured], n))
-            model.load_state_dict(arch.to_native(out, self.cfg.depth))
+        out, model, sites = dict(merged), to_model(merged, self.cfg), _sites(self.cfg)
+
+        def correct(site: str, layer: int) -> RemovableHandle:
+            def hook(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+                rows = output.detach().reshape(-1, output.shape[-1]).double()
+                count = torch.tensor(float(rows.shape[0]), dtype=torch.float64)
+                have = _moments(count, rows.sum(0), (rows * rows).sum(0))
+                scale, shift = _reset(out, site, layer, have, _target([m[site, layer] for m in self.measured], n))
+                if (site, layer) == sites[-1]:
+                    raise _AllSitesRecorded  # the layers after the last site change nothing
+                return (output.double() * scale + shift).to(output.dtype)
+            return arch.module(model, site, layer).register_forward_hook(hook)
+
+        handles = [correct(site, layer) for site, layer in sites]
+        dtype = next(model.parameters()).dtype
+        try:
+            with torch.no_grad(), contextlib.suppress(_AllSitesRecorded):
+                arch.logits(model, self.batch.to(dtype) if self.batch.is_floating_point() else self.batch)
+        finally:
+            for handle in handles:
+                handle.remove()
         return out
 
 
