@@ -12,11 +12,12 @@ import fcntl
 import itertools
 import json
 import math
+import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,52 @@ def label(model: dict[str, Any]) -> str:
 
 def checkpoint(out: Path, name: str, seed: int) -> Path:
     return out / name / f"seed{seed}.safetensors"
+
+
+def seed_checkpoints(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:
+    """The model's seed checkpoints, for the benches that measure this bench's seeds without training them."""
+    paths = [checkpoint(Path(run["out"]), label(model), s) for s in model["seeds"]]
+    if missing := [str(p) for p in paths if not p.is_file()]:
+        raise SystemExit(f"missing checkpoints (run simulations.bench.barriers first): {', '.join(missing)}")
+    return paths
+
+
+def machine() -> str:
+    """This machine and software, for a summary."""
+    return (f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
+            f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
+
+
+def table_main(argv: list[str] | None, table: str, prog: str, description: str,
+               measure: Callable[[dict[str, Any], dict[str, Any], dict[str, Any], str], dict[str, Any]],
+               write: Callable[[Path, str, dict[str, Any], list[str]], None]) -> int:
+    """The entry point of a bench over this bench's seeds, driven by its config's ``[table]``: for each of the
+    table's models (or of ``--models``), in config order, ``measure(run, table, model, command)``, then
+    ``write(out, name, entry, table_models)``."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
+    parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
+    parser.add_argument("--models", nargs="+", help=f"measure only these of the config's [{table}] models")
+    args = parser.parse_args(argv)
+    config = config_or_exit(parser, args.config)
+    run, options = config["run"], config[table]
+    torch.set_num_threads(run["threads"])
+    wanted = args.models or options["models"]
+    if unknown := sorted(set(wanted) - set(options["models"])):
+        raise SystemExit(f"not in [{table}] models of {args.config}: {', '.join(unknown)}")
+    command = " ".join([f"python -m {prog}", *(argv if argv is not None else sys.argv[1:])])
+    for model in (m for m in config["models"] if label(m) in wanted):
+        write(Path(run["out"]), label(model), measure(run, options, model, command), options["models"])
+    return 0
+
+
+def add_entry(out: Path, results: Path, name: str, entry: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """Add one model's entry to ``results``/results.json under the lock (runs of other models may end at the same
+    time); return every stored entry, in ``order``."""
+    with results_lock(out):
+        stored = previous_results(results) | {name: entry}
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "results.json").write_text(json.dumps(stored, indent=1))
+    return {n: stored[n] for n in sorted(stored, key=lambda n: order.index(n) if n in order else len(order))}
 
 
 def train_missing(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:

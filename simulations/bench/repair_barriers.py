@@ -11,22 +11,14 @@ results.json when it ends.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from glmc.barrier import BarrierCurve
 from glmc.plots import plot_barrier_curves
-from simulations.bench.barriers import checkpoint, label, mean_se, pair_barriers, previous_results, results_lock
-from simulations.tomlfile import config_or_exit
+from simulations.bench.barriers import add_entry, label, machine, mean_se, pair_barriers, seed_checkpoints, table_main
 
 RESULTS = Path("simulations/results/barriers-repair")
 
@@ -57,15 +49,11 @@ def measure_model(run: dict[str, Any], repair: dict[str, Any], model: dict[str, 
     """Every pair of one model's seeds, plain and REPAIRed, with the settings and wall time."""
     began = time.perf_counter()
     settings = run | model.get("run", {})  # a model may override run settings such as limit
-    paths = [checkpoint(Path(run["out"]), label(model), s) for s in model["seeds"]]
-    if missing := [str(p) for p in paths if not p.is_file()]:
-        raise SystemExit(f"missing checkpoints (run simulations.bench.barriers first): {', '.join(missing)}")
+    paths = seed_checkpoints(run, model)
     pairs = [pair_curves(settings, repair, model, a, b) for a, b in itertools.combinations(paths, 2)]
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
-               f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
     return {"pairs": [[p.stem for p in pair] for pair in itertools.combinations(paths, 2)], "curves": pairs,
             "rows": summary_rows(label(model), pairs), "samples": repair["samples"], "limit": settings["limit"],
-            "points": settings["points"], "command": command, "machine": machine,
+            "points": settings["points"], "command": command, "machine": machine(),
             "seconds": time.perf_counter() - began}
 
 
@@ -86,18 +74,14 @@ def markdown(name: str, entry: dict[str, Any]) -> list[str]:
 def write(out: Path, name: str, entry: dict[str, Any], order: list[str]) -> None:
     """Add one model's entry to results.json (under the barrier bench's lock), rewrite summary.md from every model
     stored, and plot the model's first pair."""
-    with results_lock(out):
-        results = previous_results(RESULTS) | {name: entry}
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "results.json").write_text(json.dumps(results, indent=1))
-    names = sorted(results, key=lambda n: order.index(n) if n in order else len(order))
+    results = add_entry(out, RESULTS, name, entry, order)
     lines = ["# Barriers with REPAIR along the path", "",
              "`glmc barrier --repair N`: every θ(λ) = λ θ_A + (1−λ) θ_B is REPAIRed before it is evaluated: each "
              "MLP pre-activation and residual-writer channel is reset to the λ-mean of A's and B's mean and std "
              "(Jordan et al., 2022). Both ends stay A and B, so the barrier keeps its definition. ÷ vanilla divides "
              "by the plain `none` barrier of the same pair.", ""]
-    for model in names:
-        lines += markdown(model, results[model])
+    for model, stored in results.items():
+        lines += markdown(model, stored)
     (RESULTS / "summary.md").write_text("\n".join(lines))
     fields = BarrierCurve.__dataclass_fields__
     curves = [BarrierCurve(**{k: c[k] for k in fields}) for c in entry["curves"][0].values()]
@@ -106,20 +90,8 @@ def write(out: Path, name: str, entry: dict[str, Any], order: list[str]) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
-    parser.add_argument("--models", nargs="+", help="measure only these of the config's [repair] models")
-    args = parser.parse_args(argv)
-    config = config_or_exit(parser, args.config)
-    run, repair = config["run"], config["repair"]
-    torch.set_num_threads(run["threads"])
-    wanted = args.models or repair["models"]
-    if unknown := sorted(set(wanted) - set(repair["models"])):
-        raise SystemExit(f"not in [repair] models of {args.config}: {', '.join(unknown)}")
-    command = " ".join(["python -m simulations.bench.repair_barriers", *(argv if argv is not None else sys.argv[1:])])
-    for model in (m for m in config["models"] if label(m) in wanted):
-        write(Path(run["out"]), label(model), measure_model(run, repair, model, command), repair["models"])
-    return 0
+    return table_main(argv, "repair", "simulations.bench.repair_barriers", __doc__.splitlines()[0], measure_model,
+                      write)
 
 
 if __name__ == "__main__":

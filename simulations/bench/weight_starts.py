@@ -11,13 +11,8 @@ Start 0 is the identity (what ``glmc align --method weight`` does); the others a
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,8 +29,7 @@ from glmc.checkpoint import load_checkpoint
 from glmc.match.weight import weight_match
 from glmc.tasks import held_out
 from glmc.transforms import apply
-from simulations.bench.barriers import checkpoint, label, mean_se, previous_results, results_lock
-from simulations.tomlfile import config_or_exit
+from simulations.bench.barriers import add_entry, machine, mean_se, seed_checkpoints, table_main
 
 RESULTS = Path("simulations/results/weight-starts")
 
@@ -102,53 +96,31 @@ def measure_model(run: dict[str, Any], starts: dict[str, Any], model: dict[str, 
                   ) -> dict[str, Any]:
     """Every pair of one model's seeds from every start, with the settings and wall time."""
     began, limit = time.perf_counter(), model.get("run", {}).get("limit", run["limit"])
-    paths = [checkpoint(Path(run["out"]), label(model), s) for s in model["seeds"]]
-    if missing := [str(p) for p in paths if not p.is_file()]:
-        raise SystemExit(f"missing checkpoints (run simulations.bench.barriers first): {', '.join(missing)}")
-    loaded = {p.stem: load_checkpoint(p) for p in paths}  # each checkpoint and the test split read once
+    loaded = {p.stem: load_checkpoint(p) for p in seed_checkpoints(run, model)}  # each file and the test split once
     cfg = next(iter(loaded.values()))[1].config
     test = held_out(model["dataset"], cfg, limit=limit)
     reports = [pair_starts((a, b), (loaded[a][0], loaded[b][0]), cfg, test, starts["count"], starts["seed"])
                for a, b in itertools.combinations(loaded, 2)]
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
-               f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
     return {"reports": reports, "rows": [pair_row(r) for r in reports], "count": starts["count"],
-            "seed": starts["seed"], "limit": limit, "command": command, "machine": machine,
+            "seed": starts["seed"], "limit": limit, "command": command, "machine": machine(),
             "seconds": time.perf_counter() - began}
 
 
 def write(out: Path, name: str, entry: dict[str, Any], order: list[str]) -> None:
     """Add one model's entry to results.json (under the barrier bench's lock: runs of other models may end at
     the same time) and rewrite summary.md from every model stored."""
-    with results_lock(out):
-        results = previous_results(RESULTS) | {name: entry}
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "results.json").write_text(json.dumps(results, indent=1))
-    names = sorted(results, key=lambda n: order.index(n) if n in order else len(order))
+    results = add_entry(out, RESULTS, name, entry, order)
     lines = ["# Weight matching from several residual starts", "",
              "Start 0 is the identity (what `glmc align --method weight` does); the others are Haar-random "
              "residual maps Q with Q·1 = 1. Objective: ‖A − T(B)‖² at the end of the search.", ""]
-    for model in names:
-        lines += markdown(model, results[model])
+    for model, stored in results.items():
+        lines += markdown(model, stored)
     (RESULTS / "summary.md").write_text("\n".join(lines))
     print("\n".join(markdown(name, entry)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
-    parser.add_argument("--models", nargs="+", help="measure only these of the config's [starts] models")
-    args = parser.parse_args(argv)
-    config = config_or_exit(parser, args.config)
-    run, starts = config["run"], config["starts"]
-    torch.set_num_threads(run["threads"])
-    wanted = args.models or starts["models"]
-    if unknown := sorted(set(wanted) - set(starts["models"])):
-        raise SystemExit(f"not in [starts] models of {args.config}: {', '.join(unknown)}")
-    command = " ".join(["python -m simulations.bench.weight_starts", *(argv if argv is not None else sys.argv[1:])])
-    for model in (m for m in config["models"] if label(m) in wanted):
-        write(Path(run["out"]), label(model), measure_model(run, starts, model, command), starts["models"])
-    return 0
+    return table_main(argv, "starts", "simulations.bench.weight_starts", __doc__.splitlines()[0], measure_model, write)
 
 
 if __name__ == "__main__":
