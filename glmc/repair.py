@@ -106,7 +106,7 @@ class RepairTarget:
     cfg: ModelConfig
     batch: torch.Tensor
     measured: list[dict[tuple[str, int], Stats]]
-    batch_size: int = 128
+    batch_size: int = 128  # samples per forward pass when measuring the inputs
 
     @classmethod
     def measure(cls, inputs: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig, data: Dataset | None,
@@ -132,13 +132,14 @@ class RepairTarget:
 
         def correct(site: str, layer: int) -> RemovableHandle:
             def hook(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
-                rows = output.detach().reshape(-1, output.shape[-1]).double()
-                count = torch.tensor(float(rows.shape[0]), dtype=torch.float64)
-                have = _moments(count, rows.sum(0), (rows * rows).sum(0))
+                parts = output.detach().reshape(-1, output.shape[-1]).split(self.batch_size * 128)  # float64 copies
+                count = torch.tensor(float(output.numel() // output.shape[-1]), dtype=torch.float64)
+                have = _moments(count, sum(p.double().sum(0) for p in parts),  # type: ignore[arg-type]
+                                sum(p.double().square().sum(0) for p in parts))
                 scale, shift = _reset(out, site, layer, have, _target([m[site, layer] for m in self.measured], n))
                 if (site, layer) == sites[-1]:
                     raise _AllSitesRecorded  # the layers after the last site change nothing
-                return (output.double() * scale + shift).to(output.dtype)
+                return output * scale.to(output.dtype) + shift.to(output.dtype)
             return arch.module(model, site, layer).register_forward_hook(hook)
 
         handles = [correct(site, layer) for site, layer in sites]
