@@ -49,8 +49,7 @@ def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites
 
     def record(key: tuple[str, int]) -> RemovableHandle:
         def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
-            rows = out.detach().reshape(-1, out.shape[-1]).double()
-            terms = [torch.tensor(float(rows.shape[0]), dtype=torch.float64), rows.sum(0), (rows * rows).sum(0)]
+            terms = _sums(out)
             sums[key] = terms if key not in sums else [s + t for s, t in zip(sums[key], terms, strict=True)]
             seen.add(key)
             if len(seen) == len(wanted):
@@ -69,6 +68,14 @@ def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites
         for handle in handles:
             handle.remove()
     return {key: _moments(*terms) for key, terms in sums.items()}
+
+
+def _sums(output: torch.Tensor, rows_per_part: int = 16384) -> list[torch.Tensor]:
+    """Count, sum and sum of squares over every token of a layer's output, per channel, in float64: summed part by
+    part, so no float64 copy of a whole large output is made."""
+    parts = output.detach().reshape(-1, output.shape[-1]).split(rows_per_part)
+    count = torch.tensor(float(output.numel() // output.shape[-1]), dtype=torch.float64)
+    return [count, sum(p.double().sum(0) for p in parts), sum(p.double().square().sum(0) for p in parts)]  # type: ignore[list-item]
 
 
 def _moments(n: torch.Tensor, total: torch.Tensor, squares: torch.Tensor) -> Stats:
@@ -132,10 +139,7 @@ class RepairTarget:
 
         def correct(site: str, layer: int) -> RemovableHandle:
             def hook(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
-                parts = output.detach().reshape(-1, output.shape[-1]).split(self.batch_size * 128)  # float64 copies
-                count = torch.tensor(float(output.numel() // output.shape[-1]), dtype=torch.float64)
-                have = _moments(count, sum(p.double().sum(0) for p in parts),  # type: ignore[arg-type]
-                                sum(p.double().square().sum(0) for p in parts))
+                have = _moments(*_sums(output))
                 scale, shift = _reset(out, site, layer, have, _target([m[site, layer] for m in self.measured], n))
                 if (site, layer) == sites[-1]:
                     raise _AllSitesRecorded  # the layers after the last site change nothing
