@@ -36,11 +36,14 @@ def test_the_merging_bench_refuses_an_unknown_merge_to_measure(capsys: pytest.Ca
 
 
 def test_the_repair_bench_divides_each_pair_by_its_own_plain_vanilla_barrier() -> None:
-    def curve(barrier: float) -> dict[str, object]:
-        return {"barrier": barrier, "lambdas": [0.0, 0.5, 1.0], "accuracies": [0.9, barrier / 10, 0.9]}
+    def curve(method: str, barrier: float) -> dict[str, object]:
+        return {"method": method, "barrier": barrier, "lambdas": [0.0, 0.5, 1.0],
+                "accuracies": [0.9, barrier / 10, 0.9], "align_seconds": 0.0}
 
-    pairs = [{"none": curve(2.0), "weight+repair": curve(0.2)}, {"none": curve(1.0), "weight+repair": curve(0.3)}]
-    rows = {r["curve"]: r for r in repair_barriers.summary_rows("m", pairs)}
+    pairs = [{"curves": [curve("none", 2.0), curve("weight+repair", 0.2)]},
+             {"curves": [curve("none", 1.0), curve("weight+repair", 0.3)]}]
+    rows = {r["method"]: r for r in barriers.summarise({"preset": "m", "dataset": "d"}, pairs,
+                                                       ["none", "weight+repair"])}
     assert rows["none"]["ratio_to_vanilla"] == 1.0 and rows["none"]["ratio_se"] == 0.0
     assert rows["weight+repair"]["ratio_to_vanilla"] == pytest.approx(0.2)  # mean of 0.1 and 0.3, not 0.5 / 3
     assert rows["weight+repair"]["barrier"] == pytest.approx(0.25)

@@ -18,7 +18,7 @@ from typing import Any
 
 from glmc.barrier import BarrierCurve
 from glmc.plots import plot_barrier_curves
-from simulations.bench.barriers import add_entry, label, machine, mean_se, pair_barriers, seed_checkpoints, table_main
+from simulations.bench.barriers import add_entry, machine, pair_barriers, seed_checkpoints, summarise, table_main
 
 RESULTS = Path("simulations/results/barriers-repair")
 
@@ -32,27 +32,15 @@ def pair_curves(run: dict[str, Any], repair: dict[str, Any], model: dict[str, An
     return {c["method"]: c for c in [*plain, *repaired]}
 
 
-def summary_rows(name: str, pairs: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per curve name: barrier and its ratio to the plain vanilla barrier (mean ± s.e. over pairs), and
-    the midpoint accuracy."""
-    rows = []
-    for curve in pairs[0]:
-        barrier, se = mean_se([p[curve]["barrier"] for p in pairs])
-        ratio, ratio_se = mean_se([p[curve]["barrier"] / p["none"]["barrier"] for p in pairs])
-        mid, _ = mean_se([p[curve]["accuracies"][len(p[curve]["lambdas"]) // 2] for p in pairs])
-        rows.append({"model": name, "curve": curve, "pairs": len(pairs), "barrier": barrier, "barrier_se": se,
-                     "ratio_to_vanilla": ratio, "ratio_se": ratio_se, "midpoint_accuracy": mid})
-    return rows
-
-
 def measure_model(run: dict[str, Any], repair: dict[str, Any], model: dict[str, Any], command: str) -> dict[str, Any]:
     """Every pair of one model's seeds, plain and REPAIRed, with the settings and wall time."""
     began = time.perf_counter()
     settings = run | model.get("run", {})  # a model may override run settings such as limit
     paths = seed_checkpoints(run, model)
     pairs = [pair_curves(settings, repair, model, a, b) for a, b in itertools.combinations(paths, 2)]
+    rows = summarise(model, [{"curves": list(p.values())} for p in pairs], list(pairs[0]))
     return {"pairs": [[p.stem for p in pair] for pair in itertools.combinations(paths, 2)], "curves": pairs,
-            "rows": summary_rows(label(model), pairs), "samples": repair["samples"], "limit": settings["limit"],
+            "rows": rows, "samples": repair["samples"], "limit": settings["limit"],
             "points": settings["points"], "command": command, "machine": machine(),
             "seconds": time.perf_counter() - began}
 
@@ -60,7 +48,7 @@ def measure_model(run: dict[str, Any], repair: dict[str, Any], model: dict[str, 
 def markdown(name: str, entry: dict[str, Any]) -> list[str]:
     """One model's table and how it was run."""
     lines = [f"## {name}", "", "| curve | pairs | barrier | ÷ vanilla | midpoint acc |", "|---|---|---|---|---|"]
-    lines += [f"| {r['curve']} | {r['pairs']} | {r['barrier']:.3f} ± {r['barrier_se']:.3f} | "
+    lines += [f"| {r['method']} | {r['pairs']} | {r['barrier']:.3f} ± {r['barrier_se']:.3f} | "
               f"{100 * r['ratio_to_vanilla']:.1f}% ± {100 * r['ratio_se']:.1f} | {r['midpoint_accuracy']:.3f} |"
               for r in entry["rows"]]
     per_pair = "; ".join(f"{' / '.join(pair)}: " + ", ".join(f"{k} {c['barrier']:.3f}" for k, c in curves.items())
