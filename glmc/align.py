@@ -52,7 +52,7 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: 
         from glmc.match.activation import activation_match
 
         assert data is not None
-        return activation_match(a, b, cfg, inputs_of(data, batch))
+        return activation_match(a, b, cfg, inputs_of(data, batch), form=form)
     raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
 
 
@@ -89,9 +89,11 @@ def align_pair(
         raise ConfigError(f"method {method!r} needs data: pass a batch of inputs (--data)")
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
-    if method == "none":
+    if method == "none" and form == "standard":  # the models' own parameters: LayerNorm folding is bilinear
         a, b = (arch.to_canonical(cast(s, dtype), cfg.depth) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))
+    if method == "none":
+        return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     result = _match(method, a, b, cfg, form, data, batch, learn)
     return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)

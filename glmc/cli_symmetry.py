@@ -14,10 +14,12 @@ from glmc.errors import ConfigError
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
 METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.align.METHODS
+FORM_NAMES = ["standard", "rmsnorm", "circuit"]  # glmc.canonical.FORMS, without importing torch
 
 if TYPE_CHECKING:
 
     from glmc.align import Alignment
+    from glmc.canonical import Form
     from glmc.checkpoint import CheckpointMeta
 
 
@@ -26,7 +28,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     for size in ("width", "depth", "heads", "mlp"):
         parser.add_argument(f"--{size}", type=int, help=f"override the preset's {size}")
     parser.add_argument("--activation", choices=["gelu", "relu"], help="relu adds the MLP scaling symmetry")
-    parser.add_argument("--form", choices=["standard", "rmsnorm", "circuit"], default="standard")
+    parser.add_argument("--form", choices=FORM_NAMES, default="standard")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -77,14 +79,15 @@ def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, Checkpoint
     return state_a, state_b, meta_a, meta_b
 
 
-def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta) -> Alignment:
+def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
+           form: Form = "standard") -> Alignment:
     from glmc.align import DATA_METHODS, LEARNED_METHODS, align_pair
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
     data = train_subset(meta, args.data, samples) if method in DATA_METHODS else None
     learn = learn_options(args) if method in LEARNED_METHODS else None
-    return align_pair(state_a, state_b, meta.config, method, data=data, batch=samples or ACTIVATION_SAMPLES,
-                      learn=learn)
+    return align_pair(state_a, state_b, meta.config, method, form=form, data=data,
+                      batch=samples or ACTIVATION_SAMPLES, learn=learn)
 
 
 def run_align(args: argparse.Namespace) -> int:
@@ -113,6 +116,11 @@ def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", action="append", help=f"repeatable: {METHOD_NAMES}")
     parser.add_argument("--points", type=int, default=21, help="λ grid size, both ends included")
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
+    parser.add_argument("--form", choices=FORM_NAMES, default="standard",
+                        help="the parameters the path interpolates: standard (the models as they are), rmsnorm "
+                             "(LayerNorm as RMSNorm, the residual aligned over the whole O(d)) or circuit (each head "
+                             "multiplied out into its QK and OV circuits, paper §3.2.2); the last two change the "
+                             "architecture, as the paper's barriers do")
     parser.add_argument("--json", required=True, type=Path, help="write the curves here")
     parser.add_argument("--plot", type=Path, help="write a loss/accuracy plot here (.png)")
     parser.add_argument("--repair", type=count, metavar="N",
@@ -127,22 +135,28 @@ def run_barrier(args: argparse.Namespace) -> int:
     import torch
 
     from glmc.barrier import barrier_curve
+    from glmc.canonical import to_circuit
     from glmc.tasks import held_out
 
     if args.simplex:
-        if args.repair:
-            raise ConfigError("--repair applies to the pairwise curves, not to --simplex")
+        for flag, given in (("--repair", args.repair), ("--form", args.form != "standard")):
+            if given:
+                raise ConfigError(f"{flag} applies to the pairwise curves, not to --simplex")
         return cli_merge.run_simplex(args)
     if args.points < 2:
         raise ConfigError("--points must be at least 2")
+    if args.repair and args.form != "standard":
+        raise ConfigError(f"--repair needs the standard form, not --form {args.form}")
     state_a, state_b, meta, _ = _load_pair(args.a, args.b)
     test = held_out(meta.dataset, meta.config, args.data, args.limit)
     repair = train_subset(meta, args.data, args.repair) if args.repair else None
     curves = []
     for method in args.method or ["weight"]:
-        aligned = _align(args, method, state_a, state_b, meta)
+        aligned = _align(args, method, state_a, state_b, meta, "rmsnorm" if args.form == "rmsnorm" else "standard")
+        (a, cfg), (b, _) = ((to_circuit(s, meta.config) if args.form == "circuit" else (s, meta.config))
+                            for s in (aligned.a, aligned.b))
         name = f"{method}+repair" if repair is not None else method
-        curve = barrier_curve(aligned.a, aligned.b, meta.config, test, args.points, method=name, dtype=torch.float32,
+        curve = barrier_curve(a, b, cfg, test, args.points, form=args.form, method=name, dtype=torch.float32,
                               repair_data=repair)
         curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds, "align_info": aligned.result.info})
         print(f"{name:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)
@@ -154,7 +168,8 @@ def _write_barrier_outputs(args: argparse.Namespace, curves: list[dict]) -> None
     from glmc.barrier import BarrierCurve
     from glmc.plots import plot_barrier_curves
 
-    report = {"a": str(args.a), "b": str(args.b), "points": args.points, "curves": curves}
+    report = {"a": str(args.a), "b": str(args.b), "points": args.points, "form": args.form,
+              "curves": curves}
     if len(curves) == 1:
         report |= curves[0]
     args.json.parent.mkdir(parents=True, exist_ok=True)

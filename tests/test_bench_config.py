@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from simulations.bench import barriers, matching_time, merging, repair_barriers, weight_starts
+from simulations.bench import barriers, forms, learning_budget, matching_time, merging, repair_barriers, weight_starts
 
 BENCHES: dict[str, Callable[[list[str]], int]] = {
     "barriers": barriers.main, "matching_time": matching_time.main, "merging": merging.main,
-    "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main}
+    "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main,
+    "learning_budget": learning_budget.main, "forms": forms.main}
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -35,11 +36,12 @@ def test_the_merging_bench_refuses_an_unknown_merge_to_measure(capsys: pytest.Ca
     assert exit_info.value.code == 2 and "no merge named 'no such merge'" in capsys.readouterr().err
 
 
-def test_the_repair_bench_divides_each_pair_by_its_own_plain_vanilla_barrier() -> None:
-    def curve(method: str, barrier: float) -> dict[str, object]:
-        return {"method": method, "barrier": barrier, "lambdas": [0.0, 0.5, 1.0],
-                "accuracies": [0.9, barrier / 10, 0.9], "align_seconds": 0.0}
+def curve(method: str, barrier: float) -> dict[str, object]:
+    return {"method": method, "barrier": barrier, "lambdas": [0.0, 0.5, 1.0],
+            "accuracies": [0.9, barrier / 10, 0.9], "align_seconds": 0.0}
 
+
+def test_the_repair_bench_divides_each_pair_by_its_own_plain_vanilla_barrier() -> None:
     pairs = [{"curves": [curve("none", 2.0), curve("weight+repair", 0.2)]},
              {"curves": [curve("none", 1.0), curve("weight+repair", 0.3)]}]
     rows = {r["method"]: r for r in barriers.summarise({"preset": "m", "dataset": "d"}, pairs,
@@ -48,3 +50,18 @@ def test_the_repair_bench_divides_each_pair_by_its_own_plain_vanilla_barrier() -
     assert rows["weight+repair"]["ratio_to_vanilla"] == pytest.approx(0.2)  # mean of 0.1 and 0.3, not 0.5 / 3
     assert rows["weight+repair"]["barrier"] == pytest.approx(0.25)
     assert rows["weight+repair"]["midpoint_accuracy"] == pytest.approx(0.025)
+
+
+def test_a_budget_setting_on_fewer_pairs_is_divided_by_those_pairs_vanilla_barriers_only() -> None:
+    short, long = (learning_budget.setting_label("learned", args) for args in ([], ["--steps", "600"]))
+    pairs = [{"curves": [curve("none", 2.0), curve(short, 0.4), curve(long, 0.2)]},
+             {"curves": [curve("none", 1.0), curve(short, 0.3)]}]
+    rows = {r["method"]: r for r in barriers.summarise({"preset": "m", "dataset": "d"}, pairs, ["none", short, long])}
+    assert rows[long]["pairs"] == 1 and rows[long]["ratio_to_vanilla"] == pytest.approx(0.1)  # 0.2 / 2.0, not / 1.5
+    assert rows[short]["pairs"] == 2 and rows[short]["ratio_to_vanilla"] == pytest.approx(0.25)  # mean of 0.2, 0.3
+
+
+def test_budget_settings_cache_under_names_of_their_own_flags() -> None:
+    tags = {learning_budget.setting_tag("learned", args)
+            for args in ([], ["--lr", "1e-2"], ["--steps", "600"], ["--steps", "600", "--lr", "1e-2"])}
+    assert len(tags) == 4 and "_learned_steps_600_lr_1e-2" in tags  # a reordered config finds the same caches

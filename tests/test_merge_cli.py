@@ -174,3 +174,32 @@ def test_barrier_repair_names_its_curves_and_keeps_both_ends(trio, tmp_path, cap
                          "--repair: must be at least 1, got 0")
     _fails_with_one_line(["barrier", "--simplex", str(trio[0]), *map(str, trio[1:]), "--repair", "8", "--json",
                           str(repaired)], capsys, "--repair applies to the pairwise curves, not to --simplex")
+
+
+@needs_data
+def test_barrier_in_the_papers_forms_keeps_both_ends_and_moves_the_path(trio, tmp_path, capsys):
+    """`glmc barrier --form rmsnorm|circuit`: the ends are still the models' own losses (each form is an exact
+    reparameterisation), while the interior is another path: circuits interpolate products of A's and B's factors,
+    and the rmsnorm form aligns the residual over the whole O(d)."""
+    common = [*map(str, trio[:2]), "--method", "none", "--method", "weight", "--method", "activation",
+              "--batch", "48", "--points", "3", "--limit", "32", "--quiet"]
+    reports = {}
+    for form in ("standard", "rmsnorm", "circuit"):
+        out = tmp_path / f"{form}.json"
+        assert main(["barrier", *common, "--form", form, "--json", str(out)]) == 0
+        reports[form] = json.loads(out.read_text())
+        assert reports[form]["form"] == form
+    curves = {form: {c["method"]: c for c in report["curves"]} for form, report in reports.items()}
+    for form in ("rmsnorm", "circuit"):
+        for method, curve in curves[form].items():
+            plain = curves["standard"][method]
+            assert curve["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-5), (form, method)
+            assert curve["losses"][-1] == pytest.approx(plain["losses"][-1], rel=1e-5), (form, method)
+    assert curves["circuit"]["none"]["losses"][1] != pytest.approx(curves["standard"]["none"]["losses"][1], rel=1e-4)
+    assert curves["rmsnorm"]["weight"]["losses"][1] != pytest.approx(curves["standard"]["weight"]["losses"][1],
+                                                                      rel=1e-4)
+    capsys.readouterr()
+    _fails_with_one_line(["barrier", *common, "--form", "circuit", "--repair", "8", "--json", str(tmp_path / "r")],
+                         capsys, "--repair needs the standard form, not --form circuit")
+    _fails_with_one_line(["barrier", "--simplex", str(trio[0]), *map(str, trio[1:]), "--form", "rmsnorm", "--json",
+                          str(tmp_path / "s")], capsys, "--form applies to the pairwise curves, not to --simplex")

@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, get_arch
-from glmc.canonical import to_model
+from glmc.canonical import Form, to_model
 from glmc.match.common import MatchResult, sq_distance
 from glmc.transforms import Transform, apply
 
@@ -98,14 +98,14 @@ def _features(arch: Arch, model: nn.Module, depth: int, x: torch.Tensor) -> dict
 
 
 def correlations(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                 batch: torch.Tensor, *, batch_size: int = 64) -> dict[Key, torch.Tensor]:
+                 batch: torch.Tensor, *, batch_size: int = 64, form: Form = "standard") -> dict[Key, torch.Tensor]:
     """Pearson correlations of A's and B's features over ``batch``, chunk by chunk (bounded memory).
 
     Keys: ("mlp", l) (f, f); ("heads", l) (H·d_h, H·d_h); ("residual", -1) (d, d) over every block's output.
     """
     arch = get_arch(cfg.family)
     get_arch(cfg.family).check_inputs(cfg, batch)
-    models = to_model(a, cfg), to_model(b, cfg)
+    models = to_model(a, cfg, form), to_model(b, cfg, form)
     dtype = next(iter(a.values())).dtype
     moments: dict[Key, Moments] = {}
     for chunk in torch.split(batch, batch_size):
@@ -166,15 +166,15 @@ def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtyp
 
 
 def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, *,
-                     batch_size: int = 64, residual: bool | None = None) -> MatchResult:
+                     batch_size: int = 64, residual: bool | None = None, form: Form = "standard") -> MatchResult:
     """Find T with T(θ_B) ≡ θ_B as a function and its features correlated with A's (Verma & Elbayad §3).
 
-    ``a``, ``b``: canonical standard-form states of ``cfg``; ``batch``: model input (images or token ids);
+    ``a``, ``b``: canonical states of ``cfg`` in ``form``; ``batch``: model input (images or token ids);
     ``residual``: permute the residual stream too (default: the family's ``activation_residual``).
     The objective is ‖θ_A − T(θ_B)‖², comparable with weight matching; ``info`` holds mean matched correlations.
     """
     start = time.perf_counter()
-    corr = correlations(a, b, cfg, batch, batch_size=batch_size)
+    corr = correlations(a, b, cfg, batch, batch_size=batch_size, form=form)
     dtype = next(iter(b.values())).dtype
     residual = get_arch(cfg.family).activation_residual if residual is None else residual
     t, info = _solve(corr, cfg, dtype, residual)

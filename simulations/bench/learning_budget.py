@@ -1,0 +1,109 @@
+"""Learned matching with more learning: other step counts and learning rates than the barrier bench's learned
+row, on the same checkpoints. Uses the barrier benchmark's checkpoints (no training here) and its config's
+``[budget]`` table.
+
+    .venv/bin/python -m simulations.bench.learning_budget [--config simulations/bench/configs/barriers.toml]
+        [--models NAME ...]
+
+Each setting's flags are added after the model's own learning flags (``learn``), so they override them; a setting
+runs on the first ``pairs`` seed pairs. Every run is one cached ``glmc barrier`` call, so an interrupted bench
+resumes, and each pair's vanilla barrier comes from a plain ``none`` run on the same files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from simulations.bench.barriers import add_entry, machine, pair_barriers, seed_checkpoints, summarise, table_main
+
+RESULTS = Path("simulations/results/learning-budget")
+
+
+def setting_label(method: str, args: list[str]) -> str:
+    """A setting's curve name: the method and the flags it adds."""
+    return f"{method} {' '.join(args)}".strip() if args else f"{method} (the bench's flags)"
+
+
+def setting_tag(method: str, args: list[str]) -> str:
+    """A setting's cache-file suffix, from its flags (so reordering the config keeps the caches)."""
+    return f"_{method}" + "".join(f"_{a.lstrip('-')}" for a in args)
+
+
+def setting_curves(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], setting: dict[str, Any],
+                   pairs: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
+    """One setting's curve on each of its pairs, named by :func:`setting_label`."""
+    method, args = budget["method"], setting["args"]
+    extra = [*model.get("learn", []), *args]
+    return [pair_barriers(run, model, a, b, [method], extra, setting_tag(method, args))["curves"][0]
+            | {"method": setting_label(method, args)} for a, b in pairs[:setting["pairs"]]]
+
+
+def measure_model(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], command: str
+                  ) -> dict[str, Any]:
+    """Every setting on its pairs, each pair's vanilla barrier, the summary rows, the settings and wall time."""
+    began = time.perf_counter()
+    settings = run | model.get("run", {})  # a model may override run settings such as limit
+    pairs = list(itertools.combinations(seed_checkpoints(run, model), 2))
+    used = pairs[:max(s["pairs"] for s in budget["settings"])]
+    curves = [pair_barriers(settings, model, a, b, ["none"], [], "_budget-plain")["curves"] for a, b in used]
+    labels = []
+    for setting in budget["settings"]:
+        labels.append(setting_label(budget["method"], setting["args"]))
+        for pair, curve in zip(curves, setting_curves(settings, budget, model, setting, used), strict=False):
+            pair.append(curve)
+    return {"pairs": [[p.stem for p in pair] for pair in used], "curves": curves,
+            "rows": summarise(model, [{"curves": c} for c in curves], ["none", *labels]),
+            "learn": model.get("learn", []), "limit": settings["limit"], "points": settings["points"],
+            "command": command, "machine": machine(), "seconds": time.perf_counter() - began}
+
+
+def learning(curve: dict[str, Any]) -> str:
+    """How a learned run went: validation loss at λ = 0.5 before and at the best step, and why it stopped."""
+    info = curve["align_info"]
+    return f"{info['val_loss_init']:.3f} → {info['val_loss']:.3f} (best step {info['best_step']}; {info['stopped']})"
+
+
+def markdown(name: str, entry: dict[str, Any]) -> list[str]:
+    """One model's table, each run's learning, and how it was run."""
+    lines = [f"## {name}", "", "| curve | pairs | barrier | ÷ vanilla | midpoint acc | learn s (median) |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['pairs']} | {r['barrier']:.3f} ± {r['barrier_se']:.3f} | "
+              f"{100 * r['ratio_to_vanilla']:.1f}% ± {100 * r['ratio_se']:.1f} | {r['midpoint_accuracy']:.3f} | "
+              f"{r['align_seconds']:.0f} |" for r in entry["rows"]]
+    lines += ["", "Per run: barrier; validation loss at λ = 0.5 before learning → at its best step.", ""]
+    for pair, curves in zip(entry["pairs"], entry["curves"], strict=True):
+        lines += [f"- {' / '.join(pair)}, {c['method']}: {c['barrier']:.3f}; {learning(c)}"
+                  for c in curves if c["method"] != "none"]
+    seconds = statistics.fmean(c["align_seconds"] for cs in entry["curves"] for c in cs if c["method"] != "none")
+    return [*lines, "", f"Model learning flags before each setting's: `{' '.join(entry['learn'])}`. Barriers on "
+            f"the first {entry['limit']} test samples, {entry['points']} λ values. Command: `{entry['command']}`. "
+            f"Machine: {entry['machine']}; mean learning time {seconds / 60:.1f} min a run; wall time of the "
+            f"bench run {entry['seconds'] / 60:.1f} min (cached runs count as zero).", ""]
+
+
+def write(out: Path, name: str, entry: dict[str, Any], order: list[str]) -> None:
+    """Add one model's entry to results.json (under the barrier bench's lock) and rewrite summary.md from every
+    model stored."""
+    results = add_entry(out, RESULTS, name, entry, order)
+    lines = ["# Learned matching with more learning", "",
+             "The barrier bench's learned row runs a fixed budget (its model's `learn` flags). Here the same pairs "
+             "learn longer or at a larger learning rate; ÷ vanilla divides by the plain `none` barrier of the same "
+             "pair. The learning rate follows a cosine decay to zero over the run's steps, so a longer run also "
+             "decays more slowly.", ""]
+    for model, stored in results.items():
+        lines += markdown(model, stored)
+    (RESULTS / "summary.md").write_text("\n".join(lines))
+    print("\n".join(markdown(name, entry)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return table_main(argv, "budget", "simulations.bench.learning_budget", __doc__.splitlines()[0], measure_model,
+                      write)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
