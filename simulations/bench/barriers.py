@@ -52,10 +52,11 @@ def machine() -> str:
 
 def table_main(argv: list[str] | None, table: str, prog: str, description: str,
                measure: Callable[[dict[str, Any], dict[str, Any], dict[str, Any], str], dict[str, Any]],
-               write: Callable[[Path, str, dict[str, Any], list[str]], None]) -> int:
+               results: Path, heading: list[str], markdown: Callable[[str, dict[str, Any]], list[str]],
+               after: Callable[[str, dict[str, Any]], None] | None = None) -> int:
     """The entry point of a bench over this bench's seeds, driven by its config's ``[table]``: for each of the
-    table's models (or of ``--models``), in config order, ``measure(run, table, model, command)``, then
-    ``write(out, name, entry, table_models)``."""
+    table's models (or of ``--models``), in config order, ``entry = measure(run, table, model, command)``, then
+    :func:`publish` of the entry in ``results`` and ``after(name, entry)`` (e.g. a plot)."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
     parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
     parser.add_argument("--models", nargs="+", help=f"measure only these of the config's [{table}] models")
@@ -68,18 +69,26 @@ def table_main(argv: list[str] | None, table: str, prog: str, description: str,
         raise SystemExit(f"not in [{table}] models of {args.config}: {', '.join(unknown)}")
     command = " ".join([f"python -m {prog}", *(argv if argv is not None else sys.argv[1:])])
     for model in (m for m in config["models"] if label(m) in wanted):
-        write(Path(run["out"]), label(model), measure(run, options, model, command), options["models"])
+        entry = measure(run, options, model, command)
+        publish(Path(run["out"]), results, heading, markdown, label(model), entry, options["models"])
+        if after is not None:
+            after(label(model), entry)
     return 0
 
 
-def add_entry(out: Path, results: Path, name: str, entry: dict[str, Any], order: list[str]) -> dict[str, Any]:
-    """Add one model's entry to ``results``/results.json under the lock (runs of other models may end at the same
-    time); return every stored entry, in ``order``."""
+def publish(out: Path, results: Path, heading: list[str], markdown: Callable[[str, dict[str, Any]], list[str]],
+            name: str, entry: dict[str, Any], order: list[str]) -> None:
+    """Add one model's entry to ``results``/results.json and rewrite summary.md from ``heading`` and every stored
+    model's ``markdown``, in ``order``, under the lock (runs of other models may end at the same time); print the
+    new model's part."""
     with results_lock(out):
         stored = previous_results(results) | {name: entry}
         results.mkdir(parents=True, exist_ok=True)
         (results / "results.json").write_text(json.dumps(stored, indent=1))
-    return {n: stored[n] for n in sorted(stored, key=lambda n: order.index(n) if n in order else len(order))}
+        ordered = sorted(stored, key=lambda n: order.index(n) if n in order else len(order))
+        (results / "summary.md").write_text("\n".join([*heading, *(line for n in ordered
+                                                                   for line in markdown(n, stored[n]))]))
+    print("\n".join(markdown(name, entry)))
 
 
 def train_missing(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:

@@ -16,15 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.barriers import (
-    add_entry,
-    machine,
-    mean_se,
-    pair_barriers,
-    seed_checkpoints,
-    summarise,
-    table_main,
-)
+from simulations.bench.barriers import machine, mean_se, pair_barriers, seed_checkpoints, summarise, table_main
 
 RESULTS = Path("simulations/results/forms")
 
@@ -64,24 +56,17 @@ def markdown(name: str, entry: dict[str, Any]) -> list[str]:
             f"`{entry['command']}`. Machine: {entry['machine']}; wall time {entry['seconds'] / 60:.1f} min.", ""]
 
 
-def write(out: Path, name: str, entry: dict[str, Any], order: list[str]) -> None:
-    """Add one model's entry to results.json (under the barrier bench's lock) and rewrite summary.md from every
-    model stored."""
-    results = add_entry(out, RESULTS, name, entry, order)
-    lines = ["# Barriers in the paper's forms", "",
-             "`glmc barrier --form`: `standard` interpolates the models as they are; `rmsnorm` centres the residual "
-             "writers, runs LayerNorm as RMSNorm and aligns the residual over the whole O(d) (not only the maps "
-             "that fix 1); `circuit` aligns in the standard form, then multiplies every head out into its QK and OV "
-             "circuits, so the path interpolates circuits. Both ends are the same functions in every form; only "
-             "the path between them differs.", ""]
-    for model, stored in results.items():
-        lines += markdown(model, stored)
-    (RESULTS / "summary.md").write_text("\n".join(lines))
-    print("\n".join(markdown(name, entry)))
+HEADING = ["# Barriers in the paper's forms", "",
+           "`glmc barrier --form`: `standard` interpolates the models as they are; `rmsnorm` centres the residual "
+           "writers, runs LayerNorm as RMSNorm and aligns the residual over the whole O(d) (not only the maps that "
+           "fix 1); `circuit` aligns in the standard form, then multiplies every head out into its QK and OV "
+           "circuits, so the path interpolates circuits. Both ends are the same functions in every form; only the "
+           "path between them differs.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "forms", "simulations.bench.forms", __doc__.splitlines()[0], measure_model, write)
+    return table_main(argv, "forms", "simulations.bench.forms", __doc__.splitlines()[0], measure_model,
+                      RESULTS, HEADING, markdown)
 
 
 if __name__ == "__main__":

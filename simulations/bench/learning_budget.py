@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.barriers import add_entry, machine, pair_barriers, seed_checkpoints, summarise, table_main
+from simulations.bench.barriers import machine, pair_barriers, seed_checkpoints, summarise, table_main
 
 RESULTS = Path("simulations/results/learning-budget")
 
@@ -85,24 +85,16 @@ def markdown(name: str, entry: dict[str, Any]) -> list[str]:
             f"bench run {entry['seconds'] / 60:.1f} min (cached runs count as zero).", ""]
 
 
-def write(out: Path, name: str, entry: dict[str, Any], order: list[str]) -> None:
-    """Add one model's entry to results.json (under the barrier bench's lock) and rewrite summary.md from every
-    model stored."""
-    results = add_entry(out, RESULTS, name, entry, order)
-    lines = ["# Learned matching with more learning", "",
-             "The barrier bench's learned row runs a fixed budget (its model's `learn` flags). Here the same pairs "
-             "learn longer or at a larger learning rate; ÷ vanilla divides by the plain `none` barrier of the same "
-             "pair. The learning rate follows a cosine decay to zero over the run's steps, so a longer run also "
-             "decays more slowly.", ""]
-    for model, stored in results.items():
-        lines += markdown(model, stored)
-    (RESULTS / "summary.md").write_text("\n".join(lines))
-    print("\n".join(markdown(name, entry)))
+HEADING = ["# Learned matching with more learning", "",
+           "The barrier bench's learned row runs a fixed budget (its model's `learn` flags). Here the same pairs "
+           "learn longer or at a larger learning rate; ÷ vanilla divides by the plain `none` barrier of the same "
+           "pair. The learning rate follows a cosine decay to zero over the run's steps, so a longer run also "
+           "decays more slowly.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
     return table_main(argv, "budget", "simulations.bench.learning_budget", __doc__.splitlines()[0], measure_model,
-                      write)
+                      RESULTS, HEADING, markdown)
 
 
 if __name__ == "__main__":

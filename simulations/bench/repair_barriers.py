@@ -18,7 +18,7 @@ from typing import Any
 
 from glmc.barrier import BarrierCurve
 from glmc.plots import plot_barrier_curves
-from simulations.bench.barriers import add_entry, machine, pair_barriers, seed_checkpoints, summarise, table_main
+from simulations.bench.barriers import machine, pair_barriers, seed_checkpoints, summarise, table_main
 
 RESULTS = Path("simulations/results/barriers-repair")
 
@@ -59,27 +59,23 @@ def markdown(name: str, entry: dict[str, Any]) -> list[str]:
             f"Machine: {entry['machine']}; wall time {entry['seconds'] / 60:.1f} min.", ""]
 
 
-def write(out: Path, name: str, entry: dict[str, Any], order: list[str]) -> None:
-    """Add one model's entry to results.json (under the barrier bench's lock), rewrite summary.md from every model
-    stored, and plot the model's first pair."""
-    results = add_entry(out, RESULTS, name, entry, order)
-    lines = ["# Barriers with REPAIR along the path", "",
-             "`glmc barrier --repair N`: every θ(λ) = λ θ_A + (1−λ) θ_B is REPAIRed before it is evaluated: each "
-             "MLP pre-activation and residual-writer channel is reset to the λ-mean of A's and B's mean and std "
-             "(Jordan et al., 2022). Both ends stay A and B, so the barrier keeps its definition. ÷ vanilla divides "
-             "by the plain `none` barrier of the same pair.", ""]
-    for model, stored in results.items():
-        lines += markdown(model, stored)
-    (RESULTS / "summary.md").write_text("\n".join(lines))
+HEADING = ["# Barriers with REPAIR along the path", "",
+           "`glmc barrier --repair N`: every θ(λ) = λ θ_A + (1−λ) θ_B is REPAIRed before it is evaluated: each MLP "
+           "pre-activation and residual-writer channel is reset to the λ-mean of A's and B's mean and std (Jordan et "
+           "al., 2022). Both ends stay A and B, so the barrier keeps its definition. ÷ vanilla divides by the plain "
+           "`none` barrier of the same pair.", ""]
+
+
+def plot(name: str, entry: dict[str, Any]) -> None:
+    """The curves of the model's first pair."""
     fields = BarrierCurve.__dataclass_fields__
     curves = [BarrierCurve(**{k: c[k] for k in fields}) for c in entry["curves"][0].values()]
     plot_barrier_curves(curves, RESULTS / f"curves_{name}.png", f"{name}: {' vs '.join(entry['pairs'][0])}")
-    print("\n".join(markdown(name, entry)))
 
 
 def main(argv: list[str] | None = None) -> int:
     return table_main(argv, "repair", "simulations.bench.repair_barriers", __doc__.splitlines()[0], measure_model,
-                      write)
+                      RESULTS, HEADING, markdown, plot)
 
 
 if __name__ == "__main__":

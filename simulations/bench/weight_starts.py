@@ -29,7 +29,7 @@ from glmc.checkpoint import load_checkpoint
 from glmc.match.weight import weight_match
 from glmc.tasks import held_out
 from glmc.transforms import apply
-from simulations.bench.barriers import add_entry, machine, mean_se, seed_checkpoints, table_main
+from simulations.bench.barriers import machine, mean_se, seed_checkpoints, table_main
 
 RESULTS = Path("simulations/results/weight-starts")
 
@@ -106,21 +106,14 @@ def measure_model(run: dict[str, Any], starts: dict[str, Any], model: dict[str, 
             "seconds": time.perf_counter() - began}
 
 
-def write(out: Path, name: str, entry: dict[str, Any], order: list[str]) -> None:
-    """Add one model's entry to results.json (under the barrier bench's lock: runs of other models may end at
-    the same time) and rewrite summary.md from every model stored."""
-    results = add_entry(out, RESULTS, name, entry, order)
-    lines = ["# Weight matching from several residual starts", "",
-             "Start 0 is the identity (what `glmc align --method weight` does); the others are Haar-random "
-             "residual maps Q with Q·1 = 1. Objective: ‖A − T(B)‖² at the end of the search.", ""]
-    for model, stored in results.items():
-        lines += markdown(model, stored)
-    (RESULTS / "summary.md").write_text("\n".join(lines))
-    print("\n".join(markdown(name, entry)))
+HEADING = ["# Weight matching from several residual starts", "",
+           "Start 0 is the identity (what `glmc align --method weight` does); the others are Haar-random residual "
+           "maps Q with Q·1 = 1. Objective: ‖A − T(B)‖² at the end of the search.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "starts", "simulations.bench.weight_starts", __doc__.splitlines()[0], measure_model, write)
+    return table_main(argv, "starts", "simulations.bench.weight_starts", __doc__.splitlines()[0], measure_model,
+                      RESULTS, HEADING, markdown)
 
 
 if __name__ == "__main__":
