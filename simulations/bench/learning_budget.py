@@ -5,9 +5,10 @@ row, on the same checkpoints. Uses the barrier benchmark's checkpoints (no train
     .venv/bin/python -m simulations.bench.learning_budget [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
 
-Each setting's flags are added after the model's own learning flags (``learn``), so they override them; a setting
-runs on the first ``pairs`` seed pairs. Every run is one cached ``glmc barrier`` call, so an interrupted bench
-resumes, and each pair's vanilla barrier comes from a plain ``none`` run on the same files.
+Each setting's flags are added after the model's own learning flags (``learn``; glmc's defaults without it), so
+they override them; a setting runs on the first ``pairs`` seed pairs. Every run is one cached ``glmc barrier``
+call, so an interrupted bench resumes, and each pair's vanilla barrier comes from a plain ``none`` run on the same
+files.
 """
 
 from __future__ import annotations
