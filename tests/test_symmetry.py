@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from glmc.archs import ARCHS, get_arch
-from glmc.canonical import canonicalize, to_circuit, to_model
+from glmc.canonical import FORMS, canonicalize, to_circuit, to_model
 from glmc.check import invariance_errors
+from glmc.cli_symmetry import FORM_NAMES
 from glmc.errors import SpecError
 from glmc.spec import check_coverage, check_same_shapes, expand
 from glmc.transforms import SYMMETRY_CLASSES, Transform, apply, compose, invert, random_transform
@@ -28,6 +29,10 @@ def _random(cfg, classes, seed, fix_ones=True):
 def _run(state, cfg, form, x):
     with torch.no_grad():
         return get_arch(cfg.family).logits(to_model(state, cfg, form), x)
+
+
+def test_the_cli_offers_every_form_the_library_has():
+    assert list(FORMS) == FORM_NAMES  # the CLI lists them without importing torch, so they are written twice
 
 
 @pytest.mark.parametrize("name", CONFIGS)
