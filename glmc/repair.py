@@ -11,15 +11,14 @@ needs data, and the merged model's function changes (that is its purpose); the i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from torch.utils.hooks import RemovableHandle
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import Arch, ModelConfig, State, get_arch
 from glmc.canonical import to_model
 from glmc.errors import ConfigError
 from glmc.tasks import inputs_of
@@ -30,6 +29,7 @@ from glmc.tasks import inputs_of
 SITES = ("blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")
 
 Stats = tuple[torch.Tensor, torch.Tensor]  # per output channel: mean, standard deviation
+Hook = Callable[[nn.Module, object, torch.Tensor], torch.Tensor | None]  # a forward hook; a tensor replaces the output
 
 
 class _AllSitesRecorded(Exception):
@@ -47,27 +47,34 @@ def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites
     wanted = list(dict.fromkeys(sites))
     seen: set[tuple[str, int]] = set()  # the sites the current chunk has reached
 
-    def record(key: tuple[str, int]) -> RemovableHandle:
+    def record(key: tuple[str, int]) -> Hook:
         def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
             terms = _sums(out)
             sums[key] = terms if key not in sums else [s + t for s, t in zip(sums[key], terms, strict=True)]
             seen.add(key)
             if len(seen) == len(wanted):
                 raise _AllSitesRecorded
-        return arch.module(model, key[0], key[1]).register_forward_hook(hook)
+        return hook
 
-    handles = [record(site) for site in wanted]
+    _hooked_passes(arch, model, {key: record(key) for key in wanted}, torch.split(batch, batch_size), seen.clear)
+    return {key: _moments(*terms) for key, terms in sums.items()}
+
+
+def _hooked_passes(arch: Arch, model: nn.Module, hooks: Mapping[tuple[str, int], Hook],
+                   chunks: Iterable[torch.Tensor], before_each: Callable[[], None] = lambda: None) -> None:
+    """A forward pass of each chunk through ``model`` with ``hooks`` on their sites' modules; a hook ends a pass
+    early by raising :class:`_AllSitesRecorded`. The hooks are removed afterwards, whatever happens."""
+    handles = [arch.module(model, site, layer).register_forward_hook(hook) for (site, layer), hook in hooks.items()]
     dtype = next(model.parameters()).dtype
     try:
         with torch.no_grad():
-            for chunk in torch.split(batch, batch_size):
-                seen.clear()
+            for chunk in chunks:
+                before_each()
                 with contextlib.suppress(_AllSitesRecorded):
                     arch.logits(model, chunk.to(dtype) if chunk.is_floating_point() else chunk)
     finally:
         for handle in handles:
             handle.remove()
-    return {key: _moments(*terms) for key, terms in sums.items()}
 
 
 def _sums(output: torch.Tensor, rows_per_part: int = 16384) -> list[torch.Tensor]:
@@ -137,23 +144,16 @@ class RepairTarget:
         n = torch.tensor([1.0] * len(self.measured) if weights is None else list(weights), dtype=torch.float64)
         out, model, sites = dict(merged), to_model(merged, self.cfg), _sites(self.cfg)
 
-        def correct(site: str, layer: int) -> RemovableHandle:
+        def correct(site: str, layer: int) -> Hook:
             def hook(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
                 have = _moments(*_sums(output))
                 scale, shift = _reset(out, site, layer, have, _target([m[site, layer] for m in self.measured], n))
                 if (site, layer) == sites[-1]:
                     raise _AllSitesRecorded  # the layers after the last site change nothing
                 return output * scale.to(output.dtype) + shift.to(output.dtype)
-            return arch.module(model, site, layer).register_forward_hook(hook)
+            return hook
 
-        handles = [correct(site, layer) for site, layer in sites]
-        dtype = next(model.parameters()).dtype
-        try:
-            with torch.no_grad(), contextlib.suppress(_AllSitesRecorded):
-                arch.logits(model, self.batch.to(dtype) if self.batch.is_floating_point() else self.batch)
-        finally:
-            for handle in handles:
-                handle.remove()
+        _hooked_passes(arch, model, {key: correct(*key) for key in sites}, [self.batch])
         return out
 
 
