@@ -65,3 +65,8 @@ def test_budget_settings_cache_under_names_of_their_own_flags() -> None:
     tags = {learning_budget.setting_tag("learned", args)
             for args in ([], ["--lr", "1e-2"], ["--steps", "600"], ["--steps", "600", "--lr", "1e-2"])}
     assert len(tags) == 4 and "_learned_steps_600_lr_1e-2" in tags  # a reordered config finds the same caches
+
+
+def test_the_forms_bench_refuses_a_table_without_the_standard_form_before_measuring() -> None:
+    with pytest.raises(SystemExit, match='must include "standard"'):  # no run or model is read: nothing is measured
+        forms.measure_model({}, {"forms": ["rmsnorm", "circuit"], "methods": ["none"]}, {}, "")

@@ -24,6 +24,8 @@ RESULTS = Path("simulations/results/forms")
 def measure_model(run: dict[str, Any], forms: dict[str, Any], model: dict[str, Any], command: str) -> dict[str, Any]:
     """Every pair of one model's seeds in every form; rows per form with each barrier divided both by that form's
     vanilla barrier and by the standard one (the issue's definition)."""
+    if "standard" not in forms["forms"]:
+        raise SystemExit("[forms] forms must include \"standard\": every form is also divided by its vanilla barrier")
     began = time.perf_counter()
     settings = run | model.get("run", {})  # a model may override run settings such as limit
     paths = seed_checkpoints(run, model)
