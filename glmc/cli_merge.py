@@ -40,6 +40,10 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repair", type=count, metavar="N",
                         help="then reset every merged channel's mean and std to the inputs' weighted mean, measured on "
                         "N training samples (REPAIR, Jordan et al. 2022); the merge then depends on data")
+    parser.add_argument("--refit", type=count, metavar="N",
+                        help="refit every merged linear layer, in forward order, to the inputs' weighted mean output "
+                        "by least squares on N training samples (labels unread; RegMean with the merged model's own "
+                        "inputs); inputs of the merge's width only")
     add_learn_arguments(parser, f"training samples for activation (default 512) and learned (default {LEARN_SAMPLES}) "
                         "merging", epochs=1)
     add_universe_arguments(parser)
@@ -80,12 +84,12 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
     from glmc.merge import DATA_METHODS, MergeSetup
 
     samples = args.batch or (LEARN_SAMPLES if method == "learned" else 512)
-    repair = getattr(args, "repair", None) or 0
-    wanted = max(samples, repair) if method in DATA_METHODS else repair  # a seeded draw: its first `samples` stay
+    repair, refit = getattr(args, "repair", None) or 0, getattr(args, "refit", None) or 0
+    wanted = max(samples, repair, refit) if method in DATA_METHODS else max(repair, refit)  # its first `samples` stay
     train = train_subset(dataclasses.replace(meta, config=target), args.data, wanted) if wanted else None
     learn = learn_options(args)
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, args.iters,
-                      args.tol, args.workers, learn, getattr(args, "restore_norms", False), repair)
+                      args.tol, args.workers, learn, getattr(args, "restore_norms", False), repair, refit)
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
@@ -143,7 +147,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
                                train={})
     save_checkpoint(args.out, cast(native, torch.float32), meta)
     return result, {"out": str(args.out), "method": setup.method, "restore_norms": setup.restore_norms,
-                    "repair": setup.repair,
+                    "repair": setup.repair, "refit": setup.refit,
                     "target": setup.target.to_dict(),
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
 

@@ -24,6 +24,7 @@ from glmc.barrier import barrier_curve, evaluate_mixtures
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
 from glmc.errors import ConfigError
+from glmc.refit import refit
 from glmc.repair import repair
 from glmc.rescale import restore_norms
 from glmc.train import evaluate
@@ -140,6 +141,7 @@ class MergeSetup:
     learn: LearnConfig | None = None
     restore_norms: bool = False  # rescale the merged units to their inputs' mean norm (glmc.rescale)
     repair: int = 0  # reset the merged channels' statistics on this many of ``train``'s inputs (glmc.repair); 0: off
+    refit: int = 0  # refit the merged layers to the inputs' mean outputs on this many of ``train``'s inputs; 0: off
 
 
 def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
@@ -147,12 +149,22 @@ def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
     return next((i for i, c in enumerate(configs) if c == target), 0)
 
 
+def check_refit(samples: int, configs: Sequence[ModelConfig], target: ModelConfig) -> None:
+    """One-line ConfigError when a refit is asked of inputs narrower than the target: a narrow model's dead units
+    and residual complement output zeros, which its mean outputs would wrongly count."""
+    narrow = [c for c in configs if c != target]
+    if samples and narrow:
+        raise ConfigError(f"refit needs every input at the merge's width; got width {narrow[0].width} in a width "
+                          f"{target.width} merge")
+
+
 def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
                  ) -> UniverseResult:
     """Canonicalise every native state (float64), embed it into the target and run universe matching (then, if
-    asked, restore the merged units' norms and REPAIR their statistics)."""
+    asked, restore the merged units' norms, refit its layers and REPAIR their statistics)."""
     if setup.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {setup.method!r}; known: {', '.join(MERGE_METHODS)}")
+    check_refit(setup.refit, configs, setup.target)
     arch = get_arch(setup.target.family)
     # Vanilla averaging at one width takes the models as trained, like the paper's baseline; everything else
     # (and any embedding across widths) needs the standard form, LayerNorms folded.
@@ -166,6 +178,8 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
                             refine=setup.method == "learned", learn=setup.learn)
     if setup.restore_norms:
         result.merged = restore_norms(result.merged, result.aligned, setup.target, setup.weights)
+    if setup.refit:
+        result.merged = refit(result.merged, result.aligned, setup.target, setup.train, setup.refit, setup.weights)
     if setup.repair:
         result.merged = repair(result.merged, result.aligned, setup.target, setup.train, setup.repair, setup.weights)
     return result

@@ -10,15 +10,15 @@ needs data, and the merged model's function changes (that is its purpose); the i
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from glmc.archs import Arch, ModelConfig, State, get_arch
+from glmc.activations import AllSitesRecorded, Hook, hooked_passes
+from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import to_model
 from glmc.errors import ConfigError
 from glmc.tasks import inputs_of
@@ -29,11 +29,6 @@ from glmc.tasks import inputs_of
 SITES = ("blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")
 
 Stats = tuple[torch.Tensor, torch.Tensor]  # per output channel: mean, standard deviation
-Hook = Callable[[nn.Module, object, torch.Tensor], torch.Tensor | None]  # a forward hook; a tensor replaces the output
-
-
-class _AllSitesRecorded(Exception):
-    """Raised from the hook of the last site a forward pass reaches, to skip the rest of the network."""
 
 
 def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites: Sequence[tuple[str, int]],
@@ -53,28 +48,11 @@ def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites
             sums[key] = terms if key not in sums else [s + t for s, t in zip(sums[key], terms, strict=True)]
             seen.add(key)
             if len(seen) == len(wanted):
-                raise _AllSitesRecorded
+                raise AllSitesRecorded
         return hook
 
-    _hooked_passes(arch, model, {key: record(key) for key in wanted}, torch.split(batch, batch_size), seen.clear)
+    hooked_passes(arch, model, {key: record(key) for key in wanted}, torch.split(batch, batch_size), seen.clear)
     return {key: _moments(*terms) for key, terms in sums.items()}
-
-
-def _hooked_passes(arch: Arch, model: nn.Module, hooks: Mapping[tuple[str, int], Hook],
-                   chunks: Iterable[torch.Tensor], before_each: Callable[[], None] = lambda: None) -> None:
-    """A forward pass of each chunk through ``model`` with ``hooks`` on their sites' modules; a hook ends a pass
-    early by raising :class:`_AllSitesRecorded`. The hooks are removed afterwards, whatever happens."""
-    handles = [arch.module(model, site, layer).register_forward_hook(hook) for (site, layer), hook in hooks.items()]
-    dtype = next(model.parameters()).dtype
-    try:
-        with torch.no_grad():
-            for chunk in chunks:
-                before_each()
-                with contextlib.suppress(_AllSitesRecorded):
-                    arch.logits(model, chunk.to(dtype) if chunk.is_floating_point() else chunk)
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _sums(output: torch.Tensor, rows_per_part: int = 16384) -> list[torch.Tensor]:
@@ -149,11 +127,11 @@ class RepairTarget:
                 have = _moments(*_sums(output))
                 scale, shift = _reset(out, site, layer, have, _target([m[site, layer] for m in self.measured], n))
                 if (site, layer) == sites[-1]:
-                    raise _AllSitesRecorded  # the layers after the last site change nothing
+                    raise AllSitesRecorded  # the layers after the last site change nothing
                 return output * scale.to(output.dtype) + shift.to(output.dtype)
             return hook
 
-        _hooked_passes(arch, model, {key: correct(*key) for key in sites}, [self.batch])
+        hooked_passes(arch, model, {key: correct(*key) for key in sites}, [self.batch])
         return out
 
 

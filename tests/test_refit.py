@@ -1,0 +1,96 @@
+"""Refitting a merge layer by layer: every refitted layer is the least-squares fit, on the merged model's own inputs,
+of the inputs' weighted mean output; identical inputs give back their function; bad data and narrow inputs are
+refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from glmc.activations import hooked_passes
+from glmc.archs import ModelConfig, get_arch, preset, scale_width
+from glmc.barrier import mix
+from glmc.canonical import canonicalize, to_model
+from glmc.errors import ConfigError
+from glmc.merge import MergeSetup, merge_states
+from glmc.refit import mean_outputs, refit, stages
+from tests.conftest import synthetic_images, synthetic_text
+from tests.symmetry_models import VOCAB, random_native
+
+CONFIGS = {
+    "vit": preset("vit-bench").replace(depth=2, img_size=8, patch=4, in_chans=1, num_classes=3),
+    "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
+}
+
+
+def _canonical(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg.depth, dtype=torch.float64)
+
+
+def _data(cfg: ModelConfig) -> TensorDataset:
+    return synthetic_images(64) if cfg.family == "vit" else synthetic_text(32, vocab=VOCAB)
+
+
+def _inputs_at(state: dict[str, torch.Tensor], cfg: ModelConfig, site: tuple[str, int | None],
+               x: torch.Tensor) -> torch.Tensor:
+    """The layer's inputs at ``site`` in ``state``'s model, every token a row, with a ones column."""
+    got = []
+    hooked_passes(get_arch(cfg.family), to_model(state, cfg), {site: lambda m, args, out: got.append(args[0])}, [x])
+    rows = got[0].reshape(-1, got[0].shape[-1]).double()
+    return torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_every_refitted_layer_is_the_least_squares_fit_on_its_own_inputs(family):
+    """The residual of each layer against the weighted mean output is orthogonal to the merged model's own inputs
+    there (the normal equations), in forward order: a fit on each input model's inputs (RegMean) would not be."""
+    cfg = CONFIGS[family]
+    inputs, weights = [_canonical(cfg, 0), _canonical(cfg, 1)], [3.0, 1.0]
+    data = _data(cfg)
+    merged = mix(inputs, [0.75, 0.25])
+    fitted = refit(merged, inputs, cfg, data, weights=weights)
+    models, x = [to_model(s, cfg) for s in inputs], data.tensors[0]
+    for stage in stages(cfg):
+        targets = mean_outputs(models, weights, cfg, x, stage)
+        for site in stage:
+            name = site[0].format(l=site[1])
+            own = _inputs_at(fitted, cfg, site, x)
+            if f"{name}.b" not in fitted:
+                own = own[:, :-1]
+            rows = [fitted[f"{name}.w"]] + ([fitted[f"{name}.b"][:, None]] if f"{name}.b" in fitted else [])
+            gradient = own.T @ (own @ torch.cat(rows, 1).T - targets[site])
+            assert gradient.abs().max() <= 1e-7 * (own.T @ targets[site]).abs().max(), site
+            before = torch.cat([merged[f"{name}.w"]] + ([merged[f"{name}.b"][:, None]] if len(rows) > 1 else []), 1)
+            assert not torch.allclose(before, torch.cat(rows, 1)), site  # the layer did change
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_refit_of_identical_models_computes_their_function(family):
+    cfg = CONFIGS[family]
+    state = _canonical(cfg, 0)
+    data = _data(cfg)
+    fitted = refit(mix([state, state], [0.5, 0.5]), [state, state], cfg, data)
+    arch, x = get_arch(cfg.family), data.tensors[0]
+    x = x.double() if x.is_floating_point() else x
+    with torch.no_grad():
+        want, got = (arch.logits(to_model(s, cfg), x) for s in (state, fitted))
+    assert (want - got).abs().max() <= 1e-8
+
+
+def test_no_inputs_or_inputs_of_the_wrong_shape_are_refused_in_one_line():
+    cfg = CONFIGS["vit"]
+    state = _canonical(cfg, 0)
+    for empty in (None, TensorDataset(torch.zeros(0, 1, 8, 8), torch.zeros(0))):
+        with pytest.raises(ConfigError, match="needs training inputs"):
+            refit(state, [state], cfg, empty)
+    with pytest.raises(ConfigError, match="does not fit the vit model"):
+        refit(state, [state], cfg, TensorDataset(torch.zeros(4, 3, 32, 32), torch.zeros(4)))
+
+
+def test_a_refit_across_widths_is_refused_before_any_work():
+    wide = CONFIGS["vit"]
+    narrow = scale_width(wide, 0.5)
+    natives = [random_native(wide, 0), random_native(narrow, 1)]
+    with pytest.raises(ConfigError, match="refit needs every input at the merge's width; got width 64"):
+        merge_states(natives, [wide, narrow], MergeSetup("weight", wide, train=_data(wide), refit=16))
