@@ -149,11 +149,11 @@ def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
     return next((i for i, c in enumerate(configs) if c == target), 0)
 
 
-def check_refit(samples: int, configs: Sequence[ModelConfig], target: ModelConfig) -> None:
+def check_refit(asked: bool, configs: Sequence[ModelConfig], target: ModelConfig) -> None:
     """One-line ConfigError when a refit is asked of inputs narrower than the target: a narrow model's dead units
     and residual complement output zeros, which its mean outputs would wrongly count."""
     narrow = [c for c in configs if c != target]
-    if samples and narrow:
+    if asked and narrow:
         raise ConfigError(f"refit needs every input at the merge's width; got width {narrow[0].width} in a width "
                           f"{target.width} merge")
 
@@ -164,7 +164,7 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     asked, restore the merged units' norms, refit its layers and REPAIR their statistics)."""
     if setup.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {setup.method!r}; known: {', '.join(MERGE_METHODS)}")
-    check_refit(setup.refit, configs, setup.target)
+    check_refit(bool(setup.refit), configs, setup.target)
     arch = get_arch(setup.target.family)
     # Vanilla averaging at one width takes the models as trained, like the paper's baseline; everything else
     # (and any embedding across widths) needs the standard form, LayerNorms folded.

@@ -5,8 +5,10 @@ Averaging approximately aligned models gives a model whose features drift from t
 compounds with depth. REPAIR (:mod:`glmc.repair`) resets each channel's mean and std; refitting matches the whole
 layer token by token: with X the merged model's inputs at a layer (every token of a few training samples, a ones
 column for the bias, the earlier layers already refitted) and Y_i = X_i W_iᵀ model i's outputs on its own inputs,
-``[W | b] = argmin ‖X Wᵀ − Σ n_i Y_i / Σ n_i‖²``, the minimum-norm solution (LayerNorm's centring leaves the
-readers' ones direction unread). It is RegMean (Jin et al., 2023) with the merged model's own inputs in place of
+``[W | b] = argmin ‖X Wᵀ − Σ n_i Y_i / Σ n_i‖² + ρ Σ_j ‖X_j‖² ‖W_j − W⁰_j‖²``: least squares shrunk towards the
+merge W⁰ by a ridge relative to each input feature's energy (ρ = 1e-3; on 5 vit-bench seeds, 128 samples without
+it overfit the head: 42.0%, with it 81.2%; at 512, 84.7% and 84.65%), the minimum-norm solution where a feature is
+never read. It is RegMean (Jin et al., 2023) with the merged model's own inputs in place of
 each model's: on 5 vit-bench seeds, RegMean gave 67.6% and this 84.7%. The layers that every model reads the same
 inputs of (patch and token embeddings) keep the mean. Labels are never read; the merged model's function changes
 (its purpose), and the inputs are only read.
@@ -29,6 +31,7 @@ from glmc.tasks import inputs_of
 # The linear layers refitted (canonical prefixes), in forward order within a block; then the head.
 LAYERS = ("blocks.{l}.attn.qkv", "blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")
 TOP_LAYERS = ("head",)
+RIDGE = 1e-3
 
 
 def stages(cfg: ModelConfig) -> list[list[Site]]:
@@ -69,14 +72,23 @@ def mean_outputs(models: Sequence[nn.Module], weights: Sequence[float], cfg: Mod
     return means
 
 
-def _solve(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The minimum-norm rows R with x·Rᵀ closest to ``target`` in least squares."""
+def layer_rows(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A linear layer's rows ``[W | b]`` in float64, or W alone for a layer without a bias (GPT-2's head)."""
+    w = state[f"{name}.w"].double()
+    return torch.cat([w, state[f"{name}.b"].double()[:, None]], 1) if f"{name}.b" in state else w
+
+
+def _solve(x: torch.Tensor, target: torch.Tensor, start: torch.Tensor, ridge: float) -> torch.Tensor:
+    """The rows R minimising ‖x Rᵀ − target‖² + ridge·Σ_j ‖x_j‖²‖R_j − start_j‖² (minimum norm where x_j = 0)."""
     gram = x.T @ x
-    return (torch.linalg.pinv(gram, hermitian=True, rtol=1e-10) @ (x.T @ target)).T
+    energy = ridge * gram.diagonal()
+    rhs = x.T @ target + energy[:, None] * start.T
+    return (torch.linalg.pinv(gram + torch.diag(energy), hermitian=True, rtol=1e-10) @ rhs).T
 
 
 def refit(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig,
-          data: Dataset | None, samples: int | None = None, weights: Sequence[float] | None = None) -> State:
+          data: Dataset | None, samples: int | None = None, weights: Sequence[float] | None = None, *,
+          ridge: float = RIDGE) -> State:
     """``merged`` (a canonical standard state of ``cfg``) with every linear layer after the embeddings refitted to the
     ``weights``-mean outputs of ``inputs`` (canonical states of ``cfg`` in one basis and width, e.g. universe
     matching's aligned models) on the first ``samples`` inputs of ``data`` (training samples, never the held-out
@@ -84,6 +96,8 @@ def refit(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[str, torc
     passes the refitted output on, so every later layer is fitted on the earlier ones' refitted outputs."""
     if data is None or len(data) == 0 or samples == 0:  # type: ignore[arg-type]
         raise ConfigError("refitting a merge needs training inputs to measure the layers' outputs on")
+    if not ridge >= 0:
+        raise ConfigError(f"the refit's ridge must be ≥ 0, got {ridge}")
     n = check_weights([1.0] * len(inputs) if weights is None else list(weights), len(inputs))
     batch = inputs_of(data, len(data) if samples is None else samples)  # type: ignore[arg-type]
     arch = get_arch(cfg.family)
@@ -91,20 +105,20 @@ def refit(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[str, torc
     models = [to_model(s, cfg) for s in inputs]
     out = dict(merged)
     for stage in stages(cfg):
-        _refit_stage(out, cfg, stage, mean_outputs(models, n, cfg, batch, stage), batch)
+        _refit_stage(out, cfg, stage, mean_outputs(models, n, cfg, batch, stage), batch, ridge)
     return out
 
 
 def _refit_stage(state: State, cfg: ModelConfig, stage: Sequence[Site], targets: dict[Site, torch.Tensor],
-                 batch: torch.Tensor) -> None:
+                 batch: torch.Tensor, ridge: float) -> None:
     """Refit ``state``'s layers of one stage in place, in one pass of its model that stops after the stage."""
 
     def fit(site: Site) -> Hook:
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
             name, biased = _name(site), f"{_name(site)}.b" in state
             x = _with_ones(args[0]) if biased else _with_ones(args[0])[:, :-1]
-            rows = _solve(x, targets.pop(site))
             w = state[f"{name}.w"]
+            rows = _solve(x, targets.pop(site), layer_rows(state, name), ridge)
             state[f"{name}.w"] = rows[:, : w.shape[1]].to(w.dtype)
             if biased:
                 state[f"{name}.b"] = rows[:, -1].to(state[f"{name}.b"].dtype)

@@ -34,6 +34,8 @@ from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
+from glmc.merge import check_refit
+from glmc.refit import refit as refit_layers
 from glmc.repair import repair as repair_statistics
 from glmc.rescale import restore_norms
 from glmc.train import TrainConfig, train
@@ -103,15 +105,18 @@ def finetune(native: State, full: ModelConfig, data: Dataset | None, config: Tra
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
           data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
-          tune: TrainConfig | None = None, restore: bool = False, repair: bool = False) -> MergeResult:
+          tune: TrainConfig | None = None, restore: bool = False, repair: bool = False,
+          refit: bool = False) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
     ``tune``: how ``fedavg-ft`` trains the merged model (default: one epoch, one thread).
     ``restore``: rescale the aligned merge's units to the clients' mean norm (:func:`glmc.rescale.restore_norms`).
+    ``refit``: then refit its linear layers to the clients' mean output on ``data`` (:func:`glmc.refit.refit`).
     ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
     """
     states, configs = universe_states(clients, full)
+    check_refit(refit, configs, full)
     before = embedded_distance(states, configs, full)
     weights = [c.weight for c in clients]
     if aggregation in SLICED:
@@ -129,6 +134,8 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
                             workers=workers, refine=refine, learn=learn)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
+    if refit:
+        merged = refit_layers(merged, result.aligned, full, data, weights=weights)
     if repair:
         merged = repair_statistics(merged, result.aligned, full, data, weights=weights)
     return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before,

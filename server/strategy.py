@@ -89,7 +89,7 @@ class SymmetryAwareFedAvg(FedAvg):
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
                  server_data: Dataset | None = None, align_iters: int = 1, align_workers: int = 1,
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
-                 repair: bool = False, independent_init: bool = False,
+                 repair: bool = False, refit: bool = False, independent_init: bool = False,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
@@ -105,6 +105,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.tune = tune  # how fedavg-ft trains the merged model on the server data (its seed moves by round)
         self.restore_norms = restore_norms  # rescale the aligned merge's units to the clients' mean norm
         self.repair = repair  # reset the aligned merge's channel statistics to the clients' on the server data
+        self.refit = refit  # refit the aligned merge's linear layers to the clients' mean output on the server data
         self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
         self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
         self.independent_init = independent_init
@@ -224,7 +225,7 @@ class SymmetryAwareFedAvg(FedAvg):
         tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
                      iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
-                     restore=self.restore_norms, repair=self.repair)
+                     restore=self.restore_norms, repair=self.repair, refit=self.refit)
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(

@@ -14,7 +14,7 @@ from glmc.barrier import mix
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.merge import MergeSetup, merge_states
-from glmc.refit import mean_outputs, refit, stages
+from glmc.refit import RIDGE, layer_rows, mean_outputs, refit, stages
 from tests.conftest import synthetic_images, synthetic_text
 from tests.symmetry_models import VOCAB, random_native
 
@@ -41,28 +41,29 @@ def _inputs_at(state: dict[str, torch.Tensor], cfg: ModelConfig, site: tuple[str
     return torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
 
 
+@pytest.mark.parametrize("ridge", [0.0, RIDGE])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_every_refitted_layer_is_the_least_squares_fit_on_its_own_inputs(family):
-    """The residual of each layer against the weighted mean output is orthogonal to the merged model's own inputs
-    there (the normal equations), in forward order: a fit on each input model's inputs (RegMean) would not be."""
+def test_every_refitted_layer_is_the_least_squares_fit_on_its_own_inputs(family, ridge):
+    """Each layer's gradient of ‖X Rᵀ − Ȳ‖² + ρ Σ_j ‖X_j‖² ‖R_j − R⁰_j‖² vanishes, with X the merged model's own
+    inputs there, Ȳ the inputs' weighted mean output and R⁰ the merge's rows (the normal equations), in forward
+    order: a fit on each input model's own inputs (RegMean) would not satisfy them."""
     cfg = CONFIGS[family]
     inputs, weights = [_canonical(cfg, 0), _canonical(cfg, 1)], [3.0, 1.0]
     data = _data(cfg)
     merged = mix(inputs, [0.75, 0.25])
-    fitted = refit(merged, inputs, cfg, data, weights=weights)
+    fitted = refit(merged, inputs, cfg, data, weights=weights, ridge=ridge)
     models, x = [to_model(s, cfg) for s in inputs], data.tensors[0]
     for stage in stages(cfg):
         targets = mean_outputs(models, weights, cfg, x, stage)
         for site in stage:
             name = site[0].format(l=site[1])
             own = _inputs_at(fitted, cfg, site, x)
-            if f"{name}.b" not in fitted:
-                own = own[:, :-1]
-            rows = [fitted[f"{name}.w"]] + ([fitted[f"{name}.b"][:, None]] if f"{name}.b" in fitted else [])
-            gradient = own.T @ (own @ torch.cat(rows, 1).T - targets[site])
+            own = own if f"{name}.b" in fitted else own[:, :-1]
+            rows, start = layer_rows(fitted, name), layer_rows(merged, name)
+            energy = ridge * (own * own).sum(0)
+            gradient = own.T @ (own @ rows.T - targets[site]) + energy[:, None] * (rows - start).T
             assert gradient.abs().max() <= 1e-7 * (own.T @ targets[site]).abs().max(), site
-            before = torch.cat([merged[f"{name}.w"]] + ([merged[f"{name}.b"][:, None]] if len(rows) > 1 else []), 1)
-            assert not torch.allclose(before, torch.cat(rows, 1)), site  # the layer did change
+            assert not torch.allclose(rows, start), site  # the layer did change
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -86,6 +87,9 @@ def test_no_inputs_or_inputs_of_the_wrong_shape_are_refused_in_one_line():
             refit(state, [state], cfg, empty)
     with pytest.raises(ConfigError, match="does not fit the vit model"):
         refit(state, [state], cfg, TensorDataset(torch.zeros(4, 3, 32, 32), torch.zeros(4)))
+    for ridge in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="ridge must be ≥ 0"):
+            refit(state, [state], cfg, _data(cfg), ridge=ridge)
 
 
 def test_a_refit_across_widths_is_refused_before_any_work():

@@ -27,6 +27,7 @@ from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
+from glmc.refit import RIDGE, layer_rows
 from glmc.repair import channel_stats
 from glmc.train import TrainConfig, evaluate, train
 from server import heterofl, protocol
@@ -442,6 +443,44 @@ def test_repair_gives_the_merged_channels_the_clients_statistics_on_the_server_d
     by_hand = sum(n * totals(s) for n, s in zip(counts, states, strict=True)) / sum(counts)
     torch.testing.assert_close(merged[0], by_hand, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(merged[1], by_hand, rtol=1e-2)
+
+
+def test_refit_needs_an_aligned_aggregation_server_data_and_full_width_clients() -> None:
+    with pytest.raises(ConfigError, match="refit fits aligned merges"):
+        RunSettings.from_run_config({"aggregation": "fedavg", "refit": True, "server-data": 100})
+    with pytest.raises(ConfigError, match="set server-data > 0"):
+        RunSettings.from_run_config({"aggregation": "weight", "refit": True})
+    with pytest.raises(ConfigError, match="refit needs every client at full width"):
+        RunSettings.from_run_config({"aggregation": "weight", "refit": True, "server-data": 100,
+                                     "width-tiers": "1,0.5"})
+
+
+def test_refit_fits_the_global_head_to_the_clients_mean_logits_on_the_server_data() -> None:
+    """Alignment keeps each client's function, so the refitted global head (canonical) is the ridged least-squares fit,
+    on its own inputs there, of the clients' example-weighted mean logits on the server data, shrunk towards the plain
+    merge's head: the normal equations hold for it and not for the plain merge."""
+    states, counts, data = [state(i) for i in range(3)], (10, 20, 30), synthetic_images(64)
+    replies = [reply(s, metrics(examples=n), node=i + 1) for i, (s, n) in enumerate(zip(states, counts, strict=True))]
+    arch, x = get_arch(CFG.family), data.tensors[0].double()
+
+    def head_fit(native: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        folded = canonicalize(arch, {k: v.double() for k, v in native.items()}, CFG.depth, dtype=torch.float64)
+        model, seen = to_model(folded, CFG), []
+        arch.module(model, "head").register_forward_hook(lambda m, args, out: seen.append(args[0]))
+        with torch.no_grad():
+            logits = arch.logits(model, x)
+        return torch.cat([seen[0], torch.ones(len(x), 1, dtype=torch.float64)], 1), logits, layer_rows(folded, "head")
+
+    want = sum(n * head_fit(s)[1] for n, s in zip(counts, states, strict=True)) / sum(counts)
+    merges = {refit: strategy("weight", refit=refit, server_data=data).aggregate_train(1, replies)[0]
+              for refit in (True, False)}
+    heads = {k: head_fit({name: torch.from_numpy(v) for name, v in as_numpy(a).items()})  # type: ignore[arg-type]
+             for k, a in merges.items()}
+    start = heads[False][2]
+    for refit, (features, logits, rows) in heads.items():
+        energy = RIDGE * features.square().sum(0)
+        gradient = features.T @ (logits - want) + energy[:, None] * (rows - start).T
+        assert (gradient.abs().max() <= 1e-4 * (features.T @ want).abs().max()) == refit
 
 
 def test_run_config_values_are_coerced() -> None:
