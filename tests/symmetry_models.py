@@ -6,8 +6,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, State, build_model, get_arch, preset
+from glmc.canonical import canonicalize
 from glmc.check import random_inputs as inputs
 from glmc.check import random_native
+from tests.conftest import synthetic_images, synthetic_text
 
 VOCAB = 23
 
@@ -20,7 +22,23 @@ CONFIGS: dict[str, ModelConfig] = {
                                              context=12),
 }
 
-__all__ = ["CONFIGS", "dataset", "inputs", "logits_of", "random_native"]
+# Two-block models of both families, for the corrections of a merge (REPAIR, refit).
+MERGE_CONFIGS: dict[str, ModelConfig] = {
+    "vit": preset("vit-bench").replace(depth=2, img_size=8, patch=4, in_chans=1, num_classes=3),
+    "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
+}
+
+__all__ = ["CONFIGS", "MERGE_CONFIGS", "canonical", "dataset", "inputs", "logits_of", "merge_data", "random_native"]
+
+
+def canonical(cfg: ModelConfig, seed: int) -> State:
+    """A random model of ``cfg`` in the standard canonical form, float64."""
+    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg.depth, dtype=torch.float64)
+
+
+def merge_data(cfg: ModelConfig) -> TensorDataset:
+    """Learnable synthetic data for a MERGE_CONFIGS model: row-band images, or cyclic text."""
+    return synthetic_images(64) if cfg.family == "vit" else synthetic_text(32, vocab=VOCAB)
 
 
 def dataset(cfg: ModelConfig, n: int = 24, seed: int = 0) -> TensorDataset:

@@ -9,27 +9,13 @@ import torch
 from torch.utils.data import TensorDataset
 
 from glmc.activations import hooked_passes
-from glmc.archs import ModelConfig, get_arch, preset, scale_width
+from glmc.archs import ModelConfig, get_arch, scale_width
 from glmc.barrier import mix
-from glmc.canonical import canonicalize, to_model
+from glmc.canonical import to_model
 from glmc.errors import ConfigError
 from glmc.merge import MergeSetup, merge_states
 from glmc.refit import RIDGE, layer_rows, mean_outputs, refit, stages
-from tests.conftest import synthetic_images, synthetic_text
-from tests.symmetry_models import VOCAB, random_native
-
-CONFIGS = {
-    "vit": preset("vit-bench").replace(depth=2, img_size=8, patch=4, in_chans=1, num_classes=3),
-    "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
-}
-
-
-def _canonical(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg.depth, dtype=torch.float64)
-
-
-def _data(cfg: ModelConfig) -> TensorDataset:
-    return synthetic_images(64) if cfg.family == "vit" else synthetic_text(32, vocab=VOCAB)
+from tests.symmetry_models import MERGE_CONFIGS, canonical, merge_data, random_native
 
 
 def _inputs_at(state: dict[str, torch.Tensor], cfg: ModelConfig, site: tuple[str, int | None],
@@ -42,14 +28,14 @@ def _inputs_at(state: dict[str, torch.Tensor], cfg: ModelConfig, site: tuple[str
 
 
 @pytest.mark.parametrize("ridge", [0.0, RIDGE])
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(MERGE_CONFIGS))
 def test_every_refitted_layer_is_the_least_squares_fit_on_its_own_inputs(family, ridge):
     """Each layer's gradient of ‖X Rᵀ − Ȳ‖² + ρ Σ_j ‖X_j‖² ‖R_j − R⁰_j‖² vanishes, with X the merged model's own
     inputs there, Ȳ the inputs' weighted mean output and R⁰ the merge's rows (the normal equations), in forward
     order: a fit on each input model's own inputs (RegMean) would not satisfy them."""
-    cfg = CONFIGS[family]
-    inputs, weights = [_canonical(cfg, 0), _canonical(cfg, 1)], [3.0, 1.0]
-    data = _data(cfg)
+    cfg = MERGE_CONFIGS[family]
+    inputs, weights = [canonical(cfg, 0), canonical(cfg, 1)], [3.0, 1.0]
+    data = merge_data(cfg)
     merged = mix(inputs, [0.75, 0.25])
     fitted = refit(merged, inputs, cfg, data, weights=weights, ridge=ridge)
     models, x = [to_model(s, cfg) for s in inputs], data.tensors[0]
@@ -66,11 +52,11 @@ def test_every_refitted_layer_is_the_least_squares_fit_on_its_own_inputs(family,
             assert not torch.allclose(rows, start), site  # the layer did change
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(MERGE_CONFIGS))
 def test_a_refit_of_identical_models_computes_their_function(family):
-    cfg = CONFIGS[family]
-    state = _canonical(cfg, 0)
-    data = _data(cfg)
+    cfg = MERGE_CONFIGS[family]
+    state = canonical(cfg, 0)
+    data = merge_data(cfg)
     fitted = refit(mix([state, state], [0.5, 0.5]), [state, state], cfg, data)
     arch, x = get_arch(cfg.family), data.tensors[0]
     x = x.double() if x.is_floating_point() else x
@@ -80,8 +66,8 @@ def test_a_refit_of_identical_models_computes_their_function(family):
 
 
 def test_no_inputs_or_inputs_of_the_wrong_shape_are_refused_in_one_line():
-    cfg = CONFIGS["vit"]
-    state = _canonical(cfg, 0)
+    cfg = MERGE_CONFIGS["vit"]
+    state = canonical(cfg, 0)
     for empty in (None, TensorDataset(torch.zeros(0, 1, 8, 8), torch.zeros(0))):
         with pytest.raises(ConfigError, match="needs training inputs"):
             refit(state, [state], cfg, empty)
@@ -89,12 +75,12 @@ def test_no_inputs_or_inputs_of_the_wrong_shape_are_refused_in_one_line():
         refit(state, [state], cfg, TensorDataset(torch.zeros(4, 3, 32, 32), torch.zeros(4)))
     for ridge in (-1.0, float("nan")):
         with pytest.raises(ConfigError, match="ridge must be ≥ 0"):
-            refit(state, [state], cfg, _data(cfg), ridge=ridge)
+            refit(state, [state], cfg, merge_data(cfg), ridge=ridge)
 
 
 def test_a_refit_across_widths_is_refused_before_any_work():
-    wide = CONFIGS["vit"]
+    wide = MERGE_CONFIGS["vit"]
     narrow = scale_width(wide, 0.5)
     natives = [random_native(wide, 0), random_native(narrow, 1)]
     with pytest.raises(ConfigError, match="refit needs every input at the merge's width; got width 64"):
-        merge_states(natives, [wide, narrow], MergeSetup("weight", wide, train=_data(wide), refit=16))
+        merge_states(natives, [wide, narrow], MergeSetup("weight", wide, train=merge_data(wide), refit=16))

@@ -8,41 +8,28 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from glmc.archs import ModelConfig, get_arch, preset, scale_width
+from glmc.archs import ModelConfig, get_arch, scale_width
 from glmc.barrier import barrier_curve, mix
-from glmc.canonical import canonicalize, to_model
+from glmc.canonical import to_model
 from glmc.errors import ConfigError
 from glmc.repair import SITES, channel_stats, repair
 from glmc.train import evaluate
 from glmc.widths import embed, place
-from tests.conftest import synthetic_images, synthetic_text
-from tests.symmetry_models import VOCAB, random_native
+from tests.symmetry_models import MERGE_CONFIGS, canonical, merge_data
 
-CONFIGS = {
-    "vit": preset("vit-bench").replace(depth=2, img_size=8, patch=4, in_chans=1, num_classes=3),
-    "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
-}
-SITES_OF = {family: [(s, layer) for layer in range(cfg.depth) for s in SITES] for family, cfg in CONFIGS.items()}
-
-
-def _canonical(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg.depth, dtype=torch.float64)
-
-
-def _data(cfg: ModelConfig) -> TensorDataset:
-    return synthetic_images(64) if cfg.family == "vit" else synthetic_text(32, vocab=VOCAB)
+SITES_OF = {family: [(s, layer) for layer in range(cfg.depth) for s in SITES] for family, cfg in MERGE_CONFIGS.items()}
 
 
 def _stats(state: dict[str, torch.Tensor], cfg: ModelConfig, sites: list[tuple[str, int]]) -> dict:
-    return channel_stats(to_model(state, cfg), cfg, _data(cfg).tensors[0], sites, 16)
+    return channel_stats(to_model(state, cfg), cfg, merge_data(cfg).tensors[0], sites, 16)
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(MERGE_CONFIGS))
 def test_every_channel_ends_with_the_weighted_mean_statistics_of_the_inputs(family):
-    cfg = CONFIGS[family]
-    inputs = [_canonical(cfg, 0), _canonical(cfg, 1)]
+    cfg = MERGE_CONFIGS[family]
+    inputs = [canonical(cfg, 0), canonical(cfg, 1)]
     merged = mix(inputs, [0.75, 0.25])
-    repaired = repair(merged, inputs, cfg, _data(cfg), weights=[3.0, 1.0])
+    repaired = repair(merged, inputs, cfg, merge_data(cfg), weights=[3.0, 1.0])
     before, after = (_stats(s, cfg, SITES_OF[family]) for s in (merged, repaired))
     a, b = (_stats(s, cfg, SITES_OF[family]) for s in inputs)
     for site in SITES_OF[family]:
@@ -53,10 +40,10 @@ def test_every_channel_ends_with_the_weighted_mean_statistics_of_the_inputs(fami
 
 
 def test_a_channel_an_input_does_not_hold_takes_the_other_inputs_statistics():
-    wide = CONFIGS["vit"]
+    wide = MERGE_CONFIGS["vit"]
     narrow = scale_width(wide, 0.5)
-    a, b = _canonical(wide, 0), embed(_canonical(narrow, 1), place(narrow, wide))
-    repaired = repair(mix([a, b], [0.5, 0.5]), [a, b], wide, _data(wide))
+    a, b = canonical(wide, 0), embed(canonical(narrow, 1), place(narrow, wide))
+    repaired = repair(mix([a, b], [0.5, 0.5]), [a, b], wide, merge_data(wide))
     site = [("blocks.{l}.mlp.fc1", 0)]
     (own_mean, own_std), (_, dead_std) = (_stats(s, wide, site)[site[0]] for s in (a, b))
     mean, std = _stats(repaired, wide, site)[site[0]]
@@ -66,15 +53,15 @@ def test_a_channel_an_input_does_not_hold_takes_the_other_inputs_statistics():
 
 
 def test_a_merge_of_identical_models_is_left_as_it_is():
-    cfg = CONFIGS["gpt2"]
-    state = _canonical(cfg, 0)
-    repaired = repair(mix([state, state], [0.5, 0.5]), [state, state], cfg, _data(cfg))
+    cfg = MERGE_CONFIGS["gpt2"]
+    state = canonical(cfg, 0)
+    repaired = repair(mix([state, state], [0.5, 0.5]), [state, state], cfg, merge_data(cfg))
     assert all(torch.allclose(repaired[k], state[k], rtol=1e-9, atol=1e-9) for k in state)
 
 
 def test_no_inputs_or_inputs_of_the_wrong_shape_are_refused_in_one_line():
-    cfg = CONFIGS["vit"]
-    state = _canonical(cfg, 0)
+    cfg = MERGE_CONFIGS["vit"]
+    state = canonical(cfg, 0)
     for empty in (None, TensorDataset(torch.zeros(0, 1, 8, 8), torch.zeros(0))):
         with pytest.raises(ConfigError, match="needs training inputs"):
             repair(state, [state], cfg, empty)
@@ -82,30 +69,30 @@ def test_no_inputs_or_inputs_of_the_wrong_shape_are_refused_in_one_line():
         repair(state, [state], cfg, TensorDataset(torch.zeros(4, 3, 32, 32), torch.zeros(4)))
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(MERGE_CONFIGS))
 def test_statistics_stop_the_forward_pass_at_the_last_site_and_match_a_full_pass(family):
     """Measuring the first block's sites runs no later block, and gives what a pass through every site gives."""
-    cfg = CONFIGS[family]
-    state = _canonical(cfg, 0)
+    cfg = MERGE_CONFIGS[family]
+    state = canonical(cfg, 0)
     model = to_model(state, cfg)
     later = []
     get_arch(cfg.family).module(model, "blocks.{l}", cfg.depth - 1).register_forward_hook(
         lambda *_: later.append(1))
     first = [(s, 0) for s in SITES]
-    early = channel_stats(model, cfg, _data(cfg).tensors[0], first, 16)
+    early = channel_stats(model, cfg, merge_data(cfg).tensors[0], first, 16)
     assert not later
     full = _stats(state, cfg, SITES_OF[family])
     for site in first:
         assert all(torch.equal(x, y) for x, y in zip(early[site], full[site], strict=True)), site
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(MERGE_CONFIGS))
 def test_a_repaired_path_keeps_both_ends_and_repairs_every_point_on_it(family):
     """With repair_data, θ(λ) is REPAIRed to the λ-mean statistics before it is evaluated: both ends keep the models'
     own losses (so the barrier keeps its definition), and each point is what repair() of that mixture gives."""
-    cfg = CONFIGS[family]
-    a, b = _canonical(cfg, 0), _canonical(cfg, 1)
-    data = _data(cfg)
+    cfg = MERGE_CONFIGS[family]
+    a, b = canonical(cfg, 0), canonical(cfg, 1)
+    data = merge_data(cfg)
     plain, repaired = (barrier_curve(a, b, cfg, data, points=5, repair_data=r) for r in (None, data))
     for end in (0, -1):
         assert repaired.losses[end] == pytest.approx(plain.losses[end], rel=1e-9), end
@@ -116,7 +103,7 @@ def test_a_repaired_path_keeps_both_ends_and_repairs_every_point_on_it(family):
 
 
 def test_a_repaired_path_needs_the_standard_form():
-    cfg = CONFIGS["vit"]
-    state = _canonical(cfg, 0)
+    cfg = MERGE_CONFIGS["vit"]
+    state = canonical(cfg, 0)
     with pytest.raises(ConfigError, match="REPAIR needs the standard form"):
-        barrier_curve(state, state, cfg, _data(cfg), points=3, form="circuit", repair_data=_data(cfg))
+        barrier_curve(state, state, cfg, merge_data(cfg), points=3, form="circuit", repair_data=merge_data(cfg))
