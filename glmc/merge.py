@@ -149,22 +149,12 @@ def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
     return next((i for i, c in enumerate(configs) if c == target), 0)
 
 
-def check_refit(asked: bool, configs: Sequence[ModelConfig], target: ModelConfig) -> None:
-    """One-line ConfigError when a refit is asked of inputs narrower than the target: a narrow model's dead units
-    and residual complement output zeros, which its mean outputs would wrongly count."""
-    narrow = [c for c in configs if c != target]
-    if asked and narrow:
-        raise ConfigError(f"refit needs every input at the merge's width; got width {narrow[0].width} in a width "
-                          f"{target.width} merge")
-
-
 def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
                  ) -> UniverseResult:
     """Canonicalise every native state (float64), embed it into the target and run universe matching (then, if
     asked, restore the merged units' norms, refit its layers and REPAIR their statistics)."""
     if setup.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {setup.method!r}; known: {', '.join(MERGE_METHODS)}")
-    check_refit(bool(setup.refit), configs, setup.target)
     arch = get_arch(setup.target.family)
     # Vanilla averaging at one width takes the models as trained, like the paper's baseline; everything else
     # (and any embedding across widths) needs the standard form, LayerNorms folded.
@@ -179,7 +169,8 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     if setup.restore_norms:
         result.merged = restore_norms(result.merged, result.aligned, setup.target, setup.weights)
     if setup.refit:
-        result.merged = refit(result.merged, result.aligned, setup.target, setup.train, setup.refit, setup.weights)
+        result.merged = refit(result.merged, result.aligned, setup.target, setup.train, setup.refit, setup.weights,
+                              placements=result.placements)
     if setup.repair:
         result.merged = repair(result.merged, result.aligned, setup.target, setup.train, setup.repair, setup.weights)
     return result

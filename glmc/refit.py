@@ -12,11 +12,17 @@ never read. It is RegMean (Jin et al., 2023) with the merged model's own inputs 
 each model's: on 5 vit-bench seeds, RegMean gave 67.6% and this 84.7%. The layers that every model reads the same
 inputs of (patch and token embeddings) keep the mean. Labels are never read; the merged model's function changes
 (its purpose), and the inputs are only read.
+
+Across widths the target is the coverage-weighted mean of the least-squares merge (:mod:`glmc.widths`): a unit is
+averaged over the models that hold it, and a residual output y over each model's subspace, (Σ n_i y_i P_i)(Σ n_i P_i)⁺.
+Because every model is fitted through the one merged input X, the coverage-weighted fit
+argmin Σ n_i ‖(X Wᵀ − Y_i) P_i‖² is exactly the fit of that mean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,7 +32,9 @@ from glmc.activations import AllSitesRecorded, Hook, Site, hooked_passes
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import to_model
 from glmc.errors import ConfigError, check_weights
+from glmc.spec import RES, AxisKind
 from glmc.tasks import inputs_of
+from glmc.widths import Placement, axis_mask, embedding_config
 
 # The linear layers refitted (canonical prefixes), in forward order within a block; then the head.
 LAYERS = ("blocks.{l}.attn.qkv", "blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")
@@ -51,25 +59,56 @@ def _with_ones(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
 
 
-def mean_outputs(models: Sequence[nn.Module], weights: Sequence[float], cfg: ModelConfig, batch: torch.Tensor,
-                 stage: Sequence[Site]) -> dict[Site, torch.Tensor]:
-    """Σ n_i Y_i / Σ n_i at every site of ``stage``: each model's layer outputs on its own inputs (float64)."""
-    arch, total = get_arch(cfg.family), float(sum(weights))
-    means: dict[Site, torch.Tensor] = {}
-    for model, n in zip(models, weights, strict=True):
-        seen: set[Site] = set()
+@dataclass
+class _Mean:
+    """Σ n_i y_i C_i and Σ n_i C_i over the models so far, C_i model i's coverage of the output axis: a (D, D)
+    residual projector, a 0/1 unit mask, or all of it."""
 
-        def record(key: Site, n: float = n, seen: set[Site] = seen) -> Hook:
+    numerator: torch.Tensor | None = None
+    denominator: torch.Tensor | None = None
+
+    def add(self, y: torch.Tensor, n: float, coverage: torch.Tensor) -> None:
+        term, weight = (y @ coverage, coverage) if coverage.dim() == 2 else (y * coverage, coverage)
+        self.numerator = n * term if self.numerator is None else self.numerator + n * term
+        self.denominator = n * weight if self.denominator is None else self.denominator + n * weight
+
+    def value(self) -> torch.Tensor:
+        assert self.numerator is not None and self.denominator is not None
+        if self.denominator.dim() == 2:
+            return self.numerator @ torch.linalg.pinv(self.denominator, hermitian=True, rtol=1e-10)
+        return self.numerator / self.denominator.clamp_min(torch.finfo(torch.float64).tiny)
+
+
+def coverage(kind: AxisKind | None, p: Placement | None, layer: int | None, size: int) -> torch.Tensor:
+    """How a model holds a layer's output axis in the universe: its residual projector, or a 0/1 mask per unit."""
+    if kind == RES:
+        return torch.eye(size, dtype=torch.float64) if p is None else p.projector().double()
+    mask = axis_mask(kind, p, layer) if p is not None and kind is not None else None
+    return torch.ones(size, dtype=torch.float64) if mask is None else mask
+
+
+def mean_outputs(models: Sequence[nn.Module], weights: Sequence[float], cfg: ModelConfig, batch: torch.Tensor,
+                 stage: Sequence[Site], placements: Sequence[Placement] | None = None) -> dict[Site, torch.Tensor]:
+    """The coverage-weighted mean of the models' layer outputs, each on its own inputs, at every site of ``stage``
+    (float64; with no placements, every model holds everything and it is Σ n_i Y_i / Σ n_i)."""
+    arch = get_arch(cfg.family)
+    means = {key: _Mean() for key in stage}
+    for i, (model, n) in enumerate(zip(models, weights, strict=True)):
+        seen: set[Site] = set()
+        p = placements[i] if placements is not None else None
+
+        def record(key: Site, n: float = n, p: Placement | None = p, seen: set[Site] = seen) -> Hook:
             def hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-                y = out.detach().reshape(-1, out.shape[-1]).double() * (n / total)
-                means[key] = means[key] + y if key in means else y
+                y = out.detach().reshape(-1, out.shape[-1]).double()
+                kind = arch.spec[f"{key[0]}.w"][0]
+                means[key].add(y, n, coverage(kind, p, key[1], y.shape[1]))
                 seen.add(key)
                 if len(seen) == len(stage):
                     raise AllSitesRecorded
             return hook
 
         hooked_passes(arch, model, {key: record(key) for key in stage}, [batch])
-    return means
+    return {key: mean.value() for key, mean in means.items()}
 
 
 def layer_rows(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -88,12 +127,13 @@ def _solve(x: torch.Tensor, target: torch.Tensor, start: torch.Tensor, ridge: fl
 
 def refit(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig,
           data: Dataset | None, samples: int | None = None, weights: Sequence[float] | None = None, *,
-          ridge: float = RIDGE) -> State:
+          placements: Sequence[Placement] | None = None, ridge: float = RIDGE) -> State:
     """``merged`` (a canonical standard state of ``cfg``) with every linear layer after the embeddings refitted to the
-    ``weights``-mean outputs of ``inputs`` (canonical states of ``cfg`` in one basis and width, e.g. universe
-    matching's aligned models) on the first ``samples`` inputs of ``data`` (training samples, never the held-out
-    split). One pass of the merged model per stage: each site's hook fits the layer on the inputs it receives and
-    passes the refitted output on, so every later layer is fitted on the earlier ones' refitted outputs."""
+    ``weights``-mean outputs of ``inputs`` (canonical states of ``cfg`` in one basis, e.g. universe matching's
+    aligned models, each held in the universe as its ``placements`` say: all of it when None) on the first
+    ``samples`` inputs of ``data`` (training samples, never the held-out split). One pass of the merged model per
+    stage: each site's hook fits the layer on the inputs it receives and passes the refitted output on, so every
+    later layer is fitted on the earlier ones' refitted outputs."""
     if data is None or len(data) == 0 or samples == 0:  # type: ignore[arg-type]
         raise ConfigError("refitting a merge needs training inputs to measure the layers' outputs on")
     if not ridge >= 0:
@@ -102,10 +142,11 @@ def refit(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[str, torc
     batch = inputs_of(data, len(data) if samples is None else samples)  # type: ignore[arg-type]
     arch = get_arch(cfg.family)
     arch.check_inputs(cfg, batch)
-    models = [to_model(s, cfg) for s in inputs]
+    configs = [cfg] * len(inputs) if placements is None else [embedding_config(p) for p in placements]
+    models = [to_model(s, c) for s, c in zip(inputs, configs, strict=True)]
     out = dict(merged)
     for stage in stages(cfg):
-        _refit_stage(out, cfg, stage, mean_outputs(models, n, cfg, batch, stage), batch, ridge)
+        _refit_stage(out, cfg, stage, mean_outputs(models, n, cfg, batch, stage, placements), batch, ridge)
     return out
 
 

@@ -212,7 +212,7 @@ def move(p: Placement, t: Transform) -> Placement:
                                mlp=[_moved(m, t.mlp[i]) for i, m in enumerate(p.mlp)])
 
 
-def _axis_mask(kind: AxisKind, p: Placement, layer: int | None) -> torch.Tensor | None:
+def axis_mask(kind: AxisKind, p: Placement, layer: int | None) -> torch.Tensor | None:
     """(n,) 0/1 coverage of a non-residual axis in the universe, or None where the model covers all of it."""
     if kind in (QKV, HEADS) and layer is not None:
         mask = torch.zeros(p.wide.heads, p.wide.head_dim, dtype=torch.float64)
@@ -230,7 +230,7 @@ def _row_mask(shape: torch.Size, axes: tuple[AxisKind | None, ...], p: Placement
     for size, kind in zip(shape, axes, strict=True):
         if kind == RES:
             continue
-        axis = _axis_mask(kind, p, layer) if kind is not None else None
+        axis = axis_mask(kind, p, layer) if kind is not None else None
         axis = torch.ones(size, dtype=torch.float64) if axis is None else axis
         mask = (mask[..., None] * axis).flatten()
     return mask.reshape(-1)

@@ -34,7 +34,6 @@ from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
-from glmc.merge import check_refit
 from glmc.refit import refit as refit_layers
 from glmc.repair import repair as repair_statistics
 from glmc.rescale import restore_norms
@@ -116,7 +115,6 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
     """
     states, configs = universe_states(clients, full)
-    check_refit(refit, configs, full)
     before = embedded_distance(states, configs, full)
     weights = [c.weight for c in clients]
     if aggregation in SLICED:
@@ -135,7 +133,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
     if refit:
-        merged = refit_layers(merged, result.aligned, full, data, weights=weights)
+        merged = refit_layers(merged, result.aligned, full, data, weights=weights, placements=result.placements)
     if repair:
         merged = repair_statistics(merged, result.aligned, full, data, weights=weights)
     return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before,

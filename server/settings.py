@@ -64,8 +64,8 @@ class RunSettings:
     # reset every merged channel's mean and std to the clients' on the server-held data (REPAIR, glmc.repair);
     # aligned aggregations only
     repair: bool = False
-    # refit every merged linear layer to the clients' weighted mean output on the server-held data (glmc.refit);
-    # aligned aggregations with every client at full width only
+    # refit every merged linear layer to the clients' coverage-weighted mean output on the server-held data
+    # (glmc.refit); aligned aggregations only
     refit: bool = False
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
@@ -109,8 +109,6 @@ class RunSettings:
                  f"refit fits aligned merges; aggregation {self.aggregation!r} averages width slices")
         _require(not self.refit or self.server_data > 0, "refit fits the layers on server-held data: set "
                  "server-data > 0")
-        _require(not self.refit or set(self.width_tiers) == {1.0},
-                 f"refit needs every client at full width, got width-tiers {self.width_tiers}")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
 

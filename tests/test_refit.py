@@ -1,6 +1,6 @@
 """Refitting a merge layer by layer: every refitted layer is the least-squares fit, on the merged model's own inputs,
-of the inputs' weighted mean output; identical inputs give back their function; bad data and narrow inputs are
-refused in one line."""
+of the inputs' weighted mean output (across widths, of the models that hold each output); identical inputs give back
+their function; bad data is refused in one line."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from glmc.archs import ModelConfig, get_arch, scale_width
 from glmc.barrier import mix
 from glmc.canonical import to_model
 from glmc.errors import ConfigError
-from glmc.merge import MergeSetup, merge_states
 from glmc.refit import RIDGE, layer_rows, mean_outputs, refit, stages
-from tests.symmetry_models import MERGE_CONFIGS, canonical, merge_data, random_native
+from glmc.widths import axis_mask, embed, embedding_config, lstsq_merge, place
+from tests.symmetry_models import MERGE_CONFIGS, canonical, merge_data
 
 
 def _inputs_at(state: dict[str, torch.Tensor], cfg: ModelConfig, site: tuple[str, int | None],
@@ -78,9 +78,28 @@ def test_no_inputs_or_inputs_of_the_wrong_shape_are_refused_in_one_line():
             refit(state, [state], cfg, merge_data(cfg), ridge=ridge)
 
 
-def test_a_refit_across_widths_is_refused_before_any_work():
+def test_across_widths_each_output_is_fitted_to_the_mean_of_the_models_that_hold_it():
+    """A narrow model embedded in the universe counts for a unit only if it holds it, and for a residual output
+    y only on its subspace: the target is (Σ n_i y_i P_i)(Σ n_i P_i)⁻¹, written out here by hand per axis kind."""
     wide = MERGE_CONFIGS["vit"]
     narrow = scale_width(wide, 0.5)
-    natives = [random_native(wide, 0), random_native(narrow, 1)]
-    with pytest.raises(ConfigError, match="refit needs every input at the merge's width; got width 64"):
-        merge_states(natives, [wide, narrow], MergeSetup("weight", wide, train=merge_data(wide), refit=16))
+    spots = [place(wide, wide), place(narrow, wide)]
+    inputs, n = [canonical(wide, 0), embed(canonical(narrow, 1), spots[1])], [3.0, 1.0]
+    data = merge_data(wide)
+    merged = lstsq_merge(inputs, spots, n)
+    fitted = refit(merged, inputs, wide, data, weights=n, placements=spots, ridge=0.0)
+    x, arch = data.tensors[0], get_arch(wide.family)
+    models = [to_model(inputs[0], wide), to_model(inputs[1], embedding_config(spots[1]))]
+    projector = spots[1].projector()
+    for stage in stages(wide):
+        for site in stage:
+            ya, yb = (mean_outputs([m], [1.0], wide, x, [site])[site] for m in models)
+            kind = arch.spec[f"{site[0]}.w"][0]
+            if kind == "RES":
+                target = (3 * ya + yb @ projector) @ torch.linalg.inv(3 * torch.eye(len(projector)) + projector)
+            else:
+                held = axis_mask(kind, spots[1], site[1]) if kind is not None else torch.ones(ya.shape[1])
+                target = (3 * ya + yb * held) / (3 + held)
+            own = _inputs_at(fitted, wide, site, x)
+            gradient = own.T @ (own @ layer_rows(fitted, site[0].format(l=site[1])).T - target)
+            assert gradient.abs().max() <= 1e-7 * (own.T @ target).abs().max(), site
