@@ -43,7 +43,7 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refit", type=count, metavar="N",
                         help="refit every merged linear layer, in forward order, to the inputs' weighted mean output "
                         "by least squares on N training samples (labels unread; RegMean with the merged model's own "
-                        "inputs); inputs of the merge's width only")
+                        "inputs); across widths, to the mean of the models that hold each output")
     add_learn_arguments(parser, f"training samples for activation (default 512) and learned (default {LEARN_SAMPLES}) "
                         "merging", epochs=1)
     add_universe_arguments(parser)
