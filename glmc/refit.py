@@ -156,8 +156,10 @@ def _refit_stage(state: State, cfg: ModelConfig, stage: Sequence[Site], targets:
 
     def fit(site: Site) -> Hook:
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-            name, biased = _name(site), f"{_name(site)}.b" in state
-            x = _with_ones(args[0]) if biased else _with_ones(args[0])[:, :-1]
+            name = _name(site)
+            biased = f"{name}.b" in state
+            x = _with_ones(args[0])
+            x = x if biased else x[:, :-1]
             w = state[f"{name}.w"]
             rows = _solve(x, targets.pop(site), layer_rows(state, name), ridge)
             state[f"{name}.w"] = rows[:, : w.shape[1]].to(w.dtype)
