@@ -129,12 +129,17 @@ def _small_dataset(data: Dataset | None, n: int | None) -> Dataset | None:
 
 
 def _into_universe(states: Sequence[State], cfg: ModelConfig, configs: Sequence[ModelConfig] | None,
-                   ) -> tuple[list[State], list[Placement]]:
-    """Embed every state into the universe config (exact; the identity placement at equal width)."""
+                   starts: Sequence[Placement | None] | None = None) -> tuple[list[State], list[Placement]]:
+    """Embed every state into the universe config (exact) at its start placement (default: :func:`place`)."""
     configs = list(configs) if configs is not None else [cfg] * len(states)
-    if len(configs) != len(states):
-        raise ConfigError(f"{len(states)} states but {len(configs)} configs")
-    placements = [place(c, cfg) for c in configs]
+    starts = list(starts) if starts is not None else [None] * len(states)
+    if not len(configs) == len(starts) == len(states):
+        raise ConfigError(f"{len(states)} states but {len(configs)} configs and {len(starts)} start placements")
+    for i, (c, p) in enumerate(zip(configs, starts, strict=True)):
+        if p is not None and (p.narrow != c or p.wide != cfg):
+            raise ConfigError(f"model {i}: its start placement is for a {p.narrow.width}-wide model in a "
+                              f"{p.wide.width}-wide universe, not {c.width} in {cfg.width}")
+    placements = [place(c, cfg) if p is None else p for c, p in zip(configs, starts, strict=True)]
     return [embed(s, p) if p.narrow != cfg else dict(s) for s, p in zip(states, placements, strict=True)], placements
 
 
@@ -142,7 +147,7 @@ def universe_match(
     states: Sequence[State], cfg: ModelConfig, method: str = "weight", *, weights: Sequence[float] | None = None,
     anchor: State | None = None, reference: int = 0, configs: Sequence[ModelConfig] | None = None,
     max_iters: int = 5, tol: float = 1e-3, data: Dataset | None = None, batch: int = 512, workers: int = 1,
-    refine: bool = False, learn: LearnConfig | None = None,
+    refine: bool = False, learn: LearnConfig | None = None, starts: Sequence[Placement | None] | None = None,
 ) -> UniverseResult:
     """Align N canonical standard-form models into one universe of config ``cfg`` and merge them (paper §4.3).
 
@@ -151,7 +156,8 @@ def universe_match(
     ``weights`` are the example counts n_i; ``anchor`` is the first U (default: model ``reference``);
     ``method`` is any pairwise method of :mod:`glmc.align`; ``data`` feeds the data-driven ones (activation: its
     first ``batch`` inputs; learned: all of it) and the refinement; ``workers`` > 1 runs each iteration's
-    alignments in a process pool; ``refine`` adds the multi-model learned refinement with options ``learn``.
+    alignments in a process pool; ``refine`` adds the multi-model learned refinement with options ``learn``;
+    ``starts[i]`` is where narrow state i sits in the universe before matching (default: :func:`place`).
     """
     if len(states) == 0:
         raise ConfigError("universe matching needs at least one model")
@@ -159,7 +165,7 @@ def universe_match(
         check_weights(weights, len(states))
     check_options("universe matching", [("≥ 1", lambda v: v >= 1, {"max_iters": max_iters, "workers": workers}),
                                         ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0, {"tol": tol})])
-    aligned, placements = _into_universe(states, cfg, configs)
+    aligned, placements = _into_universe(states, cfg, configs, starts)
     transforms = [Transform.identity(cfg.depth) for _ in aligned]
     if method == "none":
         start = time.perf_counter()

@@ -91,6 +91,54 @@ def place(narrow: ModelConfig, wide: ModelConfig, dtype: torch.dtype = torch.flo
                      torch.arange(narrow.head_dim), [torch.arange(narrow.mlp) for _ in range(narrow.depth)])
 
 
+def principal_place(state: Mapping[str, torch.Tensor], narrow: ModelConfig, wide: ModelConfig) -> Placement:
+    """The placement keeping most of a wide canonical ``state`` (data-free): per layer the heads of largest
+    ‖W_O W_V‖ and the MLP units of largest ‖fc1 row‖·‖fc2 column‖, and the residual subspace spanned by 1 and
+    the top eigenvectors of the weights' residual Gram. HeteroFL's first-k slice ignores where the weight is."""
+    check_embeddable(narrow, wide)
+    d_h = torch.arange(narrow.head_dim)
+    heads = [_top(_head_energy(state, wide, layer), narrow.heads) for layer in range(wide.depth)]
+    mlp = [_top(_unit_energy(state, layer), narrow.mlp) for layer in range(wide.depth)]
+    return Placement(narrow, wide, _principal_residual(state, narrow.width, wide), heads, d_h, mlp)
+
+
+def _top(energy: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k largest entries, in increasing order (the first k when all are equal)."""
+    return torch.sort(torch.argsort(-energy, stable=True)[:k]).values
+
+
+def _head_energy(state: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int) -> torch.Tensor:
+    """(H,) ‖W_O,h W_V,h‖_F: what each head can write into the residual stream (its weights sum to one)."""
+    v = state[f"blocks.{layer}.attn.qkv.w"].reshape(3, cfg.heads, cfg.head_dim, -1)[2]
+    o = state[f"blocks.{layer}.attn.proj.w"].reshape(-1, cfg.heads, cfg.head_dim)
+    return torch.stack([torch.linalg.matrix_norm(o[:, h] @ v[h]) for h in range(cfg.heads)])
+
+
+def _unit_energy(state: Mapping[str, torch.Tensor], layer: int) -> torch.Tensor:
+    """(f,) ‖fc1 row‖·‖fc2 column‖ of every MLP unit."""
+    read = torch.linalg.vector_norm(state[f"blocks.{layer}.mlp.fc1.w"], dim=1)
+    return read * torch.linalg.vector_norm(state[f"blocks.{layer}.mlp.fc2.w"], dim=0)
+
+
+def _principal_residual(state: Mapping[str, torch.Tensor], d: int, wide: ModelConfig) -> torch.Tensor:
+    """E (D, d) mapping 1 to 1 whose other columns span the top d−1 eigenvectors, within 1⊥, of Σ RᵀR/‖R‖²
+    over every weight matrix R with a residual axis (rows against the residual)."""
+    if d == wide.width:
+        return torch.eye(d, dtype=torch.float64)
+    spec = get_arch(wide.family).spec
+    gram = torch.zeros(wide.width, wide.width, dtype=torch.float64)
+    for name, (_, template) in expand(spec, wide.depth).items():
+        axes = spec[template]
+        rows = _as_rows(state[name].double(), axes)
+        if RES in axes and rows.shape[0] > 1 and float(rows.square().sum()) > 0:
+            gram += rows.T @ rows / rows.square().sum()
+    basis = ones_complement(wide.width)
+    _, vectors = torch.linalg.eigh(basis.T @ gram @ basis)
+    top = basis @ vectors.flip(1)[:, : d - 1]
+    ones = torch.ones(wide.width, d, dtype=torch.float64) / (wide.width * d) ** 0.5
+    return ones + top @ ones_complement(d).T
+
+
 def embedding_config(p: Placement) -> ModelConfig:
     """The wide config in which the embedding is exact: LayerNorm eps scaled by d/D."""
     return p.wide.replace(norm_eps=p.narrow.norm_eps * p.narrow.width / p.wide.width)

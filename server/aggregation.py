@@ -39,7 +39,7 @@ from glmc.repair import repair as repair_statistics
 from glmc.rescale import restore_norms
 from glmc.train import TrainConfig, train
 from glmc.universe import universe_match
-from glmc.widths import Placement, embed, place, project
+from glmc.widths import Placement, embed, place, principal_place, project
 from server import heterofl
 from server.settings import SLICED
 
@@ -57,6 +57,7 @@ class Client:
     state: State
     weight: float
     tier: float
+    placement: Placement | None = None  # where the server sent this narrow client (None: the default embedding)
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,13 @@ def universe_states(clients: Sequence[Client], full: ModelConfig) -> tuple[list[
     return [canonicalize(arch, c.state, full.depth, dtype=torch.float64) for c in clients], configs
 
 
-def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], full: ModelConfig) -> float:
-    """Mean pairwise distance of canonical clients embedded (unaligned) into the universe width."""
-    return mean_pairwise_distance([embed(s, place(c, full)) if c != full else s
-                                   for s, c in zip(states, configs, strict=True)])
+def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], full: ModelConfig,
+                      placements: Sequence[Placement | None] | None = None) -> float:
+    """Mean pairwise distance of canonical clients embedded (unaligned) into the universe width, each where it
+    was sent (default: :func:`glmc.widths.place`)."""
+    placements = placements or [None] * len(states)
+    return mean_pairwise_distance([embed(s, p or place(c, full)) if c != full else s
+                                   for s, c, p in zip(states, configs, placements, strict=True)])
 
 
 def finetune(native: State, full: ModelConfig, data: Dataset | None, config: TrainConfig) -> tuple[State, float]:
@@ -115,7 +119,8 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
     """
     states, configs = universe_states(clients, full)
-    before = embedded_distance(states, configs, full)
+    starts = [c.placement for c in clients]
+    before = embedded_distance(states, configs, full, starts)
     weights = [c.weight for c in clients]
     if aggregation in SLICED:
         previous = anchor if anchor is not None else clients[0].state
@@ -129,7 +134,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     result = universe_match(states, full, method, weights=weights, anchor=start,
                             reference=max(range(len(clients)), key=weights.__getitem__), configs=configs,
                             max_iters=iters, data=data, batch=len(data) if data is not None else 512,  # type: ignore[arg-type]
-                            workers=workers, refine=refine, learn=learn)
+                            workers=workers, refine=refine, learn=learn, starts=starts)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
     if refit:
@@ -152,6 +157,17 @@ def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier:
     arch = get_arch(full.family)
     canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)
     return _float32(arch.to_native(project(canonical, placement or place(narrow, full)), full.depth))
+
+
+def downlink_placement(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float, how: str,
+                       aligned: Placement | None = None) -> Placement | None:
+    """Where a narrow client gets the global model (run-config ``narrow-placement``): ``aligned``, where alignment
+    last put it (None: the default embedding); ``principal``, the subspace holding most of the global weights."""
+    if how != "principal" or tier == 1.0:
+        return aligned
+    arch = get_arch(full.family)
+    canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)
+    return principal_place(canonical, scale_width(full, tier), full)
 
 
 def _float32(state: Mapping[str, torch.Tensor]) -> State:

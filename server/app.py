@@ -149,7 +149,7 @@ def main(grid: Grid, context: Context) -> None:
         settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
         align_iters=settings.align_iters, align_workers=settings.align_workers,
         learn=learn, tune=server_tuning(settings, learn), restore_norms=settings.restore_norms,
-        repair=settings.repair, refit=settings.refit,
+        repair=settings.repair, refit=settings.refit, narrow_placement=settings.narrow_placement,
         independent_init=settings.init == "independent", round_offset=done,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,

@@ -21,6 +21,8 @@ DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft")  # need the server-he
 # Aggregations that average HeteroFL width slices without alignment; their clients get slices back.
 SLICED = ("fedavg", "fedavg-ft")
 INITS = ("shared", "independent")
+# Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
+NARROW_PLACEMENTS = ("aligned", "principal")
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
 
@@ -67,6 +69,9 @@ class RunSettings:
     # refit every merged linear layer to the clients' coverage-weighted mean output on the server-held data
     # (glmc.refit); aligned aggregations only
     refit: bool = False
+    # where a narrow client gets the global model (glmc.widths): "aligned" = where alignment last put it, "principal"
+    # = the heads, MLP units and residual subspace holding most of the global weights; aligned aggregations only
+    narrow_placement: str = "aligned"
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
@@ -109,6 +114,11 @@ class RunSettings:
                  f"refit fits aligned merges; aggregation {self.aggregation!r} averages width slices")
         _require(not self.refit or self.server_data > 0, "refit fits the layers on server-held data: set "
                  "server-data > 0")
+        _require(self.narrow_placement in NARROW_PLACEMENTS,
+                 f"narrow-placement must be one of {NARROW_PLACEMENTS}, got {self.narrow_placement!r}")
+        _require(self.narrow_placement == "aligned" or self.aggregation not in SLICED,
+                 f"narrow-placement principal places narrow clients in the universe; aggregation "
+                 f"{self.aggregation!r} averages HeteroFL's fixed width slices")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
 

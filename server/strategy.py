@@ -35,7 +35,15 @@ from glmc.match.learned import LearnConfig
 from glmc.train import TrainConfig
 from glmc.widths import Placement
 from server import protocol
-from server.aggregation import Client, MergeResult, embedded_distance, merge, restrict, universe_states
+from server.aggregation import (
+    Client,
+    MergeResult,
+    downlink_placement,
+    embedded_distance,
+    merge,
+    restrict,
+    universe_states,
+)
 from server.settings import AGGREGATIONS
 from server.validation import ReplySchema, split_replies
 
@@ -89,7 +97,8 @@ class SymmetryAwareFedAvg(FedAvg):
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
                  server_data: Dataset | None = None, align_iters: int = 1, align_workers: int = 1,
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
-                 repair: bool = False, refit: bool = False, independent_init: bool = False,
+                 repair: bool = False, refit: bool = False, narrow_placement: str = "aligned",
+                 independent_init: bool = False,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
@@ -108,6 +117,10 @@ class SymmetryAwareFedAvg(FedAvg):
         self.refit = refit  # refit the aligned merge's linear layers to the clients' mean output on the server data
         self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
         self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
+        self.narrow_placement = narrow_placement  # aligned | principal: where a narrow node gets the global model
+        self.sent: dict[int, Placement | None] = {}  # node id → where this round's model was placed for it
+        self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
+        self._principal: dict[float, Placement | None] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
         self.round_offset = round_offset
         self.hooks = list(hooks)
@@ -143,19 +156,35 @@ class SymmetryAwareFedAvg(FedAvg):
         A node not heard from yet gets the full model and restricts it itself the same way (client.app).
         """
         cache: dict[tuple[float, int | None], ArrayRecord] = {}
+        self._sent_state, self.sent, self._principal = arrays.to_torch_state_dict(), {}, {}
         for msg in messages:
             node = msg.metadata.dst_node_id
-            tier = self.node_tiers.get(node, 1.0)
+            if node not in self.node_tiers:
+                continue
+            tier = self.node_tiers[node]
+            placement = self._placement(node, tier)
+            self.sent[node] = placement
             if tier == 1.0:
                 continue
-            placement = self.placements.get(node)
             key = (tier, id(placement) if placement is not None else None)
             if key not in cache:
-                state = restrict(arrays.to_torch_state_dict(), self.model_config, tier, self.aggregation, placement)
+                state = restrict(self._sent_state, self.model_config, tier, self.aggregation, placement)
                 cache[key] = ArrayRecord(state)  # type: ignore[arg-type]
             msg.content = RecordDict({self.arrayrecord_key: cache[key],
                                       self.configrecord_key: msg.content[self.configrecord_key]})
         return messages
+
+    def _placement(self, node: int, tier: float) -> Placement | None:
+        """Where ``node`` gets this round's global model (:func:`server.aggregation.downlink_placement`); the
+        principal placement is one per tier and round."""
+        if tier == 1.0:
+            return None
+        if self.narrow_placement != "principal":
+            return self.placements.get(node)
+        if tier not in self._principal:
+            assert self._sent_state is not None
+            self._principal[tier] = downlink_placement(self._sent_state, self.model_config, tier, "principal")
+        return self._principal[tier]
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -200,8 +229,10 @@ class SymmetryAwareFedAvg(FedAvg):
         """A valid reply as a client model; remembers the node's width tier for the downlink."""
         metrics = _metrics(msg)
         tier = self.schema.tier(float(metrics[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
-        self.node_tiers[msg.metadata.src_node_id] = tier
-        return Client(_state(msg), float(metrics[protocol.WEIGHT_KEY]), tier)  # type: ignore[arg-type]
+        node = msg.metadata.src_node_id
+        self.node_tiers[node] = tier
+        placement = self.sent[node] if node in self.sent else self._placement(node, tier)
+        return Client(_state(msg), float(metrics[protocol.WEIGHT_KEY]), tier, placement)  # type: ignore[arg-type]
 
     def _aggregate(self, record: RoundRecord, valid: list[Message],
                    clients: list[Client]) -> tuple[ArrayRecord | None, MetricRecord | None]:
