@@ -31,7 +31,7 @@ from glmc.refit import RIDGE, layer_rows
 from glmc.repair import channel_stats
 from glmc.train import TrainConfig, evaluate, train
 from server import heterofl, protocol
-from server.aggregation import Client
+from server.aggregation import Client, downlink_placement, restrict
 from server.hooks import EnsembleEvaluator
 from server.settings import RunSettings
 from server.strategy import RoundHooks, RoundRecord, SymmetryAwareFedAvg
@@ -576,3 +576,36 @@ def test_ensemble_of_identical_clients_is_that_client() -> None:
     single = evaluate(model, get_arch(CFG.family), data)
     assert record.ensemble_accuracy == single["accuracy"]
     assert record.ensemble_loss == pytest.approx(single["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["aligned", "principal"])
+def test_clients_that_send_back_what_they_got_leave_the_global_model_as_it_was(placement: str) -> None:
+    """The server embeds each narrow reply where it placed that node's model, and a node it has not heard from
+    restricts the full model the same way itself (client.app), so echoes merge back to the global model. With
+    canonical aggregation no matching can hide a reply embedded in the wrong place."""
+    s = mixed_strategy("canonical", narrow_placement=placement)
+    assert s.global_arrays is not None
+    s.restrict_to_widths([instruction(1), instruction(2)], s.global_arrays)  # round 1: both new, both get it all
+    first, _ = s.aggregate_train(1, [reply(state(1), metrics(examples=30), node=1),
+                                     reply(half_state(2), metrics(examples=10, **{protocol.TIER_KEY: 0.5}), node=2)])
+    assert first is not None
+    known = s.restrict_to_widths([instruction(n, first) for n in (1, 2, 3)], first)
+    sent = [m.content[protocol.ARRAYS].to_torch_state_dict() for m in known]
+    own = downlink_placement(sent[2], CFG, 0.5, placement)  # node 3 is new: it got the full model
+    sent[2] = restrict(sent[2], CFG, 0.5, "canonical", own)
+    assert (own is not None) == (placement == "principal")
+    tiers = {protocol.TIER_KEY: 0.5}
+    echoes = [reply(sent[0], metrics(examples=30), node=1), reply(sent[1], metrics(examples=10, **tiers), node=2),
+              reply(sent[2], metrics(examples=20, **tiers), node=3)]
+    merged, _ = s.aggregate_train(2, echoes)
+    assert merged is not None
+    x = torch.randn(4, 1, 8, 8)
+    torch.testing.assert_close(logits(merged.to_torch_state_dict(), x), logits(first.to_torch_state_dict(), x),
+                               rtol=0, atol=1e-5)
+
+
+def test_principal_placement_needs_an_aligned_aggregation() -> None:
+    with pytest.raises(ConfigError, match="narrow-placement principal"):
+        RunSettings.from_run_config({"aggregation": "fedavg", "narrow-placement": "principal"})
+    with pytest.raises(ConfigError, match="narrow-placement must be one of"):
+        RunSettings.from_run_config({"aggregation": "weight", "narrow-placement": "best"})

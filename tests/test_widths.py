@@ -11,7 +11,7 @@ from glmc.archs import PRESETS, ModelConfig, get_arch, preset, scale_width
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
-from glmc.widths import Placement, embed, embedding_config, lstsq_merge, move, place, project
+from glmc.widths import Placement, embed, embedding_config, lstsq_merge, move, place, principal_place, project
 from tests.symmetry_models import VOCAB, inputs, logits_of, random_native
 
 TIERS = (1.0, 0.5, 0.25)
@@ -139,6 +139,31 @@ def test_moved_placement_follows_the_transformed_model():
     assert (out - logits_of(native, small, x)).abs().max() <= 1e-5
     fc1 = "blocks.1.mlp.fc1.w"  # unit order and residual basis come back exactly
     assert torch.allclose(back[fc1], state[fc1], atol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["vit", "gpt2"])
+def test_principal_placement_finds_a_narrow_model_embedded_anywhere(family):
+    """A wide model that is a narrow one embedded at a random place (heads, units and residual moved): the
+    principal placement finds that place, keeps 1 on 1, and restricting to it gives the narrow function back."""
+    from glmc.transforms import apply, random_transform
+
+    small, big = ODD[family]
+    native, x = random_native(small, 6), inputs(small, n=3)
+    t = random_transform(big.depth, big.width, big.heads, big.head_dim, big.mlp, ("residual", "head-perm", "mlp-perm"),
+                         torch.Generator().manual_seed(1))
+    p = place(small, big)
+    wide = apply(embed(canonicalize(get_arch(family), native, small.depth), p), get_arch(family).spec, t, big.heads)
+    where, found = move(p, t), principal_place(wide, small, big)
+    for layer in range(big.depth):
+        assert torch.equal(found.heads[layer], torch.sort(where.heads[layer]).values)
+        assert torch.equal(found.mlp[layer], torch.sort(where.mlp[layer]).values)
+    e = found.residual
+    assert torch.allclose(e.T @ e, torch.eye(small.width, dtype=e.dtype), atol=1e-10)
+    assert torch.allclose(e.sum(1) / small.width**0.5, torch.full((big.width,), big.width**-0.5, dtype=e.dtype))
+    assert torch.allclose(found.projector(), where.projector(), atol=1e-8)
+    with torch.no_grad():
+        out = get_arch(family).logits(to_model(project(wide, found), small), x)
+    assert (out - logits_of(native, small, x)).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize(("change", "message"), [
