@@ -57,7 +57,7 @@ class Client:
     state: State
     weight: float
     tier: float
-    placement: Placement | None = None  # where the server sent this narrow client (None: the default embedding)
+    placement: Placement | None = None  # where to embed a narrow reply (None: the default place; matching finds it)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from server.aggregation import (
     restrict,
     universe_states,
 )
-from server.settings import AGGREGATIONS
+from server.settings import AGGREGATIONS, NARROW_PLACEMENTS
 from server.validation import ReplySchema, split_replies
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ class SymmetryAwareFedAvg(FedAvg):
         super().__init__(**fedavg)
         if aggregation not in AGGREGATIONS:
             raise ConfigError(f"aggregation {aggregation!r} is not available; choose one of {AGGREGATIONS}")
+        if narrow_placement not in NARROW_PLACEMENTS:
+            raise ConfigError(f"narrow placement {narrow_placement!r} is not one of {NARROW_PLACEMENTS}")
         self.aggregation = aggregation
         self.schema = schema
         self.model_config = model_config

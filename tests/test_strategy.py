@@ -389,9 +389,11 @@ def test_a_round_that_waits_for_nodes_samples_every_node_that_joined(monkeypatch
         assert sorted(m.metadata.dst_node_id for m in messages) == [1, 2, 3]
 
 
-def test_unknown_aggregation_fails_at_start() -> None:
+def test_unknown_aggregation_or_placement_fails_at_start() -> None:
     with pytest.raises(ConfigError, match="not available"):
         strategy("telepathy")
+    with pytest.raises(ConfigError, match="narrow placement 'anywhere'"):
+        strategy("weight", narrow_placement="anywhere")
 
 
 def test_pyproject_config_matches_the_settings_defaults() -> None:
