@@ -23,7 +23,7 @@ from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.errors import ConfigError
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
 from server import protocol
-from server.aggregation import downlink_placement, restrict
+from server.aggregation import principal_placement, restrict
 from server.settings import RunSettings
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ def _received_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node:
     state: dict[str, torch.Tensor] = dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict())
     if any(state[k].shape != v.shape for k, v in model.state_dict().items() if k in state):
         full = pool(settings).task.config
-        placement = downlink_placement(state, full, node.tier, settings.narrow_placement)
+        principal = settings.narrow_placement == "principal"
+        placement = principal_placement(state, full, node.tier) if principal else None
         state = restrict(state, full, node.tier, settings.aggregation, placement)
     try:
         model.load_state_dict(state, strict=True)

@@ -130,8 +130,9 @@ def _principal_residual(state: Mapping[str, torch.Tensor], d: int, wide: ModelCo
     for name, (_, template) in expand(spec, wide.depth).items():
         axes = spec[template]
         rows = _as_rows(state[name].double(), axes)
-        if RES in axes and rows.shape[0] > 1 and float(rows.square().sum()) > 0:
-            gram += rows.T @ rows / rows.square().sum()
+        energy = float(rows.square().sum())
+        if RES in axes and rows.shape[0] > 1 and energy > 0:
+            gram += rows.T @ rows / energy
     basis = ones_complement(wide.width)
     _, vectors = torch.linalg.eigh(basis.T @ gram @ basis)
     top = basis @ vectors.flip(1)[:, : d - 1]

@@ -159,12 +159,9 @@ def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier:
     return _float32(arch.to_native(project(canonical, placement or place(narrow, full)), full.depth))
 
 
-def downlink_placement(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float, how: str,
-                       aligned: Placement | None = None) -> Placement | None:
-    """Where a narrow client gets the global model (run-config ``narrow-placement``): ``aligned``, where alignment
-    last put it (None: the default embedding); ``principal``, the subspace holding most of the global weights."""
-    if how != "principal" or tier == 1.0:
-        return aligned
+def principal_placement(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float) -> Placement:
+    """Where a narrow client gets the global model with ``narrow-placement=principal``: the heads, MLP units and
+    residual subspace holding most of its weights (:func:`glmc.widths.principal_place`)."""
     arch = get_arch(full.family)
     canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)
     return principal_place(canonical, scale_width(full, tier), full)

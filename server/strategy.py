@@ -38,9 +38,9 @@ from server import protocol
 from server.aggregation import (
     Client,
     MergeResult,
-    downlink_placement,
     embedded_distance,
     merge,
+    principal_placement,
     restrict,
     universe_states,
 )
@@ -120,9 +120,8 @@ class SymmetryAwareFedAvg(FedAvg):
         self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
         self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
         self.narrow_placement = narrow_placement  # aligned | principal: where a narrow node gets the global model
-        self.sent: dict[int, Placement | None] = {}  # node id → where this round's model was placed for it
         self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
-        self._principal: dict[float, Placement | None] = {}  # tier → this round's principal placement
+        self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
         self.round_offset = round_offset
         self.hooks = list(hooks)
@@ -158,16 +157,15 @@ class SymmetryAwareFedAvg(FedAvg):
         A node not heard from yet gets the full model and restricts it itself the same way (client.app).
         """
         cache: dict[tuple[float, int | None], ArrayRecord] = {}
-        self._sent_state, self.sent, self._principal = arrays.to_torch_state_dict(), {}, {}
+        self._sent_state, self._principal = arrays.to_torch_state_dict(), {}
         for msg in messages:
             node = msg.metadata.dst_node_id
             if node not in self.node_tiers:
                 continue
             tier = self.node_tiers[node]
-            placement = self._placement(node, tier)
-            self.sent[node] = placement
             if tier == 1.0:
                 continue
+            placement = self._placement(node, tier)
             key = (tier, id(placement) if placement is not None else None)
             if key not in cache:
                 state = restrict(self._sent_state, self.model_config, tier, self.aggregation, placement)
@@ -177,15 +175,15 @@ class SymmetryAwareFedAvg(FedAvg):
         return messages
 
     def _placement(self, node: int, tier: float) -> Placement | None:
-        """Where ``node`` gets this round's global model (:func:`server.aggregation.downlink_placement`); the
-        principal placement is one per tier and round."""
+        """Where ``node`` gets this round's global model: where alignment last put it, or the principal placement
+        (:func:`server.aggregation.principal_placement`), one per tier and round."""
         if tier == 1.0:
             return None
         if self.narrow_placement != "principal":
             return self.placements.get(node)
         if tier not in self._principal:
             assert self._sent_state is not None
-            self._principal[tier] = downlink_placement(self._sent_state, self.model_config, tier, "principal")
+            self._principal[tier] = principal_placement(self._sent_state, self.model_config, tier)
         return self._principal[tier]
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -233,11 +231,10 @@ class SymmetryAwareFedAvg(FedAvg):
         tier = self.schema.tier(float(metrics[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
         node = msg.metadata.src_node_id
         self.node_tiers[node] = tier
-        # A principal placement is where the reply is embedded; an aligned one is found again by matching from the
-        # default embedding (embedding it where it was sent measured 1.0 point worse over 5 seeds of widths-principal)
-        placement = None
-        if self.narrow_placement == "principal":
-            placement = self.sent[node] if node in self.sent else self._placement(node, tier)
+        # A principal reply is embedded where its tier's model was placed (a new node placed it itself, the same
+        # way); an aligned one is found again by matching from the default embedding (embedding it where it was sent
+        # measured 1.0 point worse over 5 seeds of widths-principal)
+        placement = self._placement(node, tier) if self.narrow_placement == "principal" else None
         return Client(_state(msg), float(metrics[protocol.WEIGHT_KEY]), tier, placement)  # type: ignore[arg-type]
 
     def _aggregate(self, record: RoundRecord, valid: list[Message],

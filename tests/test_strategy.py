@@ -31,7 +31,7 @@ from glmc.refit import RIDGE, layer_rows
 from glmc.repair import channel_stats
 from glmc.train import TrainConfig, evaluate, train
 from server import heterofl, protocol
-from server.aggregation import Client, downlink_placement, restrict
+from server.aggregation import Client, principal_placement, restrict
 from server.hooks import EnsembleEvaluator
 from server.settings import RunSettings
 from server.strategy import RoundHooks, RoundRecord, SymmetryAwareFedAvg
@@ -593,9 +593,9 @@ def test_clients_that_send_back_what_they_got_leave_the_global_model_as_it_was(p
     assert first is not None
     known = s.restrict_to_widths([instruction(n, first) for n in (1, 2, 3)], first)
     sent = [m.content[protocol.ARRAYS].to_torch_state_dict() for m in known]
-    own = downlink_placement(sent[2], CFG, 0.5, placement)  # node 3 is new: it got the full model
+    # node 3 is new: it got the full model and restricts it itself, as client.app does
+    own = principal_placement(sent[2], CFG, 0.5) if placement == "principal" else None
     sent[2] = restrict(sent[2], CFG, 0.5, "canonical", own)
-    assert (own is not None) == (placement == "principal")
     tiers = {protocol.TIER_KEY: 0.5}
     echoes = [reply(sent[0], metrics(examples=30), node=1), reply(sent[1], metrics(examples=10, **tiers), node=2),
               reply(sent[2], metrics(examples=20, **tiers), node=3)]
