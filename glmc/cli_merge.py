@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from glmc.merge import MergeSetup
     from glmc.universe import UniverseResult
 
+FILL_NAMES = ["zeros", "copies"]  # glmc.widths.FILLS, without importing torch
 LEARN_SAMPLES = 20000  # default training samples of learned merging (a seeded subset of the training split)
 
 
@@ -55,6 +56,10 @@ def add_universe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tol", type=float, default=1e-3,
                         help="stop when U moves, or the mean distance to U falls, by less than this (relative)")
     parser.add_argument("--workers", type=count, default=1, help="processes aligning models in parallel")
+    parser.add_argument("--fill", choices=FILL_NAMES, default="zeros",
+                        help="how a narrower model fills the target's extra heads and MLP units: zero heads and dead "
+                        "neurons (the exact embedding), or copies of its own that share their output (Net2Net "
+                        "widening, also exact; it lowers the barriers between widths)")
     parser.add_argument("--concentration", type=float,
                         help="learned: refinement weights ~ Dirichlet(c·N·w); 0.1 is the paper's, spread over the "
                         "simplex; default 10, near the weighted mean that the merge keeps")
@@ -89,7 +94,7 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
     train = train_subset(dataclasses.replace(meta, config=target), args.data, wanted) if wanted else None
     learn = learn_options(args)
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, args.iters,
-                      args.tol, args.workers, learn, getattr(args, "restore_norms", False), repair, refit)
+                      args.tol, args.workers, learn, getattr(args, "restore_norms", False), repair, refit, args.fill)
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:

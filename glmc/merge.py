@@ -142,6 +142,7 @@ class MergeSetup:
     restore_norms: bool = False  # rescale the merged units to their inputs' mean norm (glmc.rescale)
     repair: int = 0  # reset the merged channels' statistics on this many of ``train``'s inputs (glmc.repair); 0: off
     refit: int = 0  # refit the merged layers to the inputs' mean outputs on this many of ``train``'s inputs; 0: off
+    fill: str = "zeros"  # how narrow inputs fill the target's extra heads and units (glmc.widths.FILLS)
 
 
 def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
@@ -165,7 +166,7 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     result = universe_match(states, setup.target, pairwise, weights=setup.weights, configs=configs,
                             reference=_reference(configs, setup.target), max_iters=setup.max_iters, tol=setup.tol,
                             data=setup.train, batch=setup.batch, workers=setup.workers,
-                            refine=setup.method == "learned", learn=setup.learn)
+                            refine=setup.method == "learned", learn=setup.learn, fill=setup.fill)
     if setup.restore_norms:
         result.merged = restore_norms(result.merged, result.aligned, setup.target, setup.weights)
     if setup.refit:
@@ -190,7 +191,7 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
             continue
         narrow = canonicalize(arch, natives[i], cfg.depth, dtype=torch.float64)
         pair = universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
-                              data=setup.train, batch=setup.batch, learn=setup.learn)
+                              data=setup.train, batch=setup.batch, learn=setup.learn, fill=setup.fill)
         curve = barrier_curve(wide, pair.aligned[0], setup.target, test, points, method=setup.method,
                               dtype=torch.float32)
         rows.append({"input": i, "width": cfg.width, "barrier": curve.barrier, "curve": curve.to_dict()})

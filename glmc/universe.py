@@ -31,7 +31,7 @@ from glmc.archs import ModelConfig, State, get_arch
 from glmc.errors import ConfigError, check_options, check_weights
 from glmc.match.common import MatchResult, sq_distance
 from glmc.transforms import Transform, apply, compose
-from glmc.widths import Placement, embed, lstsq_merge, move, place
+from glmc.widths import FILLS, Placement, embed, lstsq_merge, move, place, widen
 
 if TYPE_CHECKING:
     from glmc.match.learned import LearnConfig
@@ -129,12 +129,22 @@ def _small_dataset(data: Dataset | None, n: int | None) -> Dataset | None:
 
 
 def _into_universe(states: Sequence[State], cfg: ModelConfig, configs: Sequence[ModelConfig] | None,
-                   starts: Sequence[Placement | None] | None = None) -> tuple[list[State], list[Placement]]:
-    """Embed every state into the universe config (exact) at its start placement (default: :func:`place`)."""
+                   starts: Sequence[Placement | None] | None = None, fill: str = "zeros",
+                   ) -> tuple[list[State], list[Placement]]:
+    """Embed every state into the universe config (exact) at its start placement (default: :func:`place`), its
+    heads and units widened to the universe's first when ``fill`` is ``copies``."""
     configs = list(configs) if configs is not None else [cfg] * len(states)
     starts = list(starts) if starts is not None else [None] * len(states)
     if not len(configs) == len(starts) == len(states):
         raise ConfigError(f"{len(states)} states but {len(configs)} configs and {len(starts)} start placements")
+    if fill not in FILLS:
+        raise ConfigError(f"unknown fill {fill!r}; known: {', '.join(FILLS)}")
+    if fill == "copies":
+        if any(p is not None for p in starts):
+            raise ConfigError("start placements place a narrow model's own heads and units; with fill 'copies' "
+                              "it has the universe's")
+        widened = [widen(s, c, cfg) if c != cfg else (s, c) for s, c in zip(states, configs, strict=True)]
+        states, configs = [s for s, _ in widened], [c for _, c in widened]
     for i, (c, p) in enumerate(zip(configs, starts, strict=True)):
         if p is not None and (p.narrow != c or p.wide != cfg):
             raise ConfigError(f"model {i}: its start placement is for a {p.narrow.width}-wide model in a "
@@ -148,6 +158,7 @@ def universe_match(
     anchor: State | None = None, reference: int = 0, configs: Sequence[ModelConfig] | None = None,
     max_iters: int = 5, tol: float = 1e-3, data: Dataset | None = None, batch: int = 512, workers: int = 1,
     refine: bool = False, learn: LearnConfig | None = None, starts: Sequence[Placement | None] | None = None,
+    fill: str = "zeros",
 ) -> UniverseResult:
     """Align N canonical standard-form models into one universe of config ``cfg`` and merge them (paper §4.3).
 
@@ -157,7 +168,8 @@ def universe_match(
     ``method`` is any pairwise method of :mod:`glmc.align`; ``data`` feeds the data-driven ones (activation: its
     first ``batch`` inputs; learned: all of it) and the refinement; ``workers`` > 1 runs each iteration's
     alignments in a process pool; ``refine`` adds the multi-model learned refinement with options ``learn``;
-    ``starts[i]`` is where narrow state i sits in the universe before matching (default: :func:`place`).
+    ``starts[i]`` is where narrow state i sits in the universe before matching (default: :func:`place`);
+    ``fill`` is how a narrow model fills the universe's extra heads and units (:data:`glmc.widths.FILLS`).
     """
     if len(states) == 0:
         raise ConfigError("universe matching needs at least one model")
@@ -165,7 +177,7 @@ def universe_match(
         check_weights(weights, len(states))
     check_options("universe matching", [("≥ 1", lambda v: v >= 1, {"max_iters": max_iters, "workers": workers}),
                                         ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0, {"tol": tol})])
-    aligned, placements = _into_universe(states, cfg, configs, starts)
+    aligned, placements = _into_universe(states, cfg, configs, starts, fill)
     transforms = [Transform.identity(cfg.depth) for _ in aligned]
     if method == "none":
         start = time.perf_counter()

@@ -27,6 +27,9 @@ from glmc.groups import ones_complement
 from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
 from glmc.transforms import Transform
 
+# How a narrow model fills the universe's extra heads and MLP units: zero heads and dead neurons (the exact
+# embedding of symmetry.md §9), or copies of its own (:func:`widen`).
+FILLS = ("zeros", "copies")
 # Fields that fix a model's width; every other field must agree for two models to share a universe.
 WIDTH_FIELDS = ("width", "heads", "mlp", "head_dim", "norm_eps")
 WIDE_SIZES = (("width", "residual width d"), ("heads", "heads H"), ("head_dim", "head size d_h"),
@@ -229,6 +232,41 @@ def project(state: Mapping[str, torch.Tensor], p: Placement) -> State:
     """A wide canonical state restricted to the model's subspace: exact for MLP units and heads, Eᵀ for the
     residual. ``project(embed(θ, p), p) = θ``; this is the downlink to a narrow client (symmetry.md §9)."""
     return _map_state(state, p, embed=False)
+
+
+def widen(state: Mapping[str, torch.Tensor], cfg: ModelConfig, wide: ModelConfig) -> tuple[State, ModelConfig]:
+    """Net2Net widening (Chen et al., 2016) of a narrow canonical state to the wide model's head and MLP counts at
+    its own residual width and head size: slot k copies head (unit) k mod H (f), and the copies of one share
+    its output. Exact; embedded, the copies fill the heads and units that :func:`embed` leaves zero, so that
+    they have a partner to interpolate with."""
+    check_embeddable(cfg, wide)
+    wider = cfg.replace(heads=wide.heads, mlp=wide.mlp, head_dim=cfg.head_dim)
+    sources = {HEADS: torch.arange(wide.heads) % cfg.heads, MLP: torch.arange(wide.mlp) % cfg.mlp}
+    spec = get_arch(cfg.family).spec
+    out: State = {}
+    for name, (_, template) in expand(spec, cfg.depth).items():
+        x = state[name]
+        for axis, kind in enumerate(spec[template]):
+            if kind in (QKV, HEADS, MLP, MLP_IN):
+                x = _copy_units(x.movedim(axis, 0), kind, cfg, sources).movedim(0, axis)
+        out[name] = x
+    return out, wider
+
+
+def _copy_units(x: torch.Tensor, kind: AxisKind, cfg: ModelConfig, sources: dict[AxisKind, torch.Tensor],
+                ) -> torch.Tensor:
+    """The unit axis (first) of x gathered from its sources; the reading side (HEADS, MLP_IN) divided by each
+    source's number of copies."""
+    heads = kind in (QKV, HEADS)
+    src = sources[HEADS if heads else MLP]
+    share = 1.0 / torch.bincount(src)[src].to(x.dtype)
+    if heads:
+        units = x.reshape(*_unit_shape(kind, cfg), -1)[:, src]
+        units = units * share[None, :, None, None] if kind == HEADS else units
+    else:
+        units = x.reshape(x.shape[0], -1)[src]
+        units = units * share[:, None] if kind == MLP_IN else units
+    return units.reshape(-1, *x.shape[1:])
 
 
 def _as_indices(perm: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,11 @@ import torch
 
 from glmc.archs import get_arch
 from glmc.canonical import canonicalize, to_model
+from glmc.errors import ConfigError
 from glmc.match.common import sq_distance
 from glmc.transforms import apply, random_transform
 from glmc.universe import universe_match
-from glmc.widths import embed, embedding_config, place
+from glmc.widths import FILLS, embed, embedding_config, place, widen
 from tests.symmetry_models import CONFIGS, inputs, logits_of, random_native
 
 CLASSES = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
@@ -53,6 +54,35 @@ def test_merging_copies_across_widths_gives_back_the_narrow_model():
     result = universe_match([state, *copies[1:]], wide, "weight", configs=[narrow, wide, wide])
     assert sq_distance(result.merged, copies[0]) < 1e-10
     assert (_logits(result.merged, embedding_config(p), x) - logits_of(native, narrow, x)).abs().max() <= 1e-6
+
+
+def test_merging_copies_across_widths_with_net2net_fill_gives_back_the_narrow_model():
+    """fill='copies': the narrow model enters widened to the universe's heads and units, and matching finds it."""
+    wide = CONFIGS["vit-odd"]
+    narrow = wide.replace(width=wide.width - 5, heads=wide.heads - 1, head_dim=wide.head_dim, mlp=wide.mlp // 2 + 1)
+    native, x = random_native(narrow, 2), inputs(narrow, n=3)
+    state = canonicalize(get_arch(narrow.family), native, narrow.depth)
+    widened, cfg = widen(state, narrow, wide)
+    p = place(cfg, wide)
+    copies = _copies(wide, embed(widened, p), 3, seed=5)
+    result = universe_match([state, *copies[1:]], wide, "weight", configs=[narrow, wide, wide], fill="copies")
+    assert sq_distance(result.merged, copies[0]) < 1e-10
+    assert (_logits(result.merged, embedding_config(p), x) - logits_of(native, narrow, x)).abs().max() <= 1e-6
+    assert result.placements[0].narrow == cfg
+
+
+def test_fill_options_are_checked_in_one_line():
+    from glmc.cli_merge import FILL_NAMES
+
+    assert list(FILLS) == FILL_NAMES  # the CLI lists them without importing torch
+    wide = CONFIGS["vit-odd"]
+    narrow = wide.replace(width=wide.width - 5, head_dim=wide.head_dim)
+    state = canonicalize(get_arch(wide.family), random_native(narrow, 2), narrow.depth)
+    for kwargs, message in (({"fill": "ones"}, "unknown fill 'ones'"),
+                            ({"fill": "copies", "starts": [place(narrow, wide)]}, "start placements")):
+        with pytest.raises(ConfigError, match=message) as err:
+            universe_match([state], wide, "none", configs=[narrow], **kwargs)
+        assert "\n" not in str(err.value)
 
 
 def test_merge_is_invariant_to_input_order_given_the_reference():

@@ -11,7 +11,17 @@ from glmc.archs import PRESETS, ModelConfig, get_arch, preset, scale_width
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
-from glmc.widths import Placement, embed, embedding_config, lstsq_merge, move, place, principal_place, project
+from glmc.widths import (
+    Placement,
+    embed,
+    embedding_config,
+    lstsq_merge,
+    move,
+    place,
+    principal_place,
+    project,
+    widen,
+)
 from tests.symmetry_models import VOCAB, inputs, logits_of, random_native
 
 TIERS = (1.0, 0.5, 0.25)
@@ -58,6 +68,20 @@ def test_embedding_computes_the_same_function(name, small, big):
         out = get_arch(big.family).logits(to_model(wide, embedding_config(p)), x)
     assert (out - logits_of(native, small, x)).abs().max() <= 1e-5
     assert all(wide[k].shape == v.shape for k, v in _canonical(big, 0).items())
+
+
+@pytest.mark.parametrize(("name", "small", "big"), PAIRS, ids=[p[0] for p in PAIRS])
+def test_widening_then_embedding_computes_the_same_function(name, small, big):
+    """Net2Net copies fill every head and unit of the wide model (the counts need not divide) and change nothing."""
+    native, x = random_native(small, 3), inputs(small, n=3)
+    state, cfg = widen(canonicalize(get_arch(small.family), native, small.depth), small, big)
+    assert (cfg.heads, cfg.mlp, cfg.width, cfg.head_dim) == (big.heads, big.mlp, small.width, small.head_dim)
+    p = place(cfg, big)
+    with torch.no_grad():
+        out = get_arch(big.family).logits(to_model(embed(state, p), embedding_config(p)), x)
+    assert (out - logits_of(native, small, x)).abs().max() <= 1e-5
+    if big.mlp > small.mlp:  # no dead neuron is left
+        assert bool((state["blocks.0.mlp.fc1.w"].abs().sum(1) > 0).all())
 
 
 @pytest.mark.parametrize("family", ["vit", "gpt2"])
