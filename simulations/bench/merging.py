@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from glmc.cli import main as glmc
+from simulations.bench.barriers import results_lock
 from simulations.tomlfile import config_or_exit
 
 
@@ -173,29 +174,35 @@ def main(argv: list[str] | None = None) -> int:
     config = config_or_exit(parser, args.config)
     run, start = config["run"] | {"resume": args.resume}, time.perf_counter()
     torch.set_num_threads(run["threads"])
-    kept = published(parser, run, config, args.only) if args.only else None
-    reports = {spec["name"]: kept["reports"][spec["name"]] if kept and spec["name"] not in args.only
-               else [merge(run, spec, m) for m in spec["methods"]] for spec in config["merges"]}
-    panels = kept["simplex"] if kept else simplex(run, config["simplex"])
-    timing = kept["timing"] if kept else time_universe(run, config["timing"])
-    reused = (f"kept from the published results: every merge but {', '.join(args.only)}, the simplex, the timing"
-              if kept else "reports of earlier invocations reused" if args.resume else "everything computed")
-    write_results(run, args.config, reports, panels, timing, config["timing"], time.perf_counter() - start, reused)
+    if args.only:
+        published(parser, run, config, args.only)  # refuse a bad --only before measuring
+    names = [spec["name"] for spec in config["merges"]]
+    measured = {spec["name"]: [merge(run, spec, m) for m in spec["methods"]] for spec in config["merges"]
+                if not args.only or spec["name"] in args.only}
+    fresh = {} if args.only else {"simplex": simplex(run, config["simplex"]),
+                                  "timing": time_universe(run, config["timing"])}
+    with results_lock(Path(run["out"])):  # read only now, so that a partial run that ended meanwhile keeps its reports
+        kept = (published(parser, run, config, args.only) if args.only else {"reports": {}}) | fresh
+        reports = {name: measured.get(name) or kept["reports"][name] for name in names
+                   if name in measured or name in kept["reports"]}
+        missing = [name for name in names if name not in reports]  # e.g. being measured by a parallel run
+        reused = (f"kept from the published results: every merge but {', '.join(args.only)}, the simplex, the "
+                  "timing" if args.only else "reports of earlier invocations reused" if args.resume
+                  else "everything computed") + (f"; not measured yet: {', '.join(missing)}" if missing else "")
+        write_results(run, args.config, reports, kept["simplex"], kept["timing"], config["timing"],
+                      time.perf_counter() - start, reused)
     return 0
 
 
 def published(parser: argparse.ArgumentParser, run: dict[str, Any], config: dict[str, Any],
               only: list[str]) -> dict[str, Any]:
-    """The published results.json, checked to hold every merge that ``--only`` does not measure."""
+    """The published results.json (after checking that ``only`` names merges of the config)."""
     names = [spec["name"] for spec in config["merges"]]
     unknown = [n for n in only if n not in names]
     if unknown:
         parser.error(f"--only: no merge named {unknown[0]!r} in the config")
     path = Path(run["results"]) / "results.json"
     kept = json.loads(path.read_text()) if path.exists() else {"reports": {}}
-    missing = [n for n in names if n not in only and n not in kept["reports"]]
-    if missing:
-        parser.error(f"--only: {path} has no report of {missing[0]!r}: measure it too")
     return kept
 
 
