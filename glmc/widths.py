@@ -9,7 +9,8 @@ function here reads only the spec, the arch's writer and LayerNorm tables, and t
 Embedding a standard-form state is exact: the centring of LayerNorm commutes with ``E`` because E maps 1 to
 1, the root mean square over D is √(d/D) times the one over d, so readers take ``W Eᵀ·√(d/D)``, the LN eps
 becomes ``eps·d/D`` and an LN bias read by a bias-less head becomes ``√(D/d)·E β``. Zero q/k rows in a head
-change 1/√d_h, so q is scaled by √(d_h'/d_h).
+change 1/√d_h, so q is scaled by √(d_h'/d_h). :func:`widen` instead fills the extra heads and units with copies of
+the model's own (Net2Net), also exactly.
 """
 
 from __future__ import annotations
