@@ -59,7 +59,8 @@ def add_universe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fill", choices=FILL_NAMES, default="zeros",
                         help="how a narrower model fills the target's extra heads and MLP units: zero heads and dead "
                         "neurons (the exact embedding), or copies of its own that share their output (Net2Net "
-                        "widening, also exact; it lowers the barriers between widths)")
+                        "widening, also exact: it lowers the barriers between widths and helps learned merges, "
+                        "but costs data-free ones)")
     parser.add_argument("--concentration", type=float,
                         help="learned: refinement weights ~ Dirichlet(c·N·w); 0.1 is the paper's, spread over the "
                         "simplex; default 10, near the weighted mean that the merge keeps")
