@@ -29,7 +29,7 @@ def count(text: str) -> int:
 
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
     """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
-    --batch-size, --lam and --quiet."""
+    --batch-size, --lam, --val-points and --quiet."""
     parser.add_argument("--data", help=DATA_HELP)
     parser.add_argument("--batch", type=count, help=batch_help)
     parser.add_argument("--epochs", type=int, default=epochs,
@@ -40,6 +40,9 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     parser.add_argument("--lam", type=float, nargs=2, metavar=("LO", "HI"),
                         help="learned methods on a pair: train at λ ~ U(LO, HI), the weight of A (default 0.4 0.6, "
                              "the paper's; a wide-to-narrow pair peaks nearer the narrow end, so widen it there)")
+    parser.add_argument("--val-points", type=count,
+                        help="learned methods on a pair: validate at this many λ evenly spaced over --lam for early "
+                             "stopping (default 1, the midpoint)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
 
 
@@ -49,7 +52,8 @@ def learn_options(args: argparse.Namespace) -> LearnConfig:
     from glmc.match.learned import LearnConfig
 
     flags = {"lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size,
-             "concentration": getattr(args, "concentration", None), "lam": tuple(args.lam) if args.lam else None}
+             "concentration": getattr(args, "concentration", None), "lam": tuple(args.lam) if args.lam else None,
+             "val_points": args.val_points}
     given = {k: v for k, v in flags.items() if v is not None}
     return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
 

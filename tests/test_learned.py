@@ -23,7 +23,7 @@ from glmc.cli_learn import learn_options
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.match.dual import dual_match, mixing_sampler, refine_universe
-from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, learned_match
+from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, learned_match, pair_points
 from glmc.match.soft import soft_match
 from glmc.match.weight import weight_match
 from glmc.train import TrainConfig, evaluate, seed_everything, token_loss, train
@@ -205,18 +205,34 @@ def test_refinement_weights_centre_on_the_weighted_mean_by_default():
 
 def test_learned_flags_reach_learn_config_in_every_command():
     parser = build_parser()
-    flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--lam", "0.1", "0.9", "--quiet"]
+    flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--lam", "0.1", "0.9", "--val-points", "5",
+             "--quiet"]
     commands = {"align": ["a", "b", "--out", "o"], "barrier": ["a", "b", "--json", "o"], "merge": ["a", "--out", "o"]}
     for command, rest in commands.items():
         learn = learn_options(parser.parse_args([command, *rest, *flags]))
-        assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.progress) == (0.01, 32, 7, (0.1, 0.9),
-                                                                                         False), command
+        assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.val_points, learn.progress) == (
+            0.01, 32, 7, (0.1, 0.9), 5, False), command
     default = learn_options(parser.parse_args(["align", "a", "b", "--out", "o"]))
-    assert (default.epochs, default.lam) == (LearnConfig().epochs, LearnConfig().lam)
+    assert (default.epochs, default.lam, default.val_points) == (LearnConfig().epochs, LearnConfig().lam, 1)
     with pytest.raises(ConfigError, match="λ range"):
         learn_options(parser.parse_args(["align", "a", "b", "--out", "o", "--lam", "0.9", "0.1"]))
     merged = learn_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"]))
     assert (merged.epochs, merged.concentration) == (1, 0.1)  # merge's own default of one pass
+
+
+def test_pair_validation_points_span_the_training_range():
+    assert pair_points(LearnConfig()) == [(0.5, 0.5)]  # the paper's midpoint, for the default λ ~ U(0.4, 0.6)
+    assert pair_points(LearnConfig(lam=(0.2, 0.4))) == [pytest.approx((0.3, 0.7))]
+    points = pair_points(LearnConfig(lam=(0.1, 0.9), val_points=5))
+    assert [lam for lam, _ in points] == pytest.approx([0.1, 0.3, 0.5, 0.7, 0.9])
+    assert all(lam + rest == pytest.approx(1.0) for lam, rest in points)
+    with pytest.raises(ConfigError, match="val_points"):
+        LearnConfig(val_points=0)
+    cfg = CONFIGS["vit-odd"]
+    _, _, (a, b) = _pair(cfg)
+    options = replace(FAST, steps=2, lam=(0.1, 0.9), val_points=3)
+    learned = learned_match(a, b, cfg, dataset(cfg, 32, seed=0), options=options)
+    assert learned.info["val_points"] == [list(w) for w in pair_points(options)]  # what early stopping watched
 
 
 class _PoisonedAfter(Dataset):

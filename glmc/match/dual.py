@@ -23,7 +23,7 @@ from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import Form
 from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult
-from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn
+from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn, pair_points
 from glmc.transforms import Transform, compose, invert
 
 
@@ -47,8 +47,8 @@ def dual_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
     init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones)
     sides = [Latents(t, cfg, options, fix_ones=fix_ones, seed=i) for i, t in enumerate((Transform(cfg.depth),
                                                                                          init.transform))]
-    learned = learn([Endpoint(a, sides[0]), Endpoint(b, sides[1])], cfg, data,
-                    Sampler(options.seed, lam=options.lam), [(0.5, 0.5)], options, form=form, validation=validation)
+    learned = learn([Endpoint(a, sides[0]), Endpoint(b, sides[1])], cfg, data, Sampler(options.seed, lam=options.lam),
+                    pair_points(options), options, form=form, validation=validation)
     ta, tb = learned.transforms
     assert ta is not None and tb is not None
     result = MatchResult(compose(invert(ta), tb), learned.history, time.perf_counter() - start,

@@ -60,6 +60,9 @@ class LearnConfig:
     concentration: float = 10.0
     val_fraction: float = 0.1  # of the given training data, held out for early stopping
     val_max: int = 1000
+    # A pair validates at this many λ evenly spaced over ``lam`` (1: its midpoint), so that early stopping watches
+    # the whole range it trains on: a wide-to-narrow path peaks near λ = 0.3, away from the midpoint.
+    val_points: int = 1
     eval_every: int = 50  # steps between validations
     patience: int = 5  # validations without improvement before stopping; 0 never stops early
     noise: float = 0.01  # latents start at the initial transform perturbed by this much (distinct singular values)
@@ -76,7 +79,8 @@ class LearnConfig:
         lo, hi = self.lam
         check_options("learned matching", [
             ("≥ 1", lambda v: v >= 1, {"epochs": self.epochs, "steps": self.steps, "batch_size": self.batch_size,
-                                       "val_max": self.val_max, "eval_every": self.eval_every,
+                                       "val_max": self.val_max, "val_points": self.val_points,
+                                       "eval_every": self.eval_every,
                                        "sinkhorn_iters": self.sinkhorn_iters}),
             ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0,
              {"lr": self.lr, "weight_decay": self.weight_decay, "patience": self.patience}),
@@ -251,6 +255,13 @@ class Sampler:
 
 # The learning loop (Algorithm 1).
 
+def pair_points(options: LearnConfig) -> list[Weights]:
+    """The (λ, 1 − λ) at which a pair's path is validated: ``val_points`` λ evenly spaced over ``options.lam``."""
+    lo, hi = options.lam
+    lams = [(lo + hi) / 2] if options.val_points == 1 else np.linspace(lo, hi, options.val_points).tolist()
+    return [(lam, 1.0 - lam) for lam in lams]
+
+
 @dataclass
 class Learned:
     """The best transforms found (None for endpoints that stay put), the validation history and why it stopped."""
@@ -345,7 +356,7 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     schedule = cosine_schedule(optimizer, total, 0.0) if options.cosine else LambdaLR(optimizer, lambda _: 1.0)
     stopped = _loop(path, latents, loader, total, sampler, points, val_loader, schedule, best, options)
     info = {"val_loss_init": best.history[0], "val_loss": best.loss, "best_step": best.step, "stopped": stopped,
-            "learn_seconds": round(time.perf_counter() - start, 3)}
+            "val_points": [list(w) for w in points], "learn_seconds": round(time.perf_counter() - start, 3)}
     log.info("learned matching: validation loss %.5f → %.5f (step %d); %s", best.history[0], best.loss,
              best.step, stopped)
     return Learned(best.transforms, best.history, val, info)
@@ -404,7 +415,7 @@ def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: 
     init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, permutations_only=permutations_only)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, residual_perm=permutations_only)
     learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
-                    [(0.5, 0.5)], options, form=form, validation=validation)
+                    pair_points(options), options, form=form, validation=validation)
     transform = learned.transforms[1]
     assert transform is not None
     return MatchResult(transform, learned.history, time.perf_counter() - start,

@@ -18,7 +18,7 @@ from glmc.archs import ModelConfig, State, get_arch
 from glmc.canonical import Form
 from glmc.check import TOLERANCE
 from glmc.match.common import MatchResult
-from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn
+from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
 from glmc.train import token_loss
 from glmc.transforms import Transform, apply
 
@@ -55,7 +55,7 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
     init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, soft=True)
     learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
-                    [(0.5, 0.5)], options, form=form, validation=validation)
+                    pair_points(options), options, form=form, validation=validation)
     transform = learned.transforms[1]
     assert transform is not None
     gain = learned.history[0] - min(learned.history)
