@@ -69,6 +69,7 @@ class MergeResult:
     distance_before: float  # mean pairwise ‖θ_i − θ_j‖ of the clients in the universe (canonical, embedded)
     distance_after: float  # the same after alignment
     placements: list[Placement | None]  # per client, for restricting the next global model (None: HeteroFL)
+    unaligned: bool = False  # the alignment gained less than ``min_gain``: the clients were averaged as they came
 
 
 def mean_pairwise_distance(states: Sequence[Mapping[str, torch.Tensor]]) -> float:
@@ -109,7 +110,7 @@ def finetune(native: State, full: ModelConfig, data: Dataset | None, config: Tra
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
           data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
           tune: TrainConfig | None = None, restore: bool = False, repair: bool = False,
-          refit: bool = False) -> MergeResult:
+          refit: bool = False, min_gain: float = 0.0) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
@@ -117,14 +118,15 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     ``restore``: rescale the aligned merge's units to the clients' mean norm (:func:`glmc.rescale.restore_norms`).
     ``refit``: then refit its linear layers to the clients' mean output on ``data`` (:func:`glmc.refit.refit`).
     ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
+    ``min_gain``: at equal widths, when matching brings the clients less than this fraction closer, average them
+    unaligned instead: FedAvg, without the steps above (:func:`_gains_too_little`).
     """
     states, configs = universe_states(clients, full)
     starts = [c.placement for c in clients]
     before = embedded_distance(states, configs, full, starts)
     weights = [c.weight for c in clients]
     if aggregation in SLICED:
-        previous = anchor if anchor is not None else clients[0].state
-        native, seconds = _float32(heterofl.merge([c.state for c in clients], configs, weights, full, previous)), 0.0
+        native, seconds = _sliced(clients, configs, full, anchor), 0.0
         if aggregation == "fedavg-ft":
             native, seconds = finetune(native, full, data, tune or TrainConfig(threads=1))
         return MergeResult(native, seconds, before, before, [None] * len(clients))
@@ -136,13 +138,36 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
                             max_iters=iters, data=data, batch=len(data) if data is not None else 512,  # type: ignore[arg-type]
                             workers=workers, refine=refine, learn=learn, starts=starts)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
+    after = mean_pairwise_distance(result.aligned)
+    if _gains_too_little(before, after, min_gain, configs, full):
+        return MergeResult(_sliced(clients, configs, full, anchor), seconds, before, before, [None] * len(clients),
+                           unaligned=True)
     merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
     if refit:
         merged = refit_layers(merged, result.aligned, full, data, weights=weights, placements=result.placements)
     if repair:
         merged = repair_statistics(merged, result.aligned, full, data, weights=weights)
-    return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before,
-                       mean_pairwise_distance(result.aligned), list(result.placements))
+    return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before, after, list(result.placements))
+
+
+def _sliced(clients: Sequence[Client], configs: Sequence[ModelConfig], full: ModelConfig,
+            anchor: State | None) -> State:
+    """HeteroFL's coverage-weighted average of the native width slices (FedAvg at equal widths)."""
+    previous = anchor if anchor is not None else clients[0].state
+    return _float32(heterofl.merge([c.state for c in clients], configs, [c.weight for c in clients], full, previous))
+
+
+def _gains_too_little(before: float, after: float, min_gain: float, configs: Sequence[ModelConfig],
+                      full: ModelConfig) -> bool:
+    """Whether to set this round's alignment aside: equal widths (where the unaligned average is FedAvg itself)
+    and the clients' mean pairwise distance fell by less than ``min_gain`` of itself."""
+    if not min_gain or before <= 0 or any(c != full for c in configs):
+        return False
+    gain = 1.0 - after / before
+    if gain < min_gain:
+        log.info("alignment brought the clients %.2f%% closer (%.4g → %.4g), less than min-alignment-gain %.2f%%: "
+                 "averaging them unaligned (FedAvg)", 100 * gain, before, after, 100 * min_gain)
+    return gain < min_gain
 
 
 def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float, aggregation: str,

@@ -20,6 +20,8 @@ AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedav
 DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft")  # need the server-held batch (`server-data`)
 # Aggregations that average HeteroFL width slices without alignment; their clients get slices back.
 SLICED = ("fedavg", "fedavg-ft")
+# Aggregations whose alignment min-alignment-gain may set aside for a round (matching only, no refinement).
+GUARDED = ("weight", "activation")
 INITS = ("shared", "independent")
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
@@ -72,6 +74,11 @@ class RunSettings:
     # where a narrow client gets the global model (glmc.widths): "aligned" = where alignment last put it, "principal"
     # = the heads, MLP units and residual subspace holding most of the global weights; aligned aggregations only
     narrow_placement: str = "aligned"
+    # weight / activation at equal widths: when matching brings the clients less than this fraction closer (mean
+    # pairwise distance, 1 − after / before), that round averages them unaligned, which is FedAvg. 0 = always keep
+    # the alignment. Clients fine-tuned from one global model are already aligned, and matching their noise cost
+    # FedAvg points under drift (simulations/results/drift-seeds).
+    min_alignment_gain: float = 0.0
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
@@ -119,6 +126,11 @@ class RunSettings:
         _require(self.narrow_placement == "aligned" or self.aggregation not in SLICED,
                  f"narrow-placement principal places narrow clients in the universe; aggregation "
                  f"{self.aggregation!r} averages HeteroFL's fixed width slices")
+        _require(0 <= self.min_alignment_gain < 1, f"min-alignment-gain must be in [0, 1), got "
+                 f"{self.min_alignment_gain}")
+        _require(not self.min_alignment_gain or self.aggregation in GUARDED,
+                 f"min-alignment-gain guards data-free matching {GUARDED}; aggregation {self.aggregation!r} "
+                 "has no alignment to fall back from or refines it on data")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
 

@@ -73,6 +73,7 @@ class RoundRecord:
     round_seconds: float = 0.0  # configure_train to the end of central evaluation
     distance_before: float | None = None  # mean pairwise client distance, canonical form
     distance_after: float | None = None
+    unaligned: bool = False  # min-alignment-gain set this round's alignment aside: the clients were averaged (FedAvg)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,7 +99,7 @@ class SymmetryAwareFedAvg(FedAvg):
                  server_data: Dataset | None = None, align_iters: int = 1, align_workers: int = 1,
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
                  repair: bool = False, refit: bool = False, narrow_placement: str = "aligned",
-                 independent_init: bool = False,
+                 min_alignment_gain: float = 0.0, independent_init: bool = False,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
@@ -120,6 +121,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
         self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
         self.narrow_placement = narrow_placement  # aligned | principal: where a narrow node gets the global model
+        self.min_alignment_gain = min_alignment_gain  # below this relative distance gain a round averages unaligned
         self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
         self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
@@ -247,6 +249,7 @@ class SymmetryAwareFedAvg(FedAvg):
         result = self._merge(record.round, clients)
         record.align_seconds = result.align_seconds
         record.distance_before, record.distance_after = result.distance_before, result.distance_after
+        record.unaligned = result.unaligned
         for msg, placement in zip(valid, result.placements, strict=True):
             self.placements[msg.metadata.src_node_id] = placement
         metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
@@ -259,7 +262,8 @@ class SymmetryAwareFedAvg(FedAvg):
         tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
                      iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
-                     restore=self.restore_norms, repair=self.repair, refit=self.refit)
+                     restore=self.restore_norms, repair=self.repair, refit=self.refit,
+                     min_gain=self.min_alignment_gain)
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(

@@ -30,6 +30,7 @@ from glmc.match.learned import LearnConfig
 from glmc.refit import RIDGE, layer_rows
 from glmc.repair import channel_stats
 from glmc.train import TrainConfig, evaluate, train
+from glmc.transforms import apply, random_transform
 from server import heterofl, protocol
 from server.aggregation import Client, principal_placement, restrict
 from server.hooks import EnsembleEvaluator
@@ -175,6 +176,46 @@ def test_canonical_is_the_example_weighted_mean_of_the_folded_clients() -> None:
     fedavg, _ = strategy().aggregate_train(1, [reply(s, metrics(examples=n), node=i + 1)
                                                for i, (s, n) in enumerate(zip(states, counts, strict=True))])
     assert fedavg is not None and any(not np.allclose(v, as_numpy(fedavg)[k]) for k, v in as_numpy(arrays).items())
+
+
+def _permuted(native: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The same function with its heads, MLP units and residual stream moved by a random symmetry."""
+    arch, g = get_arch(CFG.family), torch.Generator().manual_seed(seed)
+    t = random_transform(CFG.depth, CFG.width, CFG.heads, CFG.head_dim, CFG.mlp,
+                         ("residual", "head-perm", "within-head-orthogonal", "mlp-perm"), g)
+    moved = apply(canonicalize(arch, native, CFG.depth, dtype=torch.float64), arch.spec, t, CFG.heads)
+    return {k: v.float() for k, v in arch.to_native(moved, CFG.depth).items()}
+
+
+def test_min_alignment_gain_averages_already_aligned_clients_as_fedavg_does() -> None:
+    """Fine-tunes of one global model: matching brings them hardly closer, so the round is FedAvg (to float
+    rounding) and says so; permuted copies of one model: matching halves their distance, so it is kept."""
+    base, counts = state(3), (10, 20, 30)
+    tuned = [{k: v + 0.01 * torch.randn_like(v) for k, v in base.items()} for _ in counts]
+    replies = [reply(t, metrics(examples=n), node=i + 1) for i, (t, n) in enumerate(zip(tuned, counts, strict=True))]
+    guarded = strategy("weight", min_alignment_gain=0.05)
+    guarded.global_arrays = ArrayRecord(base)  # type: ignore[arg-type]
+    arrays, _ = guarded.aggregate_train(1, replies)
+    fedavg, _ = strategy().aggregate_train(1, replies)
+    assert arrays is not None and fedavg is not None and guarded.current.unaligned
+    assert guarded.current.distance_after == guarded.current.distance_before
+    for key, value in as_numpy(arrays).items():
+        np.testing.assert_allclose(value, as_numpy(fedavg)[key], rtol=1e-5, atol=1e-6)
+    kept = strategy("weight", min_alignment_gain=0.05)
+    arrays, _ = kept.aggregate_train(1, [reply(base, node=1), reply(_permuted(base, 1), node=2)])
+    assert arrays is not None and not kept.current.unaligned
+    assert kept.current.distance_after < 0.5 * kept.current.distance_before  # type: ignore[operator]
+    x = torch.randn(4, 1, 8, 8)
+    merged = {k: torch.from_numpy(v) for k, v in as_numpy(arrays).items()}
+    torch.testing.assert_close(logits(merged, x), logits(base, x), rtol=1e-4, atol=1e-4)
+
+
+def test_min_alignment_gain_is_checked() -> None:
+    for config, words in (({"aggregation": "weight", "min-alignment-gain": 1.0}, "in \\[0, 1\\)"),
+                          ({"aggregation": "fedavg", "min-alignment-gain": 0.05}, "data-free matching"),
+                          ({"aggregation": "learned", "min-alignment-gain": 0.05, "server-data": 10}, "refines")):
+        with pytest.raises(ConfigError, match=words):
+            RunSettings.from_run_config(config)
 
 
 def test_restore_norms_gives_the_merged_neurons_the_clients_mean_norm() -> None:
