@@ -7,7 +7,8 @@ method (architecture.md, "The path the data takes"):
   itself takes flwr's own FedAvg code path when every client is full width, so that case is FedAvg exactly.
 - ``weight`` / ``activation``: canonicalise (LayerNorms folded), embed every client exactly into the
   universe width, universe matching anchored at the previous global model (:func:`glmc.universe.universe_match`,
-  iterating U ← least-squares coverage-weighted mean), then back to the native form.
+  iterating U ← least-squares coverage-weighted mean), then back to the native form. At equal widths a round
+  whose matching brings the clients less than ``min_gain`` closer averages them unaligned instead (FedAvg).
 - ``learned``: the same weight-matching iterations, finished by the multi-model learned refinement on the
   server-held batch (paper §4.3).
 - ``canonical``: the ablation of the alignment: the same canonical form, embedding and least-squares merge,
