@@ -214,6 +214,12 @@ def align_share(row: dict[str, Any]) -> float | None:
     return sum(r["align_seconds"] for r in rounds) / total if total else None
 
 
+def unaligned_share(row: dict[str, Any]) -> float | None:
+    """The share of trained rounds whose alignment min-alignment-gain set aside (averaged as FedAvg)."""
+    rounds = [r for r in row["records"] if r["round"] > 0]
+    return sum(bool(r.get("unaligned")) for r in rounds) / len(rounds) if rounds else None
+
+
 def _fmt(values: Sequence[float | None], scale: float = 100.0, digits: int = 1) -> str:
     kept = [v * scale for v in values if v is not None]
     if not kept:
@@ -234,6 +240,7 @@ def select(rows: list[dict[str, Any]], split: str, widths: str, aggregation: str
 def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, str]]:
     """One table row per (split, widths, aggregation): accuracies in %, mean ± s.e. over seeds."""
     table = []
+    guarded = any(r.get("unaligned") for row in rows for r in row["records"])
     for split, widths in groups(exp):
         base = [r for r in select(rows, split, widths, "fedavg") if r["status"] == "finished:completed"]
         for agg in exp.aggregations:
@@ -248,6 +255,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, 
                 "align / round time %": _fmt([align_share(r) for r in ok]),
                 "distance before → after": f"{_fmt([final(r, 'distance_before') for r in ok], 1, 2)} → "
                                            f"{_fmt([final(r, 'distance_after') for r in ok], 1, 2)}",
+                **({"rounds set aside %": _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
             })
     return table
 

@@ -134,6 +134,20 @@ def test_the_summary_pairs_final_last_three_and_all_round_accuracy_by_seed() -> 
     assert weight["Δ vs fedavg (pts)"] == "0.0 ± 10.0"
     assert weight["Δ, last 3 rounds"] == "3.3 ± 3.3"
     assert weight["Δ, all rounds"] == "8.0 ± 2.0"
+    assert "rounds set aside %" not in weight  # no run set a round aside: the column stays out
+
+
+def test_the_summary_counts_the_rounds_min_alignment_gain_set_aside() -> None:
+    """With a guarded run in the grid, each row gains the share of trained rounds averaged unaligned."""
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
+    aside = {("fedavg", 0): [], ("weight", 0): [1, 2, 3], ("weight", 1): [1]}
+    rows = [{"split": "dirichlet0.1", "widths": "equal", "aggregation": agg, "seed": seed,
+             "status": "finished:completed",
+             "records": [{"round": k, "central_accuracy": 0.5, "mean_client_accuracy": None, "align_seconds": 0.0,
+                          "round_seconds": 1.0, "unaligned": k in rounds} for k in range(5)]}
+            for (agg, seed), rounds in aside.items()]
+    table = {r["aggregation"]: r["rounds set aside %"] for r in compare.summary_rows(rows, exp)}
+    assert table == {"fedavg": "0 ± 0", "weight": "50 ± 25"}  # seeds: 3 of 4 rounds, 1 of 4
 
 
 def test_an_aggregation_variant_sets_its_own_run_config_keys(tmp_path: Path) -> None:
