@@ -55,7 +55,7 @@ def invariance_errors(cfg: ModelConfig, form: Form = "standard", seed: int = 0) 
     classes = classes_for(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     for name, group in [*((c, (c,)) for c in classes), ("all", classes)]:
-        t = random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, group, g, form != "rmsnorm")
+        t = random_transform(cfg, group, g, form != "rmsnorm")
         moved = apply(state, arch.spec, t, cfg.heads)
         errors[name] = float((_logits(moved, cfg, form, x) - reference).abs().max())
     return errors

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glmc.archs.base import State
+from glmc.archs.config import ModelConfig
 from glmc.errors import SpecError
 from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, SpecTable, expand
 
@@ -222,12 +223,16 @@ SYMMETRY_CLASSES = ("residual", "head-perm", "within-head-orthogonal", "within-h
                     "mlp-scale")
 
 
-def random_transform(
-    depth: int, width: int, heads: int, head_dim: int, mlp: int, classes: tuple[str, ...],
-    generator: torch.Generator, fix_ones: bool = True,
-) -> Transform:
-    """A random group element made of the named symmetry classes (for invariance checks)."""
+# The orthogonal classes, which weight matching searches (within-head invertible maps and MLP scales it does not).
+MATCHABLE = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
+
+
+def random_transform(cfg: ModelConfig, classes: tuple[str, ...], generator: torch.Generator,
+                     fix_ones: bool = True) -> Transform:
+    """A random group element of ``cfg``'s sizes made of the named symmetry classes (for invariance checks)."""
     from glmc import groups
+
+    depth, width, heads, head_dim, mlp = cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp
 
     def per_layer(make):  # type: ignore[no-untyped-def]
         return [make() for _ in range(depth)]

@@ -14,7 +14,7 @@ from glmc.errors import ConfigError, SpecError
 from glmc.match.common import sq_distance
 from glmc.match.weight import head_cost, weight_match
 from glmc.train import evaluate
-from glmc.transforms import apply, random_transform
+from glmc.transforms import MATCHABLE, apply, random_transform
 from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
 
 FAMILIES = ["vit-odd", "gpt2-odd"]
@@ -24,7 +24,7 @@ def _transformed_copy(cfg, classes, seed=7):
     arch = get_arch(cfg.family)
     a = canonicalize(arch, random_native(cfg, seed), cfg.depth)
     g = torch.Generator().manual_seed(seed)
-    t = random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, classes, g)
+    t = random_transform(cfg, classes, g)
     return arch, a, apply(a, arch.spec, t, cfg.heads)
 
 
@@ -33,7 +33,7 @@ def _transformed_copy(cfg, classes, seed=7):
 def test_weight_matching_recovers_a_transformed_copy(name, dtype, bound):
     """Exact recovery when searching in float64; float32 (the default, half the cost) to its precision."""
     cfg = CONFIGS[name]
-    arch, a, b = _transformed_copy(cfg, ("residual", "head-perm", "within-head-orthogonal", "mlp-perm"))
+    arch, a, b = _transformed_copy(cfg, MATCHABLE)
     result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, dtype=dtype)
     aligned = apply(b, arch.spec, result.transform, cfg.heads)
     assert sq_distance(a, b) > 1.0

@@ -30,7 +30,7 @@ from glmc.match.learned import LearnConfig
 from glmc.refit import RIDGE, layer_rows
 from glmc.repair import channel_stats
 from glmc.train import TrainConfig, evaluate, train
-from glmc.transforms import apply, random_transform
+from glmc.transforms import MATCHABLE, apply, random_transform
 from server import heterofl, protocol
 from server.aggregation import Client, principal_placement, restrict
 from server.hooks import EnsembleEvaluator
@@ -181,8 +181,7 @@ def test_canonical_is_the_example_weighted_mean_of_the_folded_clients() -> None:
 def _permuted(native: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """The same function with its heads, MLP units and residual stream moved by a random symmetry."""
     arch, g = get_arch(CFG.family), torch.Generator().manual_seed(seed)
-    t = random_transform(CFG.depth, CFG.width, CFG.heads, CFG.head_dim, CFG.mlp,
-                         ("residual", "head-perm", "within-head-orthogonal", "mlp-perm"), g)
+    t = random_transform(CFG, MATCHABLE, g)
     moved = apply(canonicalize(arch, native, CFG.depth, dtype=torch.float64), arch.spec, t, CFG.heads)
     return {k: v.float() for k, v in arch.to_native(moved, CFG.depth).items()}
 

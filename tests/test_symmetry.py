@@ -23,7 +23,7 @@ def _classes(cfg):
 
 def _random(cfg, classes, seed, fix_ones=True):
     g = torch.Generator().manual_seed(seed)
-    return random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, classes, g, fix_ones)
+    return random_transform(cfg, classes, g, fix_ones)
 
 
 def _run(state, cfg, form, x):

@@ -10,12 +10,10 @@ from glmc.archs import get_arch
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.match.common import sq_distance
-from glmc.transforms import apply, random_transform
+from glmc.transforms import MATCHABLE, apply, random_transform
 from glmc.universe import universe_match
 from glmc.widths import FILLS, embed, embedding_config, place, widen
 from tests.symmetry_models import CONFIGS, inputs, logits_of, random_native
-
-CLASSES = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
 
 
 def _copies(cfg, state, n, seed=0):
@@ -23,7 +21,7 @@ def _copies(cfg, state, n, seed=0):
     arch, g = get_arch(cfg.family), torch.Generator().manual_seed(seed)
     copies = [state]
     for _ in range(n - 1):
-        t = random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, CLASSES, g)
+        t = random_transform(cfg, MATCHABLE, g)
         copies.append(apply(state, arch.spec, t, cfg.heads))
     return copies
 

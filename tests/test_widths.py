@@ -148,14 +148,13 @@ def test_least_squares_with_coordinate_masks_is_heterofl():
 
 def test_moved_placement_follows_the_transformed_model():
     """Projecting through the moved placement gives the narrow model back (up to its own within-head maps)."""
-    from glmc.transforms import apply, random_transform
+    from glmc.transforms import MATCHABLE, apply, random_transform
 
     small, big = scale_width(BASES["gpt2"], 0.5), BASES["gpt2"]
     native, x = random_native(small, 5), inputs(small, n=3)
     p = place(small, big)
     g = torch.Generator().manual_seed(0)
-    t = random_transform(big.depth, big.width, big.heads, big.head_dim, big.mlp,
-                         ("residual", "head-perm", "within-head-orthogonal", "mlp-perm"), g)
+    t = random_transform(big, MATCHABLE, g)
     state = canonicalize(get_arch(small.family), native, small.depth)
     back = project(apply(embed(state, p), get_arch(big.family).spec, t, big.heads), move(p, t))
     with torch.no_grad():
@@ -173,8 +172,7 @@ def test_principal_placement_finds_a_narrow_model_embedded_anywhere(family):
 
     small, big = ODD[family]
     native, x = random_native(small, 6), inputs(small, n=3)
-    t = random_transform(big.depth, big.width, big.heads, big.head_dim, big.mlp, ("residual", "head-perm", "mlp-perm"),
-                         torch.Generator().manual_seed(1))
+    t = random_transform(big, ("residual", "head-perm", "mlp-perm"), torch.Generator().manual_seed(1))
     p = place(small, big)
     wide = apply(embed(canonicalize(get_arch(family), native, small.depth), p), get_arch(family).spec, t, big.heads)
     where, found = move(p, t), principal_place(wide, small, big)

@@ -71,15 +71,14 @@ def timing_states(run: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict]
     from glmc.archs import get_arch
     from glmc.canonical import canonicalize
     from glmc.checkpoint import load_checkpoint
-    from glmc.transforms import apply, random_transform
+    from glmc.transforms import MATCHABLE, apply, random_transform
 
     loaded = [load_checkpoint(p) for p in checkpoints(run, [[spec["group"], spec["seeds"]]])]
     cfg = loaded[0][1].config
     arch, g = get_arch(cfg.family), torch.Generator().manual_seed(0)
     states = [canonicalize(arch, s, cfg.depth, dtype=torch.float64) for s, _ in loaded]
-    classes = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
     for i in range(spec["copies"]):
-        t = random_transform(cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp, classes, g)
+        t = random_transform(cfg, MATCHABLE, g)
         states.append(apply(states[i % len(loaded)], arch.spec, t, cfg.heads))
     return states, cfg
 
