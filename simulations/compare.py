@@ -8,7 +8,7 @@ metrics, checkpoints and plot), ``cells/<cell>.json`` (a finished cell is not ru
 ``results.json``, ``summary.md`` (mean ± s.e. over seeds, and the paired difference to fedavg) and one
 accuracy-against-round plot per split and width mix, one curve per aggregation. ``--publish`` copies the
 summary, JSON and plots to ``simulations/results/NAME/``; ``--from-results`` summarises the rows of an earlier
-results.json again, running nothing.
+results.json again, running nothing; ``--reuse`` takes its finished cells and runs the rest of the grid.
 
 Config: ``[experiment]`` (name, num-supernodes, seeds, aggregations), ``[run]`` (run-config keys shared by
 every cell) and ``[[splits]]`` / ``[[widths]]`` tables, each a ``label`` plus the run-config keys it sets. An
@@ -136,12 +136,18 @@ def pending(cell: Cell) -> dict[str, Any]:
             "records": []}
 
 
-def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True) -> list[dict[str, Any]]:
-    """Every cell, reusing the saved rows of finished ones unless ``force``; without ``run``, only those."""
+def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True,
+             reused: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Every cell, reusing the saved rows of finished ones (and the finished ``reused`` rows of an earlier
+    results.json) unless ``force``; without ``run``, only those."""
+    earlier = {r["cell"]: r for r in reused if r["status"] == "finished:completed"}
     rows = []
     with local_superlink_env() as env:
         for cell in grid(exp):
             saved = out / "cells" / f"{cell.name}.json"
+            if cell.name in earlier and not force:
+                rows.append(earlier[cell.name])
+                continue
             if saved.is_file() and not force:
                 rows.append(json.loads(saved.read_text()))
                 continue
@@ -156,16 +162,17 @@ def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True) -> list[
     return rows
 
 
-def saved_rows(exp: Experiment, path: Path) -> list[dict[str, Any]]:
-    """The rows of an earlier ``results.json`` of this experiment, to summarise again without running anything;
-    a file of another experiment or grid is a one-line ConfigError."""
+def saved_rows(exp: Experiment, path: Path, whole: bool = True) -> list[dict[str, Any]]:
+    """The rows of an earlier ``results.json`` of this experiment (with ``whole``, exactly the grid's cells; else
+    only cells of the grid); a file of another experiment, grid or [run] config is a one-line ConfigError."""
     try:
         saved = json.loads(path.read_text())
         name, config, rows = saved["experiment"], saved["config"], saved["rows"]
         cells = sorted(r["cell"] for r in rows)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"cannot read the rows of {path}: {err!r}") from err
-    if name != exp.name or cells != sorted(c.name for c in grid(exp)):
+    names = sorted(c.name for c in grid(exp))
+    if name != exp.name or (cells != names if whole else not set(cells) <= set(names)):
         raise ConfigError(f"{path} holds experiment {name!r} with other cells than the {exp.name!r} grid")
     if config != exp.run:
         raise ConfigError(f"{path} ran with another [run] config than {exp.name!r} has now")
@@ -339,19 +346,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--from-results", type=Path, metavar="JSON",
                       help="run nothing: summarise the rows of an earlier results.json of this experiment again "
                            "(e.g. simulations/results/NAME/results.json after the table gains a column)")
+    mode.add_argument("--reuse", type=Path, metavar="JSON",
+                      help="take the finished cells of an earlier results.json of this experiment and run only the "
+                           "others (e.g. simulations/results/NAME/results.json after the grid gains an aggregation)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     exit_on_sigterm()
     try:
         exp = Experiment.load(args.config)
         rows = saved_rows(exp, args.from_results) if args.from_results else None
+        reused = saved_rows(exp, args.reuse, whole=False) if args.reuse else []
     except ConfigError as err:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2
     out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if rows is None:
-        rows = run_grid(exp, out, args.force, run=not args.finished_only)
+        rows = run_grid(exp, out, args.force, run=not args.finished_only, reused=reused)
     table, plots = write_outputs(exp, rows, out, args.config)
     print(table)
     for path in plots:
