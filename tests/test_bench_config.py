@@ -67,6 +67,15 @@ def test_budget_settings_cache_under_names_of_their_own_flags() -> None:
     assert len(tags) == 4 and "_learned_steps_600_lr_1e-2" in tags  # a reordered config finds the same caches
 
 
+def test_a_budget_setting_that_names_models_runs_on_those_only() -> None:
+    budget = {"settings": [{"args": ["--epochs", "4"], "models": ["vit-bench"]}, {"args": ["--lr", "1e-2"]}]}
+    assert [s["args"] for s in learning_budget.settings_of(budget, {"preset": "vit-bench"})] == [
+        ["--epochs", "4"], ["--lr", "1e-2"]]
+    assert [s["args"] for s in learning_budget.settings_of(budget, {"preset": "gpt2-bench"})] == [["--lr", "1e-2"]]
+    assert learning_budget.settings_of(budget, {"preset": "vit-bench", "name": "vit-bench-e10"}) == [
+        budget["settings"][1]]  # a named entry is its name, not its preset
+
+
 def test_the_forms_bench_refuses_a_table_without_the_standard_form_before_measuring() -> None:
     with pytest.raises(SystemExit, match='must include "standard"'):  # no run or model is read: nothing is measured
         forms.measure_model({}, {"forms": ["rmsnorm", "circuit"], "methods": ["none"]}, {}, "")

@@ -1,6 +1,6 @@
 """Learned matching with more learning: other step counts and learning rates than the barrier bench's learned
 row, on the same checkpoints. Uses the barrier benchmark's checkpoints (no training here) and its config's
-``[budget]`` table.
+``[budget]`` table; a setting with ``models`` runs on those models only.
 
     .venv/bin/python -m simulations.bench.learning_budget [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.barriers import machine, pair_barriers, seed_checkpoints, summarise, table_main
+from simulations.bench.barriers import label, machine, pair_barriers, seed_checkpoints, summarise, table_main
 
 RESULTS = Path("simulations/results/learning-budget")
 
@@ -32,6 +32,11 @@ def setting_label(method: str, args: list[str]) -> str:
 def setting_tag(method: str, args: list[str]) -> str:
     """A setting's cache-file suffix, from its flags (so reordering the config keeps the caches)."""
     return f"_{method}" + "".join(f"_{a.lstrip('-')}" for a in args)
+
+
+def settings_of(budget: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:
+    """The settings that run on ``model``: those without ``models``, and those that name it."""
+    return [s for s in budget["settings"] if label(model) in s.get("models", [label(model)])]
 
 
 def setting_curves(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], setting: dict[str, Any],
@@ -49,10 +54,11 @@ def measure_model(run: dict[str, Any], budget: dict[str, Any], model: dict[str, 
     began = time.perf_counter()
     settings = run | model.get("run", {})  # a model may override run settings such as limit
     pairs = list(itertools.combinations(seed_checkpoints(run, model), 2))
-    used = pairs[:max(s["pairs"] for s in budget["settings"])]
+    own = settings_of(budget, model)
+    used = pairs[:max(s["pairs"] for s in own)]
     curves = [pair_barriers(settings, model, a, b, ["none"], [], "_budget-plain")["curves"] for a, b in used]
     labels = []
-    for setting in budget["settings"]:
+    for setting in own:
         labels.append(setting_label(budget["method"], setting["args"]))
         for pair, curve in zip(curves, setting_curves(settings, budget, model, setting, used), strict=False):
             pair.append(curve)
