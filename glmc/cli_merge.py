@@ -84,15 +84,21 @@ def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
     return [s for s, _ in loaded], [m for _, m in loaded]
 
 
-def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointMeta, n: int) -> MergeSetup:
+def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointMeta, n: int,
+           learn_samples: int | None = LEARN_SAMPLES) -> MergeSetup:
     """The MergeSetup of one method: training samples only for the data-driven ones and REPAIR (never the test
-    split)."""
+    split); ``learn_samples`` is learned's default (None: the whole training split)."""
     from glmc.merge import DATA_METHODS, MergeSetup
 
-    samples = args.batch or (LEARN_SAMPLES if method == "learned" else 512)
+    samples = args.batch or (learn_samples if method == "learned" else 512)
     repair, refit = getattr(args, "repair", None) or 0, getattr(args, "refit", None) or 0
-    wanted = max(samples, repair, refit) if method in DATA_METHODS else max(repair, refit)  # its first `samples` stay
-    train = train_subset(dataclasses.replace(meta, config=target), args.data, wanted) if wanted else None
+    train: Dataset | None
+    if samples is None:  # the whole split, which covers REPAIR's and the refit's samples too
+        train = train_subset(dataclasses.replace(meta, config=target), args.data, None)
+        samples = len(train)  # type: ignore[arg-type]
+    else:
+        wanted = max(samples, repair, refit) if method in DATA_METHODS else max(repair, refit)  # first `samples` stay
+        train = train_subset(dataclasses.replace(meta, config=target), args.data, wanted) if wanted else None
     learn = learn_options(args)
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, args.iters,
                       args.tol, args.workers, learn, getattr(args, "restore_norms", False), repair, refit, args.fill)
@@ -185,6 +191,28 @@ def _print_merge(report: dict[str, Any]) -> None:
                 "mean_input_accuracy": sum(r["accuracy"] for r in report["inputs"]) / len(report["inputs"]),
                 "simplex_barrier": simplex["barrier"], "universe_seconds": round(report["universe_seconds"], 2)}
     print(json.dumps(headline | {"width_barriers": [round(w["barrier"], 4) for w in report.get("width_barriers", [])]}))
+
+
+def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta]) -> list[dict[str, Any]]:
+    """``glmc barrier WIDE NARROW``: per method, NARROW embedded into WIDE's width and aligned to it as ``glmc merge``
+    aligns an input (paper Fig. 3c); the pair's barrier curves."""
+    from glmc.merge import MERGE_METHODS, width_barriers
+
+    for flag, given in (("--repair", args.repair), ("--form", args.form != "standard")):
+        if given:
+            raise ConfigError(f"{flag} applies to two models of one width, not to {args.a} and {args.b}")
+    methods = args.method or ["weight"]
+    if unknown := [m for m in methods if m not in MERGE_METHODS]:
+        raise ConfigError(f"across widths the methods are {', '.join(MERGE_METHODS)}; not {', '.join(unknown)}")
+    target = metas[0].config
+    test = _test_split(metas[0], target, args)
+    curves = []
+    for method in methods:
+        setup = _setup(args, method, target, metas[0], 2, learn_samples=None)  # learned: the whole split
+        (row,) = width_barriers(natives, [m.config for m in metas], setup, test, args.points)
+        curves.append(row["curve"] | {"align_seconds": row["align_seconds"]})
+        print(f"{method:12s} barrier {row['barrier']:.4f}  align {row['align_seconds']:.2f} s", file=sys.stderr)
+    return curves
 
 
 def add_simplex_arguments(parser: argparse.ArgumentParser) -> None:

@@ -51,7 +51,8 @@ def run_check(args: argparse.Namespace) -> int:
 
 def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", type=Path, help="reference checkpoint A (.safetensors)")
-    parser.add_argument("b", type=Path, help="checkpoint B, moved towards A")
+    parser.add_argument("b", type=Path, help="checkpoint B, moved towards A (barrier: B may be narrower, then it "
+                        "is embedded into A's width first, as glmc merge embeds its inputs)")
     add_learn_arguments(parser, "training samples given to data-driven methods (default: "
                         f"{ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
 
@@ -63,15 +64,20 @@ def add_align_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
 
 
-def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
-    """Both checkpoints, refusing different families or configs before any work."""
+def _load_pair(a: Path, b: Path, widths: bool = False) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
+    """Both checkpoints, refusing different families or configs before any work; with ``widths``, B may be
+    narrower than A (else only widths may differ, and B must fit in A)."""
     from glmc.checkpoint import load_checkpoint
     from glmc.spec import check_same_shapes
+    from glmc.widths import check_embeddable
 
     state_a, meta_a = load_checkpoint(a)
     state_b, meta_b = load_checkpoint(b)
     if meta_a.config.family != meta_b.config.family:
         raise ConfigError(f"{a} is a {meta_a.config.family} but {b} is a {meta_b.config.family}")
+    if widths and meta_a.config != meta_b.config:
+        check_embeddable(meta_b.config, meta_a.config)
+        return state_a, state_b, meta_a, meta_b
     check_same_shapes(state_a, state_b)
     if meta_a.config != meta_b.config:
         diff = [k for k, v in meta_a.config.to_dict().items() if meta_b.config.to_dict()[k] != v]
@@ -147,7 +153,10 @@ def run_barrier(args: argparse.Namespace) -> int:
         raise ConfigError("--points must be at least 2")
     if args.repair and args.form != "standard":
         raise ConfigError(f"--repair needs the standard form, not --form {args.form}")
-    state_a, state_b, meta, _ = _load_pair(args.a, args.b)
+    state_a, state_b, meta, meta_b = _load_pair(args.a, args.b, widths=True)
+    if meta_b.config != meta.config:
+        _write_barrier_outputs(args, cli_merge.width_curves(args, [state_a, state_b], [meta, meta_b]))
+        return 0
     test = held_out(meta.dataset, meta.config, args.data, args.limit)
     repair = train_subset(meta, args.data, args.repair) if args.repair else None
     curves = []

@@ -194,7 +194,8 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
                               data=setup.train, batch=setup.batch, learn=setup.learn, fill=setup.fill)
         curve = barrier_curve(wide, pair.aligned[0], setup.target, test, points, method=setup.method,
                               dtype=torch.float32)
-        rows.append({"input": i, "width": cfg.width, "barrier": curve.barrier, "curve": curve.to_dict()})
+        rows.append({"input": i, "width": cfg.width, "barrier": curve.barrier, "curve": curve.to_dict(),
+                     "align_seconds": pair.seconds})
     return rows
 
 

@@ -203,3 +203,45 @@ def test_barrier_in_the_papers_forms_keeps_both_ends_and_moves_the_path(trio, tm
                          capsys, "--repair needs the standard form, not --form circuit")
     _fails_with_one_line(["barrier", "--simplex", str(trio[0]), *map(str, trio[1:]), "--form", "rmsnorm", "--json",
                           str(tmp_path / "s")], capsys, "--form applies to the pairwise curves, not to --simplex")
+
+
+@needs_data
+def test_barrier_across_widths_embeds_the_narrow_model_and_keeps_both_ends(trio, tmp_path, capsys):
+    """`glmc barrier WIDE NARROW` (paper Fig. 3c from the command line): the narrow end of every curve is the
+    narrow model's own loss (its embedding is exact, whatever the alignment), the wide end the wide model's."""
+    from glmc.archs import get_arch
+    from glmc.checkpoint import load_model
+    from glmc.tasks import held_out
+    from glmc.train import evaluate
+
+    report = tmp_path / "widths.json"
+    argv = ["barrier", str(trio[0]), str(trio[2]), "--method", "none", "--method", "weight", "--points", "3",
+            "--limit", "32", "--json", str(report), "--quiet"]
+    assert main(argv) == 0
+    curves = json.loads(report.read_text())["curves"]
+    assert [c["method"] for c in curves] == ["none", "weight"]
+    test = held_out("fashion-mnist", VIT, None, 32)
+    wide, narrow = (evaluate(load_model(p)[0], get_arch("vit"), test)["loss"] for p in (trio[0], trio[2]))
+    for curve in curves:
+        assert curve["losses"][-1] == pytest.approx(wide, rel=1e-5)  # λ = 1: A
+        assert curve["losses"][0] == pytest.approx(narrow, rel=1e-5)  # λ = 0: B, embedded
+    assert curves[0]["losses"][1] != pytest.approx(curves[1]["losses"][1], rel=1e-4)  # weight moved the midpoint
+    assert set(json.loads(capsys.readouterr().out)) == {"none", "weight"}
+    learned = ["barrier", str(trio[0]), str(trio[2]), "--method", "learned", "--batch", "64", "--steps", "2",
+               "--fill", "copies", "--points", "3", "--limit", "32", "--json", str(report), "--quiet"]
+    assert main(learned) == 0  # learned matching of the embedded pair, Net2Net fill: the ends stay the models'
+    curve = json.loads(report.read_text())["curves"][0]
+    assert curve["losses"] == pytest.approx([narrow, curve["losses"][1], wide], rel=1e-5)
+
+
+def test_barrier_across_widths_refuses_what_it_cannot_do_in_one_line(trio, tmp_path, capsys):
+    report = str(tmp_path / "b.json")
+    _fails_with_one_line(["barrier", str(trio[2]), str(trio[0]), "--json", report], capsys,
+                         "the target is narrower than an input")  # B is embedded into A: A must be the wider
+    _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--method", "dual", "--json", report], capsys,
+                         "across widths the methods are none, weight, weight-perm, activation, learned; not dual")
+    _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--form", "circuit", "--json", report], capsys,
+                         "--form applies to two models of one width")
+    _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--repair", "8", "--json", report], capsys,
+                         "--repair applies to two models of one width")
+    assert not (tmp_path / "b.json").exists()
