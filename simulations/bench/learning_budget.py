@@ -1,6 +1,7 @@
 """Learned matching with more learning: other step counts and learning rates than the barrier bench's learned
 row, on the same checkpoints. Uses the barrier benchmark's checkpoints (no training here) and its config's
-``[budget]`` table; a setting with ``models`` runs on those models only.
+``[budget]`` table; a setting with ``models`` runs on those models only, and one with ``method`` learns by that
+method instead of the table's.
 
     .venv/bin/python -m simulations.bench.learning_budget [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
@@ -42,7 +43,7 @@ def settings_of(budget: dict[str, Any], model: dict[str, Any]) -> list[dict[str,
 def setting_curves(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], setting: dict[str, Any],
                    pairs: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
     """One setting's curve on each of its pairs, named by :func:`setting_label`."""
-    method, args = budget["method"], setting["args"]
+    method, args = setting.get("method", budget["method"]), setting["args"]
     extra = [*model.get("learn", []), *args]
     return [pair_barriers(run, model, a, b, [method], extra, setting_tag(method, args))["curves"][0]
             | {"method": setting_label(method, args)} for a, b in pairs[:setting["pairs"]]]
@@ -59,7 +60,7 @@ def measure_model(run: dict[str, Any], budget: dict[str, Any], model: dict[str, 
     curves = [pair_barriers(settings, model, a, b, ["none"], [], "_budget-plain")["curves"] for a, b in used]
     labels = []
     for setting in own:
-        labels.append(setting_label(budget["method"], setting["args"]))
+        labels.append(setting_label(setting.get("method", budget["method"]), setting["args"]))
         for pair, curve in zip(curves, setting_curves(settings, budget, model, setting, used), strict=False):
             pair.append(curve)
     return {"pairs": [[p.stem for p in pair] for pair in used], "curves": curves,
