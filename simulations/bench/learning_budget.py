@@ -87,7 +87,8 @@ def markdown(name: str, entry: dict[str, Any]) -> list[str]:
         lines += [f"- {' / '.join(pair)}, {c['method']}: {c['barrier']:.3f}; {learning(c)}"
                   for c in curves if c["method"] != "none"]
     seconds = statistics.fmean(c["align_seconds"] for cs in entry["curves"] for c in cs if c["method"] != "none")
-    return [*lines, "", f"Model learning flags before each setting's: `{' '.join(entry['learn'])}`. Barriers on "
+    flags = f"`{' '.join(entry['learn'])}`" if entry["learn"] else "none (glmc's defaults)"
+    return [*lines, "", f"Model learning flags before each setting's: {flags}. Barriers on "
             f"the first {entry['limit']} test samples, {entry['points']} λ values. Command: `{entry['command']}`. "
             f"Machine: {entry['machine']}; mean learning time {seconds / 60:.1f} min a run; wall time of the "
             f"bench run {entry['seconds'] / 60:.1f} min (cached runs count as zero).", ""]
