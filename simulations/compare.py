@@ -191,10 +191,15 @@ def final(row: dict[str, Any], key: str) -> float | None:
     return values[-1] if values else None
 
 
+def trained(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records of the trained rounds (round 0 is the initial model)."""
+    return [r for r in row["records"] if r["round"] > 0]
+
+
 def round_mean(row: dict[str, Any], last: int | None = None) -> float | None:
     """Mean central accuracy over the trained rounds (the last ``last`` of them if given): steadier than the final
     round's, which swings by several points from round to round in the drift runs."""
-    values = [r["central_accuracy"] for r in row["records"] if r["round"] > 0 and r["central_accuracy"] is not None]
+    values = [r["central_accuracy"] for r in trained(row) if r["central_accuracy"] is not None]
     kept = values[-last:] if last else values
     return statistics.fmean(kept) if kept else None
 
@@ -216,14 +221,14 @@ DELTAS: tuple[tuple[str, Callable[[dict[str, Any]], float | None]], ...] = (
 
 def align_share(row: dict[str, Any]) -> float | None:
     """Alignment seconds over total round seconds, over the trained rounds."""
-    rounds = [r for r in row["records"] if r["round"] > 0]
+    rounds = trained(row)
     total = sum(r["round_seconds"] for r in rounds)
     return sum(r["align_seconds"] for r in rounds) / total if total else None
 
 
 def unaligned_share(row: dict[str, Any]) -> float | None:
     """The share of trained rounds whose alignment min-alignment-gain set aside (averaged as FedAvg)."""
-    rounds = [r for r in row["records"] if r["round"] > 0]
+    rounds = trained(row)
     return sum(bool(r.get("unaligned")) for r in rounds) / len(rounds) if rounds else None
 
 

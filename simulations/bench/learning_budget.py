@@ -40,10 +40,15 @@ def settings_of(budget: dict[str, Any], model: dict[str, Any]) -> list[dict[str,
     return [s for s in budget["settings"] if label(model) in s.get("models", [label(model)])]
 
 
+def method_of(budget: dict[str, Any], setting: dict[str, Any]) -> str:
+    """The method a setting learns by: its own ``method``, else the table's."""
+    return setting.get("method", budget["method"])
+
+
 def setting_curves(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], setting: dict[str, Any],
                    pairs: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
     """One setting's curve on each of its pairs, named by :func:`setting_label`."""
-    method, args = setting.get("method", budget["method"]), setting["args"]
+    method, args = method_of(budget, setting), setting["args"]
     extra = [*model.get("learn", []), *args]
     return [pair_barriers(run, model, a, b, [method], extra, setting_tag(method, args))["curves"][0]
             | {"method": setting_label(method, args)} for a, b in pairs[:setting["pairs"]]]
@@ -60,7 +65,7 @@ def measure_model(run: dict[str, Any], budget: dict[str, Any], model: dict[str, 
     curves = [pair_barriers(settings, model, a, b, ["none"], [], "_budget-plain")["curves"] for a, b in used]
     labels = []
     for setting in own:
-        labels.append(setting_label(setting.get("method", budget["method"]), setting["args"]))
+        labels.append(setting_label(method_of(budget, setting), setting["args"]))
         for pair, curve in zip(curves, setting_curves(settings, budget, model, setting, used), strict=False):
             pair.append(curve)
     return {"pairs": [[p.stem for p in pair] for pair in used], "curves": curves,
