@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import Dataset
@@ -21,6 +22,9 @@ from glmc.match.learned import LearnConfig
 from glmc.spec import check_same_shapes
 from glmc.tasks import inputs_of
 from glmc.transforms import Transform, apply
+
+if TYPE_CHECKING:
+    from glmc.match.weight import Start
 
 METHODS = ("none", "weight", "weight-perm", "activation", "learned", "learned-perm", "soft", "dual")
 LEARNED_METHODS = ("learned", "learned-perm", "soft", "dual")
@@ -38,16 +42,16 @@ class Alignment:
 
 
 def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset | None,
-           batch: int, learn: LearnConfig | None) -> MatchResult:
+           batch: int, learn: LearnConfig | None, start: Start = "identity") -> MatchResult:
     arch = get_arch(cfg.family)
     if method in LEARNED_METHODS:
         assert data is not None
-        return _learned(method, a, b, cfg, form, data, learn)
+        return _learned(method, a, b, cfg, form, data, learn, start)
     if method in ("weight", "weight-perm"):
         from glmc.match.weight import weight_match
 
         return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=form == "standard",
-                            permutations_only=method == "weight-perm")
+                            permutations_only=method == "weight-perm", start=start)
     if method == "activation":
         from glmc.match.activation import activation_match
 
@@ -57,27 +61,29 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: 
 
 
 def _learned(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset,
-             learn: LearnConfig | None) -> MatchResult:
+             learn: LearnConfig | None, start: Start) -> MatchResult:
     """Learned matching (Algorithm 1), its permutation-only row, soft permutations, or dual learning."""
     if method == "soft":
         from glmc.match.soft import soft_match
 
-        return soft_match(a, b, cfg, data, form=form, options=learn)
+        return soft_match(a, b, cfg, data, form=form, options=learn, start=start)
     if method == "dual":
         from glmc.match.dual import dual_match
 
-        return dual_match(a, b, cfg, data, form=form, options=learn).result
+        return dual_match(a, b, cfg, data, form=form, options=learn, start=start).result
     from glmc.match.learned import learned_match
 
-    return learned_match(a, b, cfg, data, form=form, options=learn, permutations_only=method == "learned-perm")
+    return learned_match(a, b, cfg, data, form=form, options=learn, permutations_only=method == "learned-perm",
+                         start=start)
 
 
 def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
     *, form: Form = "standard", data: Dataset | None = None, batch: int = 512, dtype: torch.dtype = torch.float64,
-    learn: LearnConfig | None = None,
+    learn: LearnConfig | None = None, start: Start = "identity",
 ) -> Alignment:
-    """Align native state dict B to A (same config) by ``method``.
+    """Align native state dict B to A (same config) by ``method``; ``start``: where the weight matching that the
+    weight and learned methods run begins (:func:`glmc.match.weight.weight_match`).
 
     Data-driven methods read ``data``, a dataset of (input, target) pairs from a split the barrier is not
     measured on; activation matching uses its first ``batch`` inputs, the learned methods all of it (holding
@@ -95,5 +101,5 @@ def align_pair(
     a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))
     if method == "none":
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
-    result = _match(method, a, b, cfg, form, data, batch, learn)
+    result = _match(method, a, b, cfg, form, data, batch, learn, start)
     return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)

@@ -198,7 +198,8 @@ def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[Chec
     aligns an input (paper Fig. 3c); the pair's barrier curves."""
     from glmc.merge import MERGE_METHODS, width_barriers
 
-    for flag, given in (("--repair", args.repair), ("--form", args.form != "standard")):
+    for flag, given in (("--repair", args.repair), ("--form", args.form != "standard"),
+                        ("--start", args.start != "identity")):
         if given:
             raise ConfigError(f"{flag} applies to two models of one width, not to {args.a} and {args.b}")
     methods = args.method or ["weight"]

@@ -15,6 +15,7 @@ from glmc.errors import ConfigError
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
 METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.align.METHODS
 FORM_NAMES = ["standard", "rmsnorm", "circuit"]  # glmc.canonical.FORMS, without importing torch
+START_NAMES = ["identity", "relaxed"]  # glmc.match.weight.STARTS
 
 if TYPE_CHECKING:
 
@@ -55,6 +56,10 @@ def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
                         "is embedded into A's width first, as glmc merge embeds its inputs)")
     add_learn_arguments(parser, "training samples given to data-driven methods (default: "
                         f"{ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
+    parser.add_argument("--start", choices=START_NAMES, default="identity",
+                        help="where weight matching (and the learned methods, which begin from it) starts the "
+                             "residual map: the identity, or 'relaxed': solved first with every unit map relaxed to "
+                             "an orthogonal one, which assumes nothing of B's basis (independently trained models)")
 
 
 def add_align_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +98,7 @@ def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, 
     data = train_subset(meta, args.data, samples) if method in DATA_METHODS else None
     learn = learn_options(args) if method in LEARNED_METHODS else None
     return align_pair(state_a, state_b, meta.config, method, form=form, data=data,
-                      batch=samples or ACTIVATION_SAMPLES, learn=learn)
+                      batch=samples or ACTIVATION_SAMPLES, learn=learn, start=args.start)
 
 
 def run_align(args: argparse.Namespace) -> int:

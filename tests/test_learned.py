@@ -292,10 +292,14 @@ def test_cli_align_learned_writes_a_checkpoint_computing_b(tmp_path, capsys):
     assert main(["align", *pair, "--method", "learned", "--epochs", "0", "--out", str(out), "--quiet"]) == 2
     assert "epochs" in capsys.readouterr().err and not out.exists()
     argv = ["align", *pair, "--method", "learned", "--steps", "4", "--batch", "96", "--lr", "0.01"]
-    assert main([*argv, "--out", str(out), "--quiet"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["method"] == "learned" and report["stopped"] == "completed 4 steps"
-    (b, _), (moved, meta) = load_model(ckpts[1]), load_model(out)
-    x = inputs(meta.config)
-    with torch.no_grad():
-        assert (b.double()(x) - moved.double()(x)).abs().max() <= 1e-4  # saved as float32
+    weight_objectives = []
+    for start in ("identity", "relaxed"):  # the learning starts from weight matching, from either residual start
+        assert main([*argv, "--start", start, "--out", str(out), "--quiet", "--force"]) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert report["method"] == "learned" and report["stopped"] == "completed 4 steps"
+        weight_objectives.append(report["weight_objective"])
+        (b, _), (moved, meta) = load_model(ckpts[1]), load_model(out)
+        x = inputs(meta.config)
+        with torch.no_grad():
+            assert (b.double()(x) - moved.double()(x)).abs().max() <= 1e-4  # saved as float32
+    assert weight_objectives[0] != weight_objectives[1]  # the start reached weight matching

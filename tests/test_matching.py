@@ -12,7 +12,7 @@ from glmc.barrier import barrier_curve, interpolate
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError, SpecError
 from glmc.match.common import sq_distance
-from glmc.match.weight import head_cost, weight_match
+from glmc.match.weight import head_cost, relaxed_residual, weight_match
 from glmc.train import evaluate
 from glmc.transforms import MATCHABLE, apply, random_transform
 from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
@@ -54,14 +54,14 @@ def test_permutation_only_matching_recovers_permutations(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("start", [None, 3])
+@pytest.mark.parametrize("start", ["identity", "relaxed", 3])
 def test_weight_matching_of_independent_models_is_exact_and_descends(name, start):
-    """From the identity and from a random residual start (``start`` seeds a random Q with Q·1 = 1)."""
+    """From the identity, the relaxed start and a random residual start (an int seeds a random Q with Q·1 = 1)."""
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
     native_b, x = random_native(cfg, 9), inputs(cfg)
     a, b = (canonicalize(arch, s, cfg.depth) for s in (random_native(cfg, 8), native_b))
-    q = None if start is None else groups.random_orthogonal(cfg.width, torch.Generator().manual_seed(start))
+    q = start if isinstance(start, str) else groups.random_orthogonal(cfg.width, torch.Generator().manual_seed(start))
     result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=q)
     aligned = apply(b, arch.spec, result.transform, cfg.heads)
     assert all(later <= earlier + 1e-9 for earlier, later in zip(result.objective, result.objective[1:], strict=False))
@@ -71,6 +71,31 @@ def test_weight_matching_of_independent_models_is_exact_and_descends(name, start
     with torch.no_grad():
         moved = arch.logits(to_model(aligned, cfg), x)
     assert (moved - logits_of(native_b, cfg, x)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("fix_ones", [True, False])
+def test_relaxed_start_recovers_the_residual_map_of_a_transformed_copy(name, fix_ones):
+    """B = T(A): the relaxed start is T's residual map itself (the relaxation is tight at the truth), in either
+    residual group, so weight matching from it recovers A at once."""
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    a = canonicalize(arch, random_native(cfg, 7), cfg.depth, "standard" if fix_ones else "rmsnorm")
+    t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(7), fix_ones=fix_ones)
+    b = apply(a, arch.spec, t, cfg.heads)
+    q = relaxed_residual(a, b, arch.spec, cfg.depth, fix_ones)
+    assert torch.allclose(q @ t.residual, torch.eye(cfg.width, dtype=q.dtype), atol=1e-9)  # Q undoes T's residual
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start="relaxed",
+                          dtype=torch.float64)
+    assert sq_distance(a, apply(b, arch.spec, result.transform, cfg.heads)) < 1e-12
+    assert result.objective[0] < 1e-12  # the first sweep already ends at A
+
+
+def test_weight_matching_refuses_an_unknown_start():
+    cfg = CONFIGS["vit-odd"]
+    arch, a, b = _transformed_copy(cfg, MATCHABLE)
+    with pytest.raises(ConfigError, match="unknown weight-matching start 'zero'; known: identity, relaxed"):
+        weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start="zero")  # type: ignore[arg-type]
 
 
 def test_head_cost_is_the_distance_between_circuits():

@@ -24,6 +24,7 @@ from glmc.canonical import Form
 from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn, pair_points
+from glmc.match.weight import Start, weight_match
 from glmc.transforms import Transform, compose, invert
 
 
@@ -37,21 +38,20 @@ class DualResult:
 
 
 def dual_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
-               options: LearnConfig | None = None, validation: Dataset | None = None) -> DualResult:
+               options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = "identity",
+               ) -> DualResult:
     """Learn π_A and π_B jointly so that λ π_A(θ_A) + (1−λ) π_B(θ_B) has low task loss, λ ~ U(0.4, 0.6)."""
-    from glmc.match.weight import weight_match
-
     options = options or LearnConfig()
-    start = time.perf_counter()
+    began = time.perf_counter()
     fix_ones = form == "standard"
-    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones)
+    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start)
     sides = [Latents(t, cfg, options, fix_ones=fix_ones, seed=i) for i, t in enumerate((Transform(cfg.depth),
                                                                                          init.transform))]
     learned = learn([Endpoint(a, sides[0]), Endpoint(b, sides[1])], cfg, data, Sampler(options.seed, lam=options.lam),
                     pair_points(options), options, form=form, validation=validation)
     ta, tb = learned.transforms
     assert ta is not None and tb is not None
-    result = MatchResult(compose(invert(ta), tb), learned.history, time.perf_counter() - start,
+    result = MatchResult(compose(invert(ta), tb), learned.history, time.perf_counter() - began,
                          learned.info | {"weight_objective": init.objective[-1]})
     return DualResult(ta, tb, result)
 

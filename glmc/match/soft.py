@@ -19,6 +19,7 @@ from glmc.canonical import Form
 from glmc.check import TOLERANCE
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
+from glmc.match.weight import Start, weight_match
 from glmc.train import token_loss
 from glmc.transforms import Transform, apply
 
@@ -41,18 +42,17 @@ def endpoint_error(b: State, t: Transform, cfg: ModelConfig, data: Dataset, form
 
 
 def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
-               options: LearnConfig | None = None, validation: Dataset | None = None) -> MatchResult:
+               options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = "identity",
+               ) -> MatchResult:
     """Learn soft head and MLP permutations and the residual map for λ θ_A + (1−λ) T(θ_B) (App. D.3).
 
     The transform's ``heads`` and ``mlp`` are dense doubly stochastic matrices (``apply`` accepts them);
     ``info`` holds the midpoint gain over weight matching and the endpoint error.
     """
-    from glmc.match.weight import weight_match
-
     options = options or LearnConfig()
-    start = time.perf_counter()
+    began = time.perf_counter()
     fix_ones = form == "standard"
-    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones)
+    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, soft=True)
     learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
                     pair_points(options), options, form=form, validation=validation)
@@ -64,4 +64,4 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
         log.warning("soft permutations: the aligned B is not B's function (max |Δlogit| %.3g, loss change %+.4f "
                     "on the validation split)", error["endpoint_max_logit_error"], error["endpoint_loss_change"])
     info = learned.info | {"midpoint_gain": gain} | error
-    return MatchResult(transform, learned.history, time.perf_counter() - start, info)
+    return MatchResult(transform, learned.history, time.perf_counter() - began, info)
