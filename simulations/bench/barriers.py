@@ -19,12 +19,15 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from glmc.cli import main as glmc
 from simulations.tomlfile import config_or_exit
+
+if TYPE_CHECKING:
+    from glmc.match.weight import Start
 
 
 def label(model: dict[str, Any]) -> str:
@@ -146,9 +149,10 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), se
 
 
-def time_weight_matching(preset_name: str, repeats: int, pair: tuple[Path, Path] | None = None) -> dict[str, float]:
-    """Time of weight matching (float64, after canonical form) between two random-init models of a preset, or
-    between the trained checkpoints ``pair``."""
+def time_weight_matching(preset_name: str, repeats: int, pair: tuple[Path, Path] | None = None,
+                         start: Start = "identity") -> dict[str, float]:
+    """Time of weight matching (float64, after canonical form) from residual ``start`` between two random-init
+    models of a preset, or between the trained checkpoints ``pair``."""
     from glmc.archs import get_arch, preset
     from glmc.canonical import canonicalize
     from glmc.check import random_native
@@ -166,9 +170,9 @@ def time_weight_matching(preset_name: str, repeats: int, pair: tuple[Path, Path]
     a, b = (canonicalize(arch, native, cfg.depth) for native in natives)
     times, cpu, sweeps = [], [], []
     for _ in range(repeats):
-        start = time.process_time()
-        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads)
-        cpu.append(time.process_time() - start)
+        began = time.process_time()
+        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=start)
+        cpu.append(time.process_time() - began)
         times.append(result.seconds)
         sweeps.append(len(result.objective))
     return {"median_seconds": statistics.median(times), "median_cpu_seconds": statistics.median(cpu),
@@ -314,17 +318,18 @@ def trained_pairs(config: dict[str, Any]) -> dict[str, tuple[Path, Path]]:
 
 def measure_timing(config: dict[str, Any]) -> dict[str, Any]:
     """Weight-matching time for random inits of each timing preset and for each model's first trained pair (trained
-    models need more sweeps than random ones), at each of the ``[timing]`` thread counts."""
+    models need more sweeps than random ones), at each of the ``[timing]`` thread counts and residual starts."""
     repeats, before = config["timing"]["repeats"], torch.get_num_threads()
     cases: dict[str, tuple[str, tuple[Path, Path] | None]] = {f"{p} (random init)": (p, None)
                                                               for p in config["timing"]["presets"]}
     cases |= {name: ("", pair) for name, pair in trained_pairs(config).items()}
     timing = {}
-    for threads in config["timing"]["threads"]:
+    for start, threads in itertools.product(config["timing"].get("starts", ["identity"]), config["timing"]["threads"]):
         torch.set_num_threads(threads)
         for name, (preset_name, pair) in cases.items():
-            timing[f"{name}, {threads} threads"] = {"models": name, "threads": threads,
-                                                    **time_weight_matching(preset_name, repeats, pair)}
+            models = name if start == "identity" else f"{name}, {start} start"
+            timing[f"{models}, {threads} threads"] = {"models": models, "threads": threads,
+                                                      **time_weight_matching(preset_name, repeats, pair, start)}
     torch.set_num_threads(before)
     return timing
 
