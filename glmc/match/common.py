@@ -21,6 +21,12 @@ class MatchResult:
     info: dict[str, object] = field(default_factory=dict)
 
 
+def kind_first(x: torch.Tensor, axes: tuple[AxisKind | None, ...], kind: AxisKind) -> torch.Tensor:
+    """``x`` as an (n, m) matrix: its axis of ``kind`` first, the others flattened."""
+    x = x.movedim(axes.index(kind), 0)
+    return x.reshape(x.shape[0], -1)
+
+
 def gather(
     state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, kind: AxisKind, layer: int | None = None,
 ) -> torch.Tensor:
@@ -30,9 +36,7 @@ def gather(
         axes = spec[template]
         if kind not in axes or name not in state or (layer is not None and lay != layer):
             continue
-        x = state[name].movedim(axes.index(kind), 0)
-        x = x.reshape(x.shape[0], -1)
-        blocks.append(x)
+        blocks.append(kind_first(state[name], axes, kind))
     return torch.cat(blocks, dim=1)
 
 
@@ -47,8 +51,7 @@ def cross(
         for kind in kinds:
             if kind not in axes or name not in a or (layer is not None and lay != layer):
                 continue
-            xa = a[name].movedim(axes.index(kind), 0).reshape(a[name].shape[axes.index(kind)], -1)
-            xb = b[name].movedim(axes.index(kind), 0).reshape(xa.shape)
+            xa, xb = kind_first(a[name], axes, kind), kind_first(b[name], axes, kind)
             term = xa @ xb.T / (xa.shape[1] if scaled else 1)
             total = term if total is None else total + term
     if total is None:

@@ -20,7 +20,7 @@ import torch
 from glmc import groups
 from glmc.archs.base import State, cast
 from glmc.errors import ConfigError
-from glmc.match.common import MatchResult, cross, gather, sq_distance
+from glmc.match.common import MatchResult, cross, gather, kind_first, sq_distance
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable, expand
 from glmc.transforms import Transform, apply
 
@@ -52,9 +52,8 @@ def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
         axes = spec[template]
         if RES not in axes or name not in a:
             continue
-        k = axes.index(RES)
-        xb = b[name].movedim(k, 0).reshape(b[name].shape[k], -1)
-        xa = a[name].movedim(k, 0).reshape(xb.shape) / xb.shape[1]
+        xb = kind_first(b[name], axes, RES)
+        xa = kind_first(a[name], axes, RES) / xb.shape[1]
         unit = next((kind for kind in axes if kind not in (None, RES)), None)
         if unit is None:
             linear = xa @ xb.T if linear is None else linear + xa @ xb.T
