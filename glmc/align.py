@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, cast, get_arch
-from glmc.canonical import Form, canonicalize
+from glmc.canonical import Form, canonicalize, fixes_ones
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
 from glmc.match.learned import LearnConfig
@@ -50,7 +50,7 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: 
     if method in ("weight", "weight-perm"):
         from glmc.match.weight import weight_match
 
-        return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=form == "standard",
+        return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fixes_ones(form),
                             permutations_only=method == "weight-perm", start=start)
     if method == "activation":
         from glmc.match.activation import activation_match
@@ -88,6 +88,7 @@ def align_pair(
     Data-driven methods read ``data``, a dataset of (input, target) pairs from a split the barrier is not
     measured on; activation matching uses its first ``batch`` inputs, the learned methods all of it (holding
     out a validation share) with the options ``learn``. ``dual`` returns B moved by π_A⁻¹ ∘ π_B, A in place.
+    In the circuit form the states stay standard (aligned as such) and the learned methods learn the circuit path.
     """
     if method not in METHODS:
         raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
@@ -95,7 +96,7 @@ def align_pair(
         raise ConfigError(f"method {method!r} needs data: pass a batch of inputs (--data)")
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
-    if method == "none" and form == "standard":  # the models' own parameters: LayerNorm folding is bilinear
+    if method == "none" and form != "rmsnorm":  # the models' own parameters: LayerNorm folding is bilinear
         a, b = (arch.to_canonical(cast(s, dtype), cfg.depth) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))

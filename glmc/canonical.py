@@ -22,6 +22,12 @@ Form = Literal["standard", "rmsnorm", "circuit"]
 FORMS: tuple[Form, ...] = ("standard", "rmsnorm", "circuit")
 
 
+def fixes_ones(form: Form) -> bool:
+    """Whether the residual maps of ``form`` must fix 1: LayerNorm needs it, so every form but rmsnorm (whose
+    stream is centred, so the whole O(d) acts; the circuit form is aligned as the standard one)."""
+    return form != "rmsnorm"
+
+
 def fold_layernorms(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
     """LN(x) = γ⊙n(x) + β read by W y + c becomes (W diag γ) n(x) + (W β + c), with γ → 1 and β → 0."""
     out = dict(state)

@@ -166,7 +166,7 @@ def run_barrier(args: argparse.Namespace) -> int:
     repair = train_subset(meta, args.data, args.repair) if args.repair else None
     curves = []
     for method in args.method or ["weight"]:
-        aligned = _align(args, method, state_a, state_b, meta, "rmsnorm" if args.form == "rmsnorm" else "standard")
+        aligned = _align(args, method, state_a, state_b, meta, args.form)  # learned methods learn the form's path
         (a, cfg), (b, _) = ((to_circuit(s, meta.config) if args.form == "circuit" else (s, meta.config))
                             for s in (aligned.a, aligned.b))
         name = f"{method}+repair" if repair is not None else method

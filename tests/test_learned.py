@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import synthetic_images, synthetic_text
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from glmc.align import align_pair
 from glmc.archs import Arch, ModelConfig, State, build_model, get_arch
@@ -23,7 +23,7 @@ from glmc.cli_learn import learn_options
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.match.dual import dual_match, mixing_sampler, refine_universe
-from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, learned_match, pair_points
+from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Within, learned_match, pair_points, split, validate
 from glmc.match.soft import soft_match
 from glmc.match.weight import weight_match
 from glmc.train import TrainConfig, evaluate, seed_everything, token_loss, train
@@ -89,6 +89,21 @@ def test_aligned_endpoints_are_exactly_a_and_b(trained, method):
     assert _gap(aligned.a, native_a, cfg) <= 1e-5
 
 
+@pytest.mark.parametrize("method", ["learned", "dual"])
+def test_circuit_form_learns_the_circuit_path_with_an_exact_transform(trained, method):
+    cfg, (native_a, native_b), (a, b) = trained.cfg, trained.natives, trained.states
+    aligned = align_pair(native_a, native_b, cfg, method, form="circuit", data=trained.data, learn=FAST)
+    assert aligned.result.info["best_step"] > 0
+    assert _gap(aligned.b, native_b, cfg) <= 1e-5
+    # The validation loss it reports is the circuit path's, not the standard path's, at the same transform.
+    loader = DataLoader(split(trained.data, FAST, None)[1], batch_size=256)
+    losses = {form: validate(Path([Endpoint(a), Endpoint(b)], cfg, form, torch.float64),
+                             [None, aligned.result.transform], pair_points(FAST), loader)
+              for form in ("circuit", "standard")}
+    assert losses["circuit"] == pytest.approx(aligned.result.info["val_loss"], rel=1e-9)
+    assert abs(losses["standard"] - losses["circuit"]) > 1e-6
+
+
 def test_dual_moves_both_endpoints_exactly_and_keeps_the_path(trained):
     cfg, arch, (a, b) = trained.cfg, trained.arch, trained.states
     dual = dual_match(a, b, cfg, trained.data, options=FAST)
@@ -104,10 +119,10 @@ def test_dual_moves_both_endpoints_exactly_and_keeps_the_path(trained):
     assert (dual_mid - single_mid).abs().max() <= 1e-8
 
 
-def _latents_and_loss(trained: Trained, residual_perm: bool, soft: bool, within: bool = False):
+def _latents_and_loss(trained: Trained, residual_perm: bool, soft: bool, within: Within = "fixed"):
     cfg, arch, (a, b) = trained.cfg, trained.arch, trained.states
     init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=residual_perm).transform
-    options = LearnConfig(within_heads=within)
+    options = LearnConfig(within=within)
     latents = Latents(init, cfg, options, fix_ones=True, residual_perm=residual_perm, soft=soft)
     path = Path([Endpoint(a), Endpoint(b, latents)], cfg, "standard", torch.float64)
     x, y = trained.data.tensors
@@ -115,16 +130,18 @@ def _latents_and_loss(trained: Trained, residual_perm: bool, soft: bool, within:
 
 
 @pytest.mark.parametrize(("residual_perm", "soft", "within"),
-                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)])
+                         [(False, False, "fixed"), (True, False, "fixed"), (False, True, "fixed"),
+                          (False, False, "orthogonal"), (False, False, "invertible")])
 def test_gradient_reaches_every_latent(trained, residual_perm, soft, within):
     latents, loss = _latents_and_loss(trained, residual_perm, soft, within)
-    assert len(list(latents.parameters())) == 1 + 2 * trained.cfg.depth * (2 if within else 1)
+    assert len(list(latents.parameters())) == 1 + 2 * trained.cfg.depth * (1 if within == "fixed" else 2)
     loss().backward()
     for name, p in latents.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize(("residual_perm", "within"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(("residual_perm", "within"),
+                         [(False, "fixed"), (True, "fixed"), (False, "orthogonal"), (False, "invertible")])
 def test_hardened_latents_are_exact_after_the_permutations_change(trained, residual_perm, within):
     latents, loss = _latents_and_loss(trained, residual_perm, soft=False, within=within)
     optimizer = torch.optim.Adam(latents.parameters(), lr=0.5)
@@ -136,6 +153,13 @@ def test_hardened_latents_are_exact_after_the_permutations_change(trained, resid
     assert any(not torch.equal(h, i) for h, i in zip(hard.mlp, latents.init.mlp, strict=True))
     cfg, arch = trained.cfg, trained.arch
     assert _gap(apply(trained.states[1], arch.spec, hard, cfg.heads), trained.natives[1], cfg) <= 1e-5
+    if within == "invertible":  # learned off the orthogonal group, and harden() returns copies, not the latents
+        m = hard.qk[0]
+        assert (m @ m.mT - torch.eye(m.shape[-1], dtype=m.dtype)).abs().max() > 1e-3
+        kept = m.clone()
+        loss().backward()
+        optimizer.step()
+        assert torch.equal(hard.qk[0], kept)
 
 
 def test_a_few_steps_lower_the_held_out_midpoint_loss(trained):
@@ -206,14 +230,15 @@ def test_refinement_weights_centre_on_the_weighted_mean_by_default():
 def test_learned_flags_reach_learn_config_in_every_command():
     parser = build_parser()
     flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--lam", "0.1", "0.9", "--val-points", "5",
-             "--quiet"]
+             "--within", "invertible", "--quiet"]
     commands = {"align": ["a", "b", "--out", "o"], "barrier": ["a", "b", "--json", "o"], "merge": ["a", "--out", "o"]}
     for command, rest in commands.items():
         learn = learn_options(parser.parse_args([command, *rest, *flags]))
-        assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.val_points, learn.progress) == (
-            0.01, 32, 7, (0.1, 0.9), 5, False), command
+        assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.val_points, learn.within,
+                learn.progress) == (0.01, 32, 7, (0.1, 0.9), 5, "invertible", False), command
     default = learn_options(parser.parse_args(["align", "a", "b", "--out", "o"]))
-    assert (default.epochs, default.lam, default.val_points) == (LearnConfig().epochs, LearnConfig().lam, 1)
+    assert (default.epochs, default.lam, default.val_points, default.within) == (
+        LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal")
     with pytest.raises(ConfigError, match="λ range"):
         learn_options(parser.parse_args(["align", "a", "b", "--out", "o", "--lam", "0.9", "0.1"]))
     merged = learn_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"]))
@@ -278,6 +303,8 @@ def test_bad_input_gives_one_line_errors():
         align_pair(native_a, native_b, cfg, "learned", data=dataset(cfg, 1), learn=FAST)
     with pytest.raises(ConfigError, match="λ range"):
         LearnConfig(lam=(0.7, 0.3))
+    with pytest.raises(ConfigError, match="unknown within-head group 'unitary'"):
+        LearnConfig(within="unitary")  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.barrier import mix
-from glmc.canonical import Form, to_model
+from glmc.canonical import Form, fixes_ones, to_circuit, to_model
 from glmc.errors import ConfigError, check_options
 from glmc.match.common import MatchResult
 from glmc.match.weight import Start, weight_match
@@ -40,6 +41,8 @@ from glmc.transforms import Transform, apply
 log = logging.getLogger(__name__)
 
 Weights = Sequence[float]  # one mixing weight per endpoint of the path, summing to 1
+Within = Literal["fixed", "orthogonal", "invertible"]
+WITHIN: tuple[Within, ...] = ("fixed", "orthogonal", "invertible")
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,10 @@ class LearnConfig:
     eval_every: int = 50  # steps between validations
     patience: int = 5  # validations without improvement before stopping; 0 never stops early
     noise: float = 0.01  # latents start at the initial transform perturbed by this much (distinct singular values)
-    # Also learn the within-head orthogonal maps (else kept from weight matching): on vit-bench seeds 0, 1 one
-    # epoch reached barrier 0.040 with them and 0.051 without.
-    within_heads: bool = True
+    # The within-head maps: kept from weight matching ("fixed"), learned as orthogonal maps, or learned as any
+    # invertible maps (the whole group of the head's QK and OV circuits, §3.1). On vit-bench seeds 0, 1 one epoch
+    # reached barrier 0.040 with orthogonal maps and 0.051 with fixed ones.
+    within: Within = "orthogonal"
     sinkhorn_iters: int = 20  # soft permutations (App. D)
     soft_gain: float = 0.01  # App. D's noise gain: target P + |N(0, (gain/√n)²)| before the logarithm
     seed: int = 0
@@ -78,6 +82,8 @@ class LearnConfig:
 
     def __post_init__(self) -> None:
         lo, hi = self.lam
+        if self.within not in WITHIN:
+            raise ConfigError(f"unknown within-head group {self.within!r}; known: {', '.join(WITHIN)}")
         check_options("learned matching", [
             ("≥ 1", lambda v: v >= 1, {"epochs": self.epochs, "steps": self.steps, "batch_size": self.batch_size,
                                        "val_max": self.val_max, "val_points": self.val_points,
@@ -141,8 +147,8 @@ def soft_latent(perm: torch.Tensor | None, n: int, gain: float, g: torch.Generat
 
 
 class Latents(nn.Module):
-    """One model's learnable transform: residual, per-layer head and MLP latents; within-head maps stay fixed
-    unless ``options.within_heads`` (then orthogonal, by a batched polar projection)."""
+    """One model's learnable transform: residual, per-layer head and MLP latents, and the within-head maps of
+    ``options.within`` (orthogonal ones by a batched polar projection, invertible ones as they are)."""
 
     def __init__(self, init: Transform, cfg: ModelConfig, options: LearnConfig, *, fix_ones: bool,
                  residual_perm: bool = False, soft: bool = False, seed: int = 0) -> None:
@@ -156,15 +162,17 @@ class Latents(nn.Module):
         self.residual = nn.Parameter(make_residual(init.residual, cfg.width, options.noise, g))
         self.heads = nn.ParameterList([units(p, cfg.heads) for p in init.heads])
         self.mlp = nn.ParameterList([units(p, cfg.mlp) for p in init.mlp])
-        self.within = options.within_heads and not residual_perm
-        maps = (lambda m: head_latents(m, cfg.heads, cfg.head_dim, options.noise, g)) if self.within else None
+        self.within: Within = "fixed" if residual_perm else options.within
+        maps = (None if self.within == "fixed" else
+                lambda m: head_latents(m, cfg.heads, cfg.head_dim, options.noise, g))
         self.qk = nn.ParameterList([maps(m) for m in init.qk] if maps else [])
         self.ov = nn.ParameterList([maps(m) for m in init.ov] if maps else [])
 
     def _maps(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        if not self.within:
+        if self.within == "fixed":
             return self.init.qk, self.init.ov
-        return [groups.polar(z) for z in self.qk], [groups.polar(z) for z in self.ov]
+        project = groups.polar if self.within == "orthogonal" else torch.clone  # a copy: harden() keeps it
+        return [project(z) for z in self.qk], [project(z) for z in self.ov]
 
     def _residual(self) -> torch.Tensor:
         z = self.residual
@@ -214,18 +222,26 @@ class _Logits(nn.Module):
 
 
 class Path:
-    """Mixtures Σ_i w_i T_i(θ_i) of the endpoints and their logits, through one model built once."""
+    """Mixtures Σ_i w_i T_i(θ_i) of the endpoints and their logits, through one model built once.
+
+    In the circuit form the endpoints stay standard states (the transforms act there) and each moved endpoint is
+    multiplied out into its circuits before mixing, so the path interpolates circuits (paper §3.2.2).
+    """
 
     def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype) -> None:
-        self.arch, self.cfg, self.dtype = get_arch(cfg.family), cfg, dtype
+        self.arch, self.cfg, self.dtype, self.circuit = get_arch(cfg.family), cfg, dtype, form == "circuit"
         self.states = [cast(e.state, dtype) for e in endpoints]
-        self.module = _Logits(self.arch, to_model(self.states[0], cfg, form))
+        self.module = _Logits(self.arch, to_model(*self._form(self.states[0]), form))
+
+    def _form(self, state: State) -> tuple[State, ModelConfig]:
+        """A standard state in the path's form, with the config of the model that runs it."""
+        return to_circuit(state, self.cfg) if self.circuit else (state, self.cfg)
 
     def point(self, transforms: Sequence[Transform | None], weights: Weights) -> State:
-        """Σ_i w_i T_i(θ_i); an endpoint without a transform stays as it is."""
+        """Σ_i w_i T_i(θ_i) in the path's form; an endpoint without a transform stays as it is."""
         moved = [s if t is None else apply(s, self.arch.spec, t, self.cfg.heads)
                  for s, t in zip(self.states, transforms, strict=True)]
-        return mix(moved, weights)
+        return mix([self._form(s)[0] for s in moved], weights)
 
     def logits(self, state: State, x: torch.Tensor) -> torch.Tensor:
         """Logits of the model holding the canonical ``state`` (no new module: ``functional_call``)."""
@@ -410,7 +426,7 @@ def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: 
     """
     options = options or LearnConfig()
     began = time.perf_counter()
-    arch, fix_ones = get_arch(cfg.family), form == "standard"
+    arch, fix_ones = get_arch(cfg.family), fixes_ones(form)
     init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, permutations_only=permutations_only,
                         start=start)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, residual_perm=permutations_only)

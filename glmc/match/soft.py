@@ -15,13 +15,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.canonical import Form
+from glmc.canonical import Form, fixes_ones
 from glmc.check import TOLERANCE
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
 from glmc.match.weight import Start, weight_match
 from glmc.train import token_loss
-from glmc.transforms import Transform, apply
+from glmc.transforms import Transform
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,10 @@ def endpoint_error(b: State, t: Transform, cfg: ModelConfig, data: Dataset, form
                    ) -> dict[str, float]:
     """Max |logit difference| between T(θ_B) and θ_B, and the loss change L(T(θ_B)) − L(θ_B), on ``data`` (float64)."""
     path = Path([Endpoint(b)], cfg, form, torch.float64)
-    moved = apply(path.states[0], path.arch.spec, t, cfg.heads)
+    original, moved = path.point([None], [1.0]), path.point([t], [1.0])
     worst, change, count = 0.0, 0.0, 0
     for x, y in DataLoader(data, batch_size=256):
-        before, after = path.logits(path.states[0], x), path.logits(moved, x)
+        before, after = path.logits(original, x), path.logits(moved, x)
         worst = max(worst, float((after - before).abs().max()))
         change += float(token_loss(after, y, reduction="sum") - token_loss(before, y, reduction="sum"))
         count += y.numel()
@@ -51,7 +51,7 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
     """
     options = options or LearnConfig()
     began = time.perf_counter()
-    fix_ones = form == "standard"
+    fix_ones = fixes_ones(form)
     init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, soft=True)
     learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
