@@ -123,7 +123,7 @@ def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
                          "need one positive weight per model")
     _fails_with_one_line(["merge", *map(str, trio), "--method", "magic", "--out", out], capsys, "unknown merge method")
     bad = {("--weights", "1,nan,2"): "need one positive weight per model",
-           ("--width-mult", "nan"): "must be in (0, 1], got nan",
+           ("--width-mult", "nan"): "must be positive and finite, got nan",
            ("--iters", "0"): "--iters: must be at least 1, got 0", ("--tol", "nan"): "tol=nan (must be finite and ≥ 0)",
            ("--workers", "0"): "--workers: must be at least 1, got 0",
            ("--iters", "two"): "--iters: must be a whole number, got 'two'"}

@@ -24,7 +24,7 @@ from glmc.widths import (
 )
 from tests.symmetry_models import VOCAB, inputs, logits_of, random_native
 
-TIERS = (1.0, 0.5, 0.25)
+TIERS = (2.0, 1.0, 0.5, 0.25)
 BASES = {
     "vit": preset("vit-bench").replace(depth=2, img_size=8, patch=4, num_classes=5),
     "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=6),
@@ -186,6 +186,16 @@ def test_principal_placement_finds_a_narrow_model_embedded_anywhere(family):
     with torch.no_grad():
         out = get_arch(family).logits(to_model(project(wide, found), small), x)
     assert (out - logits_of(native, small, x)).abs().max() <= 1e-5
+
+
+def test_width_multiplier_scales_heads_at_fixed_head_size():
+    base = preset("gpt2-bench")
+    wide, narrow = scale_width(base, 2), scale_width(base, 0.5)
+    assert (wide.width, wide.heads, wide.mlp, wide.head_dim) == (256, 8, 1024, base.head_dim)
+    assert (narrow.width, narrow.heads, narrow.mlp, narrow.head_dim) == (64, 2, 256, base.head_dim)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="positive and finite"):
+            scale_width(base, bad)
 
 
 @pytest.mark.parametrize(("change", "message"), [

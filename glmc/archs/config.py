@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -86,9 +87,10 @@ def preset(name: str) -> ModelConfig:
 
 
 def scale_width(cfg: ModelConfig, mult: float) -> ModelConfig:
-    """Scale d, f and H by ``mult`` with d_h fixed, as HeteroFL-style width tiers do."""
-    if not 0 < mult <= 1:  # NaN fails too
-        raise ConfigError(f"width multiplier must be in (0, 1], got {mult}")
+    """Scale d, f and H by ``mult`` with d_h fixed: below 1 as HeteroFL-style width tiers do, above 1 for a wider
+    model of the same shape (the federated tiers check their own range)."""
+    if not 0 < mult < math.inf:  # NaN fails too
+        raise ConfigError(f"width multiplier must be positive and finite, got {mult}")
     heads = cfg.heads * mult
     if abs(heads - round(heads)) > 1e-9 or round(heads) < 1:
         raise ConfigError(f"width multiplier {mult} does not divide the {cfg.heads} heads")
