@@ -50,7 +50,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fashion-mnist, shakespeare, or a fetched cifar10, cifar100 or tiny-imagenet")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--width-mult", type=float, default=1.0, help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2)")
+    parser.add_argument("--width-mult", type=float, default=1.0,
+                        help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2)")
     parser.add_argument("--batch-size", type=int, help="default: the dataset's")
     parser.add_argument("--lr", type=float, help="peak learning rate; default: the dataset's")
     parser.add_argument("--weight-decay", type=float, default=0.05)

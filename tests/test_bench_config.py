@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,6 +66,22 @@ def test_budget_settings_cache_under_names_of_their_own_flags() -> None:
     tags = {learning_budget.setting_tag("learned", args)
             for args in ([], ["--lr", "1e-2"], ["--steps", "600"], ["--steps", "600", "--lr", "1e-2"])}
     assert len(tags) == 4 and "_learned_steps_600_lr_1e-2" in tags  # a reordered config finds the same caches
+
+
+def test_a_budget_run_whose_cache_is_gone_is_kept_from_the_published_results(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(learning_budget, "RESULTS", tmp_path / "results")
+    model, pair = {"preset": "m", "learn": ["--epochs", "1"]}, (Path("seed0.st"), Path("seed1.st"))
+    name = learning_budget.setting_label("learned", ["--lr", "1e-2"])
+    entry = {"learn": ["--epochs", "1"], "pairs": [["seed0", "seed1"]], "curves": [[curve(name, 0.15)]]}
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "results.json").write_text(json.dumps({"m": entry}))
+    run = {"out": str(tmp_path / "out")}
+    assert learning_budget.setting_curve(run, model, pair, "learned", ["--lr", "1e-2"])["barrier"] == 0.15
+    # Other learning flags, another setting or another pair would need a run: none of them is taken from there.
+    assert learning_budget.published_curve(model | {"learn": []}, pair, name) is None
+    assert learning_budget.published_curve(model, pair, learning_budget.setting_label("learned", [])) is None
+    assert learning_budget.published_curve(model, (pair[1], pair[0]), name) is None
 
 
 def test_a_budget_setting_that_names_models_runs_on_those_only() -> None:

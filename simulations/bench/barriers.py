@@ -107,11 +107,16 @@ def train_missing(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:
     return paths
 
 
+def report_path(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path, tag: str) -> Path:
+    """Where one pair's ``glmc barrier`` report with the run flags named by ``tag`` is cached."""
+    return Path(run["out"]) / "barriers" / f"{label(model)}_{a.stem}_{b.stem}{tag}.json"
+
+
 def pair_barriers(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path, methods: list[str],
                   extra: list[str], tag: str) -> dict[str, Any]:
     """Run ``glmc barrier`` for one pair with ``methods`` and extra flags, unless a report with the same settings
     exists (so an interrupted benchmark resumes where it stopped)."""
-    out = Path(run["out"]) / "barriers" / f"{label(model)}_{a.stem}_{b.stem}{tag}.json"
+    out = report_path(run, model, a, b, tag)
     settings = {"points": run["points"], "methods": methods, "extra": extra}
     if out.exists():
         cached = json.loads(out.read_text())

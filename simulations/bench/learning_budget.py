@@ -9,7 +9,8 @@ method instead of the table's.
 Each setting's flags are added after the model's own learning flags (``learn``; glmc's defaults without it), so
 they override them; a setting runs on the first ``pairs`` seed pairs. Every run is one cached ``glmc barrier``
 call, so an interrupted bench resumes, and each pair's vanilla barrier comes from a plain ``none`` run on the same
-files.
+files. A learned run whose cache is gone (checkpoints retrained on a new machine) but whose curve is published,
+for the same pair and learning flags, is kept from the published results rather than learned again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.barriers import label, machine, pair_barriers, seed_checkpoints, summarise, table_main
+from simulations.bench.barriers import (
+    label,
+    machine,
+    pair_barriers,
+    previous_results,
+    report_path,
+    seed_checkpoints,
+    summarise,
+    table_main,
+)
 
 RESULTS = Path("simulations/results/learning-budget")
 
@@ -45,13 +55,30 @@ def method_of(budget: dict[str, Any], setting: dict[str, Any]) -> str:
     return setting.get("method", budget["method"])
 
 
+def published_curve(model: dict[str, Any], pair: tuple[Path, Path], name: str) -> dict[str, Any] | None:
+    """The curve ``name`` of ``pair`` in the published results, if they have it with the model's learning flags."""
+    entry = previous_results(RESULTS).get(label(model))
+    if entry is None or entry["learn"] != model.get("learn", []):
+        return None
+    curves = dict(zip(map(tuple, entry["pairs"]), entry["curves"], strict=True)).get(tuple(p.stem for p in pair), [])
+    return next((c for c in curves if c["method"] == name), None)
+
+
+def setting_curve(run: dict[str, Any], model: dict[str, Any], pair: tuple[Path, Path], method: str,
+                  args: list[str]) -> dict[str, Any]:
+    """One setting's curve on one pair, named by :func:`setting_label`: cached, published, or measured now."""
+    name, tag = setting_label(method, args), setting_tag(method, args)
+    if not report_path(run, model, *pair, tag).exists() and (curve := published_curve(model, pair, name)) is not None:
+        return curve
+    extra = [*model.get("learn", []), *args]
+    return pair_barriers(run, model, *pair, [method], extra, tag)["curves"][0] | {"method": name}
+
+
 def setting_curves(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], setting: dict[str, Any],
                    pairs: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
-    """One setting's curve on each of its pairs, named by :func:`setting_label`."""
-    method, args = method_of(budget, setting), setting["args"]
-    extra = [*model.get("learn", []), *args]
-    return [pair_barriers(run, model, a, b, [method], extra, setting_tag(method, args))["curves"][0]
-            | {"method": setting_label(method, args)} for a, b in pairs[:setting["pairs"]]]
+    """One setting's curve on each of its pairs."""
+    return [setting_curve(run, model, pair, method_of(budget, setting), setting["args"])
+            for pair in pairs[:setting["pairs"]]]
 
 
 def measure_model(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], command: str
@@ -96,14 +123,16 @@ def markdown(name: str, entry: dict[str, Any]) -> list[str]:
     return [*lines, "", f"Model learning flags before each setting's: {flags}. Barriers on "
             f"the first {entry['limit']} test samples, {entry['points']} λ values. Command: `{entry['command']}`. "
             f"Machine: {entry['machine']}; mean learning time {seconds / 60:.1f} min a run; wall time of the "
-            f"bench run {entry['seconds'] / 60:.1f} min (cached runs count as zero).", ""]
+            f"bench run {entry['seconds'] / 60:.1f} min (cached runs, and runs kept from the published results, "
+            "count as zero).", ""]
 
 
 HEADING = ["# Learned matching with more learning", "",
            "The barrier bench's learned row runs a fixed budget (its model's `learn` flags). Here the same pairs "
            "learn longer or at a larger learning rate; ÷ vanilla divides by the plain `none` barrier of the same "
            "pair. The learning rate follows a cosine decay to zero over the run's steps, so a longer run also "
-           "decays more slowly.", ""]
+           "decays more slowly. A `--form` setting learns and measures the path in that form; its ÷ vanilla still "
+           "divides by the standard form's vanilla barrier.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
