@@ -29,7 +29,7 @@ def count(text: str) -> int:
 
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
     """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
-    --batch-size, --lam, --val-points, --within and --quiet."""
+    --batch-size, --lam, --val-points, --patience, --within and --quiet."""
     parser.add_argument("--data", help=DATA_HELP)
     parser.add_argument("--batch", type=count, help=batch_help)
     parser.add_argument("--epochs", type=int, default=epochs,
@@ -43,6 +43,9 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     parser.add_argument("--val-points", type=count,
                         help="learned methods on a pair: validate at this many λ evenly spaced over --lam for early "
                              "stopping (default 1, the midpoint)")
+    parser.add_argument("--patience", type=int, metavar="N",
+                        help="learned methods: stop after N validations without improvement (default 5; 0 never "
+                             "stops early)")
     parser.add_argument("--within", choices=["fixed", "orthogonal", "invertible"],  # glmc.match.learned.WITHIN
                         help="learned methods: the within-head maps, kept from weight matching, learned as "
                              "orthogonal maps (default) or learned as any invertible maps")
@@ -56,7 +59,7 @@ def learn_options(args: argparse.Namespace) -> LearnConfig:
 
     flags = {"lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size,
              "concentration": getattr(args, "concentration", None), "lam": tuple(args.lam) if args.lam else None,
-             "val_points": args.val_points, "within": args.within}
+             "val_points": args.val_points, "within": args.within, "patience": args.patience}
     given = {k: v for k, v in flags.items() if v is not None}
     return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
 

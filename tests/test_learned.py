@@ -230,15 +230,15 @@ def test_refinement_weights_centre_on_the_weighted_mean_by_default():
 def test_learned_flags_reach_learn_config_in_every_command():
     parser = build_parser()
     flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--lam", "0.1", "0.9", "--val-points", "5",
-             "--within", "invertible", "--quiet"]
+             "--within", "invertible", "--patience", "0", "--quiet"]
     commands = {"align": ["a", "b", "--out", "o"], "barrier": ["a", "b", "--json", "o"], "merge": ["a", "--out", "o"]}
     for command, rest in commands.items():
         learn = learn_options(parser.parse_args([command, *rest, *flags]))
-        assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.val_points, learn.within,
-                learn.progress) == (0.01, 32, 7, (0.1, 0.9), 5, "invertible", False), command
+        assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.val_points, learn.within, learn.patience,
+                learn.progress) == (0.01, 32, 7, (0.1, 0.9), 5, "invertible", 0, False), command
     default = learn_options(parser.parse_args(["align", "a", "b", "--out", "o"]))
-    assert (default.epochs, default.lam, default.val_points, default.within) == (
-        LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal")
+    assert (default.epochs, default.lam, default.val_points, default.within, default.patience) == (
+        LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal", LearnConfig().patience)
     with pytest.raises(ConfigError, match="λ range"):
         learn_options(parser.parse_args(["align", "a", "b", "--out", "o", "--lam", "0.9", "0.1"]))
     merged = learn_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"]))
