@@ -231,6 +231,7 @@ class Path:
     def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype) -> None:
         self.arch, self.cfg, self.dtype, self.circuit = get_arch(cfg.family), cfg, dtype, form == "circuit"
         self.states = [cast(e.state, dtype) for e in endpoints]
+        self.still = [self._form(s)[0] for s in self.states]  # each endpoint as it stands, in the path's form
         self.module = _Logits(self.arch, to_model(*self._form(self.states[0]), form))
 
     def _form(self, state: State) -> tuple[State, ModelConfig]:
@@ -239,9 +240,9 @@ class Path:
 
     def point(self, transforms: Sequence[Transform | None], weights: Weights) -> State:
         """Σ_i w_i T_i(θ_i) in the path's form; an endpoint without a transform stays as it is."""
-        moved = [s if t is None else apply(s, self.arch.spec, t, self.cfg.heads)
-                 for s, t in zip(self.states, transforms, strict=True)]
-        return mix([self._form(s)[0] for s in moved], weights)
+        moved = [still if t is None else self._form(apply(s, self.arch.spec, t, self.cfg.heads))[0]
+                 for s, still, t in zip(self.states, self.still, transforms, strict=True)]
+        return mix(moved, weights)
 
     def logits(self, state: State, x: torch.Tensor) -> torch.Tensor:
         """Logits of the model holding the canonical ``state`` (no new module: ``functional_call``)."""
