@@ -241,7 +241,8 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def _aggregate(self, record: RoundRecord, valid: list[Message],
                    clients: list[Client]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The one aggregation step: flwr's FedAvg when it applies exactly, else :func:`merge`."""
+        """The one aggregation step: flwr's FedAvg for fedavg at equal widths and for a round that
+        min-alignment-gain sets aside, else :func:`merge`."""
         if self.aggregation == "fedavg" and all(c.tier == 1.0 for c in clients):
             states, configs = universe_states(clients, self.model_config)
             record.distance_before = record.distance_after = embedded_distance(states, configs, self.model_config)
@@ -252,6 +253,8 @@ class SymmetryAwareFedAvg(FedAvg):
         record.unaligned = result.unaligned
         for msg, placement in zip(valid, result.placements, strict=True):
             self.placements[msg.metadata.src_node_id] = placement
+        if result.unaligned:  # flwr's float32 FedAvg, not the float64 slice average: the fedavg run's bits exactly
+            return super().aggregate_train(record.round, valid)
         metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
         return ArrayRecord(result.state), metrics  # type: ignore[arg-type]
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from glmc.data.fashion_mnist import find_fashion_mnist
 from simulations import compare
@@ -43,6 +45,18 @@ def test_smoke_experiment_finishes_every_cell(config: Path, tmp_path: Path) -> N
     summary = (tmp_path / "summary.md").read_text()
     assert all(f"| {a} |" in summary for a in exp.aggregations)
     assert list(tmp_path.glob("accuracy-*.png"))
+    for row in (r for r in rows if r["aggregation"] == "weight-guard"):  # min-alignment-gain 0.99
+        assert all(r["unaligned"] for r in row["records"][1:]), row["cell"]
+        _assert_same_final_model(tmp_path / "runs", row, next(r for r in rows if r["aggregation"] == "fedavg"
+                                                                and r["seed"] == row["seed"]), rounds)
+
+
+def _assert_same_final_model(runs: Path, row: dict[str, Any], fedavg: dict[str, Any], rounds: int) -> None:
+    """A run that set every round's alignment aside ends on the bits of FedAvg's run of the same seed: the guard
+    averages as flwr's FedAvg does, and two simulations of one seed agree exactly."""
+    last = f"checkpoints/round-{rounds:03d}.safetensors"
+    ours, theirs = load_file(runs / row["cell"] / last), load_file(runs / fedavg["cell"] / last)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), row["cell"]
 
 
 def test_the_grid_runs_seed_by_seed() -> None:
