@@ -15,6 +15,7 @@ from glmc.errors import ConfigError, check_weights
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
+    from glmc.archs import ModelConfig
     from glmc.checkpoint import CheckpointMeta
     from glmc.merge import MergeSetup
     from glmc.universe import UniverseResult
@@ -56,14 +57,19 @@ def add_universe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tol", type=float, default=1e-3,
                         help="stop when U moves, or the mean distance to U falls, by less than this (relative)")
     parser.add_argument("--workers", type=count, default=1, help="processes aligning models in parallel")
+    add_fill_argument(parser)
+    parser.add_argument("--concentration", type=float,
+                        help="learned: refinement weights ~ Dirichlet(c·N·w); 0.1 is the paper's, spread over the "
+                        "simplex; default 10, near the weighted mean that the merge keeps")
+
+
+def add_fill_argument(parser: argparse.ArgumentParser) -> None:
+    """How a narrower model is embedded into a wider one (``merge``, ``barrier`` and ``align`` across widths)."""
     parser.add_argument("--fill", choices=FILL_NAMES, default="zeros",
                         help="how a narrower model fills the target's extra heads and MLP units: zero heads and dead "
                         "neurons (the exact embedding), or copies of its own that share their output (Net2Net "
                         "widening, also exact: it lowers the barriers between widths and helps learned merges, "
                         "but costs data-free ones)")
-    parser.add_argument("--concentration", type=float,
-                        help="learned: refinement weights ~ Dirichlet(c·N·w); 0.1 is the paper's, spread over the "
-                        "simplex; default 10, near the weighted mean that the merge keeps")
 
 
 def _weights(text: str | None, n: int) -> list[float] | None:
@@ -100,8 +106,11 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
         wanted = max(samples, repair, refit) if method in DATA_METHODS else max(repair, refit)  # first `samples` stay
         train = train_subset(dataclasses.replace(meta, config=target), args.data, wanted) if wanted else None
     learn = learn_options(args)
-    return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, args.iters,
-                      args.tol, args.workers, learn, getattr(args, "restore_norms", False), repair, refit, args.fill)
+    universe = {key: getattr(args, name) for key, name in (("max_iters", "iters"), ("tol", "tol"),
+                                                           ("workers", "workers")) if hasattr(args, name)}
+    return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, learn=learn,
+                      restore_norms=getattr(args, "restore_norms", False), repair=repair, refit=refit, fill=args.fill,
+                      **universe)  # align has no universe options: MergeSetup's defaults
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
@@ -196,15 +205,10 @@ def _print_merge(report: dict[str, Any]) -> None:
 def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta]) -> list[dict[str, Any]]:
     """``glmc barrier WIDE NARROW``: per method, NARROW embedded into WIDE's width and aligned to it as ``glmc merge``
     aligns an input (paper Fig. 3c); the pair's barrier curves."""
-    from glmc.merge import MERGE_METHODS, width_barriers
+    from glmc.merge import width_barriers
 
-    for flag, given in (("--repair", args.repair), ("--form", args.form != "standard"),
-                        ("--start", args.start != "identity")):
-        if given:
-            raise ConfigError(f"{flag} applies to two models of one width, not to {args.a} and {args.b}")
     methods = args.method or ["weight"]
-    if unknown := [m for m in methods if m not in MERGE_METHODS]:
-        raise ConfigError(f"across widths the methods are {', '.join(MERGE_METHODS)}; not {', '.join(unknown)}")
+    check_across_widths(args, methods, {"--repair": args.repair, "--form": args.form != "standard"})
     target = metas[0].config
     test = _test_split(metas[0], target, args)
     curves = []
@@ -214,6 +218,37 @@ def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[Chec
         curves.append(row["curve"] | {"align_seconds": row["align_seconds"]})
         print(f"{method:12s} barrier {row['barrier']:.4f}  align {row['align_seconds']:.2f} s", file=sys.stderr)
     return curves
+
+
+def check_across_widths(args: argparse.Namespace, methods: list[str], flags: dict[str, Any]) -> None:
+    """Refuse, before any work, the methods and the given ``flags`` (plus --start) that only pairs of one width
+    support: a narrower B is embedded into A's width and aligned as ``glmc merge`` aligns an input."""
+    from glmc.merge import MERGE_METHODS
+
+    for flag, given in (flags | {"--start": args.start != "identity"}).items():
+        if given:
+            raise ConfigError(f"{flag} applies to two models of one width, not to {args.a} and {args.b}")
+    if unknown := [m for m in methods if m not in MERGE_METHODS]:
+        raise ConfigError(f"across widths the methods are {', '.join(MERGE_METHODS)}; not {', '.join(unknown)}")
+
+
+def align_across_widths(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta],
+                        ) -> tuple[dict, ModelConfig, float]:
+    """``glmc align WIDE NARROW``: NARROW embedded into WIDE's width and aligned to it (canonical, float64), the
+    config that computes it exactly (WIDE's, LayerNorm eps scaled by d/D) and the seconds it took."""
+    import torch
+
+    from glmc.archs import get_arch
+    from glmc.canonical import canonicalize
+    from glmc.merge import align_to_wide
+    from glmc.widths import embedding_config
+
+    check_across_widths(args, [args.method], {})
+    target = metas[0].config
+    wide = canonicalize(get_arch(target.family), natives[0], target.depth, dtype=torch.float64)
+    pair = align_to_wide(wide, natives[1], metas[1].config, _setup(args, args.method, target, metas[0], 2,
+                                                                   learn_samples=None))
+    return pair.aligned[0], embedding_config(pair.placements[0]), pair.seconds
 
 
 def add_simplex_arguments(parser: argparse.ArgumentParser) -> None:

@@ -52,8 +52,8 @@ def run_check(args: argparse.Namespace) -> int:
 
 def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", type=Path, help="reference checkpoint A (.safetensors)")
-    parser.add_argument("b", type=Path, help="checkpoint B, moved towards A (barrier: B may be narrower, then it "
-                        "is embedded into A's width first, as glmc merge embeds its inputs)")
+    parser.add_argument("b", type=Path, help="checkpoint B, moved towards A (B may be narrower: then it is "
+                        "embedded into A's width first, as glmc merge embeds its inputs)")
     add_learn_arguments(parser, "training samples given to data-driven methods (default: "
                         f"{ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
     parser.add_argument("--start", choices=START_NAMES, default="identity",
@@ -65,13 +65,14 @@ def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
 def add_align_arguments(parser: argparse.ArgumentParser) -> None:
     _add_pair_arguments(parser)
     parser.add_argument("--method", default="weight", help=f"one of {METHOD_NAMES}")
-    parser.add_argument("--out", required=True, type=Path, help="aligned B, a standard checkpoint")
+    parser.add_argument("--out", required=True, type=Path, help="aligned B, a standard checkpoint (at A's width)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    cli_merge.add_fill_argument(parser)
 
 
-def _load_pair(a: Path, b: Path, widths: bool = False) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
-    """Both checkpoints, refusing different families or configs before any work; with ``widths``, B may be
-    narrower than A (else only widths may differ, and B must fit in A)."""
+def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
+    """Both checkpoints, refusing before any work different families or a B that does not fit inside A (only
+    widths may differ, and B is then embedded into A's width)."""
     from glmc.checkpoint import load_checkpoint
     from glmc.spec import check_same_shapes
     from glmc.widths import check_embeddable
@@ -80,13 +81,10 @@ def _load_pair(a: Path, b: Path, widths: bool = False) -> tuple[dict, dict, Chec
     state_b, meta_b = load_checkpoint(b)
     if meta_a.config.family != meta_b.config.family:
         raise ConfigError(f"{a} is a {meta_a.config.family} but {b} is a {meta_b.config.family}")
-    if widths and meta_a.config != meta_b.config:
-        check_embeddable(meta_b.config, meta_a.config)
-        return state_a, state_b, meta_a, meta_b
-    check_same_shapes(state_a, state_b)
     if meta_a.config != meta_b.config:
-        diff = [k for k, v in meta_a.config.to_dict().items() if meta_b.config.to_dict()[k] != v]
-        raise ConfigError(f"{a} and {b} have different configs: {', '.join(diff)}")
+        check_embeddable(meta_b.config, meta_a.config)
+    else:
+        check_same_shapes(state_a, state_b)
     return state_a, state_b, meta_a, meta_b
 
 
@@ -112,13 +110,20 @@ def run_align(args: argparse.Namespace) -> int:
 
     check_out(args.out, args.force)
     state_a, state_b, meta, meta_b = _load_pair(args.a, args.b)
-    aligned = _align(args, args.method, state_a, state_b, meta)
-    native = get_arch(meta.config.family).to_native(aligned.b, meta.config.depth)
+    config = meta.config
+    if meta_b.config != config:  # embedded into A's width: a checkpoint of A's shapes computing B
+        moved, config, seconds = cli_merge.align_across_widths(args, [state_a, state_b], [meta, meta_b])
+        report: dict = {"seconds": round(seconds, 3), "width": [meta_b.config.width, config.width]}
+    else:
+        aligned = _align(args, args.method, state_a, state_b, meta)
+        moved, result = aligned.b, aligned.result
+        report = {"seconds": round(result.seconds, 3), "objective": result.objective,
+                  **{k: v for k, v in result.info.items() if k != "sweeps"}}
+    native = get_arch(config.family).to_native(moved, config.depth)
     split = f"{meta_b.split}; aligned to {args.a.name} by {args.method}"
-    save_checkpoint(args.out, cast(native, torch.float32), dataclasses.replace(meta_b, split=split))
-    result = aligned.result
-    print(json.dumps({"out": str(args.out), "method": args.method, "seconds": round(result.seconds, 3),
-                      "objective": result.objective, **{k: v for k, v in result.info.items() if k != "sweeps"}}))
+    out_meta = dataclasses.replace(meta_b, config=config, width_mult=meta.width_mult, split=split)
+    save_checkpoint(args.out, cast(native, torch.float32), out_meta)
+    print(json.dumps({"out": str(args.out), "method": args.method, **report}))
     return 0
 
 
@@ -158,7 +163,7 @@ def run_barrier(args: argparse.Namespace) -> int:
         raise ConfigError("--points must be at least 2")
     if args.repair and args.form != "standard":
         raise ConfigError(f"--repair needs the standard form, not --form {args.form}")
-    state_a, state_b, meta, meta_b = _load_pair(args.a, args.b, widths=True)
+    state_a, state_b, meta, meta_b = _load_pair(args.a, args.b)
     if meta_b.config != meta.config:
         _write_barrier_outputs(args, cli_merge.width_curves(args, [state_a, state_b], [meta, meta_b]))
         return 0

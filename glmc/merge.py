@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from glmc.archs import Arch, ModelConfig, cast, get_arch, preset, scale_width
+from glmc.archs import Arch, ModelConfig, State, cast, get_arch, preset, scale_width
 from glmc.barrier import barrier_curve, evaluate_mixtures
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
@@ -177,21 +177,27 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     return result
 
 
+def align_to_wide(wide: State, native: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                  setup: MergeSetup) -> UniverseResult:
+    """A narrower native model (``cfg``) embedded into the canonical ``wide`` model's width (``setup.target``) and
+    aligned to it by ``setup.method``: one universe step anchored at ``wide``, so it computes the narrow function."""
+    narrow = canonicalize(get_arch(cfg.family), native, cfg.depth, dtype=torch.float64)
+    return universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
+                          data=setup.train, batch=setup.batch, learn=setup.learn, fill=setup.fill)
+
+
 def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
                    test: Dataset, points: int = 21) -> list[dict[str, Any]]:
     """Pairwise barrier between the wide reference and each narrower model, embedded and aligned to it (Fig. 3c)."""
     ref = _reference(configs, setup.target)
     if configs[ref] != setup.target:
         return []
-    arch = get_arch(setup.target.family)
-    wide = canonicalize(arch, natives[ref], setup.target.depth, dtype=torch.float64)
+    wide = canonicalize(get_arch(setup.target.family), natives[ref], setup.target.depth, dtype=torch.float64)
     rows = []
     for i, cfg in enumerate(configs):
         if cfg == setup.target:
             continue
-        narrow = canonicalize(arch, natives[i], cfg.depth, dtype=torch.float64)
-        pair = universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
-                              data=setup.train, batch=setup.batch, learn=setup.learn, fill=setup.fill)
+        pair = align_to_wide(wide, natives[i], cfg, setup)
         curve = barrier_curve(wide, pair.aligned[0], setup.target, test, points, method=setup.method,
                               dtype=torch.float32)
         rows.append({"input": i, "width": cfg.width, "barrier": curve.barrier, "curve": curve.to_dict(),

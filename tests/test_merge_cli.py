@@ -234,6 +234,37 @@ def test_barrier_across_widths_embeds_the_narrow_model_and_keeps_both_ends(trio,
     assert curve["losses"] == pytest.approx([narrow, curve["losses"][1], wide], rel=1e-5)
 
 
+@pytest.mark.parametrize("fill", ["zeros", "copies"])
+def test_align_across_widths_writes_a_checkpoint_of_the_wide_config_computing_the_narrow_model(trio, tmp_path, fill,
+                                                                                              capsys):
+    """`glmc align WIDE NARROW`: the narrow model embedded into the wide one's width and aligned to it, saved as a
+    checkpoint of the wide config that still computes the narrow function (float32 on disk)."""
+    from glmc.checkpoint import load_model
+
+    out = tmp_path / "aligned.safetensors"
+    assert main(["align", str(trio[0]), str(trio[2]), "--method", "weight", "--fill", fill, "--out", str(out),
+                 "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["method"] == "weight" and report["width"] == [VIT.width // 2, VIT.width]
+    (narrow, _), (moved, meta) = load_model(trio[2]), load_model(out)
+    assert meta.config == VIT.replace(norm_eps=VIT.norm_eps / 2)  # the exact embedding's LayerNorm eps: eps·d/D
+    assert meta.width_mult == 1.0 and "aligned to a.safetensors by weight" in meta.split
+    x = torch.randn(8, 1, 28, 28)
+    with torch.no_grad():
+        assert (narrow.double()(x.double()) - moved.double()(x.double())).abs().max() <= 1e-5
+
+
+def test_align_across_widths_refuses_what_it_cannot_do_in_one_line(trio, tmp_path, capsys):
+    out = str(tmp_path / "aligned.safetensors")
+    _fails_with_one_line(["align", str(trio[2]), str(trio[0]), "--out", out], capsys,
+                         "the target is narrower than an input")
+    _fails_with_one_line(["align", str(trio[0]), str(trio[2]), "--method", "dual", "--out", out], capsys,
+                         "across widths the methods are none, weight, weight-perm, activation, learned; not dual")
+    _fails_with_one_line(["align", str(trio[0]), str(trio[2]), "--start", "relaxed", "--out", out], capsys,
+                         "--start applies to two models of one width")
+    assert not (tmp_path / "aligned.safetensors").exists()
+
+
 def test_barrier_across_widths_refuses_what_it_cannot_do_in_one_line(trio, tmp_path, capsys):
     report = str(tmp_path / "b.json")
     _fails_with_one_line(["barrier", str(trio[2]), str(trio[0]), "--json", report], capsys,
