@@ -178,7 +178,7 @@ def test_the_summary_counts_the_rounds_min_alignment_gain_set_aside() -> None:
                           "round_seconds": 1.0, "unaligned": k in rounds} for k in range(5)]}
             for (agg, seed), rounds in aside.items()]
     table = {r["aggregation"]: r["rounds set aside %"] for r in compare.summary_rows(rows, exp)}
-    assert table == {"fedavg": "0 ± 0", "weight": "50 ± 25"}  # seeds: 3 of 4 rounds, 1 of 4
+    assert table == {"fedavg": "0 ± 0", "weight": "50 ± 25", "weight-guard": "–"}  # 3 of 4 rounds, 1 of 4; no run
 
 
 def test_an_aggregation_variant_sets_its_own_run_config_keys(tmp_path: Path) -> None:
