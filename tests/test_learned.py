@@ -79,14 +79,25 @@ def _gap(state, native, cfg) -> float:
     return float((moved - logits_of(native, cfg, x)).abs().max())
 
 
-@pytest.mark.parametrize("method", ["learned", "learned-perm", "dual"])
-def test_aligned_endpoints_are_exactly_a_and_b(trained, method):
+@pytest.mark.parametrize(("method", "within"), [("learned", "orthogonal"), ("learned-perm", "orthogonal"),
+                                                ("dual", "orthogonal"), ("learned", "invertible"),
+                                                ("dual", "invertible")])
+def test_aligned_endpoints_are_exactly_a_and_b(trained, method, within):
     cfg, (native_a, native_b) = trained.cfg, trained.natives
-    aligned = align_pair(native_a, native_b, cfg, method, data=trained.data, learn=FAST)
+    learn = replace(FAST, within=within)  # invertible: dual composes π_A⁻¹ with a true inverse
+    aligned = align_pair(native_a, native_b, cfg, method, data=trained.data, learn=learn)
     if method != "learned-perm":  # STE permutations need latent moves of order 1 before they change
         assert aligned.result.info["best_step"] > 0
     assert _gap(aligned.b, native_b, cfg) <= 1e-5
     assert _gap(aligned.a, native_a, cfg) <= 1e-5
+    if within == "invertible":  # the maps did leave the orthogonal group, so the inverses were exercised
+        assert max(_off_orthogonal(m) for m in aligned.result.transform.qk if m is not None) > 1e-6
+
+
+def _off_orthogonal(maps: torch.Tensor) -> float:
+    """max ‖MᵀM − I‖ over a stack of square maps."""
+    eye = torch.eye(maps.shape[-1], dtype=maps.dtype)
+    return float((maps.transpose(-1, -2) @ maps - eye).abs().max())
 
 
 @pytest.mark.parametrize("method", ["learned", "dual"])
@@ -154,9 +165,8 @@ def test_hardened_latents_are_exact_after_the_permutations_change(trained, resid
     cfg, arch = trained.cfg, trained.arch
     assert _gap(apply(trained.states[1], arch.spec, hard, cfg.heads), trained.natives[1], cfg) <= 1e-5
     if within == "invertible":  # learned off the orthogonal group, and harden() returns copies, not the latents
-        m = hard.qk[0]
-        assert (m @ m.mT - torch.eye(m.shape[-1], dtype=m.dtype)).abs().max() > 1e-3
-        kept = m.clone()
+        assert _off_orthogonal(hard.qk[0]) > 1e-3
+        kept = hard.qk[0].clone()
         loss().backward()
         optimizer.step()
         assert torch.equal(hard.qk[0], kept)
@@ -203,18 +213,20 @@ def test_soft_permutations_report_their_endpoint_error():
     assert isinstance(result.info["endpoint_loss_change"], float)
 
 
-def test_refine_universe_keeps_the_reference_and_every_function(trained):
+@pytest.mark.parametrize("within", ["orthogonal", "invertible"])
+def test_refine_universe_keeps_the_reference_and_every_function(trained, within):
     cfg, arch = trained.cfg, trained.arch
     third = canonicalize(arch, random_native(cfg, 3), cfg.depth)
     states, natives = [*trained.states, third], [*trained.natives, random_native(cfg, 3)]
-    transforms = refine_universe(states, cfg, trained.data, weights=[3, 2, 1], options=FAST)
+    options = replace(FAST, within=within)
+    transforms = refine_universe(states, cfg, trained.data, weights=[3, 2, 1], options=options)
     assert transforms[0].residual is None and all(h is None for h in transforms[0].heads)
     assert transforms[1].residual is not None  # learned, not left at the identity
     for state, native, t in zip(states, natives, transforms, strict=True):
         assert _gap(apply(state, arch.spec, t, cfg.heads), native, cfg) <= 1e-5
     for bad in ([1, 1], [1, float("nan"), 1], [1, float("inf"), 1]):  # NaN and inf once passed `min(w) <= 0`
         with pytest.raises(ConfigError, match="positive weight"):
-            refine_universe(states, cfg, trained.data, weights=bad, options=FAST)
+            refine_universe(states, cfg, trained.data, weights=bad, options=options)
 
 
 def test_refinement_weights_centre_on_the_weighted_mean_by_default():
