@@ -24,7 +24,7 @@ from glmc.errors import ConfigError
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
 from server import protocol
 from server.aggregation import principal_placement, restrict
-from server.settings import RunSettings
+from server.settings import RunSettings, places_principal
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _received_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node:
     state: dict[str, torch.Tensor] = dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict())
     if any(state[k].shape != v.shape for k, v in model.state_dict().items() if k in state):
         full = pool(settings).task.config
-        principal = settings.narrow_placement == "principal"
+        principal = places_principal(settings.aggregation, settings.narrow_placement)
         placement = principal_placement(state, full, node.tier) if principal else None
         state = restrict(state, full, node.tier, settings.aggregation, placement)
     try:

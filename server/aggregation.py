@@ -42,7 +42,7 @@ from glmc.train import TrainConfig, train
 from glmc.universe import universe_match
 from glmc.widths import Placement, embed, place, principal_place, project
 from server import heterofl
-from server.settings import SLICED
+from server.settings import GUARDED, SLICED
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,8 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     ``restore``: rescale the aligned merge's units to the clients' mean norm (:func:`glmc.rescale.restore_norms`).
     ``refit``: then refit its linear layers to the clients' mean output on ``data`` (:func:`glmc.refit.refit`).
     ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
-    ``min_gain``: at equal widths, when matching brings the clients less than this fraction closer, average them
-    unaligned instead: FedAvg, without the steps above (:func:`_gains_too_little`).
+    ``min_gain``: for weight and activation at equal widths, when matching brings the clients less than this fraction
+    closer, average them unaligned instead: FedAvg, without the steps above (:func:`_gains_too_little`).
     """
     states, configs = universe_states(clients, full)
     starts = [c.placement for c in clients]
@@ -140,7 +140,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
                             workers=workers, refine=refine, learn=learn, starts=starts)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     after = mean_pairwise_distance(result.aligned)
-    if _gains_too_little(before, after, min_gain, configs, full):
+    if aggregation in GUARDED and _gains_too_little(before, after, min_gain, configs, full):
         return MergeResult(_sliced(clients, configs, full, anchor), seconds, before, before, [None] * len(clients),
                            unaligned=True)
     merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged

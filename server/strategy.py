@@ -44,7 +44,7 @@ from server.aggregation import (
     restrict,
     universe_states,
 )
-from server.settings import AGGREGATIONS, NARROW_PLACEMENTS
+from server.settings import AGGREGATIONS, NARROW_PLACEMENTS, places_principal
 from server.validation import ReplySchema, split_replies
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ class SymmetryAwareFedAvg(FedAvg):
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
                  server_data: Dataset | None = None, align_iters: int = 1, align_workers: int = 1,
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
-                 repair: bool = False, refit: bool = False, narrow_placement: str = "aligned",
-                 min_alignment_gain: float = 0.0, independent_init: bool = False,
+                 repair: bool = False, refit: bool = False, narrow_placement: str = "principal",
+                 min_alignment_gain: float = 0.05, independent_init: bool = False,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
@@ -120,8 +120,9 @@ class SymmetryAwareFedAvg(FedAvg):
         self.refit = refit  # refit the aligned merge's linear layers to the clients' mean output on the server data
         self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
         self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
-        self.narrow_placement = narrow_placement  # aligned | principal: where a narrow node gets the global model
-        self.min_alignment_gain = min_alignment_gain  # below this relative distance gain a round averages unaligned
+        # where a narrow node gets the global model: the principal subspace, or where alignment last put it
+        self.principal = places_principal(aggregation, narrow_placement)
+        self.min_alignment_gain = min_alignment_gain  # weight, activation: below this distance gain, average unaligned
         self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
         self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
@@ -181,7 +182,7 @@ class SymmetryAwareFedAvg(FedAvg):
         (:func:`server.aggregation.principal_placement`), one per tier and round."""
         if tier == 1.0:
             return None
-        if self.narrow_placement != "principal":
+        if not self.principal:
             return self.placements.get(node)
         if tier not in self._principal:
             assert self._sent_state is not None
@@ -236,7 +237,7 @@ class SymmetryAwareFedAvg(FedAvg):
         # A principal reply is embedded where its tier's model was placed (a new node placed it itself, the same
         # way); an aligned one is found again by matching from the default embedding (embedding it where it was sent
         # measured 1.0 point worse over 5 seeds of widths-principal)
-        placement = self._placement(node, tier) if self.narrow_placement == "principal" else None
+        placement = self._placement(node, tier) if self.principal else None
         return Client(_state(msg), float(metrics[protocol.WEIGHT_KEY]), tier, placement)  # type: ignore[arg-type]
 
     def _aggregate(self, record: RoundRecord, valid: list[Message],

@@ -154,13 +154,13 @@ def test_the_summary_pairs_final_last_three_and_all_round_accuracy_by_seed() -> 
     """Each Δ column is the mean over seeds of (aggregation − fedavg of the same seed), per metric, in points."""
     exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
     curves = {("fedavg", 0): [0.1, 0.5, 0.6, 0.7, 0.6], ("fedavg", 1): [0.2, 0.4, 0.4, 0.5, 0.5],
-              ("weight", 0): [0.3, 0.6, 0.5, 0.7, 0.7], ("weight", 1): [0.4, 0.5, 0.6, 0.6, 0.4]}
+              ("weight-guard", 0): [0.3, 0.6, 0.5, 0.7, 0.7], ("weight-guard", 1): [0.4, 0.5, 0.6, 0.6, 0.4]}
     rows = [{"split": "dirichlet0.1", "widths": "equal", "aggregation": agg, "seed": seed,
              "status": "finished:completed",
              "records": [{"round": k, "central_accuracy": 0.05 if k == 0 else acc[k - 1], "mean_client_accuracy": None,
                           "align_seconds": 0.0, "round_seconds": 1.0} for k in range(len(acc) + 1)]}
             for (agg, seed), acc in curves.items()]
-    weight = next(r for r in compare.summary_rows(rows, exp) if r["aggregation"] == "weight")
+    weight = next(r for r in compare.summary_rows(rows, exp) if r["aggregation"] == "weight-guard")
     # per seed, in points: final +10, −10; last 3 rounds 0, +20/3; all rounds +30/5, +50/5
     assert weight["Δ vs fedavg (pts)"] == "0.0 ± 10.0"
     assert weight["Δ, last 3 rounds"] == "3.3 ± 3.3"
@@ -171,14 +171,15 @@ def test_the_summary_pairs_final_last_three_and_all_round_accuracy_by_seed() -> 
 def test_the_summary_counts_the_rounds_min_alignment_gain_set_aside() -> None:
     """With a guarded run in the grid, each row gains the share of trained rounds averaged unaligned."""
     exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
-    aside = {("fedavg", 0): [], ("weight", 0): [1, 2, 3], ("weight", 1): [1]}
+    aside = {("fedavg", 0): [], ("weight-unguarded", 0): [1, 2, 3], ("weight-unguarded", 1): [1]}
     rows = [{"split": "dirichlet0.1", "widths": "equal", "aggregation": agg, "seed": seed,
              "status": "finished:completed",
              "records": [{"round": k, "central_accuracy": 0.5, "mean_client_accuracy": None, "align_seconds": 0.0,
                           "round_seconds": 1.0, "unaligned": k in rounds} for k in range(5)]}
             for (agg, seed), rounds in aside.items()]
     table = {r["aggregation"]: r["rounds set aside %"] for r in compare.summary_rows(rows, exp)}
-    assert table == {"fedavg": "0 ± 0", "weight": "50 ± 25", "weight-guard": "–"}  # 3 of 4 rounds, 1 of 4; no run
+    # 3 of 4 rounds and 1 of 4; no run of weight-guard
+    assert table == {"fedavg": "0 ± 0", "weight-unguarded": "50 ± 25", "weight-guard": "–"}
 
 
 def test_an_aggregation_variant_sets_its_own_run_config_keys(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from glmc.transforms import MATCHABLE, apply, random_transform
 from server import heterofl, protocol
 from server.aggregation import Client, principal_placement, restrict
 from server.hooks import EnsembleEvaluator
-from server.settings import RunSettings
+from server.settings import RunSettings, places_principal
 from server.strategy import RoundHooks, RoundRecord, SymmetryAwareFedAvg
 from server.validation import ReplySchema, check_reply, split_replies
 
@@ -209,12 +209,17 @@ def test_min_alignment_gain_averages_already_aligned_clients_as_fedavg_does() ->
     torch.testing.assert_close(logits(merged, x), logits(base, x), rtol=1e-4, atol=1e-4)
 
 
-def test_min_alignment_gain_is_checked() -> None:
-    for config, words in (({"aggregation": "weight", "min-alignment-gain": 1.0}, "in \\[0, 1\\)"),
-                          ({"aggregation": "fedavg", "min-alignment-gain": 0.05}, "data-free matching"),
-                          ({"aggregation": "learned", "min-alignment-gain": 0.05, "server-data": 10}, "refines")):
-        with pytest.raises(ConfigError, match=words):
-            RunSettings.from_run_config(config)
+def test_min_alignment_gain_is_checked_and_guards_only_data_free_matching() -> None:
+    """It is on by default; learned (whose refinement moves the clients apart on purpose) and canonical (which
+    never brings them closer) would always be set aside, so the guard leaves them alone."""
+    with pytest.raises(ConfigError, match="in \\[0, 1\\)"):
+        RunSettings.from_run_config({"aggregation": "weight", "min-alignment-gain": 1.0})
+    assert RunSettings.from_run_config({}).min_alignment_gain > 0
+    replies = [reply(state(i), metrics(examples=n), node=i + 1) for i, n in enumerate((10, 20))]
+    canonical = strategy("canonical", min_alignment_gain=0.5)
+    arrays, _ = canonical.aggregate_train(1, replies)
+    assert arrays is not None and not canonical.current.unaligned
+    assert canonical.current.distance_after == pytest.approx(canonical.current.distance_before)
 
 
 def test_restore_norms_gives_the_merged_neurons_the_clients_mean_norm() -> None:
@@ -581,9 +586,10 @@ def test_heterofl_keeps_entries_nobody_holds() -> None:
 
 @pytest.mark.parametrize("aggregation", ["weight", "learned"])
 def test_a_narrow_client_merged_alone_keeps_its_function_both_ways(aggregation: str) -> None:
-    """Exact embedding into the universe, then projection back onto the client's placement (the downlink)."""
+    """Exact embedding into the universe, then projection back onto where alignment put the client (the downlink
+    of narrow-placement aligned; principal's echoes are the test below)."""
     learn = LearnConfig(steps=4, eval_every=2, batch_size=16, lr=0.05)
-    s = mixed_strategy(aggregation, server_data=synthetic_images(48), learn=learn)
+    s = mixed_strategy(aggregation, server_data=synthetic_images(48), learn=learn, narrow_placement="aligned")
     half = half_state(5)
     arrays, _ = s.aggregate_train(2, [reply(half, metrics(**{protocol.TIER_KEY: 0.5}), node=9)])
     assert arrays is not None
@@ -646,8 +652,9 @@ def test_clients_that_send_back_what_they_got_leave_the_global_model_as_it_was(p
                                rtol=0, atol=1e-5)
 
 
-def test_principal_placement_needs_an_aligned_aggregation() -> None:
-    with pytest.raises(ConfigError, match="narrow-placement principal"):
-        RunSettings.from_run_config({"aggregation": "fedavg", "narrow-placement": "principal"})
+def test_principal_placement_is_the_default_for_aligned_aggregations_only() -> None:
+    """HeteroFL's fedavg keeps its fixed slices whatever narrow-placement says; a bad value is a ConfigError."""
+    assert places_principal("weight", RunSettings.from_run_config({}).narrow_placement)
+    assert not places_principal("fedavg", "principal") and not places_principal("weight", "aligned")
     with pytest.raises(ConfigError, match="narrow-placement must be one of"):
         RunSettings.from_run_config({"aggregation": "weight", "narrow-placement": "best"})
