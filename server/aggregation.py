@@ -63,14 +63,15 @@ class Client:
 
 @dataclass(frozen=True)
 class MergeResult:
-    """The merged native state (float32, full width), its cost, and where every client now sits."""
+    """The merged native state (float32, full width; None when ``unaligned``), its cost, and where every client
+    now sits."""
 
-    state: State
+    state: State | None
     align_seconds: float  # the server's own step: alignment, or fedavg-ft's fine-tuning
     distance_before: float  # mean pairwise ‖θ_i − θ_j‖ of the clients in the universe (canonical, embedded)
     distance_after: float  # the same after alignment
     placements: list[Placement | None]  # per client, for restricting the next global model (None: HeteroFL)
-    unaligned: bool = False  # the alignment gained less than ``min_gain``: the clients were averaged as they came
+    unaligned: bool = False  # the alignment gained less than ``min_gain``: the caller averages the clients (FedAvg)
 
 
 def mean_pairwise_distance(states: Sequence[Mapping[str, torch.Tensor]]) -> float:
@@ -120,7 +121,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     ``refit``: then refit its linear layers to the clients' mean output on ``data`` (:func:`glmc.refit.refit`).
     ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
     ``min_gain``: for weight and activation at equal widths, when matching brings the clients less than this fraction
-    closer, average them unaligned instead: FedAvg, without the steps above (:func:`_gains_too_little`).
+    closer, merge nothing and say ``unaligned``: the caller averages them as FedAvg (:func:`_gains_too_little`).
     """
     states, configs = universe_states(clients, full)
     starts = [c.placement for c in clients]
@@ -141,8 +142,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     after = mean_pairwise_distance(result.aligned)
     if aggregation in GUARDED and _gains_too_little(before, after, min_gain, configs, full):
-        return MergeResult(_sliced(clients, configs, full, anchor), seconds, before, before, [None] * len(clients),
-                           unaligned=True)
+        return MergeResult(None, seconds, before, before, [None] * len(clients), unaligned=True)
     merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
     if refit:
         merged = refit_layers(merged, result.aligned, full, data, weights=weights, placements=result.placements)

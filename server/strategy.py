@@ -254,7 +254,7 @@ class SymmetryAwareFedAvg(FedAvg):
         record.unaligned = result.unaligned
         for msg, placement in zip(valid, result.placements, strict=True):
             self.placements[msg.metadata.src_node_id] = placement
-        if result.unaligned:  # flwr's float32 FedAvg, not the float64 slice average: the fedavg run's bits exactly
+        if result.state is None:  # set aside: flwr's float32 FedAvg, so the fedavg run's bits exactly
             return super().aggregate_train(record.round, valid)
         metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
         return ArrayRecord(result.state), metrics  # type: ignore[arg-type]
