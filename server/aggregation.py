@@ -71,7 +71,11 @@ class MergeResult:
     distance_before: float  # mean pairwise ‖θ_i − θ_j‖ of the clients in the universe (canonical, embedded)
     distance_after: float  # the same after alignment
     placements: list[Placement | None]  # per client, for restricting the next global model (None: HeteroFL)
-    unaligned: bool = False  # the alignment gained less than ``min_gain``: the caller averages the clients (FedAvg)
+
+    @property
+    def unaligned(self) -> bool:
+        """The alignment gained less than ``min_gain``: nothing was merged, the caller averages the clients."""
+        return self.state is None
 
 
 def mean_pairwise_distance(states: Sequence[Mapping[str, torch.Tensor]]) -> float:
@@ -142,7 +146,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     after = mean_pairwise_distance(result.aligned)
     if aggregation in GUARDED and _gains_too_little(before, after, min_gain, configs, full):
-        return MergeResult(None, seconds, before, before, [None] * len(clients), unaligned=True)
+        return MergeResult(None, seconds, before, before, [None] * len(clients))
     merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
     if refit:
         merged = refit_layers(merged, result.aligned, full, data, weights=weights, placements=result.placements)

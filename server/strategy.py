@@ -44,7 +44,7 @@ from server.aggregation import (
     restrict,
     universe_states,
 )
-from server.settings import AGGREGATIONS, NARROW_PLACEMENTS, places_principal
+from server.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
 from server.validation import ReplySchema, split_replies
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ class SymmetryAwareFedAvg(FedAvg):
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
                  server_data: Dataset | None = None, align_iters: int = 1, align_workers: int = 1,
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
-                 repair: bool = False, refit: bool = False, narrow_placement: str = "principal",
-                 min_alignment_gain: float = 0.05, independent_init: bool = False,
+                 repair: bool = False, refit: bool = False, narrow_placement: str = RunSettings.narrow_placement,
+                 min_alignment_gain: float = RunSettings.min_alignment_gain, independent_init: bool = False,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
