@@ -7,13 +7,27 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
-from simulations.bench import barriers, forms, learning_budget, matching_time, merging, repair_barriers, weight_starts
+from glmc.archs import get_arch
+from glmc.canonical import canonicalize
+from glmc.transforms import MATCHABLE, apply, random_transform
+from simulations.bench import (
+    barrier_sites,
+    barriers,
+    forms,
+    learning_budget,
+    matching_time,
+    merging,
+    repair_barriers,
+    weight_starts,
+)
+from tests.symmetry_models import CONFIGS, dataset, random_native
 
 BENCHES: dict[str, Callable[[list[str]], int]] = {
     "barriers": barriers.main, "matching_time": matching_time.main, "merging": merging.main,
     "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main,
-    "learning_budget": learning_budget.main, "forms": forms.main}
+    "learning_budget": learning_budget.main, "forms": forms.main, "barrier_sites": barrier_sites.main}
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -96,3 +110,33 @@ def test_a_budget_setting_that_names_models_runs_on_those_only() -> None:
 def test_the_forms_bench_refuses_a_table_without_the_standard_form_before_measuring() -> None:
     with pytest.raises(SystemExit, match='must include "standard"'):  # no run or model is read: nothing is measured
         forms.measure_model({}, {"forms": ["rmsnorm", "circuit"], "methods": ["none"]}, {}, "")
+
+
+@pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
+def test_the_sites_split_every_moved_tensor_once_and_leave_out_the_unmoved(name: str) -> None:
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    a, b = (canonicalize(arch, random_native(cfg, seed), cfg.depth) for seed in (0, 1))
+    sites = barrier_sites.sites(arch.spec, cfg.depth, a, b)
+    names = [n for group in sites.values() for n in group]
+    assert len(names) == len(set(names))
+    assert {n for n in a if not torch.equal(a[n], b[n])} <= set(names)
+    assert all(any(not torch.equal(a[n], b[n]) for n in group) for group in sites.values())
+    assert not any(site.endswith("other") for site in sites)  # the folded LayerNorms are equal in every model
+    assert {f"layer {layer} {unit}" for layer in range(cfg.depth) for unit in ("heads", "MLP")} <= set(sites)
+    assert barrier_sites.sites(arch.spec, cfg.depth, a, a) == {}
+
+
+@pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
+def test_a_model_and_its_transformed_copy_cost_nothing_at_any_site_once_weight_matched(name: str) -> None:
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    native = random_native(cfg, 7)
+    moved = apply(canonicalize(arch, native, cfg.depth), arch.spec,
+                  random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(7)), cfg.heads)
+    copy = arch.to_native(moved, cfg.depth)
+    weight, none = (barrier_sites.pair_sites((native, copy), cfg, dataset(cfg), method)
+                    for method in ("weight", "none"))
+    assert weight["loss_a"] == pytest.approx(weight["loss_b"], abs=1e-5)
+    assert abs(weight["midpoint"]) < 1e-5 and max(map(abs, weight["sites"].values())) < 1e-5
+    assert len(none["sites"]) >= 2 * cfg.depth and max(map(abs, none["sites"].values())) > 1e-4
