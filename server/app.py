@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from client.data import eval_subset, label_counts, pool, split_config
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.errors import ConfigError
-from glmc.match.learned import LearnConfig
+from glmc.match.learned import LearnConfig, Within
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.hooks import (
     CheckpointWriter,
@@ -144,7 +145,7 @@ def main(grid: Grid, context: Context) -> None:
         log.info("%s already has %d of %d rounds; nothing to do", run_dir, done, settings.num_server_rounds)
         return
     num_nodes = len(list(grid.get_node_ids()))
-    learn = LearnConfig(concentration=settings.refine_concentration)
+    learn = LearnConfig(concentration=settings.refine_concentration, within=typing.cast(Within, settings.refine_within))
     strategy = SymmetryAwareFedAvg(
         settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
         align_iters=settings.align_iters, align_workers=settings.align_workers,

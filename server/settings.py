@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from glmc.errors import ConfigError, check_options
+from glmc.match.learned import WITHIN
 
 AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft")
 DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft")  # need the server-held batch (`server-data`)
@@ -68,6 +69,9 @@ class RunSettings:
     # learned: the refinement's mixing weights ~ Dirichlet(c·N·w); 10 stays near the weighted mean that becomes the
     # global model, the paper's 0.1 spreads them over the simplex (glmc.match.learned.LearnConfig.concentration)
     refine_concentration: float = 10.0
+    # learned: the within-head maps the refinement learns: "orthogonal", "invertible" (every map of the head's QK and
+    # OV circuits; 0.015 against 0.018 on vit-bench pairs, simulations/results/learning-budget) or "fixed"
+    refine_within: str = "orthogonal"
     # rescale every merged MLP neuron and head to the clients' mean norm (glmc.rescale); aligned aggregations only
     restore_norms: bool = False
     # reset every merged channel's mean and std to the clients' on the server-held data (REPAIR, glmc.repair);
@@ -115,6 +119,7 @@ class RunSettings:
         _require(self.round_timeout > 0, f"round-timeout must be positive, got {self.round_timeout}")
         _require(self.refine_concentration > 0,
                  f"refine-concentration must be positive, got {self.refine_concentration}")
+        _require(self.refine_within in WITHIN, f"refine-within must be one of {WITHIN}, got {self.refine_within!r}")
         _require(0 < self.fraction_train <= 1 and 0 <= self.fraction_evaluate <= 1,
                  "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")
         _require(min(self.min_train_nodes, self.align_iters, self.align_workers, self.client_threads) >= 1,

@@ -452,6 +452,7 @@ def test_pyproject_config_matches_the_settings_defaults() -> None:
 @pytest.mark.parametrize(("key", "value"), [("alpha", "x"), ("local-epochs", 1.5), ("resume", 3),
                                             ("aggregation", "mean"), ("width-tiers", "1,a"), ("nope", 1),
                                             ("min-available-nodes", -1), ("refine-concentration", 0),
+                                            ("refine-within", "affine"),
                                             ("alpha", -1.0), ("alpha", float("nan")), ("lr", float("nan")),
                                             ("lr", -0.1), ("classes-per-client", 0), ("seed", -1)])
 def test_bad_run_config_is_a_config_error(key: str, value: object) -> None:
