@@ -54,9 +54,8 @@ def sites(spec: SpecTable, depth: int, a: State, b: State) -> dict[str, list[str
 
 
 def losses(states: list[State], cfg: ModelConfig, test: Dataset) -> list[float]:
-    """The held-out loss of each state, in float32 as ``glmc barrier`` evaluates (one model, reloaded)."""
-    grid = [[1.0 if i == j else 0.0 for j in range(len(states))] for i in range(len(states))]
-    return evaluate_mixtures(states, grid, cfg, test, dtype=torch.float32)[0]
+    """The held-out loss of each state, in float32 as ``glmc barrier`` evaluates."""
+    return [evaluate_mixtures([state], [[1.0]], cfg, test, dtype=torch.float32)[0][0] for state in states]
 
 
 def pair_sites(natives: tuple[State, State], cfg: ModelConfig, test: Dataset, method: str) -> dict[str, Any]:
