@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import Dataset
@@ -19,12 +18,10 @@ from glmc.canonical import Form, canonicalize, fixes_ones
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
 from glmc.match.learned import LearnConfig
+from glmc.match.weight import DEFAULT_START, Start
 from glmc.spec import check_same_shapes
 from glmc.tasks import inputs_of
 from glmc.transforms import Transform, apply
-
-if TYPE_CHECKING:
-    from glmc.match.weight import Start
 
 METHODS = ("none", "weight", "weight-perm", "activation", "learned", "learned-perm", "soft", "dual")
 LEARNED_METHODS = ("learned", "learned-perm", "soft", "dual")
@@ -42,7 +39,7 @@ class Alignment:
 
 
 def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset | None,
-           batch: int, learn: LearnConfig | None, start: Start = "identity") -> MatchResult:
+           batch: int, learn: LearnConfig | None, start: Start = DEFAULT_START) -> MatchResult:
     arch = get_arch(cfg.family)
     if method in LEARNED_METHODS:
         assert data is not None
@@ -80,7 +77,7 @@ def _learned(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data
 def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
     *, form: Form = "standard", data: Dataset | None = None, batch: int = 512, dtype: torch.dtype = torch.float64,
-    learn: LearnConfig | None = None, start: Start = "identity",
+    learn: LearnConfig | None = None, start: Start = DEFAULT_START,
 ) -> Alignment:
     """Align native state dict B to A (same config) by ``method``; ``start``: where the weight matching that the
     weight and learned methods run begins (:func:`glmc.match.weight.weight_match`).

@@ -225,7 +225,7 @@ def check_across_widths(args: argparse.Namespace, methods: list[str], flags: dic
     support: a narrower B is embedded into A's width and aligned as ``glmc merge`` aligns an input."""
     from glmc.merge import MERGE_METHODS
 
-    for flag, given in (flags | {"--start": args.start != "identity"}).items():
+    for flag, given in (flags | {"--start": args.start is not None}).items():
         if given:
             raise ConfigError(f"{flag} applies to two models of one width, not to {args.a} and {args.b}")
     if unknown := [m for m in methods if m not in MERGE_METHODS]:

@@ -15,7 +15,7 @@ from glmc.errors import ConfigError
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
 METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.align.METHODS
 FORM_NAMES = ["standard", "rmsnorm", "circuit"]  # glmc.canonical.FORMS, without importing torch
-START_NAMES = ["identity", "relaxed"]  # glmc.match.weight.STARTS
+START_NAMES = ["relaxed", "identity"]  # glmc.match.weight.STARTS, the default (DEFAULT_START) first
 
 if TYPE_CHECKING:
 
@@ -56,10 +56,11 @@ def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
                         "embedded into A's width first, as glmc merge embeds its inputs)")
     add_learn_arguments(parser, "training samples given to data-driven methods (default: "
                         f"{ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
-    parser.add_argument("--start", choices=START_NAMES, default="identity",
+    parser.add_argument("--start", choices=START_NAMES,
                         help="where weight matching (and the learned methods, which begin from it) starts the "
-                             "residual map: the identity, or 'relaxed': solved first with every unit map relaxed to "
-                             "an orthogonal one, which assumes nothing of B's basis (independently trained models)")
+                             "residual map: 'relaxed' (default): solved first with every unit map relaxed to an "
+                             "orthogonal one, which assumes nothing of B's basis; or the identity (the old default, "
+                             "which can end in a local optimum even for a transformed copy of B)")
 
 
 def add_align_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +97,7 @@ def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, 
     data = train_subset(meta, args.data, samples) if method in DATA_METHODS else None
     learn = learn_options(args) if method in LEARNED_METHODS else None
     return align_pair(state_a, state_b, meta.config, method, form=form, data=data,
-                      batch=samples or ACTIVATION_SAMPLES, learn=learn, start=args.start)
+                      batch=samples or ACTIVATION_SAMPLES, learn=learn, start=args.start or START_NAMES[0])
 
 
 def run_align(args: argparse.Namespace) -> int:

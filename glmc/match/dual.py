@@ -24,7 +24,7 @@ from glmc.canonical import Form, fixes_ones
 from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn, pair_points
-from glmc.match.weight import Start, weight_match
+from glmc.match.weight import DEFAULT_START, Start, weight_match
 from glmc.transforms import Transform, compose, invert
 
 
@@ -38,7 +38,7 @@ class DualResult:
 
 
 def dual_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
-               options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = "identity",
+               options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = DEFAULT_START,
                ) -> DualResult:
     """Learn π_A and π_B jointly so that λ π_A(θ_A) + (1−λ) π_B(θ_B) has low task loss, λ ~ U(0.4, 0.6)."""
     options = options or LearnConfig()

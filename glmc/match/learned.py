@@ -34,7 +34,7 @@ from glmc.barrier import mix
 from glmc.canonical import Form, fixes_ones, to_circuit, to_model
 from glmc.errors import ConfigError, check_options
 from glmc.match.common import MatchResult
-from glmc.match.weight import Start, weight_match
+from glmc.match.weight import DEFAULT_START, Start, weight_match
 from glmc.train import cosine_schedule, token_loss
 from glmc.transforms import Transform, apply
 
@@ -418,7 +418,7 @@ def _epochs(loader: DataLoader, total: int) -> Iterator[tuple[torch.Tensor, torc
 
 def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
                   permutations_only: bool = False, options: LearnConfig | None = None,
-                  validation: Dataset | None = None, start: Start = "identity") -> MatchResult:
+                  validation: Dataset | None = None, start: Start = DEFAULT_START) -> MatchResult:
     """Algorithm 1: T(θ_B) ≡ θ_B as a function with λ θ_A + (1−λ) T(θ_B) of low task loss.
 
     ``a``, ``b``: canonical states of ``cfg`` in ``form``; ``data``: (input, target) pairs of the training split,

@@ -19,7 +19,7 @@ from glmc.canonical import Form, fixes_ones
 from glmc.check import TOLERANCE
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
-from glmc.match.weight import Start, weight_match
+from glmc.match.weight import DEFAULT_START, Start, weight_match
 from glmc.train import token_loss
 from glmc.transforms import Transform
 
@@ -42,7 +42,7 @@ def endpoint_error(b: State, t: Transform, cfg: ModelConfig, data: Dataset, form
 
 
 def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
-               options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = "identity",
+               options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = DEFAULT_START,
                ) -> MatchResult:
     """Learn soft head and MLP permutations and the residual map for λ θ_A + (1−λ) T(θ_B) (App. D.3).
 

@@ -3,8 +3,11 @@ orthogonal map (Procrustes) and, given it, the head permutations with within-hea
 permutations (linear assignment). Reads only the spec: no architecture is named here.
 
 The descent is non-convex, so where it starts matters. Two independently trained models share no residual
-basis, so the identity is an arbitrary first guess; the ``relaxed`` start solves the same objective with every
-unit map relaxed to the full orthogonal group of its axis first (:func:`relaxed_residual`).
+basis, so the identity is an arbitrary first guess; the ``relaxed`` start, the default, solves the same objective
+with every unit map relaxed to the full orthogonal group of its axis first (:func:`relaxed_residual`). The relaxation
+is tight at an exact symmetry, so a transformed copy is recovered from it; from the identity, a trained vit-tiny's
+copy can end in a local optimum (a swapped pair of heads with a reflected residual direction) at a quarter of
+random transforms. On independently trained pairs it also ends lower (simulations/results/weight-starts).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 Start = Literal["identity", "relaxed"]
 STARTS: tuple[Start, ...] = ("identity", "relaxed")
+DEFAULT_START: Start = "relaxed"
 # Block-ascent steps of the relaxed start. In a float64 trial on three vit-bench pairs, 3, 10 and 100 steps gave
 # 12.8%, 13.0% and 12.6% of the vanilla barrier (identity: 15.0%); the bench's float32 search with 3 steps gives
 # 14.3% against the identity's 15.2% (simulations/results/weight-starts).
@@ -166,12 +170,12 @@ def _exact(t: Transform, fix_ones: bool) -> Transform:
 def weight_match(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, heads: int,
     *, fix_ones: bool = True, permutations_only: bool = False, max_sweeps: int = 15, tol: float = 1e-3,
-    dtype: torch.dtype = torch.float32, start: Start | torch.Tensor = "identity",
+    dtype: torch.dtype = torch.float32, start: Start | torch.Tensor = DEFAULT_START,
 ) -> MatchResult:
     """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` leaves the residual and within-head maps alone (ablation).
 
-    ``start``: the residual map the first sweep assumes: the identity, the ``relaxed`` solution
-    (:func:`relaxed_residual`) or a given map. Each can end in another local optimum
+    ``start``: the residual map the first sweep assumes: the ``relaxed`` solution (:func:`relaxed_residual`, the
+    default), the identity or a given map. Each can end in another local optimum
     (``simulations.bench.weight_starts`` measures how far apart they are).
 
     The search runs in ``dtype`` (float32 halves its cost); the result is re-projected in float64, so it is
