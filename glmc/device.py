@@ -17,22 +17,32 @@ from glmc.errors import ConfigError
 
 Precision = Literal["fp32", "bf16"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
-DEVICE_HELP = "auto (CUDA when there is one), cpu, cuda or cuda:N"
+DEVICE_HELP = "auto (CUDA when there is one), cpu, cuda or cuda:N"  # glmc.cli words its own, without torch
 
 
-def resolve(device: str | torch.device | None = "auto") -> torch.device:
-    """The torch device a name means; ConfigError (one line) for an unknown name or a GPU this machine lacks."""
+def check_name(device: str | torch.device | None) -> str:
+    """The device name, lower-cased, if it is one glmc knows (auto, cpu, cuda, cuda:N), whatever this machine has:
+    a run config is read on machines with and without GPUs alike. ConfigError (one line) otherwise."""
     name = str(device) if isinstance(device, torch.device) else (device or "auto").strip().lower()
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return name
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError):
         raise ConfigError(f"unknown device {name!r}; use {DEVICE_HELP}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unsupported device {name!r}; use {DEVICE_HELP}")
+    return name
+
+
+def resolve(device: str | torch.device | None = "auto") -> torch.device:
+    """The torch device a name means; ConfigError (one line) for an unknown name or a GPU this machine lacks."""
+    name = check_name(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
     if dev.type == "cpu":
         return dev
-    if dev.type != "cuda":
-        raise ConfigError(f"unsupported device {name!r}; use {DEVICE_HELP}")
     if not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} asked for, but torch sees no CUDA GPU on this machine (use cpu or auto)")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
