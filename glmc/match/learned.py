@@ -119,7 +119,8 @@ def dense(perm: torch.Tensor | None, n: int) -> torch.Tensor:
     eye = torch.eye(n, dtype=torch.float64)
     if perm is None:
         return eye
-    return eye[perm] if perm.dim() == 1 else perm.double()
+    # On the CPU, wherever the transform was found: latents are built there and moved with their path.
+    return eye[perm.cpu()] if perm.dim() == 1 else perm.double().cpu()
 
 
 def orthogonal_latent(q: torch.Tensor | None, d: int, noise: float, g: torch.Generator) -> torch.Tensor:
