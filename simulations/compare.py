@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from glmc.errors import ConfigError
 from server.plots import plot_curves
 from server.settings import RunSettings
@@ -364,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not args.client_gpus >= 0:
             raise ConfigError(f"--client-gpus must be ≥ 0, got {args.client_gpus}")
+        if args.client_gpus and not torch.cuda.is_available():  # Ray would wait for a GPU forever
+            raise ConfigError("--client-gpus asks for GPUs, but torch sees no CUDA GPU on this machine")
         exp = Experiment.load(args.config)
         rows = saved_rows(exp, args.from_results) if args.from_results else None
         reused = saved_rows(exp, args.reuse, whole=False) if args.reuse else []

@@ -157,3 +157,12 @@ def test_server_aggregation_on_the_device_returns_a_cpu_model(aggregation, devic
 def test_device_of_names_where_a_state_lives():
     state = {"w": torch.zeros(2)}
     assert device_of(state) == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_simulation_asking_for_gpus_on_a_cpu_machine_is_refused_before_ray_waits_for_one(capsys):
+    from simulations.compare import main as compare
+
+    assert compare(["--config", "simulations/configs/drift-smoke.toml", "--client-gpus", "0.25"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+    assert compare(["--config", "simulations/configs/drift-smoke.toml", "--client-gpus", "-1"]) == 2
