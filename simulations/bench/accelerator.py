@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import time
@@ -37,6 +38,7 @@ from server.aggregation import Client, merge
 from simulations.tomlfile import config_or_exit
 
 VOCAB = 80  # about the character vocabulary of the Shakespeare corpus
+log = logging.getLogger(__name__)
 
 
 def task_config(name: str) -> ModelConfig:
@@ -58,14 +60,19 @@ def random_batch(cfg: ModelConfig, n: int, seed: int = 0) -> tuple[torch.Tensor,
 
 
 def timed(device: torch.device, work: Callable[[], Any]) -> tuple[float, Any]:
-    """Seconds of ``work()`` with the device's queue drained before and after, and what it returned."""
+    """Seconds of ``work()`` with the device's queue drained before and after, and what it returned. On a CPU, the
+    process's CPU seconds: on a shared machine (this project's 2 cores run other jobs) wall time counts the waits
+    for a core too, and with one torch thread the CPU time is what an idle machine's wall time would be."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    start, wall = clock(), time.perf_counter()
     out = work()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - start, out
+    else:
+        log.info("%.1f CPU seconds in %.1f wall seconds", clock() - start, time.perf_counter() - wall)
+    return clock() - start, out
 
 
 def _steps(model: nn.Module, arch: Arch, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer,
@@ -205,7 +212,9 @@ def table(out: Path) -> str:
     values = {d: {row["row"]: row for row in reports[d]["rows"]} for d in devices}
     lines = ["# Accelerator benchmark", "",
              "Command: `python -m simulations.bench.accelerator --device DEVICE` on each machine, then `--table`. "
-             "Config: `simulations/bench/configs/accelerator.toml`.", ""]
+             "Config: `simulations/bench/configs/accelerator.toml`. GPU times are wall seconds with the device "
+             "synchronised; CPU times are the process's CPU seconds with one torch thread (what an idle core's wall "
+             "time would be: the project's 2-core machine is shared), so a speed-up is per core of this CPU.", ""]
     lines += [f"- {d}: {reports[d]['name']}; torch {reports[d]['torch']}, python {reports[d]['python']}; wall time "
               f"{reports[d]['wall_seconds']:.0f} s; load average {reports[d]['load_average'][0]:.1f}" for d in devices]
     lines += ["", "| workload | unit | " + " | ".join(devices) + " | speed-up | peak GPU MiB |",
@@ -228,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="results folder (default: the config's run.results)")
     parser.add_argument("--table", action="store_true", help="measure nothing: write summary.md from results-*.json")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     config = config_or_exit(parser, args.config)
     out = args.out or Path(config["run"]["results"])
     if not args.table:
