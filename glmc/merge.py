@@ -53,7 +53,12 @@ def simplex_grid(n: int, steps: int) -> list[tuple[float, ...]]:
 
 
 def grid_steps(n: int, max_points: int) -> int:
-    """The finest grid of at most ``max_points`` weights on the simplex of n models, and never coarser than 1/2."""
+    """The finest grid of at most ``max_points`` weights on the simplex of n models, and never coarser than 1/2.
+
+    A simplex needs two models at least: with one, every grid is a single point and no grid would ever be too fine.
+    """
+    if n < 2:
+        raise ConfigError(f"a simplex grid needs at least 2 models, got {n}")
     steps = 2
     while math.comb(steps + n, n - 1) <= max_points:
         steps += 1
