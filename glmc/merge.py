@@ -4,7 +4,7 @@ multi-model barrier over a simplex grid (paper Eq. 2) and, across widths, each n
 to the wide one (paper Fig. 3c).
 
 Eq. 2: B(θ_1..θ_N) = max_w L(Σ_i w_i θ_i) − Σ_i w_i L(θ_i) over the simplex; here over the grid of weights
-that are multiples of 1/steps, evaluated on held-out data like the pairwise barrier (symmetry.md §10).
+that are multiples of 1/steps, evaluated on held-out data like the pairwise barrier.
 """
 
 from __future__ import annotations
