@@ -14,12 +14,12 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, cast, get_arch
-from glmc.canonical import Form, canonicalize, fixes_ones
+from glmc.canonical import CENTRED, Form, canonicalize, fixes_ones
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
 from glmc.match.learned import LearnConfig
-from glmc.match.weight import DEFAULT_START, Start
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.spec import check_same_shapes
 from glmc.tasks import inputs_of
 from glmc.transforms import Transform, apply
@@ -40,7 +40,8 @@ class Alignment:
 
 
 def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset | None,
-           batch: int, learn: LearnConfig | None, start: Start = DEFAULT_START) -> MatchResult:
+           batch: int, learn: LearnConfig | None, start: Start = DEFAULT_START,
+           weight: WeightOptions | None = None) -> MatchResult:
     arch = get_arch(cfg.family)
     if method in LEARNED_METHODS:
         assert data is not None
@@ -49,7 +50,7 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: 
         from glmc.match.weight import weight_match
 
         return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fixes_ones(form),
-                            permutations_only=method == "weight-perm", start=start)
+                            permutations_only=method == "weight-perm", start=start, options=weight)
     if method == "activation":
         from glmc.match.activation import activation_match
 
@@ -79,9 +80,11 @@ def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
     *, form: Form = "standard", data: Dataset | None = None, batch: int = 512, dtype: torch.dtype = torch.float64,
     learn: LearnConfig | None = None, start: Start = DEFAULT_START, device: str | torch.device | None = None,
+    weight: WeightOptions | None = None,
 ) -> Alignment:
     """Align native state dict B to A (same config) by ``method``; ``start``: where the weight matching that the
-    weight and learned methods run begins (:func:`glmc.match.weight.weight_match`).
+    weight and learned methods run begins, ``weight``: the weight methods' costs and stopping rule
+    (:func:`glmc.match.weight.weight_match`).
 
     Data-driven methods read ``data``, a dataset of (input, target) pairs from a split the barrier is not
     measured on; activation matching uses its first ``batch`` inputs, the learned methods all of it (holding
@@ -96,11 +99,11 @@ def align_pair(
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
     native_a, native_b = to_device(native_a, device), to_device(native_b, device)
-    if method == "none" and form != "rmsnorm":  # the models' own parameters: LayerNorm folding is bilinear
+    if method == "none" and form not in CENTRED:  # the models' own parameters: LayerNorm folding is bilinear
         a, b = (arch.to_canonical(cast(s, dtype), cfg.depth) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))
     if method == "none":
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
-    result = _match(method, a, b, cfg, form, data, batch, learn, start)
+    result = _match(method, a, b, cfg, form, data, batch, learn, start, weight)
     return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)

@@ -3,14 +3,15 @@
 ``standard``: every LayerNorm gain, and every bias its reader can absorb, is folded into the next linear
 layer; the model stays a standard timm / HF model. ``rmsnorm``: writers are also centred, so LayerNorm
 equals RMSNorm and the residual group grows to the full O(d). ``circuit``: every head is multiplied out
-into its QK and OV circuits, so interpolating weights interpolates circuits (paper §3.2.2). The last two
-change the architecture and are for offline merging only.
+into its QK and OV circuits, so interpolating weights interpolates circuits (paper §3.2.2).
+``circuit-rmsnorm``: both, as the official GLMC code interpolates. All but the first change the architecture
+and are for offline merging only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -18,14 +19,17 @@ from torch import nn
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.spec import RES, expand
 
-Form = Literal["standard", "rmsnorm", "circuit"]
-FORMS: tuple[Form, ...] = ("standard", "rmsnorm", "circuit")
+Form = Literal["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]
+FORMS: tuple[Form, ...] = get_args(Form)
+# What each form changes, as data: the stream centred with LayerNorm run as RMSNorm, and heads as circuits.
+CENTRED: frozenset[Form] = frozenset({"rmsnorm", "circuit-rmsnorm"})
+CIRCUITS: frozenset[Form] = frozenset({"circuit", "circuit-rmsnorm"})
 
 
 def fixes_ones(form: Form) -> bool:
-    """Whether the residual maps of ``form`` must fix 1: LayerNorm needs it, so every form but rmsnorm (whose
-    stream is centred, so the whole O(d) acts; the circuit form is aligned as the standard one)."""
-    return form != "rmsnorm"
+    """Whether the residual maps of ``form`` must fix 1: LayerNorm needs it, so every form whose stream is not
+    centred (a centred one has the whole O(d); a circuit form is aligned as its form without circuits)."""
+    return form not in CENTRED
 
 
 def fold_layernorms(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
@@ -72,7 +76,7 @@ def canonicalize(
     if dtype is not None:
         state = cast(state, dtype)
     state = fold_layernorms(arch, state, depth)
-    if form == "rmsnorm":
+    if form in CENTRED:
         state = centre_writers(arch, state, depth)
         state = {k: v for k, v in state.items() if not _is_norm_gain(arch, k, depth)}
     return state
@@ -131,7 +135,7 @@ def to_model(state: Mapping[str, torch.Tensor], cfg: ModelConfig, form: Form = "
     """A runnable model holding a canonical state, in the state's dtype and on its device."""
     arch = get_arch(cfg.family)
     model = arch.build(cfg)
-    if form == "rmsnorm":
+    if form in CENTRED:
         _swap_layernorms(model)
     first = next(iter(state.values()))
     model.to(first.device, first.dtype).load_state_dict(arch.to_native(state, cfg.depth), strict=True)

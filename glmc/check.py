@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from glmc.archs import ModelConfig, State, build_model, get_arch
-from glmc.canonical import Form, canonicalize, to_circuit, to_model
+from glmc.canonical import CIRCUITS, Form, canonicalize, fixes_ones, to_circuit, to_model
 from glmc.device import resolve, to_device
 from glmc.transforms import SYMMETRY_CLASSES, apply, random_transform
 
@@ -36,9 +36,8 @@ def classes_for(cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def _logits(state: State, cfg: ModelConfig, form: Form, x: torch.Tensor) -> torch.Tensor:
-    if form == "circuit":
+    if form in CIRCUITS:
         state, cfg = to_circuit(state, cfg)
-        form = "standard"
     with torch.no_grad():
         return get_arch(cfg.family).logits(to_model(state, cfg, form), x)
 
@@ -53,12 +52,12 @@ def invariance_errors(cfg: ModelConfig, form: Form = "standard", seed: int = 0,
     model.load_state_dict(native)
     with torch.no_grad():
         reference = arch.logits(model, x)
-    state = canonicalize(arch, native, cfg.depth, "rmsnorm" if form == "rmsnorm" else "standard")
+    state = canonicalize(arch, native, cfg.depth, form)
     errors = {"canonical-form": float((_logits(state, cfg, form, x) - reference).abs().max())}
     classes = classes_for(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     for name, group in [*((c, (c,)) for c in classes), ("all", classes)]:
-        t = random_transform(cfg, group, g, form != "rmsnorm")
+        t = random_transform(cfg, group, g, fixes_ones(form))
         moved = apply(state, arch.spec, t, cfg.heads)
         errors[name] = float((_logits(moved, cfg, form, x) - reference).abs().max())
     return errors

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmc.cli_learn import add_learn_arguments, count, learn_options, train_subset
+from glmc.cli_weight import weight_flags_given
 from glmc.errors import ConfigError, check_weights
 
 if TYPE_CHECKING:
@@ -227,7 +228,7 @@ def check_across_widths(args: argparse.Namespace, methods: list[str], flags: dic
     support: a narrower B is embedded into A's width and aligned as ``glmc merge`` aligns an input."""
     from glmc.merge import MERGE_METHODS
 
-    for flag, given in (flags | {"--start": args.start is not None}).items():
+    for flag, given in (flags | weight_flags_given(args)).items():
         if given:
             raise ConfigError(f"{flag} applies to two models of one width, not to {args.a} and {args.b}")
     if unknown := [m for m in methods if m not in MERGE_METHODS]:

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 from glmc import cli_merge
 from glmc.cli_learn import add_learn_arguments, count, learn_options, train_subset
+from glmc.cli_weight import add_weight_arguments, weight_options, weight_start
 from glmc.errors import ConfigError
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
 METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.align.METHODS
-FORM_NAMES = ["standard", "rmsnorm", "circuit"]  # glmc.canonical.FORMS, without importing torch
-START_NAMES = ["relaxed", "identity"]  # glmc.match.weight.STARTS, the default (DEFAULT_START) first
+FORM_NAMES = ["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]  # glmc.canonical.FORMS, without importing torch
 
 if TYPE_CHECKING:
 
@@ -56,11 +56,7 @@ def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
                         "embedded into A's width first, as glmc merge embeds its inputs)")
     add_learn_arguments(parser, "training samples given to data-driven methods (default: "
                         f"{ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
-    parser.add_argument("--start", choices=START_NAMES,
-                        help="where weight matching (and the learned methods, which begin from it) starts the "
-                             "residual map: 'relaxed' (default): solved first with every unit map relaxed to an "
-                             "orthogonal one, which assumes nothing of B's basis; or the identity (the old default, "
-                             "which can end in a local optimum even for a transformed copy of B)")
+    add_weight_arguments(parser)
 
 
 def add_align_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,8 +93,8 @@ def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, 
     data = train_subset(meta, args.data, samples) if method in DATA_METHODS else None
     learn = learn_options(args) if method in LEARNED_METHODS else None
     return align_pair(state_a, state_b, meta.config, method, form=form, data=data,
-                      batch=samples or ACTIVATION_SAMPLES, learn=learn, start=args.start or START_NAMES[0],
-                      device=args.device)
+                      batch=samples or ACTIVATION_SAMPLES, learn=learn, start=weight_start(args),
+                      device=args.device, weight=weight_options(args))
 
 
 def run_align(args: argparse.Namespace) -> int:
@@ -136,9 +132,10 @@ def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
     parser.add_argument("--form", choices=FORM_NAMES, default="standard",
                         help="the parameters the path interpolates: standard (the models as they are), rmsnorm "
-                             "(LayerNorm as RMSNorm, the residual aligned over the whole O(d)) or circuit (each head "
-                             "multiplied out into its QK and OV circuits, paper §3.2.2); the last two change the "
-                             "architecture, as the paper's barriers do")
+                             "(LayerNorm as RMSNorm, the residual aligned over the whole O(d)), circuit (each head "
+                             "multiplied out into its QK and OV circuits, paper §3.2.2) or circuit-rmsnorm (both, as "
+                             "the official GLMC code interpolates); all but standard change the architecture, as the "
+                             "paper's barriers do")
     parser.add_argument("--json", required=True, type=Path, help="write the curves here")
     parser.add_argument("--plot", type=Path, help="write a loss/accuracy plot here (.png)")
     parser.add_argument("--repair", type=count, metavar="N",
@@ -153,7 +150,7 @@ def run_barrier(args: argparse.Namespace) -> int:
     import torch
 
     from glmc.barrier import barrier_curve
-    from glmc.canonical import to_circuit
+    from glmc.canonical import CIRCUITS, to_circuit
     from glmc.tasks import held_out
 
     if args.simplex:
@@ -174,7 +171,7 @@ def run_barrier(args: argparse.Namespace) -> int:
     curves = []
     for method in args.method or ["weight"]:
         aligned = _align(args, method, state_a, state_b, meta, args.form)  # learned methods learn the form's path
-        (a, cfg), (b, _) = ((to_circuit(s, meta.config) if args.form == "circuit" else (s, meta.config))
+        (a, cfg), (b, _) = ((to_circuit(s, meta.config) if args.form in CIRCUITS else (s, meta.config))
                             for s in (aligned.a, aligned.b))
         name = f"{method}+repair" if repair is not None else method
         curve = barrier_curve(a, b, cfg, test, args.points, form=args.form, method=name, dtype=torch.float32,

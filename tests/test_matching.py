@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import pytest
 import torch
 
@@ -10,9 +13,18 @@ from glmc.align import align_pair
 from glmc.archs import cast, get_arch
 from glmc.barrier import barrier_curve, interpolate
 from glmc.canonical import canonicalize, to_model
+from glmc.cli_weight import START_NAMES, WEIGHT_FLAGS
 from glmc.errors import ConfigError, SpecError
 from glmc.match.common import sq_distance
-from glmc.match.weight import head_cost, relaxed_residual, weight_match
+from glmc.match.weight import (
+    DEFAULT_START,
+    STARTS,
+    WeightOptions,
+    head_cost,
+    relaxed_residual,
+    solve_mlp,
+    weight_match,
+)
 from glmc.train import evaluate
 from glmc.transforms import MATCHABLE, apply, random_transform
 from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
@@ -40,6 +52,54 @@ def test_weight_matching_recovers_a_transformed_copy(name, dtype, bound):
     assert sq_distance(a, aligned) < bound
     curve = barrier_curve(a, aligned, cfg, dataset(cfg), points=5)
     assert abs(curve.barrier) < 1e-8
+
+
+# The official GLMC matcher's choices, one at a time and all together (WeightOptions documents each).
+OFFICIAL = [{"head_cost": "norm"}, {"mlp_cost": "l1"}, {"stop": "fixed"},
+            {"head_cost": "norm", "mlp_cost": "l1", "stop": "fixed"}]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("options", OFFICIAL)
+@pytest.mark.parametrize("start", ["relaxed", "embeddings"])
+def test_weight_matching_with_the_official_choices_recovers_a_transformed_copy(name, options, start):
+    cfg = CONFIGS[name]
+    arch, a, b = _transformed_copy(cfg, MATCHABLE)
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, dtype=torch.float64, start=start,
+                          options=WeightOptions(**options), max_sweeps=4)
+    assert sq_distance(a, apply(b, arch.spec, result.transform, cfg.heads)) < 1e-12
+    assert len(result.objective) == (4 if options.get("stop") == "fixed" else len(result.objective))
+    if options.get("stop") == "fixed":  # every sweep runs and the last is kept, even with nothing left to gain
+        assert result.info["sweeps"] == 4
+
+
+def test_the_l1_mlp_cost_matches_units_by_their_normalised_rows():
+    """The L1 cost compares rows after L2 normalisation, so rescaled units still match: a copy with its units
+    permuted and rescaled by up to e^±4 (not a symmetry of GELU; here only a check of the cost) is matched
+    exactly."""
+    cfg = CONFIGS["vit-odd"]
+    arch = get_arch(cfg.family)
+    a = canonicalize(arch, random_native(cfg, 4), cfg.depth, dtype=torch.float64)
+    g = torch.Generator().manual_seed(4)
+    perm = torch.randperm(cfg.mlp, generator=g)
+    scale = torch.exp(2 * torch.randn(cfg.mlp, generator=g, dtype=torch.float64))
+    b = dict(a)
+    for name, axis in (("blocks.0.mlp.fc1.w", 0), ("blocks.0.mlp.fc1.b", 0), ("blocks.0.mlp.fc2.w", 1)):
+        moved = a[name].index_select(axis, perm)
+        b[name] = moved * (scale[:, None] if moved.dim() == 2 and axis == 0 else scale if axis == 0 else scale[None])
+    found = solve_mlp(a, b, arch.spec, cfg.depth, 0, WeightOptions(mlp_cost="l1"))
+    assert torch.equal(perm[found], torch.arange(cfg.mlp))
+
+
+def test_the_cli_offers_every_weight_option_with_the_library_defaults():
+    """The CLI lists the choices without importing torch, so they are written twice: here they must agree."""
+    assert START_NAMES[0] == DEFAULT_START and sorted(START_NAMES) == sorted(STARTS)
+    defaults, hints = WeightOptions(), typing.get_type_hints(WeightOptions)
+    for field, choices, _ in WEIGHT_FLAGS.values():
+        assert choices == list(typing.get_args(hints[field])) and choices[0] == getattr(defaults, field)
+    assert {f.name for f in dataclasses.fields(WeightOptions)} == {field for field, _, _ in WEIGHT_FLAGS.values()}
+    with pytest.raises(ConfigError, match="unknown weight-matching mlp_cost 'l2'; known: inner, l1"):
+        WeightOptions(mlp_cost="l2")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -94,7 +154,7 @@ def test_relaxed_start_recovers_the_residual_map_of_a_transformed_copy(name, fix
 def test_weight_matching_refuses_an_unknown_start():
     cfg = CONFIGS["vit-odd"]
     arch, a, b = _transformed_copy(cfg, MATCHABLE)
-    with pytest.raises(ConfigError, match="unknown weight-matching start 'zero'; known: identity, relaxed"):
+    with pytest.raises(ConfigError, match="unknown weight-matching start 'zero'; known: identity, relaxed, embeddings"):
         weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start="zero")  # type: ignore[arg-type]
 
 
@@ -109,6 +169,10 @@ def test_head_cost_is_the_distance_between_circuits():
         return sum(float(((x - y) ** 2).sum()) for x, y in zip(circuits(fa, i), circuits(fb, j), strict=True))
     expected = torch.tensor([[distance(i, j) for j in range(heads)] for i in range(heads)], dtype=torch.float64)
     assert torch.allclose(head_cost(fa, fb), expected, rtol=1e-10, atol=1e-10)
+    def unsquared(i, j):  # the official cost: ‖ΔQK‖ + ‖ΔOV‖
+        return sum(float(((x - y) ** 2).sum()) ** 0.5 for x, y in zip(circuits(fa, i), circuits(fb, j), strict=True))
+    expected = torch.tensor([[unsquared(i, j) for j in range(heads)] for i in range(heads)], dtype=torch.float64)
+    assert torch.allclose(head_cost(fa, fb, squared=False), expected, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -16,7 +16,7 @@ import torch
 
 from glmc.archs import cast, get_arch
 from glmc.barrier import barrier_curve
-from glmc.canonical import FORMS, canonicalize, fixes_ones, to_circuit
+from glmc.canonical import CIRCUITS, FORMS, canonicalize, fixes_ones, to_circuit
 from glmc.checkpoint import load_checkpoint, save_checkpoint
 from glmc.cli import main as glmc
 from glmc.data.fashion_mnist import find_fashion_mnist
@@ -81,12 +81,12 @@ def test_glmc_barrier_undoes_a_planted_transform_of_a_trained_model(trained: Pat
 
 @pytest.mark.parametrize("form", FORMS)
 def test_default_weight_matching_recovers_a_trained_model_to_float_precision(trained: Path, form: str) -> None:
-    """In float64 and the form's own group (rmsnorm: all of O(d)); the circuit form is aligned as the standard one
-    and its circuits then agree too."""
+    """In float64 and the form's own group (a centred form: all of O(d)); a circuit form is aligned as its form
+    without circuits, and its circuits then agree too."""
     state, meta = load_checkpoint(trained)
     cfg, arch = meta.config, get_arch(meta.config.family)
     fix_ones = fixes_ones(form)
-    a = canonicalize(arch, cast(state, torch.float64), cfg.depth, "rmsnorm" if not fix_ones else "standard")
+    a = canonicalize(arch, cast(state, torch.float64), cfg.depth, form)
     size = sum(float((v**2).sum()) for v in a.values())
     for seed in PLANTED_SEEDS:
         b = apply(a, arch.spec, random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(seed), fix_ones),
@@ -94,7 +94,7 @@ def test_default_weight_matching_recovers_a_trained_model_to_float_precision(tra
         result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones)
         aligned = apply(b, arch.spec, result.transform, cfg.heads)
         assert sq_distance(a, aligned) <= 1e-10 * size, (form, seed)
-    if form == "circuit":
+    if form in CIRCUITS:
         (a, circuit_cfg), (aligned, _) = to_circuit(a, cfg), to_circuit(aligned, cfg)
         test = held_out(meta.dataset, cfg, limit=32)
         assert barrier_curve(a, aligned, circuit_cfg, test, points=3, form=form).barrier <= 1e-9

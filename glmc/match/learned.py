@@ -31,7 +31,7 @@ from tqdm import tqdm
 from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.barrier import mix
-from glmc.canonical import Form, fixes_ones, to_circuit, to_model
+from glmc.canonical import CIRCUITS, Form, fixes_ones, to_circuit, to_model
 from glmc.device import device_of
 from glmc.errors import ConfigError, check_options
 from glmc.match.common import MatchResult
@@ -231,7 +231,7 @@ class Path:
     """
 
     def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype) -> None:
-        self.arch, self.cfg, self.dtype, self.circuit = get_arch(cfg.family), cfg, dtype, form == "circuit"
+        self.arch, self.cfg, self.dtype, self.circuit = get_arch(cfg.family), cfg, dtype, form in CIRCUITS
         self.states = [cast(e.state, dtype) for e in endpoints]
         self.device = device_of(self.states[0])  # the path runs where its endpoints live
         self.still = [self._form(s)[0] for s in self.states]  # each endpoint as it stands, in the path's form

@@ -16,9 +16,11 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 
 from glmc import groups
 from glmc.archs.base import State, cast
@@ -29,13 +31,38 @@ from glmc.transforms import Transform, apply
 
 log = logging.getLogger(__name__)
 
-Start = Literal["identity", "relaxed"]
-STARTS: tuple[Start, ...] = ("identity", "relaxed")
+Start = Literal["identity", "relaxed", "embeddings"]
+STARTS: tuple[Start, ...] = get_args(Start)
 DEFAULT_START: Start = "relaxed"
+HeadCost = Literal["squared", "norm"]
+MlpCost = Literal["inner", "l1"]
+Stop = Literal["converged", "fixed"]
 # Block-ascent steps of the relaxed start. In a float64 trial on three vit-bench pairs, 3, 10 and 100 steps gave
 # 12.8%, 13.0% and 12.6% of the vanilla barrier (identity: 15.0%); the bench's float32 search with 3 steps gives
 # 14.3% against the identity's 15.2% (simulations/results/weight-starts).
 RELAXED_STEPS = 3
+
+
+@dataclass(frozen=True)
+class WeightOptions:
+    """The choices where this matcher and the official GLMC code differ, each a measured default.
+
+    ``head_cost``: the head LAP's cost, ‖ΔQK‖² + ‖ΔOV‖² (``squared``) or ‖ΔQK‖ + ‖ΔOV‖ (``norm``, the official).
+    ``mlp_cost``: the MLP LAP's score, ⟨W_A, P W_B⟩ over fc1 rows, biases and fc2 columns (``inner``), or the
+    L1 distance between the units' L2-normalised rows of those (``l1``, the official).
+    ``stop``: sweeps end when the objective improves by less than the tolerance (``converged``), or run all
+    ``max_sweeps`` and keep the last (``fixed``, the official's 15).
+    """
+
+    head_cost: HeadCost = "squared"
+    mlp_cost: MlpCost = "inner"
+    stop: Stop = "converged"
+
+    def __post_init__(self) -> None:
+        for name, kind in (("head_cost", HeadCost), ("mlp_cost", MlpCost), ("stop", Stop)):
+            if getattr(self, name) not in get_args(kind):
+                raise ConfigError(f"unknown weight-matching {name} {getattr(self, name)!r}; "
+                                  f"known: {', '.join(get_args(kind))}")
 
 
 def solve_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
@@ -68,6 +95,18 @@ def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
         else:
             shared[layer, "vo" if unit == HEADS else "mlp"].append((xa, xb))
     return linear, list(shared.values())
+
+
+def embedding_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
+                       fix_ones: bool) -> torch.Tensor:
+    """The official code's first residual step: Procrustes on the residual tensors outside the blocks alone (the
+    embeddings and the head), each scaled as in :func:`solve_residual`."""
+    blocks = [(kind_first(a[name], spec[template], RES), kind_first(b[name], spec[template], RES))
+              for name, (layer, template) in expand(spec, depth).items()
+              if layer is None and RES in spec[template] and name in a]
+    if not blocks:
+        raise ConfigError("the embeddings start needs a residual-side tensor outside the blocks (an embedding)")
+    return groups.procrustes(sum(xa @ xb.T / xa.shape[1] for xa, xb in blocks), fix_ones)
 
 
 def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
@@ -106,14 +145,17 @@ def _circuit_norms(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (x @ x.mT * (u @ u.mT)).sum((1, 2))
 
 
-def head_cost(fa: tuple[torch.Tensor, torch.Tensor], fb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """‖QK_i^A − QK_j^B‖² + ‖OV_i^A − OV_j^B‖² on the (bias-augmented) circuits, (H, H)."""
+def head_cost(fa: tuple[torch.Tensor, torch.Tensor], fb: tuple[torch.Tensor, torch.Tensor],
+              squared: bool = True) -> torch.Tensor:
+    """‖QK_i^A − QK_j^B‖² + ‖OV_i^A − OV_j^B‖² on the (bias-augmented) circuits, or the sum of the unsquared
+    norms: (H, H)."""
     (qkv_a, o_a), (qkv_b, o_b) = fa, fb
     cost = torch.zeros(qkv_a.shape[1], qkv_b.shape[1], dtype=qkv_a.dtype, device=qkv_a.device)
     pairs = ((qkv_a[0], qkv_a[1], qkv_b[0], qkv_b[1]), (qkv_a[2], o_a, qkv_b[2], o_b))
     for xa, ya, xb, yb in pairs:
         # QK_i = X_iᵀ Y_i; OV_i = O_i V_i with O_iᵀ stored as the second factor.
-        cost += _circuit_norms(xa, ya)[:, None] + _circuit_norms(xb, yb)[None, :] - 2 * _circuit_gram(xa, xb, ya, yb)
+        term = _circuit_norms(xa, ya)[:, None] + _circuit_norms(xb, yb)[None, :] - 2 * _circuit_gram(xa, xb, ya, yb)
+        cost += term if squared else term.clamp_min(0).sqrt()
     return cost
 
 
@@ -124,10 +166,11 @@ def _within_head(fa: list[torch.Tensor], fb: list[torch.Tensor]) -> torch.Tensor
 
 
 def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                layer: int, heads: int, within: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                layer: int, heads: int, within: bool, options: WeightOptions = WeightOptions(),
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Head permutation by LAP on circuit distances, then within-head orthogonal maps M (q, k) and N (v, o)."""
     fa, fb = _head_factors(a, spec, depth, layer, heads), _head_factors(b, spec, depth, layer, heads)
-    perm = groups.assignment(-head_cost(fa, fb))
+    perm = groups.assignment(-head_cost(fa, fb, squared=options.head_cost == "squared"))
     if not within:
         return perm, None, None
     (qkv_a, o_a), (qkv_b, o_b) = fa, (fb[0][:, perm], fb[1][perm])
@@ -136,9 +179,19 @@ def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], sp
     return perm, qk, ov
 
 
+def _unit_rows(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int) -> torch.Tensor:
+    """Each MLP unit's fc1 row, bias and fc2 column as one row of unit L2 norm: (f, m)."""
+    rows = torch.cat([gather(state, spec, depth, kind, layer) for kind in (MLP, MLP_IN)], dim=1)
+    return F.normalize(rows, dim=1)
+
+
 def solve_mlp(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-              layer: int) -> torch.Tensor:
-    """MLP permutation maximising ⟨W1_A, P W1_B⟩ + ⟨b1_A, P b1_B⟩ + ⟨W2_A, W2_B Pᵀ⟩ (Eq. 3)."""
+              layer: int, options: WeightOptions = WeightOptions()) -> torch.Tensor:
+    """MLP permutation maximising ⟨W1_A, P W1_B⟩ + ⟨b1_A, P b1_B⟩ + ⟨W2_A, W2_B Pᵀ⟩ (Eq. 3), or minimising the L1
+    distance between matched units' normalised rows (``options.mlp_cost``)."""
+    if options.mlp_cost == "l1":
+        rows_a, rows_b = _unit_rows(a, spec, depth, layer), _unit_rows(b, spec, depth, layer)
+        return groups.assignment(-torch.cdist(rows_a, rows_b, p=1))
     return groups.assignment(cross(a, b, spec, depth, (MLP, MLP_IN), layer))
 
 
@@ -148,14 +201,15 @@ def _units_only(t: Transform) -> Transform:
 
 
 def _solve_units(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 heads: int, residual: torch.Tensor | None, within: bool) -> tuple[Transform, State]:
+                 heads: int, residual: torch.Tensor | None, within: bool, options: WeightOptions,
+                 ) -> tuple[Transform, State]:
     """Given the residual map, every layer's heads and MLP units, each an independent LAP; with T(B), reached
     by moving the already rotated B's units only, so no tensor is rotated twice."""
     moved = apply(b, spec, Transform(depth, residual=residual), heads)
     t = Transform(depth, residual=residual)
     for layer in range(depth):
-        t.heads[layer], t.qk[layer], t.ov[layer] = solve_heads(a, moved, spec, depth, layer, heads, within)
-        t.mlp[layer] = solve_mlp(a, moved, spec, depth, layer)
+        t.heads[layer], t.qk[layer], t.ov[layer] = solve_heads(a, moved, spec, depth, layer, heads, within, options)
+        t.mlp[layer] = solve_mlp(a, moved, spec, depth, layer, options)
     return t, apply(moved, spec, _units_only(t), heads)
 
 
@@ -167,38 +221,50 @@ def _exact(t: Transform, fix_ones: bool) -> Transform:
     return Transform(t.depth, residual=residual, heads=t.heads, qk=qk, ov=ov, mlp=t.mlp)
 
 
+def _start_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
+                    fix_ones: bool, start: Start | torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The residual map the first sweep assumes (None: the identity)."""
+    if isinstance(start, torch.Tensor):
+        return start.to(dtype)
+    if start == "identity":
+        return None
+    solve = relaxed_residual if start == "relaxed" else embedding_residual
+    return solve(a, b, spec, depth, fix_ones)
+
+
 def weight_match(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, heads: int,
     *, fix_ones: bool = True, permutations_only: bool = False, max_sweeps: int = 15, tol: float = 1e-3,
     dtype: torch.dtype = torch.float32, start: Start | torch.Tensor = DEFAULT_START,
+    options: WeightOptions | None = None,
 ) -> MatchResult:
     """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` leaves the residual and within-head maps alone (ablation).
 
     ``start``: the residual map the first sweep assumes: the ``relaxed`` solution (:func:`relaxed_residual`, the
-    default), the identity or a given map. Each can end in another local optimum
-    (``simulations.bench.weight_starts`` measures how far apart they are).
+    default), the identity, the ``embeddings``' Procrustes (:func:`embedding_residual`) or a given map. Each can
+    end in another local optimum (``simulations.bench.weight_starts`` measures how far apart they are).
+    ``options``: the costs and the stopping rule (:class:`WeightOptions`).
 
     The search runs in ``dtype`` (float32 halves its cost); the result is re-projected in float64, so it is
     exact. Sweeps stop when ‖A − T(B)‖² improves by less than ``tol`` (relative), after ``max_sweeps`` at most.
     """
     began = time.perf_counter()
+    options = options or WeightOptions()
     if isinstance(start, str) and start not in STARTS:
         raise ConfigError(f"unknown weight-matching start {start!r}; known: {', '.join(STARTS)}")
     if permutations_only and isinstance(start, torch.Tensor):
         raise ConfigError("permutation-only weight matching leaves the residual alone: it takes no start map")
-    identity = permutations_only or (isinstance(start, str) and start == "identity")
     a, b = (cast(s, dtype) for s in (a, b))
-    residual = (None if identity else relaxed_residual(a, b, spec, depth, fix_ones) if isinstance(start, str)
-                else start.to(dtype))
-    t, moved = _solve_units(a, b, spec, depth, heads, residual, within=not permutations_only)
+    residual = None if permutations_only else _start_residual(a, b, spec, depth, fix_ones, start, dtype)
+    t, moved = _solve_units(a, b, spec, depth, heads, residual, not permutations_only, options)
     objective = [sq_distance(a, moved)]
     sweeps = 1 if permutations_only else max_sweeps
     for sweep in range(1, sweeps):
         residual = solve_residual(a, apply(b, spec, _units_only(t), heads), spec, depth, fix_ones)
-        candidate, moved = _solve_units(a, b, spec, depth, heads, residual, within=True)
+        candidate, moved = _solve_units(a, b, spec, depth, heads, residual, True, options)
         value = sq_distance(a, moved)
         log.info("weight matching sweep %d: ‖A − T(B)‖² = %.6g", sweep, value)
-        if value > objective[-1] * (1 - tol):
+        if options.stop == "converged" and value > objective[-1] * (1 - tol):
             if value < objective[-1]:
                 t, objective = candidate, [*objective, value]
             break

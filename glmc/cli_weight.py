@@ -1,0 +1,54 @@
+"""Options of weight matching, declared once for ``glmc align`` and ``barrier`` (and refused across widths, where
+a narrower model is aligned as ``glmc merge`` aligns it): where it starts, its costs and when it stops."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from glmc.match.weight import Start, WeightOptions
+
+START_NAMES = ["relaxed", "identity", "embeddings"]  # glmc.match.weight.STARTS, the default (DEFAULT_START) first
+# glmc.match.weight.WeightOptions' choices, each field's default first: flag → (field, choices, what they mean)
+WEIGHT_FLAGS = {
+    "--head-cost": ("head_cost", ["squared", "norm"], "the head assignment's cost: ‖ΔQK‖² + ‖ΔOV‖² or ‖ΔQK‖ + ‖ΔOV‖"),
+    "--mlp-cost": ("mlp_cost", ["inner", "l1"], "the MLP assignment's: the inner product of the units' weights, or "
+                   "the L1 distance between their L2-normalised rows"),
+    "--stop": ("stop", ["converged", "fixed"], "sweeps end when the objective stops improving, or run all 15"),
+}
+
+
+def add_weight_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--start", choices=START_NAMES,
+                        help="where weight matching (and the learned methods, which begin from it) starts the "
+                             "residual map: 'relaxed' (default): solved first with every unit map relaxed to an "
+                             "orthogonal one, which assumes nothing of B's basis; 'identity' (the old default, "
+                             "which can end in a local optimum even for a transformed copy of B); or 'embeddings': "
+                             "Procrustes on the embeddings and the head alone (the official GLMC code's first step)")
+    for flag, (_, choices, what) in WEIGHT_FLAGS.items():
+        parser.add_argument(flag, choices=choices, help=f"weight matching: {what} (default {choices[0]})")
+
+
+def _given(args: argparse.Namespace) -> dict[str, str | None]:
+    """Each weight flag's value, None where it was not given."""
+    return {flag: getattr(args, flag[2:].replace("-", "_")) for flag in ["--start", *WEIGHT_FLAGS]}
+
+
+def weight_flags_given(args: argparse.Namespace) -> dict[str, bool]:
+    """Which weight flags were given (for the checks that refuse them)."""
+    return {flag: value is not None for flag, value in _given(args).items()}
+
+
+def weight_start(args: argparse.Namespace) -> Start:
+    """The residual start the flags give."""
+    return args.start or START_NAMES[0]
+
+
+def weight_options(args: argparse.Namespace) -> WeightOptions:
+    """The weight-matching options the flags give (the defaults for those not given)."""
+    from glmc.match.weight import WeightOptions
+
+    given = _given(args)
+    return WeightOptions(**{field: given[flag] for flag, (field, _, _) in WEIGHT_FLAGS.items()
+                            if given[flag] is not None})
