@@ -51,14 +51,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``glmc train``."""
     parser.add_argument("--model", required=True, help="preset name, e.g. vit-bench or gpt2-bench")
     parser.add_argument("--dataset", required=True,
-                        help="fashion-mnist, shakespeare, or a fetched cifar10, cifar100 or tiny-imagenet")
+                        help="fashion-mnist, shakespeare, shakespeare-bpe (byte-level BPE, the official GLMC "
+                             "benchmark), or a fetched cifar10, cifar100 or tiny-imagenet")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--width-mult", type=float, default=1.0,
                         help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2)")
     parser.add_argument("--batch-size", type=int, help="default: the dataset's")
     parser.add_argument("--lr", type=positive, help="peak learning rate (> 0); default: the dataset's")
-    parser.add_argument("--weight-decay", type=float, default=0.05)
+    parser.add_argument("--weight-decay", type=float, help="AdamW's, on matrices; default: the dataset's, else 0.05")
+    parser.add_argument("--patience", type=int, help="stop after this many validations without a lower validation "
+                        "loss and keep the best weights (0: never); default: the dataset's, 0 unless it has a "
+                        "validation split")
+    parser.add_argument("--eval-every", type=int, help="steps between validations (default: the dataset's, else 100)")
     parser.add_argument("--warmup", type=float, default=0.05, help="fraction of steps spent warming up")
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core)")
@@ -84,7 +89,9 @@ def run_train(args: argparse.Namespace) -> int:
     arch = get_arch(task.config.family)
     seed_everything(args.seed)  # the initial weights come from the seed too
     model = build_model(task.config)
-    fit = train(model, arch, task.train, cfg, progress=not args.quiet)
+    if cfg.patience and task.val is None:
+        raise ConfigError(f"--patience needs a validation split, and {task.dataset} has none")
+    fit = train(model, arch, task.train, cfg, progress=not args.quiet, validation=task.val)
     test = evaluate(model, arch, task.test, batch_size=2 * cfg.batch_size, precision=cfg.precision)
     metrics = {"test_loss": test["loss"], "test_accuracy": test["accuracy"], "train_loss": fit["train_loss"]}
     meta = CheckpointMeta(
@@ -94,7 +101,7 @@ def run_train(args: argparse.Namespace) -> int:
         seed=args.seed,
         dataset=task.dataset,
         split=task.split,
-        metrics=metrics | {"steps": fit["steps"]},
+        metrics=metrics | {k: fit[k] for k in ("steps", "val_loss", "best_step") if k in fit},
         train=cfg.to_dict(),
         vocab=task.vocab.to_json() if task.vocab else None,
     )
@@ -106,13 +113,13 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _train_config(args: argparse.Namespace, defaults: dict[str, Any]) -> TrainConfig:
-    """The TrainConfig from the flags; batch size and lr fall back to the dataset's defaults."""
+    """The TrainConfig from the flags; those not given fall back to the dataset's defaults, then TrainConfig's."""
     from glmc.train import TrainConfig
 
-    given = {k: v for k, v in {"batch_size": args.batch_size, "lr": args.lr}.items() if v is not None}
+    flags = ("batch_size", "lr", "weight_decay", "patience", "eval_every")
+    given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     return TrainConfig(
         epochs=args.epochs,
-        weight_decay=args.weight_decay,
         warmup=args.warmup,
         seed=args.seed,
         max_steps=args.max_steps,

@@ -22,7 +22,7 @@ from glmc.data.hub import HUB_DATASETS, HUB_ONLY, load_hub_copy
 from glmc.errors import ConfigError
 
 if TYPE_CHECKING:
-    from glmc.data import CharVocab, VisionSplits
+    from glmc.data import BpeVocab, CharVocab, VisionSplits
 
 VISION_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "batch_size": 128}
 
@@ -36,8 +36,9 @@ class Task:
     train: Dataset
     test: Dataset
     split: str  # description of how train and test were cut, stored with every checkpoint
-    vocab: CharVocab | None = None  # text tasks only
+    vocab: CharVocab | BpeVocab | None = None  # text tasks only
     defaults: dict[str, Any] = field(default_factory=dict)  # TrainConfig overrides that suit this data
+    val: Dataset | None = None  # a validation split for early stopping, where the dataset defines one
 
 
 def _require_family(dataset: str, cfg: ModelConfig, family: str) -> None:
@@ -91,9 +92,29 @@ def shakespeare_task(cfg: ModelConfig, path: str | Path | None = None, seed: int
     )
 
 
+# The official GLMC code's GPT-2 recipe: AdamW at 3e-4 with weight decay 0.01 (cosine, 5% warm-up: glmc train's
+# own) and early stopping on validation; its batch size is not stated, 32 blocks is this project's choice.
+PAPER_RECIPE: dict[str, Any] = {"lr": 3e-4, "batch_size": 32, "weight_decay": 0.01, "patience": 5, "eval_every": 100}
+
+
+def shakespeare_bpe_task(cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:
+    """Shakespeare as byte-level BPE blocks of the preset's context, split 90/5/5 (``glmc.data.bpe``); fixed,
+    whatever the seed."""
+    from glmc.data import load_shakespeare_bpe
+
+    _require_family("shakespeare-bpe", cfg, "gpt2")
+    corpus = load_shakespeare_bpe(path, context=cfg.context)
+    split = (f"shakespeare-bpe: contiguous 90/5/5 split, byte-level BPE vocab {corpus.vocab.size}; blocks of "
+             f"{corpus.context} tokens: {len(corpus.train)} train / {len(corpus.val)} validation / "
+             f"{len(corpus.test)} test")
+    return Task("shakespeare-bpe", cfg.replace(vocab_size=corpus.vocab.size), corpus.train, corpus.test, split,
+                vocab=corpus.vocab, defaults=dict(PAPER_RECIPE), val=corpus.val)
+
+
 TASKS: dict[str, Callable[..., Task]] = {
     "fashion-mnist": fashion_mnist_task,
     "shakespeare": shakespeare_task,
+    "shakespeare-bpe": shakespeare_bpe_task,
     **{name: functools.partial(hub_task, name) for name in HUB_ONLY},
 }
 

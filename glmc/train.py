@@ -49,14 +49,19 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 = every core this process may use
     device: str = "cpu"  # cpu, cuda, cuda:N or auto (glmc.device.resolve)
     precision: str = "fp32"  # fp32 | bf16 (autocast on the forward pass; the weights stay float32)
+    # Early stopping on a validation split (where the run has one): validate every ``eval_every`` steps, stop after
+    # ``patience`` validations without a lower loss (0: never validate) and keep the best weights.
+    patience: int = 0
+    eval_every: int = 100
 
     def __post_init__(self) -> None:
         check_options("training", [
             ("≥ 1", lambda v: v >= 1,
-             {"epochs": self.epochs, "batch_size": self.batch_size, "max_steps": self.max_steps}),
+             {"epochs": self.epochs, "batch_size": self.batch_size, "max_steps": self.max_steps,
+              "eval_every": self.eval_every}),
             ("finite and > 0", lambda v: math.isfinite(v) and v > 0, {"lr": self.lr}),
             ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0,
-             {"weight_decay": self.weight_decay, "threads": self.threads}),
+             {"weight_decay": self.weight_decay, "threads": self.threads, "patience": self.patience}),
             ("> 0 (inf: no clipping)", lambda v: v > 0, {"grad_clip": self.grad_clip}),  # 0 would zero every step
             ("in [0, 1)", lambda v: 0 <= v < 1, {"warmup": self.warmup})])
         check_precision(self.precision)
@@ -113,11 +118,47 @@ def _batches(loader: DataLoader, epochs: int) -> Iterator[tuple[torch.Tensor, to
         yield from loader
 
 
-def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, progress: bool = True) -> dict[str, float]:
-    """Train ``model`` in place with AdamW and a warm-up + cosine schedule.
+@dataclass
+class _EarlyStop:
+    """Validation every ``cfg.eval_every`` steps: the best loss, its step and weights (a copy), and whether
+    ``cfg.patience`` validations have passed without a lower one."""
+
+    arch: Arch
+    data: Dataset
+    cfg: TrainConfig
+    best: float = math.inf
+    best_step: int = 0
+    since: int = 0
+    weights: dict[str, torch.Tensor] | None = None
+
+    def stop(self, model: nn.Module, step: int, last: bool) -> bool:
+        """Validate at this step if it is due (or the last); True once patience has run out."""
+        if step % self.cfg.eval_every and not last:
+            return False
+        loss = evaluate(model, self.arch, self.data, precision=self.cfg.precision)["loss"]
+        model.train()
+        if loss < self.best:
+            self.best, self.best_step, self.since = loss, step, 0
+            self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            self.since += 1
+        log.info("step %d: validation loss %.4f (best %.4f at step %d)", step, loss, self.best, self.best_step)
+        return self.since >= self.cfg.patience
+
+    def restore(self, model: nn.Module) -> dict[str, float]:
+        """Load the best weights back; the figures of the watch."""
+        assert self.weights is not None
+        model.load_state_dict(self.weights)
+        return {"val_loss": self.best, "best_step": self.best_step}
+
+
+def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, progress: bool = True,
+          validation: Dataset | None = None) -> dict[str, float]:
+    """Train ``model`` in place with AdamW and a warm-up + cosine schedule; with ``validation`` and
+    ``cfg.patience`` > 0, stop early on it and keep the best weights (the schedule is the whole run's).
 
     Returns ``train_loss`` (mean over the last 10% of steps, where the schedule has settled), ``steps``
-    and ``seconds``.
+    and ``seconds`` (and ``val_loss`` and ``best_step`` when stopping early).
     """
     generator = seed_everything(cfg.seed)
     set_threads(cfg.threads)
@@ -130,6 +171,7 @@ def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, prog
     optimizer = make_optimizer(model, cfg)
     scheduler = cosine_schedule(optimizer, total, cfg.warmup)
     losses: list[torch.Tensor] = []  # kept on the device: a GPU step never waits for its loss to be read
+    watch = _EarlyStop(arch, validation, cfg) if validation is not None and cfg.patience > 0 else None
     start = time.perf_counter()
     with tqdm(total=total, desc="train", unit="step", disable=not progress, dynamic_ncols=True) as bar:
         for step, (x, y) in enumerate(itertools.islice(_batches(loader, cfg.epochs), total), start=1):
@@ -139,11 +181,14 @@ def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, prog
             bar.update()
             if progress and step % 50 == 0:
                 bar.set_postfix(loss=f"{float(torch.stack(losses[-50:]).mean()):.4f}", refresh=False)
+            if watch is not None and watch.stop(model, step, last=step == total):
+                break
     values = torch.stack(losses).double().cpu().numpy()
     seconds = time.perf_counter() - start
     train_loss = float(np.mean(values[-max(1, len(values) // 10) :]))
     log.info("trained %d steps in %.1f s; train loss %.4f", len(losses), seconds, train_loss)
-    return {"train_loss": train_loss, "steps": len(losses), "seconds": seconds}
+    stopped = watch.restore(model) if watch is not None else {}
+    return {"train_loss": train_loss, "steps": len(losses), "seconds": seconds, **stopped}
 
 
 def train_step(

@@ -17,7 +17,8 @@ DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5}
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Every number that fixes a model's shape. Data-dependent fields (classes, vocab) are set by the task."""
+    """Every number that fixes a model's shape, and its dropout. Data-dependent fields (classes, vocab) are set by
+    the task."""
 
     family: Family
     width: int  # residual width d
@@ -27,6 +28,7 @@ class ModelConfig:
     head_dim: int = 0  # d_h; 0 means width // heads
     activation: Literal["gelu", "relu"] = "gelu"
     norm_eps: float = 0.0  # LayerNorm eps; 0 means the family default
+    dropout: float = 0.0  # on the embeddings, attention weights and residual writes while training (no parameters)
     # ViT only
     img_size: int = 28
     patch: int = 7
@@ -45,6 +47,7 @@ class ModelConfig:
             object.__setattr__(self, "norm_eps", DEFAULT_NORM_EPS[self.family])
         for sizes in (("width", "depth", "heads", "mlp"), ("head_dim",)):  # head_dim after the sizes it comes from
             check_options("model config", [("≥ 1", lambda v: v >= 1, {k: getattr(self, k) for k in sizes})])
+        check_options("model config", [("in [0, 1)", lambda v: 0 <= v < 1, {"dropout": self.dropout})])
 
     @property
     def attn_dim(self) -> int:
@@ -75,7 +78,8 @@ PRESETS: dict[str, ModelConfig] = {
     "vit-paper": ModelConfig("vit", width=256, depth=6, heads=8, mlp=512),
     "gpt2-tiny": ModelConfig("gpt2", width=32, depth=2, heads=2, mlp=64, context=32),
     "gpt2-bench": ModelConfig("gpt2", width=128, depth=4, heads=4, mlp=512, context=128),
-    "gpt2-paper": ModelConfig("gpt2", width=256, depth=6, heads=4, mlp=1024, context=256),
+    # The official GLMC code's GPT-2 (n_embd 256, 6 layers, 4 heads, MLP 1024, context 256), trained with dropout 0.1.
+    "gpt2-paper": ModelConfig("gpt2", width=256, depth=6, heads=4, mlp=1024, context=256, dropout=0.1),
 }
 
 

@@ -71,6 +71,9 @@ def build(cfg: ModelConfig) -> VisionTransformer:
         norm_layer=partial(LayerNorm, eps=cfg.norm_eps),
         attn_layer=Attention if cfg.attn_dim == cfg.width else _attention_with_head_dim(cfg.head_dim),
         qkv_bias=True,
+        drop_rate=cfg.dropout,
+        proj_drop_rate=cfg.dropout,
+        attn_drop_rate=cfg.dropout,
     )
 
 

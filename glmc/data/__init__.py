@@ -19,6 +19,8 @@ _EXPORTS = {
     "TextCorpus": "shakespeare",
     "TextPartition": "shakespeare",
     "load_shakespeare": "shakespeare",
+    "BpeVocab": "bpe",
+    "load_shakespeare_bpe": "bpe",
     "shakespeare_partitions": "shakespeare",
     "SplitConfig": "partition",
     "partition_indices": "partition",

@@ -56,12 +56,13 @@ def machine() -> str:
 def table_main(argv: list[str] | None, table: str, prog: str, description: str,
                measure: Callable[[dict[str, Any], dict[str, Any], dict[str, Any], str], dict[str, Any]],
                results: Path, heading: list[str], markdown: Callable[[str, dict[str, Any]], list[str]],
-               after: Callable[[str, dict[str, Any]], None] | None = None) -> int:
+               after: Callable[[str, dict[str, Any]], None] | None = None,
+               config: str = "simulations/bench/configs/barriers.toml") -> int:
     """The entry point of a bench over this bench's seeds, driven by its config's ``[table]``: for each of the
     table's models (or of ``--models``), in config order, ``entry = measure(run, table, model, command)``, then
     :func:`publish` of the entry in ``results`` and ``after(name, entry)`` (e.g. a plot)."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
-    parser.add_argument("--config", default="simulations/bench/configs/barriers.toml")
+    parser.add_argument("--config", default=config)
     parser.add_argument("--models", nargs="+", help=f"measure only these of the config's [{table}] models")
     args = parser.parse_args(argv)
     config = config_or_exit(parser, args.config)
