@@ -85,7 +85,9 @@ def _gap(state, native, cfg) -> float:
 def test_aligned_endpoints_are_exactly_a_and_b(trained, method, within):
     cfg, (native_a, native_b) = trained.cfg, trained.natives
     learn = replace(FAST, within=within)  # invertible: dual composes π_A⁻¹ with a true inverse
-    aligned = align_pair(native_a, native_b, cfg, method, data=trained.data, learn=learn)
+    # from the identity start, which these few steps improve on (the relaxed start can already be the best point
+    # dual learning validates at here, and then no learned map would be checked)
+    aligned = align_pair(native_a, native_b, cfg, method, data=trained.data, learn=learn, start="identity")
     if method != "learned-perm":  # STE permutations need latent moves of order 1 before they change
         assert aligned.result.info["best_step"] > 0
     assert _gap(aligned.b, native_b, cfg) <= 1e-5
