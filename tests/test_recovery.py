@@ -71,7 +71,7 @@ def barrier(a: Path, b: Path, *flags: str) -> dict:
 
 @pytest.mark.parametrize("form", FORMS)
 def test_glmc_barrier_undoes_a_planted_transform_of_a_trained_model(trained: Path, form: str) -> None:
-    for seed in PLANTED_SEEDS[:3]:
+    for seed in (10, 12):  # two of the identity start's failures on the vit-tiny
         curves = barrier(trained, plant(trained, seed), "--form", form)
         assert curves["none"]["barrier"] > 0.3  # the copy is far from A as it stands
         assert abs(curves["weight"]["barrier"]) <= 1e-3, (form, seed)
@@ -101,15 +101,18 @@ def test_default_weight_matching_recovers_a_trained_model_to_float_precision(tra
 
 
 def test_the_identity_start_fails_where_the_default_recovers(trained: Path) -> None:
-    """The hard case that made the relaxed start the default: on the trained vit-tiny, the identity start leaves a
-    planted copy at a barrier of several tenths (the objective stuck near 8 of A's 60) for some transforms."""
-    if load_checkpoint(trained)[1].config.family != "vit":
+    """The hard case that made the relaxed start the default: on the trained vit-tiny, the identity start ends some
+    planted copies in a local optimum (objective near 8 of A's 60), and ``glmc barrier --start identity`` then
+    leaves a barrier of several tenths, where the default leaves none."""
+    state, meta = load_checkpoint(trained)
+    cfg, arch = meta.config, get_arch(meta.config.family)
+    if cfg.family != "vit":
         pytest.skip("the identity start recovers the trained gpt2-tiny's copies: no hard case to show")
-    stuck = []
-    for seed in PLANTED_SEEDS:
-        planted = plant(trained, seed)
-        identity = barrier(trained, planted, "--start", "identity")["weight"]["barrier"]
-        if identity > 0.1:
-            stuck.append(seed)
-            assert abs(barrier(trained, planted)["weight"]["barrier"]) <= 1e-3
+    a = canonicalize(arch, cast(state, torch.float64), cfg.depth)
+    stuck = [seed for seed in PLANTED_SEEDS if weight_match(
+        a, apply(a, arch.spec, random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(seed)), cfg.heads),
+        arch.spec, cfg.depth, cfg.heads, start="identity").objective[-1] > 1.0]
     assert stuck, "no planted transform defeats the identity start on this model: the test lost its hard case"
+    planted = plant(trained, stuck[0])
+    assert barrier(trained, planted, "--start", "identity")["weight"]["barrier"] > 0.1
+    assert abs(barrier(trained, planted)["weight"]["barrier"]) <= 1e-3
