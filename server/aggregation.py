@@ -16,6 +16,10 @@ method (architecture.md, "The path the data takes"):
 - ``fedavg-ft``: the control for the server-held data: ``fedavg``, then the merged model itself trained on that
   data with the learned refinement's budget (:func:`finetune`). ``learned`` minus ``fedavg-ft`` is what spending
   the same samples on choosing symmetries, rather than on the weights, is worth.
+- ``server-only``: the other control: the clients are ignored; the previous global model (round 1: the seeded
+  initial model, so a model trained from scratch) is trained on the server-held data with the same budget. After
+  R rounds it has had R budgets, as fedavg-ft's model has. A data-using aggregation under it gains nothing from
+  the clients that the server's own samples would not give.
 
 Each client later gets the global model restricted to its own width (:func:`restrict`).
 """
@@ -43,7 +47,7 @@ from glmc.train import TrainConfig, train
 from glmc.universe import universe_match
 from glmc.widths import Placement, embed, place, principal_place, project
 from server import heterofl
-from server.settings import GUARDED, SLICED
+from server.settings import CONTROLS, GUARDED, SLICED
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +108,10 @@ def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], f
 
 
 def finetune(native: State, full: ModelConfig, data: Dataset | None, config: TrainConfig) -> tuple[State, float]:
-    """The full-width native model trained on the server-held ``data`` (``fedavg-ft``); returns it and the seconds."""
+    """The full-width native model trained on the server-held ``data`` (``fedavg-ft``, ``server-only``); returns it
+    and the seconds."""
     if data is None:
-        raise ConfigError("fedavg-ft fine-tunes on server-held data: set server-data > 0")
+        raise ConfigError("fedavg-ft and server-only train on server-held data: set server-data > 0")
     start = time.perf_counter()
     model = build_model(full)
     model.load_state_dict(native, strict=True)
@@ -135,8 +140,9 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     before = embedded_distance(states, configs, full, starts)
     weights = [c.weight for c in clients]
     if aggregation in SLICED:
-        native, seconds = _sliced(clients, configs, full, anchor), 0.0
-        if aggregation == "fedavg-ft":
+        seconds = 0.0
+        native = _server_only(anchor) if aggregation == "server-only" else _sliced(clients, configs, full, anchor)
+        if aggregation in CONTROLS:
             native, seconds = finetune(native, full, data, replace(tune or TrainConfig(threads=1), device=device))
         return MergeResult(native, seconds, before, before, [None] * len(clients))
     arch = get_arch(full.family)
@@ -164,6 +170,13 @@ def _sliced(clients: Sequence[Client], configs: Sequence[ModelConfig], full: Mod
     """HeteroFL's coverage-weighted average of the native width slices (FedAvg at equal widths)."""
     previous = anchor if anchor is not None else clients[0].state
     return _float32(heterofl.merge([c.state for c in clients], configs, [c.weight for c in clients], full, previous))
+
+
+def _server_only(anchor: State | None) -> State:
+    """``server-only``'s start: the previous global model, whatever the clients sent."""
+    if anchor is None:
+        raise ConfigError("server-only trains the previous global model on the server data: it needs one")
+    return _float32(anchor)
 
 
 def _gains_too_little(before: float, after: float, min_gain: float, configs: Sequence[ModelConfig],

@@ -25,6 +25,7 @@ from glmc.match.learned import LearnConfig, Within
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.hooks import (
     CheckpointWriter,
+    ClientsWriter,
     EnsembleEvaluator,
     MetricsWriter,
     clear_outputs,
@@ -118,7 +119,7 @@ def run_header(settings: RunSettings, num_nodes: int) -> dict[str, Any]:
 
 def output_hooks(settings: RunSettings, run_dir: Path, start_round: int, num_nodes: int) -> list[RoundHooks]:
     """Metrics files (continuing the earlier records on resume), one checkpoint per round, and on request
-    the logit ensemble of the clients."""
+    the logit ensemble of the clients and their models."""
     task = pool(settings).task
     meta = CheckpointMeta(preset=settings.model, config=task.config, seed=settings.seed, dataset=settings.dataset,
                           split=task.split, train=settings.to_run_config(),
@@ -126,6 +127,8 @@ def output_hooks(settings: RunSettings, run_dir: Path, start_round: int, num_nod
     previous = load_records(run_dir, start_round) if settings.resume else []
     hooks: list[RoundHooks] = [MetricsWriter(run_dir, run_header(settings, num_nodes), previous),
                                CheckpointWriter(run_dir, meta)]
+    if settings.save_clients:
+        hooks.append(ClientsWriter(run_dir, meta))
     if settings.ensemble_eval:
         hooks.insert(0, EnsembleEvaluator(task.config, eval_subset(pool(settings).test, settings.eval_limit,
                                                                    settings.seed)))

@@ -5,6 +5,8 @@ Layout of ``outputs/<run>/``::
     metrics.json   {"settings", "split", "model", "records": [RoundRecord...]}
     metrics.csv    one row per round (dropped replies as a count)
     checkpoints/round-NNN.safetensors   the global model after round N (round 0 = the initial model)
+    clients/round-NNN/client-K.safetensors   with save-clients: the K-th valid client model of round N (its example
+                                             count in the metadata's metrics["examples"])
     accuracy.png   central test accuracy of the global model and of the clients' models (mean) per round
 """
 
@@ -85,6 +87,24 @@ class CheckpointWriter(RoundHooks):
                    if k in ("round", "central_loss", "central_accuracy") and v is not None}
         save_checkpoint(checkpoint_path(self.run_dir, record.round), arrays.to_torch_state_dict(),
                         replace(self.meta, metrics=metrics))
+
+
+@dataclass(frozen=True)
+class ClientsWriter(RoundHooks):
+    """Saves every valid client model of each round (``save-clients``), for merging them offline (``glmc merge``)."""
+
+    run_dir: Path
+    meta: CheckpointMeta
+
+    def on_aggregate(self, record: RoundRecord, clients: Sequence[Client]) -> None:
+        folder = self.run_dir / "clients" / f"round-{record.round:03d}"
+        for stale in folder.glob("client-*.safetensors"):
+            stale.unlink()
+        for k, client in enumerate(clients):
+            meta = replace(self.meta, config=scale_width(self.meta.config, client.tier), width_mult=client.tier,
+                           metrics={"round": float(record.round), "examples": client.weight})
+            save_checkpoint(folder / f"client-{k}.safetensors", client.state, meta)
+        log.info("round %d: %d client models written to %s", record.round, len(clients), folder)
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,16 @@ from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
 from glmc.match.learned import WITHIN
 
-AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft")
-DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft")  # need the server-held batch (`server-data`)
-# Aggregations that average HeteroFL width slices without alignment; their clients get slices back.
-SLICED = ("fedavg", "fedavg-ft")
+AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft", "server-only")
+# need the server-held batch (`server-data`)
+DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft", "server-only")
+# The controls for the server-held data: what its samples are worth with no alignment. fedavg-ft trains FedAvg's
+# model on them, server-only the server's own model, ignoring the clients; both with the same budget.
+CONTROLS = ("fedavg-ft", "server-only")
+# Aggregations that read the server-held labels, not only its inputs (activation, refit and repair read inputs only).
+LABEL_AGGREGATIONS = ("learned", *CONTROLS)
+# Aggregations without alignment (HeteroFL width slices, or the server's own model); their clients get slices back.
+SLICED = ("fedavg", *CONTROLS)
 # Aggregations whose alignment min-alignment-gain may set aside for a round (matching only, no refinement).
 GUARDED = ("weight", "activation")
 INITS = ("shared", "independent")
@@ -93,6 +99,8 @@ class RunSettings:
     # independently initialised clients gain 13–15% (simulations/results/oneshot)
     min_alignment_gain: float = 0.05
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
+    # write each round's valid client models to <run>/clients/round-NNN/client-K.safetensors (offline merging)
+    save_clients: bool = False
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     # where clients train and evaluate: auto (the GPU the node sees, if any), cpu, cuda, cuda:N; a node's own
     # node-config key `device` overrides it. In simulation a client sees a GPU only with client-resources-num-gpus > 0
@@ -135,13 +143,13 @@ class RunSettings:
         _require(min(self.min_train_nodes, self.align_iters, self.align_workers, self.client_threads) >= 1,
                  "min-train-nodes, align-iters, align-workers and client-threads must be >= 1")
         _require(not (self.restore_norms and self.aggregation in SLICED),
-                 f"restore-norms rescales aligned merges; aggregation {self.aggregation!r} averages width slices")
+                 f"restore-norms rescales aligned merges; aggregation {self.aggregation!r} does not align")
         _require(not (self.repair and self.aggregation in SLICED),
-                 f"repair resets aligned merges; aggregation {self.aggregation!r} averages width slices")
+                 f"repair resets aligned merges; aggregation {self.aggregation!r} does not align")
         _require(not self.repair or self.server_data > 0, "repair measures statistics on server-held data: set "
                  "server-data > 0")
         _require(not (self.refit and self.aggregation in SLICED),
-                 f"refit fits aligned merges; aggregation {self.aggregation!r} averages width slices")
+                 f"refit fits aligned merges; aggregation {self.aggregation!r} does not align")
         _require(not self.refit or self.server_data > 0, "refit fits the layers on server-held data: set "
                  "server-data > 0")
         _require(self.narrow_placement in NARROW_PLACEMENTS,
@@ -164,6 +172,12 @@ class RunSettings:
         out = {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
         out["width-tiers"] = ",".join(f"{t:g}" for t in self.width_tiers)
         return out
+
+    def server_data_read(self) -> str:
+        """What the aggregation reads of the server-held data: "labels" (and inputs), "inputs" only, or "none"."""
+        if self.aggregation in LABEL_AGGREGATIONS:
+            return "labels"
+        return "inputs" if self.aggregation in DATA_AGGREGATIONS or self.refit or self.repair else "none"
 
     def tier_of(self, partition_id: int) -> float:
         """The width tier of a partition when its node config does not name one."""

@@ -1,11 +1,11 @@
 """SymmetryAwareFedAvg: FedAvg whose averaging step first aligns the clients' Transformers.
 
 ``aggregation="fedavg"`` runs flwr's own ``FedAvg.aggregate_train`` on the valid replies, so it is
-FedAvg exactly. ``weight``, ``activation``, ``learned``, ``canonical`` and ``fedavg-ft`` hand the decoded
-client states to :func:`server.aggregation.merge`. Every reply is validated first (:mod:`server.validation`); a bad
-one is dropped with a one-line reason, and with fewer than ``min_train_nodes`` valid replies the
-global model is kept for the round; so it is when the merge itself fails (a ``GlmcError``, logged and
-kept in the round's ``failure``).
+FedAvg exactly. ``weight``, ``activation``, ``learned``, ``canonical``, ``fedavg-ft`` and ``server-only`` hand the
+decoded client states to :func:`server.aggregation.merge`. Every reply is validated first
+(:mod:`server.validation`); a bad one is dropped with a one-line reason, and with fewer than ``min_train_nodes``
+valid replies the global model is kept for the round; so it is when the merge itself fails (a ``GlmcError``, logged
+and kept in the round's ``failure``).
 
 The round loop stays flwr's ``Strategy.start``; this class only wraps its ``evaluate_fn`` so that,
 after the central evaluation of each round, the named hooks ``on_round_end(record, arrays)`` run
@@ -267,8 +267,9 @@ class SymmetryAwareFedAvg(FedAvg):
         return ArrayRecord(result.state), metrics  # type: ignore[arg-type]
 
     def _merge(self, global_round: int, clients: list[Client]) -> MergeResult:
-        # With independent inits the round-1 global model is an unrelated random net: no anchor then.
-        fresh = self.independent_init and global_round == 1 and self.aggregation != "fedavg"
+        # With independent inits the round-1 global model is an unrelated random net: no anchor then (server-only
+        # trains it: from scratch).
+        fresh = self.independent_init and global_round == 1 and self.aggregation not in ("fedavg", "server-only")
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
         tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
