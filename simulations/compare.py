@@ -116,9 +116,14 @@ def _variant(entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def server_data_read(exp: Experiment, label: str) -> str:
-    """What aggregation ``label`` reads of the server-held data: "none", "inputs" or "labels" (and inputs)."""
+    """What aggregation ``label`` reads of the server-held data: "none", "inputs" or "labels" (and inputs); "unknown"
+    where its keys do not parse: an Experiment rebuilt from results.json rows alone, a variant's label standing for
+    its aggregation (such a results.json says it in ``server_data_read``)."""
     keys = {**exp.run, **_keys(exp.splits[0]), **_keys(exp.widths[0]), **exp.variants[label]}
-    return RunSettings.from_run_config(keys).server_data_read()
+    try:
+        return RunSettings.from_run_config(keys).server_data_read()
+    except ConfigError:
+        return "unknown"
 
 
 def controls(exp: Experiment) -> list[str]:
@@ -271,7 +276,7 @@ def select(rows: list[dict[str, Any]], split: str, widths: str, aggregation: str
 
 
 # How the summary names what a row reads of the server-held data.
-READS = {"none": "no", "inputs": "inputs", "labels": "inputs + labels"}
+READS = {"none": "no", "inputs": "inputs", "labels": "inputs + labels", "unknown": "–"}
 
 
 def finished(rows: list[dict[str, Any]], split: str, widths: str, aggregation: str) -> list[dict[str, Any]]:
@@ -300,9 +305,12 @@ def control_delta(rows: list[dict[str, Any]], exp: Experiment, split: str, width
     return delta
 
 
-def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, str]]:
+def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
+                 reads: dict[str, str] | None = None) -> list[dict[str, str]]:
     """One table row per (split, widths, aggregation): accuracies in %, mean ± s.e. over seeds; what the row reads
-    of the server-held data; with controls in the grid, its Δ against the strongest of them."""
+    of the server-held data (``reads``: label → a ``server_data_read`` value, default: from ``exp``); with controls
+    in the grid, its Δ against the strongest of them."""
+    reads = reads or {label: server_data_read(exp, label) for label in exp.aggregations}
     table = []
     guarded = any(r.get("unaligned") for row in rows for r in row["records"])
     for split, widths in groups(exp):
@@ -314,7 +322,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, 
             deltas = {name: "–" if agg == "fedavg" else _fmt(paired(ok, base, metric)) for name, metric in DELTAS}
             table.append({
                 "split": split, "widths": widths, "aggregation": agg,
-                "server data read": READS[server_data_read(exp, agg)], "runs": f"{len(ok)}/{len(cell)}",
+                "server data read": READS[reads.get(agg, "unknown")], "runs": f"{len(ok)}/{len(cell)}",
                 "accuracy %": _fmt([final(r, "central_accuracy") for r in ok]), **deltas,
                 **({"Δ vs strongest control (pts)": against_control(agg)} if controls(exp) else {}),
                 "clients % (mean)": _fmt([final(r, "mean_client_accuracy") for r in ok]),

@@ -3,6 +3,7 @@ finishes, records every round, and lands in results.json, summary.md and a plot 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -155,6 +156,19 @@ def test_a_grid_without_controls_has_no_control_column() -> None:
     table = compare.summary_rows(_finished_rows(exp), exp)
     assert compare.controls(exp) == [] and all("Δ vs strongest control (pts)" not in row for row in table)
     assert {row["server data read"] for row in table} == {"no"}
+
+
+def test_a_table_rebuilt_from_rows_alone_takes_the_marks_it_is_given() -> None:
+    """docs/results.md rebuilds a table from results.json rows, labels standing for aggregations: a variant's label
+    is no aggregation, so its mark is unknown ("–") unless the JSON's server_data_read is passed."""
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "oneshot-smoke.toml")
+    rows = _finished_rows(exp)
+    rebuilt = dataclasses.replace(exp, variants={a: {"aggregation": a} for a in exp.aggregations})
+    marks = {r["aggregation"]: r["server data read"] for r in compare.summary_rows(rows, rebuilt)}
+    assert marks["weight-repair"] == "–" and marks["learned"] == "inputs + labels"
+    given = {label: compare.server_data_read(exp, label) for label in exp.aggregations}
+    marks = {r["aggregation"]: r["server data read"] for r in compare.summary_rows(rows, rebuilt, given)}
+    assert marks["weight-repair"] == "inputs"
 
 
 def test_from_results_lists_the_cells_the_grid_gained_as_not_run(tmp_path: Path) -> None:
