@@ -60,6 +60,15 @@ def _assert_same_final_model(runs: Path, row: dict[str, Any], fedavg: dict[str, 
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), row["cell"]
 
 
+@pytest.mark.parametrize("config", sorted((PROJECT / "simulations" / "configs").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_grid_that_gives_an_aggregation_server_data_runs_both_controls(config: Path) -> None:
+    """fedavg-ft and server-only beside any row that reads the server-held samples, on the same seeds."""
+    exp = compare.Experiment.load(config)
+    readers = [a for a in exp.aggregations if compare.server_data_read(exp, a) != "none"]
+    kinds = {exp.variants[label]["aggregation"] for label in compare.controls(exp)}
+    assert not readers or kinds == {"fedavg-ft", "server-only"}, readers
+
+
 def test_the_grid_runs_seed_by_seed() -> None:
     """Every aggregation of a seed runs before the next seed, so a grid stopped part-way is paired."""
     exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift.toml")
