@@ -299,8 +299,8 @@ def control_delta(rows: list[dict[str, Any]], exp: Experiment, split: str, width
     def delta(agg: str) -> str:
         if best is None or agg == best:
             return "–"
-        return f"{_fmt(paired(finished(rows, split, widths, agg), base, lambda r: final(r, 'central_accuracy')))} " \
-               f"(vs {best})"
+        text = _fmt(paired(finished(rows, split, widths, agg), base, lambda r: final(r, "central_accuracy")))
+        return text if text == "–" else f"{text} (vs {best})"
 
     return delta
 

@@ -191,7 +191,8 @@ def test_from_results_lists_the_cells_the_grid_gained_as_not_run(tmp_path: Path)
                          str(results)]) == 0
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert f"**Partial:** {len(rows)} of {len(rows) + 1} cells finished; not run yet: server-only_" in summary
-    assert _summary_line(summary, "server-only")[4:6] == ["0/1", "–"]
+    cells, head = _summary_line(summary, "server-only"), _summary_line(summary, "aggregation")
+    assert cells[4:6] == ["0/1", "–"] and cells[head.index("Δ vs strongest control (pts)")] == "–"
 
 
 @pytest.mark.parametrize(("edit", "expect"), [

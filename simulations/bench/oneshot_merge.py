@@ -7,8 +7,11 @@ on the run's own central test subset, with no server-held data.
 Variants (every one data-free at the server; ``class-weighted head`` uses each client's label histogram, which the
 client knows and would send with its model):
 
+- ``largest client alone``: no merge: the client with the most examples (the data-free choice of one client).
 - ``weight``: universe weight matching from the heaviest client, ``iters`` iterations; the FL ``weight`` cell.
 - ``+ norms``: every merged MLP neuron and attention head rescaled to the clients' mean norm (restore-norms).
+- ``last k blocks and head of the largest client``: partial merging: the merge (with norms) in the early blocks,
+  the largest client's own last k blocks and head on top.
 - ``+ class-weighted head``: each class's classifier row and bias the mean of the aligned clients' rows weighted
   by how many examples of that class each client trained on, not by its total: a client that never saw a class
   has an untrained row for it.
@@ -70,6 +73,13 @@ def class_weighted_head(merged: State, aligned: Sequence[State], counts: Sequenc
     return out
 
 
+def partial(merged: State, aligned: Sequence[State], keep: int, depth: int, ref: int) -> State:
+    """``merged`` in its first ``depth - keep`` blocks; its last ``keep`` blocks, final norm and head those of
+    aligned client ``ref`` (partial merging: the later layers of one client on the merged early ones)."""
+    own = (*(f"blocks.{i}." for i in range(depth - keep, depth)), "norm.", "head.")
+    return {k: aligned[ref][k] if k.startswith(own) else v for k, v in merged.items()}
+
+
 def accuracy(native: State, cfg: ModelConfig, test: Any) -> float:
     model = build_model(cfg)
     model.load_state_dict({k: v.float() for k, v in native.items()}, strict=True)
@@ -84,9 +94,12 @@ def variants(weights: Sequence[float], counts: Sequence[Sequence[int]], cfg: Mod
     def norms(m: State, a: list[State]) -> State:
         return restore_norms(m, a, cfg, weights)
 
+    ref = max(range(len(weights)), key=weights.__getitem__)
     return {"": lambda m, a: m, " + norms": norms,
             " + class-weighted head": lambda m, a: class_weighted_head(m, a, counts),
-            " + norms + class-weighted head": lambda m, a: class_weighted_head(norms(m, a), a, counts)}
+            " + norms + class-weighted head": lambda m, a: class_weighted_head(norms(m, a), a, counts),
+            **{f", last {k} blocks and head of the largest client": (
+                lambda m, a, k=k: partial(norms(m, a), a, k, cfg.depth, ref)) for k in (1, 3)}}
 
 
 def seed_rows(run: Path, iters: Sequence[int]) -> dict[str, float]:
@@ -99,7 +112,8 @@ def seed_rows(run: Path, iters: Sequence[int]) -> dict[str, float]:
         model = build_model(cfg)
         model.load_state_dict(native, strict=True)
         models.append(model.eval())
-    rows = {"clients (mean)": 100 * statistics.fmean(accuracy(n, cfg, test) for n in natives),
+    alone = [100 * accuracy(n, cfg, test) for n in natives]
+    rows = {"clients (mean)": statistics.fmean(alone), "largest client alone": alone[weights.index(max(weights))],
             "ensemble": 100 * float(ensemble_metrics(models, arch, test)["accuracy"])}
     states = [canonicalize(arch, n, cfg.depth, dtype=torch.float64) for n in natives]
     for n in iters:
