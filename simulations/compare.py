@@ -145,9 +145,20 @@ def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str], gpus_p
     result = run_simulation(config, exp.num_supernodes, gpus_per_client=gpus_per_client, env=env)
     metrics_path = out / "runs" / cell.name / "metrics.json"
     records = json.loads(metrics_path.read_text())["records"] if result.ok and metrics_path.is_file() else []
+    status, details = rounds_status(result.status, result.details, records)
     return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
-            "widths": cell.widths["label"], "seed": cell.seed, "status": result.status, "details": result.details,
+            "widths": cell.widths["label"], "seed": cell.seed, "status": status, "details": details,
             "seconds": round(result.seconds, 1), "load": [round(x, 2) for x in os.getloadavg()], "records": records}
+
+
+def rounds_status(status: str, details: str, records: Sequence[dict[str, Any]]) -> tuple[str, str]:
+    """A run that finished with a trained round that kept the global model (too few valid replies: e.g. clients
+    killed for memory) is not the grid's experiment: ``failed:not-aggregated``, so it is not saved and runs again."""
+    kept = [r for r in records if r["round"] > 0 and not r["aggregated"]]
+    if not kept:
+        return status, details
+    why = (kept[0]["dropped"] or [kept[0].get("failure") or "too few replies"])[0]
+    return "failed:not-aggregated", f"rounds {[r['round'] for r in kept]} kept the global model: {why[:300]}"
 
 
 def pending(cell: Cell) -> dict[str, Any]:

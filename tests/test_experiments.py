@@ -69,6 +69,17 @@ def test_every_grid_that_gives_an_aggregation_server_data_runs_both_controls(con
     assert not readers or kinds == {"fedavg-ft", "server-only"}, readers
 
 
+def test_a_run_whose_round_kept_the_global_model_is_not_a_finished_cell() -> None:
+    """Clients killed for memory leave a round with no valid reply: the run finishes, but it is not the grid's
+    experiment; only a run in which every trained round aggregated stays finished."""
+    records = [{"round": 0, "aggregated": False, "dropped": []},
+               {"round": 1, "aggregated": True, "dropped": ["node 3: timeout"]}]
+    assert compare.rounds_status("finished:completed", "", records) == ("finished:completed", "")
+    records.append({"round": 2, "aggregated": False, "dropped": ["node 7: client error: OutOfMemoryError"]})
+    status, details = compare.rounds_status("finished:completed", "", records)
+    assert status == "failed:not-aggregated" and details.startswith("rounds [2] kept") and "OutOfMemory" in details
+
+
 def test_the_grid_runs_seed_by_seed() -> None:
     """Every aggregation of a seed runs before the next seed, so a grid stopped part-way is paired."""
     exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift.toml")
