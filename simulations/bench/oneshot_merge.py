@@ -12,6 +12,7 @@ client knows and would send with its model):
 - ``+ norms``: every merged MLP neuron and attention head rescaled to the clients' mean norm (restore-norms).
 - ``last k blocks and head of the largest client``: partial merging: the merge (with norms) in the early blocks,
   the largest client's own last k blocks and head on top.
+- ``t of the way from the largest client``: (1 − t)·(largest client, aligned) + t·(merge with norms), at fixed t.
 - ``+ class-weighted head``: each class's classifier row and bias the mean of the aligned clients' rows weighted
   by how many examples of that class each client trained on, not by its total: a client that never saw a class
   has an untrained row for it.
@@ -99,7 +100,10 @@ def variants(weights: Sequence[float], counts: Sequence[Sequence[int]], cfg: Mod
             " + class-weighted head": lambda m, a: class_weighted_head(m, a, counts),
             " + norms + class-weighted head": lambda m, a: class_weighted_head(norms(m, a), a, counts),
             **{f", last {k} blocks and head of the largest client": (
-                lambda m, a, k=k: partial(norms(m, a), a, k, cfg.depth, ref)) for k in (1, 3)}}
+                lambda m, a, k=k: partial(norms(m, a), a, k, cfg.depth, ref)) for k in (1, 3)},
+            **{f" + norms, {t:g} of the way from the largest client": (
+                lambda m, a, t=t: {k: (1 - t) * a[ref][k] + t * v for k, v in norms(m, a).items()})
+               for t in (0.25, 0.5)}}
 
 
 def seed_rows(run: Path, iters: Sequence[int]) -> dict[str, float]:
