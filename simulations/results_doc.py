@@ -21,6 +21,7 @@ PER_MODEL = {"barrier-sites": "barrier_sites", "barriers-repair": "repair_barrie
              "learning-budget": "learning_budget", "weight-starts": "weight_starts"}
 # What each experiment asks, in the order the page gives them, and the page that discusses it.
 ABOUT: dict[str, tuple[str, str]] = {
+    "accelerator": ("The same workloads on an NVIDIA H200 and on this project's CPU.", "accelerators.md"),
     "oneshot": ("One-shot FL from independent inits: 5 clients, Dirichlet 0.5, one round.", "federated.md"),
     "drift": ("High drift: 5 clients, Dirichlet 0.1, 5 local epochs, 10 rounds, seeds 0–2.", "federated.md"),
     "drift-seeds": ("High drift on two more seeds (3, 4).", "federated.md"),
@@ -88,8 +89,14 @@ def _matching_time(data: dict[str, Any]) -> list[str]:
             f"at each torch thread count; load average at the end {load}.", "", *timing_table(data["timing"])]
 
 
+def _accelerator(data: dict[str, Any]) -> list[str]:
+    from simulations.bench import accelerator
+
+    return accelerator.table(data).splitlines()[2:]
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "barriers": _barriers, "merging": _merging, "matching-time": _matching_time,
+    "barriers": _barriers, "merging": _merging, "matching-time": _matching_time, "accelerator": _accelerator,
     **{folder: _per_model(module) for folder, module in PER_MODEL.items()},
 }
 
