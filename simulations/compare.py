@@ -263,6 +263,12 @@ def align_share(row: dict[str, Any]) -> float | None:
     return sum(r["align_seconds"] for r in rounds) / total if total else None
 
 
+SET_ASIDE = "rounds set aside %"  # the summary's column, there when the guard set any round aside
+SET_ASIDE_NOTE = ("Rounds set aside: the share of trained rounds whose matching brought the clients less than "
+                  "min-alignment-gain closer; the guard averaged those rounds as FedAvg, so a row at 100 is FedAvg's "
+                  "run.\n")
+
+
 def unaligned_share(row: dict[str, Any]) -> float | None:
     """The share of trained rounds whose alignment min-alignment-gain set aside (averaged as FedAvg)."""
     rounds = trained(row)
@@ -341,7 +347,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
                 "align / round time %": _fmt([align_share(r) for r in ok]),
                 "distance before → after": f"{_fmt([final(r, 'distance_before') for r in ok], 1, 2)} → "
                                            f"{_fmt([final(r, 'distance_after') for r in ok], 1, 2)}",
-                **({"rounds set aside %": _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
+                **({SET_ASIDE: _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
             })
     return table
 
@@ -387,7 +393,8 @@ def provenance(config: Path, rows: list[dict[str, Any]]) -> str:
 
 def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config: Path) -> tuple[str, list[Path]]:
     """results.json, summary.md and the plots; returns the table and the plot paths."""
-    table = markdown(summary_rows(rows, exp))
+    summary = summary_rows(rows, exp)
+    table = markdown(summary)
     reads = {label: server_data_read(exp, label) for label in exp.aggregations}
     (out / "results.json").write_text(json.dumps({"experiment": exp.name, "config": exp.run, "rows": rows,
                                                   "server_data_read": reads, "controls": controls(exp)}, indent=1))
@@ -402,7 +409,8 @@ def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config
             "Δ: paired by seed, of that accuracy, of its mean over the last 3 rounds, and of its mean over all "
             "trained rounds (which also rewards getting there sooner). Server data read: what the aggregation reads "
             "of the samples the server holds back from every client (no / their inputs only / inputs + labels)."
-            f"{CONTROL_NOTE if controls(exp) else ''}\n\n"
+            f"{CONTROL_NOTE if controls(exp) else ''}\n"
+            + (SET_ASIDE_NOTE if SET_ASIDE in summary[0] else "") + "\n"
             + table + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n")
     (out / "summary.md").write_text(text)
     return table, plots

@@ -1,4 +1,4 @@
-"""Learned matching (paper §4.2, Algorithm 1; symmetry.md §7): the transform that moves B is learned from the
+"""Learned matching (paper §4.2, Algorithm 1): the transform that moves B is learned from the
 task loss of the interpolated model, starting at the weight-matching solution.
 
 Latent matrices — the residual (d, d) and, per layer, the heads (H, H) and the MLP (f, f) — are projected at
