@@ -12,7 +12,8 @@ client knows and would send with its model):
 - ``+ norms``: every merged MLP neuron and attention head rescaled to the clients' mean norm (restore-norms).
 - ``last k blocks and head of the largest client``: partial merging: the merge (with norms) in the early blocks,
   the largest client's own last k blocks and head on top.
-- ``t of the way from the largest client``: (1 − t)·(largest client, aligned) + t·(merge with norms), at fixed t.
+- ``t of the way from the largest client``: (1 − t)·(largest client, aligned) + t·(merge with norms), at fixed t;
+  its control, ``no alignment``: the same path to the clients' unaligned weighted mean (t = 1: FedAvg, folded).
 - ``+ class-weighted head``: each class's classifier row and bias the mean of the aligned clients' rows weighted
   by how many examples of that class each client trained on, not by its total: a client that never saw a class
   has an untrained row for it.
@@ -26,6 +27,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -120,6 +122,12 @@ def seed_rows(run: Path, iters: Sequence[int]) -> dict[str, float]:
     rows = {"clients (mean)": statistics.fmean(alone), "largest client alone": alone[weights.index(max(weights))],
             "ensemble": 100 * float(ensemble_metrics(models, arch, test)["accuracy"])}
     states = [canonicalize(arch, n, cfg.depth, dtype=torch.float64) for n in natives]
+    ref = weights.index(max(weights))
+    mean = {k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) / sum(weights) for k in states[0]}
+    for t in (0.25, 0.5, 1.0):  # the control of the rows below: the same path to the unaligned mean
+        between = {k: (1 - t) * states[ref][k] + t * v for k, v in mean.items()}
+        rows[f"no alignment, {t:g} of the way from the largest client"] = 100 * accuracy(
+            arch.to_native(between, cfg.depth), cfg, test)
     for n in iters:
         result = universe_match(states, cfg, "weight", weights=weights, max_iters=n,
                                 reference=max(range(len(states)), key=weights.__getitem__))
@@ -155,12 +163,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_seed = {s: seed_rows(args.runs / f"{args.cell}_dirichlet0.5_equal_s{s}", args.iters) for s in args.seeds}
     minutes = (time.perf_counter() - start) / 60
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python -m simulations.bench.oneshot_merge " + " ".join(argv or []),
+    given = sys.argv[1:] if argv is None else list(argv)
+    meta = {"command": " ".join(["python -m simulations.bench.oneshot_merge", *given]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
             "minutes": round(minutes, 1), "load": [round(x, 2) for x in os.getloadavg()]}
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "accuracy": per_seed}, indent=1))
     table = markdown(per_seed)
-    (args.out / "summary.md").write_text(f"# One-shot merging without server data\n\n{meta}\n\n{table}\n")
+    (args.out / "summary.md").write_text(
+        f"# One-shot merging without server data\n\nCommand: `{meta['command']}`. Machine: {meta['machine']}; "
+        f"{meta['minutes']} min, load average at the end {meta['load']}. Test accuracy (%) on the run's central test "
+        f"subset of the saved round-1 clients of each seed's cell, merged with no server data.\n\n{table}\n")
     print(table)
     return 0
 
