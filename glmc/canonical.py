@@ -145,11 +145,11 @@ def _swap_layernorms(model: nn.Module) -> None:
 
 
 def to_model(state: Mapping[str, torch.Tensor], cfg: ModelConfig, form: Form = "standard") -> nn.Module:
-    """A runnable model holding a canonical state (in the state's dtype)."""
+    """A runnable model holding a canonical state, in the state's dtype and on its device."""
     arch = get_arch(cfg.family)
     model = arch.build(cfg)
     if form == "rmsnorm":
         _swap_layernorms(model)
-    dtype = next(iter(state.values())).dtype
-    model.to(dtype).load_state_dict(arch.to_native(state, cfg.depth), strict=True)
+    first = next(iter(state.values()))
+    model.to(first.device, first.dtype).load_state_dict(arch.to_native(state, cfg.depth), strict=True)
     return model.eval()

@@ -110,7 +110,7 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
                                                            ("workers", "workers")) if hasattr(args, name)}
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, learn=learn,
                       restore_norms=getattr(args, "restore_norms", False), repair=repair, refit=refit, fill=args.fill,
-                      **universe)  # align has no universe options: MergeSetup's defaults
+                      device=args.device, **universe)  # align has no universe options: MergeSetup's defaults
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:

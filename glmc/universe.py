@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from glmc.archs import ModelConfig, State, get_arch
+from glmc.device import device_of
 from glmc.errors import ConfigError, check_options, check_weights
 from glmc.match.common import MatchResult, sq_distance
 from glmc.transforms import Transform, apply, compose
@@ -106,7 +107,7 @@ def _align_all(job: _Job, anchor: State, states: Sequence[State], workers: int) 
     The pool lives for one iteration, so its inputs reach each worker once rather than once per task: forked
     where the platform can (as torch's DataLoader does: nothing is copied or re-imported), spawned elsewhere.
     """
-    if workers <= 1:
+    if workers <= 1 or device_of(anchor).type != "cpu":  # a forked child cannot use its parent's CUDA context
         return [_align_one(job, anchor, s) for s in states]
     start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with ProcessPoolExecutor(min(workers, len(states)), mp_context=multiprocessing.get_context(start_method),

@@ -195,7 +195,7 @@ def _map_axis(x: torch.Tensor, kind: AxisKind, p: Placement, layer: int | None, 
               embed: bool) -> torch.Tensor:
     """One axis (first, x is (n, rest)) moved between the narrow and wide models."""
     if kind == RES:
-        e = p.residual.to(x.dtype)
+        e = p.residual.to(x.device, x.dtype)
         return e @ x * scale if embed else e.T @ x / scale
     if kind == NORM:
         if not torch.allclose(x, torch.ones_like(x)):
@@ -281,14 +281,14 @@ def _as_indices(perm: torch.Tensor) -> torch.Tensor:
     if perm.dim() == 1:
         return perm
     hard = perm.argmax(1)
-    if not torch.equal(perm, torch.eye(len(hard), dtype=perm.dtype)[hard]):
+    if not torch.equal(perm, torch.eye(len(hard), dtype=perm.dtype, device=perm.device)[hard]):
         raise ConfigError("a soft permutation does not move a placement; harden it first")
-    return hard
+    return hard.cpu()  # placements live on the CPU, whatever device the states are matched on
 
 
 def _moved(index: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
     """Where units now sit after a reordering in which new unit i is old unit perm[i]."""
-    return index if perm is None else torch.argsort(_as_indices(perm))[index]
+    return index if perm is None else torch.argsort(_as_indices(perm).cpu())[index]
 
 
 def move(p: Placement, t: Transform) -> Placement:
@@ -300,7 +300,7 @@ def move(p: Placement, t: Transform) -> Placement:
     if partial_heads and any(m is not None for m in (*t.qk, *t.ov)):
         raise ConfigError("within-head maps mix a narrower head's zero rows; merging models of different head "
                           "sizes needs a method without them (none or weight-perm)")
-    residual = p.residual if t.residual is None else t.residual.to(p.residual.dtype) @ p.residual
+    residual = p.residual if t.residual is None else t.residual.to(p.residual.device, p.residual.dtype) @ p.residual
     return dataclasses.replace(p, residual=residual,
                                heads=[_moved(h, t.heads[i]) for i, h in enumerate(p.heads)],
                                mlp=[_moved(m, t.mlp[i]) for i, m in enumerate(p.mlp)])
@@ -372,8 +372,9 @@ def lstsq_merge(states: Sequence[Mapping[str, torch.Tensor]], placements: Sequen
     spec = get_arch(wide.family).spec
     n = torch.tensor([1.0] * len(states) if weights is None else list(weights), dtype=torch.float64)
     n = n / n.sum()
-    res_projectors = [p.projector() for p in placements]
-    scalar = [torch.ones(1, 1, dtype=torch.float64) for _ in placements]
+    device = next(iter(states[0].values())).device  # the placements' projectors join the states there
+    res_projectors = [p.projector().to(device) for p in placements]
+    scalar = [torch.ones(1, 1, dtype=torch.float64, device=device) for _ in placements]
     merged: State = {}
     for name, (layer, template) in expand(spec, wide.depth).items():
         if name not in states[0]:

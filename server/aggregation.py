@@ -26,13 +26,14 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
+from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
 from glmc.refit import refit as refit_layers
@@ -116,7 +117,7 @@ def finetune(native: State, full: ModelConfig, data: Dataset | None, config: Tra
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
           data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
           tune: TrainConfig | None = None, restore: bool = False, repair: bool = False,
-          refit: bool = False, min_gain: float = 0.0) -> MergeResult:
+          refit: bool = False, min_gain: float = 0.0, device: str = "cpu") -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
@@ -126,19 +127,22 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
     ``min_gain``: for weight and activation at equal widths, when matching brings the clients less than this fraction
     closer, merge nothing and say ``unaligned``: the caller averages them as FedAvg (:func:`_gains_too_little`).
+    ``device``: where alignment, merging and fine-tuning run (``server-device``); the result comes back on the CPU.
     """
     states, configs = universe_states(clients, full)
+    states = [to_device(s, device) for s in states]
     starts = [c.placement for c in clients]
     before = embedded_distance(states, configs, full, starts)
     weights = [c.weight for c in clients]
     if aggregation in SLICED:
         native, seconds = _sliced(clients, configs, full, anchor), 0.0
         if aggregation == "fedavg-ft":
-            native, seconds = finetune(native, full, data, tune or TrainConfig(threads=1))
+            native, seconds = finetune(native, full, data, replace(tune or TrainConfig(threads=1), device=device))
         return MergeResult(native, seconds, before, before, [None] * len(clients))
     arch = get_arch(full.family)
     method, refine = UNIVERSE_METHODS[aggregation]
-    start = canonicalize(arch, anchor, full.depth, dtype=torch.float64) if anchor is not None else None
+    start = (canonicalize(arch, to_device(anchor, device), full.depth, dtype=torch.float64)
+             if anchor is not None else None)
     result = universe_match(states, full, method, weights=weights, anchor=start,
                             reference=max(range(len(clients)), key=weights.__getitem__), configs=configs,
                             max_iters=iters, data=data, batch=len(data) if data is not None else 512,  # type: ignore[arg-type]
@@ -198,4 +202,5 @@ def principal_placement(global_native: Mapping[str, torch.Tensor], full: ModelCo
 
 
 def _float32(state: Mapping[str, torch.Tensor]) -> State:
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in state.items()}
+    """The CPU float32 copy that goes into an ArrayRecord, wherever the state was computed."""
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}

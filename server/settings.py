@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
 from glmc.match.learned import WITHIN
 
@@ -93,6 +94,10 @@ class RunSettings:
     min_alignment_gain: float = 0.05
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
+    # where clients train and evaluate: auto (the GPU the node sees, if any), cpu, cuda, cuda:N; a node's own
+    # node-config key `device` overrides it. In simulation a client sees a GPU only with client-resources-num-gpus > 0
+    client_device: str = "auto"
+    server_device: str = "auto"  # where the server aligns, merges and evaluates (same names)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
 
     def __post_init__(self) -> None:
@@ -117,6 +122,11 @@ class RunSettings:
             ("≥ 1", lambda v: v >= 1, {"classes-per-client": self.classes_per_client}),
             ("≥ 0", lambda v: v >= 0, {"seed": self.seed})])
         _require(self.round_timeout > 0, f"round-timeout must be positive, got {self.round_timeout}")
+        for key, value in (("client-device", self.client_device), ("server-device", self.server_device)):
+            try:
+                check_name(value)
+            except ConfigError as err:
+                raise ConfigError(f"{key}: {err}") from None
         _require(self.refine_concentration > 0,
                  f"refine-concentration must be positive, got {self.refine_concentration}")
         _require(self.refine_within in WITHIN, f"refine-within must be one of {WITHIN}, got {self.refine_within!r}")

@@ -30,6 +30,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State
+from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
 from glmc.match.learned import LearnConfig
 from glmc.train import TrainConfig
@@ -74,6 +75,8 @@ class RoundRecord:
     distance_before: float | None = None  # mean pairwise client distance, canonical form
     distance_after: float | None = None
     unaligned: bool = False  # min-alignment-gain set this round's alignment aside: the clients were averaged (FedAvg)
+    server_peak_gpu_mb: float = 0.0  # peak GPU memory of the server's aggregation and evaluation (0 on a CPU)
+    client_peak_gpu_mb: float = 0.0  # the largest peak GPU memory a valid client reported
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,7 +103,8 @@ class SymmetryAwareFedAvg(FedAvg):
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
                  repair: bool = False, refit: bool = False, narrow_placement: str = RunSettings.narrow_placement,
                  min_alignment_gain: float = RunSettings.min_alignment_gain, independent_init: bool = False,
-                 round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
+                 round_offset: int = 0, hooks: Sequence[RoundHooks] = (), device: str = "cpu",
+                 **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
         if aggregation not in AGGREGATIONS:
@@ -126,6 +130,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
         self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
+        self.device = resolve(device)  # where the server aligns and merges (server-device)
         self.round_offset = round_offset
         self.hooks = list(hooks)
         self.records: list[RoundRecord] = []
@@ -212,9 +217,11 @@ class SymmetryAwareFedAvg(FedAvg):
                         record.round, len(valid), self.min_train_nodes)
             return None, None
         start = time.perf_counter()
+        reset_peak_memory(self.device)
         clients = [self._decode(msg) for msg in valid]
         try:
-            arrays, metrics = self._aggregate(record, valid, clients)
+            with released(self.device):
+                arrays, metrics = self._aggregate(record, valid, clients)
         except GlmcError as err:  # e.g. a merge the valid replies cannot make: the global model stays
             log.error("round %d: aggregation failed, keeping the global model: %s", record.round, err)
             record.failure = str(err)
@@ -267,11 +274,12 @@ class SymmetryAwareFedAvg(FedAvg):
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
                      iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
                      restore=self.restore_norms, repair=self.repair, refit=self.refit,
-                     min_gain=self.min_alignment_gain)
+                     min_gain=self.min_alignment_gain, device=str(self.device))
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(
             float(_metrics(m)["client-test-accuracy"]) for m in valid)  # type: ignore[arg-type]
+        record.client_peak_gpu_mb = max(float(_metrics(m)["client-peak-gpu-mb"]) for m in valid)  # type: ignore[arg-type]
         if metrics is not None and "train-loss" in metrics:
             record.train_loss = float(metrics["train-loss"])  # type: ignore[arg-type]
 
@@ -303,6 +311,7 @@ class SymmetryAwareFedAvg(FedAvg):
             record.central_loss = _optional_float(metrics.get("central-loss"))
             record.central_accuracy = _optional_float(metrics.get("central-accuracy"))
         record.round_seconds = time.perf_counter() - self._round_start if global_round > self.round_offset else 0.0
+        record.server_peak_gpu_mb = peak_memory_mb(self.device)  # aggregation and central evaluation
         self.records.append(record)
         for hook in self.hooks:
             hook.on_round_end(record, arrays)

@@ -117,11 +117,12 @@ def grid(exp: Experiment) -> list[Cell]:
     return [Cell(a, s, w, seed) for seed in exp.seeds for s in exp.splits for w in exp.widths for a in exp.aggregations]
 
 
-def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str], gpus_per_client: float = 0.0,
+             ) -> dict[str, Any]:
     """Simulate one cell and return its row: identity, status, wall time, per-round records."""
     config = cell.run_config(exp, out)
     log.info("running %s", cell.name)
-    result = run_simulation(config, exp.num_supernodes, env=env)
+    result = run_simulation(config, exp.num_supernodes, gpus_per_client=gpus_per_client, env=env)
     metrics_path = out / "runs" / cell.name / "metrics.json"
     records = json.loads(metrics_path.read_text())["records"] if result.ok and metrics_path.is_file() else []
     return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
@@ -137,9 +138,9 @@ def pending(cell: Cell) -> dict[str, Any]:
 
 
 def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True,
-             reused: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+             reused: Sequence[dict[str, Any]] = (), gpus_per_client: float = 0.0) -> list[dict[str, Any]]:
     """Every cell, reusing the saved rows of finished ones (and the finished ``reused`` rows of an earlier
-    results.json) unless ``force``; without ``run``, only those."""
+    results.json) unless ``force``; without ``run``, only those. ``gpus_per_client``: see :func:`run_simulation`."""
     earlier = {r["cell"]: r for r in reused if r["status"] == "finished:completed"}
     rows = []
     with local_superlink_env() as env:
@@ -154,7 +155,7 @@ def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True,
             if not run:
                 rows.append(pending(cell))
                 continue
-            row = run_cell(exp, cell, out, env)
+            row = run_cell(exp, cell, out, env, gpus_per_client)
             if row["status"] == "finished:completed":
                 saved.parent.mkdir(parents=True, exist_ok=True)
                 saved.write_text(json.dumps(row))
@@ -354,10 +355,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--reuse", type=Path, metavar="JSON",
                       help="take the finished cells of an earlier results.json of this experiment and run only the "
                            "others (e.g. simulations/results/NAME/results.json after the grid gains an aggregation)")
+    parser.add_argument("--client-gpus", type=float, default=0.0, metavar="F",
+                        help="GPUs per simulated client (Flower's client-resources-num-gpus; 0.25 puts four clients "
+                             "on one GPU); the apps' client-device and server-device default to auto")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     exit_on_sigterm()
     try:
+        if not args.client_gpus >= 0:
+            raise ConfigError(f"--client-gpus must be ≥ 0, got {args.client_gpus}")
         exp = Experiment.load(args.config)
         rows = saved_rows(exp, args.from_results) if args.from_results else None
         reused = saved_rows(exp, args.reuse, whole=False) if args.reuse else []
@@ -367,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if rows is None:
-        rows = run_grid(exp, out, args.force, run=not args.finished_only, reused=reused)
+        rows = run_grid(exp, out, args.force, run=not args.finished_only, reused=reused,
+                        gpus_per_client=args.client_gpus)
     table, plots = write_outputs(exp, rows, out, args.config)
     print(table)
     for path in plots:

@@ -191,17 +191,21 @@ def flwr_json(args: list[str], env: Mapping[str, str], timeout: float) -> dict[s
 
 
 def run_simulation(run_config: Mapping[str, Any], num_supernodes: int, *, cpus_per_client: int = 1,
-                   timeout: float = 7200, env: Mapping[str, str] | None = None) -> RunResult:
+                   gpus_per_client: float = 0.0, timeout: float = 7200,
+                   env: Mapping[str, str] | None = None) -> RunResult:
     """`flwr run . --stream` on the local simulation engine with these run-config overrides.
 
-    ``env``: an environment from :func:`local_superlink_env` to share one SuperLink across runs; without
-    it, the run gets its own, stopped before this returns.
+    ``gpus_per_client``: Flower's ``client-resources-num-gpus`` (a fraction lets several clients share one GPU;
+    0 keeps every client on the CPU). ``env``: an environment from :func:`local_superlink_env` to share one
+    SuperLink across runs; without it, the run gets its own, stopped before this returns.
     """
     if env is None:
         with local_superlink_env() as own:
-            return run_simulation(run_config, num_supernodes, cpus_per_client=cpus_per_client, timeout=timeout,
-                                  env=own)
+            return run_simulation(run_config, num_supernodes, cpus_per_client=cpus_per_client,
+                                  gpus_per_client=gpus_per_client, timeout=timeout, env=own)
     federation = f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
+    if gpus_per_client:
+        federation += f" client-resources-num-gpus={gpus_per_client}"
     return run_app(run_config, env, ["--federation-config", federation], timeout=timeout)
 
 
