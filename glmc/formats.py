@@ -362,3 +362,24 @@ def write(path: str | Path, fmt: str, native: Mapping[str, torch.Tensor], meta: 
     else:
         raise ConfigError(f"unknown output format {fmt!r}; known: {', '.join(FORMATS)}")
     return path
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` looks like one checkpoint of some format (not yet read): a .safetensors file or an HF
+    folder (one with a config.json)."""
+    return (path.is_file() and path.suffix == ".safetensors") or (path.is_dir() and (path / "config.json").is_file())
+
+
+def checkpoint_paths(path: str | Path) -> list[Path]:
+    """One checkpoint, or every checkpoint in a folder of them in name order (timm kwargs JSONs beside them are
+    not checkpoints); CheckpointError if there is none."""
+    path = Path(path)
+    if path.suffix in PICKLE_SUFFIXES:
+        raise _pickle_error(path)
+    if is_checkpoint(path):
+        return [path]
+    found = sorted(p for p in path.iterdir() if is_checkpoint(p)) if path.is_dir() else []
+    if not found:
+        raise CheckpointError(f"{path} is neither a checkpoint (.safetensors, Hugging Face folder) nor a folder of "
+                              "them")
+    return found
