@@ -20,7 +20,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -168,13 +168,13 @@ def _meta(cfg: ModelConfig, saved: Mapping[str, Any], split: str, origin: dict[s
     return CheckpointMeta(**{"preset": "", "split": split, **known}, config=cfg, origin=origin)
 
 
-def _tied_pairs(model: nn.Module) -> dict[str, str]:
+def _tied_pairs(model: object) -> dict[str, str]:
     """The weights an HF model ties (name → the name it shares), as transformers declares them."""
     pairs = getattr(model, "_tied_weights_keys", None) or {}
     return dict(pairs) if isinstance(pairs, Mapping) else {}
 
 
-def hf_model(native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> nn.Module:
+def hf_model(native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Any:
     """The GPT2LMHeadModel of a native state: the config it was read with (if any) at the state's sizes, tied only
     where the tied weights are equal bit for bit."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -224,11 +224,26 @@ def write_hf(folder: Path, native: Mapping[str, torch.Tensor], meta: CheckpointM
     model = hf_model(cast(native, torch.float32), meta)
 
     def fill(tmp: Path) -> None:
-        model.save_pretrained(str(tmp))
+        with _quiet_transformers():
+            model.save_pretrained(str(tmp))
         _write_tokenizer(tmp, meta)
         (tmp / GLMC_JSON).write_text(json.dumps(meta.to_dict() | {"origin": {}}, indent=1, sort_keys=True))
 
     _replace_folder(folder, fill)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars off for one call (a CLI prints its own one-line result)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _replace_folder(folder: Path, fill: Callable[[Path], None]) -> None:
@@ -344,8 +359,8 @@ def check_output(path: Path, fmt: str, force: bool) -> None:
         if fmt == "timm" and kwargs_path(path).exists() and not force:
             raise CheckpointError(f"{kwargs_path(path)} already exists; pass --force to overwrite it")
         return
-    if path.suffix == ".safetensors" or (path.exists() and not path.is_dir()):
-        raise ConfigError(f"a Hugging Face output is a folder, not the file {path}")
+    if (path.suffix and not path.is_dir()) or (path.exists() and not path.is_dir()):
+        raise ConfigError(f"--out must end in .safetensors, or name a folder for a Hugging Face output; got {path}")
     if path.is_dir() and any(path.iterdir()) and not force:
         raise CheckpointError(f"{path} already exists; pass --force to overwrite it")
 
