@@ -213,7 +213,8 @@ def _write_tokenizer(folder: Path, meta: CheckpointMeta) -> None:
     from glmc.data import CharVocab
 
     chars = CharVocab.from_json(meta.vocab).chars
-    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
+    # No unknown token: a character outside the vocabulary is an error, as in glmc's CharVocab, not a silent stand-in.
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token a character
     tokenizer.decoder = decoders.Fuse()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(str(folder))

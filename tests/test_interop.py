@@ -213,3 +213,45 @@ def perturb_like(kwargs):
     from tests.interop_models import perturb
 
     return perturb(timm.create_model(**kwargs), 0)
+
+
+def test_a_glmc_text_model_exports_with_its_char_tokenizer(tmp_path):
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    from glmc.archs import build_model, preset
+    from glmc.checkpoint import CheckpointMeta, save_checkpoint
+    from glmc.data import CharVocab
+
+    vocab = CharVocab("\n !abcdefghi")
+    cfg = preset("gpt2-tiny").replace(vocab_size=vocab.size, context=8)
+    model = build_model(cfg).eval()
+    save_checkpoint(tmp_path / "c.safetensors", model, CheckpointMeta("gpt2-tiny", cfg, dataset="shakespeare",
+                                                                      vocab=vocab.to_json()))
+    assert main(["export", str(tmp_path / "c.safetensors"), "--hf", str(tmp_path / "hf")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ids = tokenizer("bad fig\n")["input_ids"]
+    assert ids == vocab.encode("bad fig\n").tolist() and tokenizer.decode(ids) == "bad fig\n"
+    x = torch.tensor([ids])
+    assert (logits(GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")), x) - logits(model, x)).abs().max() <= F32
+    assert read(tmp_path / "hf")[1].dataset == "shakespeare"  # glmc.json keeps what glmc knew
+
+
+def test_data_files(tmp_path):
+    import numpy as np
+
+    from glmc.errors import ConfigError
+    from glmc.userdata import load_data_file
+
+    cfg = read_module(vit("vit-plain"))[1]
+    images = np.random.default_rng(0).normal(size=(6, 1, 16, 16)).astype(np.float32)
+    np.savez(tmp_path / "v.npz", images=images, labels=np.arange(6) % 5)
+    x, y = load_data_file(tmp_path / "v.npz", cfg)[:]
+    assert x.shape == (6, 1, 16, 16) and y.tolist() == [0, 1, 2, 3, 4, 0]
+    text = read_module(gpt2(tied=True))[1]
+    np.save(tmp_path / "stream.npy", np.arange(25) % 19)
+    x, y = load_data_file(tmp_path / "stream.npy", text)[:]
+    assert x.shape == (2, 10) and torch.equal(y[:, :-1], x[:, 1:])  # windows of context + 1, targets shifted
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object))
+    for bad, phrase in (("objects.npy", "not a readable"), ("v.npz", "does not fit the gpt2")):
+        with pytest.raises(ConfigError, match=phrase):
+            load_data_file(tmp_path / bad, text)
