@@ -27,7 +27,8 @@ LEARN_SAMPLES = 20000  # default training samples of learned merging (a seeded s
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="+", type=Path,
-                        help="checkpoints to merge (glmc .safetensors, Hugging Face folders or timm state dicts)")
+                        help="two or more checkpoints to merge (glmc .safetensors, Hugging Face folders or timm state "
+                             "dicts)")
     parser.add_argument("--method", default="weight", help="none, weight, weight-perm, activation or learned")
     width = parser.add_mutually_exclusive_group()
     width.add_argument("--width-of", type=Path, help="give the merged model this checkpoint's width")
@@ -139,6 +140,8 @@ def run_merge(args: argparse.Namespace) -> int:
 
     if args.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {args.method!r}; known: {', '.join(MERGE_METHODS)}")
+    if len(args.checkpoints) < 2:
+        raise ConfigError(f"merge needs at least 2 checkpoints, got {len(args.checkpoints)}")
     check_output(args.out, early_format(args), args.force)
     natives, metas, target, mult = _prepare(args, args.checkpoints)
     fmt = output_format(args, metas[0])
