@@ -61,14 +61,13 @@ class Fixed:
 
 
 def _products(xa: torch.Tensor, xb: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X_A X_Bᵀ, X_B X_Bᵀ) in float64 for (d, m) matrices, m in chunks (bounded memory for a vocabulary)."""
+    """(X_A X_Bᵀ in float64, X_B X_Bᵀ) for (d, m) matrices, m in chunks (bounded memory for a vocabulary). The
+    cross products meet a near-equal ‖X_A‖² + ‖X_B‖² in the distance, so they need float64; the Gram matrix
+    only meets QᵀQ − I, which is of the search dtype's rounding, so the search dtype serves."""
     cross_ab = torch.zeros(xa.shape[0], xa.shape[0], dtype=torch.float64, device=xa.device)
-    gram_b = torch.zeros_like(cross_ab)
     for start in range(0, xa.shape[1], chunk):
-        pa, pb = (x[:, start:start + chunk].double() for x in (xa, xb))
-        cross_ab += pa @ pb.T
-        gram_b += pb @ pb.T
-    return cross_ab, gram_b
+        cross_ab += xa[:, start:start + chunk].double() @ xb[:, start:start + chunk].double().T
+    return cross_ab, (xb @ xb.T).double()
 
 
 def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
