@@ -20,6 +20,7 @@ from simulations.bench import (
     matching_time,
     merging,
     repair_barriers,
+    scaling,
     weight_starts,
 )
 from tests.symmetry_models import CONFIGS, dataset, random_native
@@ -27,7 +28,8 @@ from tests.symmetry_models import CONFIGS, dataset, random_native
 BENCHES: dict[str, Callable[[list[str]], int]] = {
     "barriers": barriers.main, "matching_time": matching_time.main, "merging": merging.main,
     "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main,
-    "learning_budget": learning_budget.main, "forms": forms.main, "barrier_sites": barrier_sites.main}
+    "learning_budget": learning_budget.main, "forms": forms.main, "barrier_sites": barrier_sites.main,
+    "scaling": scaling.main}
 
 
 @pytest.mark.parametrize("name", BENCHES)
