@@ -1,7 +1,7 @@
 """Pairwise alignment front-end: bring checkpoint B next to A by a named method, in canonical form.
 
 ``none`` leaves both models as trained (the vanilla baseline); every other method folds LayerNorms
-first (symmetry.md §1) and returns B transformed by an exact symmetry, so it computes the same function
+first and returns B transformed by an exact symmetry, so it computes the same function
 (except ``soft``, whose doubly stochastic mixing only approximates B: paper App. D).
 """
 

@@ -1,4 +1,4 @@
-"""Canonical forms (symmetry.md §1–3): LayerNorm folding (standard), the rmsnorm form and the circuit form.
+"""Canonical forms: LayerNorm folding (standard), the rmsnorm form and the circuit form.
 
 ``standard``: every LayerNorm gain, and every bias its reader can absorb, is folded into the next linear
 layer; the model stays a standard timm / HF model. ``rmsnorm``: writers are also centred, so LayerNorm

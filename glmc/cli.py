@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmc import cli_merge, cli_symmetry
-from glmc.cli_learn import DATA_HELP
+from glmc import __version__, cli_merge, cli_symmetry
+from glmc.cli_learn import DATA_HELP, positive
+from glmc.cli_outputs import check_outputs
 from glmc.errors import ConfigError, GlmcError
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width-mult", type=float, default=1.0,
                         help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2)")
     parser.add_argument("--batch-size", type=int, help="default: the dataset's")
-    parser.add_argument("--lr", type=float, help="peak learning rate; default: the dataset's")
+    parser.add_argument("--lr", type=positive, help="peak learning rate (> 0); default: the dataset's")
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--warmup", type=float, default=0.05, help="fraction of steps spent warming up")
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
@@ -139,6 +140,7 @@ COMMANDS: dict[str, Command] = {
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per entry of ``COMMANDS``."""
     parser = _Parser(prog="glmc", description="Align, merge and train Transformers through their symmetries.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         command_parser = sub.add_parser(name, help=command.help, description=command.help)
@@ -153,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``glmc`` console script; returns the exit status."""
     try:
         args = build_parser().parse_args(argv)
+        check_outputs(args)  # before any work: a bad --out, --json or --plot must not cost a run
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("glmc").setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
         if COMMANDS[args.command].single_threaded:

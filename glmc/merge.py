@@ -4,7 +4,7 @@ multi-model barrier over a simplex grid (paper Eq. 2) and, across widths, each n
 to the wide one (paper Fig. 3c).
 
 Eq. 2: B(θ_1..θ_N) = max_w L(Σ_i w_i θ_i) − Σ_i w_i L(θ_i) over the simplex; here over the grid of weights
-that are multiples of 1/steps, evaluated on held-out data like the pairwise barrier (symmetry.md §10).
+that are multiples of 1/steps, evaluated on held-out data like the pairwise barrier.
 """
 
 from __future__ import annotations
@@ -54,7 +54,12 @@ def simplex_grid(n: int, steps: int) -> list[tuple[float, ...]]:
 
 
 def grid_steps(n: int, max_points: int) -> int:
-    """The finest grid of at most ``max_points`` weights on the simplex of n models, and never coarser than 1/2."""
+    """The finest grid of at most ``max_points`` weights on the simplex of n models, and never coarser than 1/2.
+
+    A simplex needs two models at least: with one, every grid is a single point and no grid would ever be too fine.
+    """
+    if n < 2:
+        raise ConfigError(f"a simplex grid needs at least 2 models, got {n}")
     steps = 2
     while math.comb(steps + n, n - 1) <= max_points:
         steps += 1

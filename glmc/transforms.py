@@ -3,7 +3,7 @@
 A transform acts as: residual stream x → Q x; heads of layer l reordered by ``heads[l]`` (new head i is
 old head ``heads[l][i]``), then q_i → M_i q_i, k_i → M_i⁻ᵀ k_i, v_i → N_i v_i with W_O,i → W_O,i N_i⁻¹;
 MLP units reordered by ``mlp[l]`` then scaled by ``mlp_scale[l]`` (ReLU only). Every one of these leaves
-the network function unchanged (paper §3.2; symmetry.md §2–4).
+the network function unchanged (paper §3.2).
 
 A reordering may also be a dense (n, n) matrix P acting as new = P @ old: a hard permutation matrix with a
 straight-through gradient, or a soft (doubly stochastic) one (paper App. D). ``apply`` accepts both forms;

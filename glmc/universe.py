@@ -1,4 +1,4 @@
-"""Universe matching (paper §4.3, after C2M3; symmetry.md §8): align many models into one basin and merge them.
+"""Universe matching (paper §4.3, after C2M3): align many models into one basin and merge them.
 
 U ← a chosen model (or the previous global model). Repeat: align every model to U by a pairwise method (the N
 alignments of an iteration run in a process pool), then set U to the least-squares coverage-weighted mean of
@@ -9,7 +9,7 @@ minimises the multi-model barrier of Eq. 2. Models narrower than the universe ar
 
 ``method="none"`` skips alignment: one least-squares merge, i.e. FedAvg at equal widths and HeteroFL with
 coordinate placements, through the same code path. ``refine=True`` finishes with the multi-model learned
-refinement (mixing weights ~ Dirichlet(c·N·ŵ), symmetry.md §7; ``glmc.match.dual.refine_universe``).
+refinement (mixing weights ~ Dirichlet(c·N·ŵ), ``glmc.match.dual.refine_universe``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Models of different widths in one universe (symmetry.md §9; paper App. E): exact embedding of a narrow
+"""Models of different widths in one universe (paper App. E): exact embedding of a narrow
 standard-form model into a wider architecture, projection back, and least-squares coverage-weighted merging.
 
 A :class:`Placement` says where a narrow model's units sit inside the wide model, one map per axis kind of
@@ -29,7 +29,7 @@ from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
 from glmc.transforms import Transform
 
 # How a narrow model fills the universe's extra heads and MLP units: zero heads and dead neurons (the exact
-# embedding of symmetry.md §9), or copies of its own (:func:`widen`).
+# embedding), or copies of its own (:func:`widen`).
 FILLS = ("zeros", "copies")
 # Fields that fix a model's width; every other field must agree for two models to share a universe.
 WIDTH_FIELDS = ("width", "heads", "mlp", "head_dim", "norm_eps")
@@ -231,7 +231,7 @@ def embed(state: Mapping[str, torch.Tensor], p: Placement) -> State:
 
 def project(state: Mapping[str, torch.Tensor], p: Placement) -> State:
     """A wide canonical state restricted to the model's subspace: exact for MLP units and heads, Eᵀ for the
-    residual. ``project(embed(θ, p), p) = θ``; this is the downlink to a narrow client (symmetry.md §9)."""
+    residual. ``project(embed(θ, p), p) = θ``; this is the downlink to a narrow client."""
     return _map_state(state, p, embed=False)
 
 
@@ -356,7 +356,7 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, axes: tuple[AxisKind | No
 
 def lstsq_merge(states: Sequence[Mapping[str, torch.Tensor]], placements: Sequence[Placement],
                 weights: Sequence[float] | None = None) -> State:
-    """Least-squares coverage-weighted merge of wide canonical states (symmetry.md §9).
+    """Least-squares coverage-weighted merge of wide canonical states.
 
     For a reader W: W* = (Σ n_i W_i P_i)(Σ n_i P_i)⁺ with P_i model i's projector in the universe basis
     (the residual's E Eᵀ times the 0/1 coverage of heads and units); writers are mirrored. At equal widths

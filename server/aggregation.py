@@ -1,7 +1,7 @@
 """The strategy's one aggregation step: decoded client models in, one global model out.
 
 ``merge`` is the only place that knows how models are combined, so the strategy never branches on the
-method (architecture.md, "The path the data takes"):
+method:
 
 - ``fedavg``: HeteroFL's coverage-weighted average of width slices (:mod:`server.heterofl`). The strategy
   itself takes flwr's own FedAvg code path when every client is full width, so that case is FedAvg exactly.

@@ -23,6 +23,7 @@ from glmc.device import resolve
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig, Within
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
+from server.guard import set_aside_note
 from server.hooks import (
     CheckpointWriter,
     EnsembleEvaluator,
@@ -31,7 +32,7 @@ from server.hooks import (
     latest_checkpoint,
     load_records,
 )
-from server.settings import NATURAL_SPLITS, RunSettings
+from server.settings import GUARDED, NATURAL_SPLITS, RunSettings
 from server.strategy import EvaluateFn, RoundHooks, SymmetryAwareFedAvg
 from server.validation import ReplySchema
 
@@ -164,4 +165,6 @@ def main(grid: Grid, context: Context) -> None:
     strategy.start(grid, initial, num_rounds=settings.num_server_rounds - done, timeout=settings.round_timeout,
                    train_config=ConfigRecord(), evaluate_config=ConfigRecord(),
                    evaluate_fn=central_evaluator(settings, cfg))
+    if settings.aggregation in GUARDED:
+        log.info("run summary: %s", set_aside_note(strategy.records))
     log.info("run finished: outputs in %s", run_dir)

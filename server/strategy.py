@@ -45,6 +45,7 @@ from server.aggregation import (
     restrict,
     universe_states,
 )
+from server.guard import guard_note
 from server.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
 from server.validation import ReplySchema, split_replies
 
@@ -141,8 +142,9 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        log.info("\t└──> Aggregation: %s (align iterations %d), width tiers %s", self.aggregation,
+        log.info("\t├──> Aggregation: %s (align iterations %d), width tiers %s", self.aggregation,
                  self.align_iters, sorted(self.schema.shapes))
+        log.info("\t└──> %s", guard_note(self.aggregation, self.min_alignment_gain, self.schema.shapes))
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:

@@ -1,7 +1,7 @@
 """Run the Flower apps through the real simulation engine (`flwr run . --stream`) from Python, safely.
 
-`flwr run` exits 0 even when the ServerApp fails, and leaves a detached local SuperLink behind
-(../shared/design/flower.md). So :func:`run_simulation` reads the run id from ``--format json``,
+`flwr run` exits 0 even when the ServerApp fails, and leaves a detached local SuperLink behind.
+So :func:`run_simulation` reads the run id from ``--format json``,
 asks ``flwr ls --run-id ID --format json`` for the final status, and always stops the SuperLink it
 started, by the PID listening on its own port. Each call gets its own ``FLWR_HOME`` and free ports
 (``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``, ``FLWR_LOCAL_CONTROL_API_PORT``), so concurrent runs, tests
@@ -56,7 +56,7 @@ def free_port() -> int:
 
 
 def flwr_env(flwr_home: Path, http_port: int | None = None, control_port: int | None = None) -> dict[str, str]:
-    """The environment every flwr command of this project runs with (flower.md, "Environment").
+    """The environment every flwr command of this project runs with.
 
     ``http_port`` and ``control_port`` move the local SuperLink that `flwr run` starts for a simulation;
     a deployment (:mod:`deploy`) starts its own SuperLink and leaves them out.

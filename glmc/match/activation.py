@@ -1,4 +1,4 @@
-"""Activation matching (Verma & Elbayad, "Merging Text Transformer Models", §3; symmetry.md §6).
+"""Activation matching (Verma & Elbayad, "Merging Text Transformer Models", §3).
 
 Run A and B on the same batch, take the Pearson correlation (Eq. 1) of their MLP hidden features, per-head
 attention features and residual-stream features, and solve a linear assignment (Eq. 2) for each: the

@@ -1,4 +1,4 @@
-"""Learned matching (paper §4.2, Algorithm 1; symmetry.md §7): the transform that moves B is learned from the
+"""Learned matching (paper §4.2, Algorithm 1): the transform that moves B is learned from the
 task loss of the interpolated model, starting at the weight-matching solution.
 
 Latent matrices — the residual (d, d) and, per layer, the heads (H, H) and the MLP (f, f) — are projected at
@@ -119,7 +119,8 @@ def dense(perm: torch.Tensor | None, n: int) -> torch.Tensor:
     eye = torch.eye(n, dtype=torch.float64)
     if perm is None:
         return eye
-    return eye[perm] if perm.dim() == 1 else perm.double()
+    # On the CPU, wherever the transform was found: latents are built there and moved with their path.
+    return eye[perm.cpu()] if perm.dim() == 1 else perm.double().cpu()
 
 
 def orthogonal_latent(q: torch.Tensor | None, d: int, noise: float, g: torch.Generator) -> torch.Tensor:

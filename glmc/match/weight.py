@@ -1,4 +1,4 @@
-"""Data-free weight matching (paper §4.1; symmetry.md §5): coordinate descent between the residual
+"""Data-free weight matching (paper §4.1): coordinate descent between the residual
 orthogonal map (Procrustes) and, given it, the head permutations with within-head maps and the MLP
 permutations (linear assignment). Reads only the spec: no architecture is named here.
 
