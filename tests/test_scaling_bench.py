@@ -9,7 +9,8 @@ from glmc.match.weight import weight_match
 from glmc.transforms import MATCHABLE, Transform
 from simulations.bench import scaling
 
-RUN = {"threads": 1, "seed": 0, "weight_classes": list(MATCHABLE), "activation_classes": ["head-perm", "mlp-perm"],
+RUN = {"threads": 1, "seed": 0, "weight_start": "identity", "weight_classes": list(MATCHABLE),
+       "activation_classes": ["head-perm", "mlp-perm"],
        "activation_samples": {"gpt2": 2, "vit": 2}}
 MODELS = {"gpt2": {"name": "tiny-gpt2", "config": {"family": "gpt2", "width": 32, "depth": 2, "heads": 2, "mlp": 48,
                                                    "vocab_size": 40, "context": 8}},

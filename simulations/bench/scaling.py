@@ -71,9 +71,10 @@ def _rss_mb(field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _match(method: str, a: State, b: State, cfg: ModelConfig, samples: int) -> MatchResult:
+def _match(method: str, a: State, b: State, cfg: ModelConfig, run: dict[str, Any]) -> MatchResult:
     if method == "weight":
-        return weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads)
+        return weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, start=run["weight_start"])
+    samples = run["activation_samples"][cfg.family]
     return activation_match(a, b, cfg, random_inputs(cfg, samples, seed=1), batch_size=max(1, samples // 2))
 
 
@@ -86,7 +87,7 @@ def measure(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[str
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     before, load = _rss_mb("VmRSS"), os.getloadavg()[0]
     wall, cpu = time.perf_counter(), time.process_time()
-    result = _match(method, a, b, cfg, run["activation_samples"][cfg.family])
+    result = _match(method, a, b, cfg, run)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     peak = _rss_mb("VmHWM")
     a64, aligned = cast(a, torch.float64), apply(cast(b, torch.float64), get_arch(cfg.family).spec,
