@@ -121,11 +121,11 @@ def _row_norms(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int) -
         axes = spec[template]
         if name in state and any(k in axes for k in MLP_KINDS):
             kind = MLP if MLP in axes else MLP_IN
-            sq = (kind_first(state[name], axes, kind).double() ** 2).sum(1)
+            sq = kind_first(state[name], axes, kind).square().sum(1)
             total = sq if total is None else total + sq
     if total is None:
         raise ValueError("no tensor has an MLP axis")
-    return total.sqrt()
+    return total.sqrt().double()
 
 
 def certified_assignment(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -150,6 +150,7 @@ class Layer:
     mlp: list[str] = field(default_factory=list)
     mlp_cross: tuple[torch.Tensor, torch.Tensor] | None = None  # (perm, Σ X_A U(X_B)ᵀ / m over the MLP tensors)
     certificate: Certificate | None = None
+    norms: tuple[torch.Tensor, float] | None = None  # A's MLP rows' norms, the largest of B's (for certificates)
 
 
 class Descent:
@@ -207,8 +208,10 @@ class Descent:
         if margin is None:
             layer.certificate = None
         else:
-            rows, cols = _row_norms(a, self.spec, self.depth), _row_norms(moved, self.spec, self.depth)
-            layer.certificate = Certificate(q, perm, margin, rows, float(cols.max()))
+            if layer.norms is None:  # B's rows unrotated: Q keeps their norms
+                cols = _row_norms(_sub(self.b, layer.mlp), self.spec, self.depth)
+                layer.norms = _row_norms(a, self.spec, self.depth), float(cols.max())
+            layer.certificate = Certificate(q, perm, margin, *layer.norms)
         return perm
 
     def residual_cross(self, t: Transform) -> torch.Tensor:
