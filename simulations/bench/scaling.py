@@ -21,7 +21,6 @@ import json
 import math
 import multiprocessing
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -125,22 +124,23 @@ def _exponent(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}"
 
 
-def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The committed summary: one row per (model, method), then the growth exponents."""
-    lines = ["# Matching cost against model size", "",
-             f"Command: `{meta['command']}`, config `{meta['config']}`. Machine: {meta['machine']}; wall time "
-             f"{meta['wall_minutes']:.1f} min; load average {meta['load_before']} before, {meta['load_after']} "
-             "after (a shared CPU: CPU time is the steadier figure).",
+def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
+    """The committed summary: the runs, one row per (model, method), then the growth exponents."""
+    lines = ["# Matching cost against model size", "", "Runs (a row's `run` column; a shared CPU, so CPU time is the "
+             "steadier figure and the load average is noted):", "",
+             *(f"{i}. `{r['command']}`, config `{r['config']}`; machine: {r['machine']}; wall time "
+               f"{r.get('wall_minutes', 0):.1f} min; load average {r['load_before']} before, "
+               f"{r.get('load_after', '–')} after." for i, r in enumerate(runs)), "",
              "Pairs: random init (seeded), B a planted transform of A. Peak RSS: the matching process's peak "
              "resident memory during the matching (both float32 states included); added: that peak minus the "
              "resident size just before. Recovered: ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖² and T̂ ∘ T = identity.", "",
              "| model | d | layers | params (M) | method | wall s | CPU s | peak RSS MB | added MB | sweeps | "
-             "‖A − T̂(B)‖²/‖A‖² | recovered | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "‖A − T̂(B)‖²/‖A‖² | recovered | load | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['width']} | {r['depth']} | {r['params'] / 1e6:.1f} | {r['method']} | "
                      f"{r['wall_seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['peak_rss_mb']:.0f} | "
                      f"{r['added_rss_mb']:.0f} | {r['sweeps']} | {r['relative_distance']:.1e} | "
-                     f"{'yes' if r['recovered'] else 'NO'} | {r['load_at_start']:.1f} |")
+                     f"{'yes' if r['recovered'] else 'NO'} | {r['load_at_start']:.1f} | {r.get('run', 0)} |")
     lines += ["", "Growth exponents (least-squares slope of log cost against log size, over the 12-layer series):",
               "", "| family | method | models | wall vs params | CPU vs params | CPU vs d | added memory vs params |",
               "|---|---|---|---|---|---|---|"]
@@ -151,20 +151,30 @@ def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]], meta: dict[
     return "\n".join(lines) + "\n"
 
 
-def run_all(config: dict[str, Any], names: list[str] | None) -> list[dict[str, Any]]:
-    """Every selected (model, method), each in a fresh spawned process, in the config's order."""
-    run, rows = config["run"], []
-    spawn = multiprocessing.get_context("spawn")
-    for model in config["models"]:
-        if names and model["name"] not in names:
-            continue
-        for method in model.get("methods", run["methods"]):
-            with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
-                row = pool.submit(measure, model, method, run).result()
-            print(f"{row['model']} {method}: {row['wall_seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, "
-                  f"peak {row['peak_rss_mb']:.0f} MB, recovered {row['recovered']}", flush=True)
-            rows.append(row)
-    return rows
+def selected(config: dict[str, Any], names: list[str] | None) -> list[tuple[dict[str, Any], str]]:
+    """Every (model, method) to run, in the config's order."""
+    return [(model, method) for model in config["models"] if not names or model["name"] in names
+            for method in model.get("methods", config["run"]["methods"])]
+
+
+def measured(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[str, Any]:
+    """:func:`measure` in a fresh spawned process (its own peak RSS, no memory left from the row before)."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure, model, method, run).result()
+
+
+def save(out: Path, config: dict[str, Any], runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """Write results.json and summary.md: the rows in the config's order, each run that made them, the fits."""
+    order = {m["name"]: i for i, m in enumerate(config["models"])}
+    rows = sorted((r for r in rows if r["model"] in order), key=lambda r: (order[r["model"]], r["method"] != "weight"))
+    fits = growth(rows, config["models"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"runs": runs, "rows": rows, "growth": fits}, indent=1) + "\n")
+    (out / "summary.md").write_text(markdown(rows, fits, runs))
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,26 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.exit(2, f"{parser.prog}: error: no model named {unknown[0]!r} in {args.config}; known: "
                        f"{', '.join(known)}\n")
-    out = Path(config["run"]["results"])
-    load_before, start = os.getloadavg(), time.perf_counter()
-    rows = run_all(config, args.models)
-    previous = json.loads((out / "results.json").read_text()).get("rows", []) if args.models and (
-        out / "results.json").is_file() else []
-    fresh = {(r["model"], r["method"]) for r in rows}
-    order = {name: i for i, name in enumerate(known)}
-    rows = sorted([*rows, *(r for r in previous if (r["model"], r["method"]) not in fresh and r["model"] in order)],
-                  key=lambda r: (order[r["model"]], r["method"] != "weight"))
+    out, start = Path(config["run"]["results"]), time.perf_counter()
+    kept = json.loads((out / "results.json").read_text()) if args.models and (out / "results.json").is_file() else {}
+    todo = selected(config, args.models)
+    rows = [r for r in kept.get("rows", []) if (r["model"], r["method"]) not in {(m["name"], k) for m, k in todo}]
     torch.set_num_threads(config["run"]["threads"])
-    meta = {"command": " ".join(["python -m simulations.bench.scaling", *(sys.argv[1:] if argv is None else argv)]),
-            "config": args.config, "machine": machine(), "wall_minutes": (time.perf_counter() - start) / 60,
-            "load_before": ", ".join(f"{x:.1f}" for x in load_before),
-            "load_after": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
-            "max_rss_children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
-    fits = growth(rows, config["models"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "growth": fits}, indent=1) + "\n")
-    (out / "summary.md").write_text(markdown(rows, fits, meta))
-    print(markdown(rows, fits, meta))
+    run = {"command": " ".join(["python -m simulations.bench.scaling", *(sys.argv[1:] if argv is None else argv)]),
+           "config": args.config, "machine": machine(), "load_before": _load()}
+    runs = [*kept.get("runs", []), run]
+    for model, method in todo:  # saved after every row: a long run that is cut off keeps what it measured
+        rows.append(measured(model, method, config["run"]) | {"run": len(runs) - 1})
+        print(f"{model['name']} {method}: {rows[-1]['wall_seconds']:.1f} s wall, {rows[-1]['cpu_seconds']:.1f} s "
+              f"CPU, peak {rows[-1]['peak_rss_mb']:.0f} MB, recovered {rows[-1]['recovered']}", flush=True)
+        run |= {"wall_minutes": (time.perf_counter() - start) / 60, "load_after": _load()}
+        save(out, config, runs, rows)
+    print((out / "summary.md").read_text())
     return 0
 
 
