@@ -1,6 +1,6 @@
-"""ClientApp: train the received global model (or, with ``init=independent`` in round 1, a model
-from the client's own seed) on this node's partition at its width tier, then reply with the
-weights, ``num-examples``, the width tier and the training metrics.
+"""ClientApp: train the received global model (or, in round 1 with ``init=independent``, a model
+from the client's own seed; with ``init`` a folder of checkpoints, checkpoint p mod n) on this node's
+partition at its width tier, then reply with the weights, ``num-examples``, the width tier and the training metrics.
 
 The partition comes from the node config (``partition-id``, ``num-partitions``: the simulation
 engine sets both; a deployed SuperNode passes them with ``--node-config``); the width tier from the
@@ -61,13 +61,18 @@ def _setup(context: Context) -> tuple[RunSettings, Node, ModelConfig, ClientShar
 
 
 def _received_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: Node) -> nn.Module:
-    """A model at this node's width holding the weights the server sent.
+    """A model at this node's width holding the weights the server sent."""
+    return _model_at_tier(dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()), cfg, settings, node)
 
-    A server that has not heard from this node yet sends the full-width model; the node then restricts
-    it itself, exactly as the server would (its HeteroFL slice, or its projection for aligned merging).
+
+def _model_at_tier(state: dict[str, torch.Tensor], cfg: ModelConfig, settings: RunSettings, node: Node) -> nn.Module:
+    """A model at this node's width holding ``state``.
+
+    A server that has not heard from this node yet sends the full-width model (and a pretrained start is one);
+    the node then restricts it itself, exactly as the server would (its HeteroFL slice, or its projection for
+    aligned merging).
     """
     model = build_model(cfg)
-    state: dict[str, torch.Tensor] = dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict())
     if any(state[k].shape != v.shape for k, v in model.state_dict().items() if k in state):
         full = pool(settings).task.config
         principal = places_principal(settings.aggregation, settings.narrow_placement)
@@ -82,6 +87,13 @@ def _received_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node:
 
 def _start_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: Node, server_round: int) -> nn.Module:
     """The model to train: the server's weights, or this client's own seed in an independent first round."""
+    starts = settings.init_checkpoints
+    if len(starts) > 1 and server_round == 1:  # independently pretrained clients: checkpoint p mod n
+        from glmc.formats import read
+
+        own = starts[node.partition_id % len(starts)]
+        log.info("partition %d starts from %s", node.partition_id, own)
+        return _model_at_tier(cast(read(own)[0], torch.float32), cfg, settings, node)
     if settings.init == "independent" and server_round == 1:
         seed_everything(settings.seed + 1000 * node.partition_id)
         return build_model(cfg)

@@ -16,10 +16,10 @@ method:
 - ``fedavg-ft``: the control for the server-held data: ``fedavg``, then the merged model itself trained on that
   data with the learned refinement's budget (:func:`finetune`). ``learned`` minus ``fedavg-ft`` is what spending
   the same samples on choosing symmetries, rather than on the weights, is worth.
-- ``server-only``: the other control: the clients are ignored; the previous global model (round 1: the seeded
-  initial model, so a model trained from scratch) is trained on the server-held data with the same budget. After
-  R rounds it has had R budgets, as fedavg-ft's model has. A data-using aggregation under it gains nothing from
-  the clients that the server's own samples would not give.
+- ``server-only``: the other control: the clients are ignored; the previous global model (round 1: the initial
+  model: seeded, so a model trained from scratch, or the ``init`` checkpoint) is trained on the server-held data
+  with the same budget. After R rounds it has had R budgets, as fedavg-ft's model has. A data-using aggregation
+  under it gains nothing from the clients that the server's own samples would not give.
 
 Each client later gets the global model restricted to its own width (:func:`restrict`).
 """

@@ -78,6 +78,11 @@ def initial_model(settings: RunSettings, run_dir: Path, cfg: ModelConfig) -> tup
         log.info("resuming %s from its round-%d checkpoint", run_dir, found[0])
         return found[0], ArrayRecord(found[1])  # type: ignore[arg-type]
     clear_outputs(run_dir)
+    if settings.init_checkpoints:  # a pretrained start (a folder's first checkpoint, if its clients start apart)
+        from glmc.formats import read
+
+        log.info("initial global model: %s", settings.init_checkpoints[0])
+        return 0, ArrayRecord(cast(read(settings.init_checkpoints[0])[0], torch.float32))  # type: ignore[arg-type]
     seed_everything(settings.seed)
     state = cast(build_model(cfg).state_dict(), torch.float32)
     return 0, ArrayRecord(state)  # type: ignore[arg-type]
@@ -157,7 +162,7 @@ def main(grid: Grid, context: Context) -> None:
         align_iters=settings.align_iters, align_workers=settings.align_workers,
         learn=learn, tune=server_tuning(settings, learn), restore_norms=settings.restore_norms,
         repair=settings.repair, refit=settings.refit, narrow_placement=settings.narrow_placement,
-        min_alignment_gain=settings.min_alignment_gain, independent_init=settings.init == "independent",
+        min_alignment_gain=settings.min_alignment_gain, independent_init=settings.independent_start,
         round_offset=done, device=settings.server_device,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,

@@ -56,7 +56,9 @@ class RunSettings:
     local_steps: int = 0  # cap on optimizer steps per round (0 = whole epochs); keeps smoke runs short
     aggregation: str = "fedavg"
     width_tiers: tuple[float, ...] = (1.0,)  # width multipliers, tier of partition p = tiers[p mod len]
-    init: str = "shared"  # independent: round 1 starts every client from its own seed
+    # independent: round 1 starts every client from its own seed; a path: from that checkpoint (glmc, Hugging Face or
+    # timm; its config replaces the model preset's), or from checkpoint p mod n of a folder of n for partition p
+    init: str = "shared"
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0  # federated evaluation on each client's held-out 10%
     min_train_nodes: int = 2  # fewer valid replies than this keep the global model for the round
@@ -111,7 +113,8 @@ class RunSettings:
     def __post_init__(self) -> None:
         _require(self.aggregation in AGGREGATIONS,
                  f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        _require(self.init in INITS, f"init must be one of {INITS}, got {self.init!r}")
+        _require(self.init in INITS or Path(self.init).exists(),
+                 f"init must be one of {INITS} or a checkpoint path, got {self.init!r} (no such file or folder)")
         splits = LABEL_SPLITS + NATURAL_SPLITS
         _require(self.partitioner in splits, f"partitioner must be one of {splits}, got {self.partitioner!r}")
         _require(bool(self.width_tiers) and all(0 < t <= 1 for t in self.width_tiers),
@@ -178,6 +181,18 @@ class RunSettings:
         if self.aggregation in LABEL_AGGREGATIONS:
             return "labels"
         return "inputs" if self.aggregation in DATA_AGGREGATIONS or self.refit or self.repair else "none"
+
+    @property
+    def init_checkpoints(self) -> list[Path]:
+        """The checkpoints ``init`` names: none for shared and independent starts, one, or a folder's."""
+        from glmc.formats import checkpoint_paths
+
+        return [] if self.init in INITS else checkpoint_paths(self.init)
+
+    @property
+    def independent_start(self) -> bool:
+        """Whether round 1's clients start from unrelated models: their own seeds, or a folder of checkpoints."""
+        return self.init == "independent" or len(self.init_checkpoints) > 1
 
     def tier_of(self, partition_id: int) -> float:
         """The width tier of a partition when its node config does not name one."""

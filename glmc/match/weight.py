@@ -18,10 +18,11 @@ from typing import Literal
 import torch
 
 from glmc import groups
-from glmc.archs.base import State, cast
+from glmc.archs.base import cast
 from glmc.errors import ConfigError
-from glmc.match.common import MatchResult, cross, gather, kind_first, sq_distance
-from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable, expand
+from glmc.match.common import MatchResult, gather, kind_first, sq_distance
+from glmc.match.descent import Descent
+from glmc.spec import HEADS, QKV, RES, SpecTable, expand
 from glmc.transforms import Transform, apply
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,6 @@ STARTS: tuple[Start, ...] = ("identity", "relaxed")
 # 12.8%, 13.0% and 12.6% of the vanilla barrier (identity: 15.0%); the bench's float32 search with 3 steps gives
 # 14.3% against the identity's 15.2% (simulations/results/weight-starts).
 RELAXED_STEPS = 3
-
-
-def solve_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                   fix_ones: bool) -> torch.Tensor:
-    """Q = argmax ⟨X_A, Q X_B⟩ over the residual group: Procrustes on every residual-side matrix (Eq. 4)."""
-    # Each (d, m) block is divided by √m, so every tensor counts per entry rather than per size (§5).
-    return groups.procrustes(cross(a, b, spec, depth, (RES,), scaled=True), fix_ones)
 
 
 def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
@@ -132,27 +126,23 @@ def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], sp
     return perm, qk, ov
 
 
-def solve_mlp(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-              layer: int) -> torch.Tensor:
-    """MLP permutation maximising ⟨W1_A, P W1_B⟩ + ⟨b1_A, P b1_B⟩ + ⟨W2_A, W2_B Pᵀ⟩ (Eq. 3)."""
-    return groups.assignment(cross(a, b, spec, depth, (MLP, MLP_IN), layer))
-
-
 def _units_only(t: Transform) -> Transform:
     """T without its residual map: the head and MLP maps alone, which commute with the residual one."""
     return Transform(t.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
 
 
-def _solve_units(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 heads: int, residual: torch.Tensor | None, within: bool) -> tuple[Transform, State]:
-    """Given the residual map, every layer's heads and MLP units, each an independent LAP; with T(B), reached
-    by moving the already rotated B's units only, so no tensor is rotated twice."""
-    moved = apply(b, spec, Transform(depth, residual=residual), heads)
-    t = Transform(depth, residual=residual)
-    for layer in range(depth):
-        t.heads[layer], t.qk[layer], t.ov[layer] = solve_heads(a, moved, spec, depth, layer, heads, within)
-        t.mlp[layer] = solve_mlp(a, moved, spec, depth, layer)
-    return t, apply(moved, spec, _units_only(t), heads)
+def _solve_units(work: Descent, residual: torch.Tensor | None, within: bool) -> tuple[Transform, float]:
+    """Given the residual map, every layer's heads and MLP units, each an independent LAP; with ‖A − T(B)‖², from
+    each layer's tensors moved by Q then by the units, and the fixed tensors' (d, d) products."""
+    t = Transform(work.depth, residual=residual)
+    value = work.fixed_distance(residual)
+    for layer in work.layers:
+        a, moved = work.rotated(layer, residual)
+        i = layer.index
+        t.heads[i], t.qk[i], t.ov[i] = solve_heads(a, moved, work.spec, work.depth, i, work.heads, within)
+        t.mlp[i] = work.mlp_permutation(layer, a, moved, residual)
+        value += sq_distance(a, apply(moved, work.spec, _units_only(t), work.heads))
+    return t, value
 
 
 def _exact(t: Transform, fix_ones: bool) -> Transform:
@@ -186,13 +176,14 @@ def weight_match(
     a, b = (cast(s, dtype) for s in (a, b))
     residual = (None if identity else relaxed_residual(a, b, spec, depth, fix_ones) if isinstance(start, str)
                 else start.to(dtype))
-    t, moved = _solve_units(a, b, spec, depth, heads, residual, within=not permutations_only)
-    objective = [sq_distance(a, moved)]
+    work = Descent(a, b, spec, depth, heads)
+    t, value = _solve_units(work, residual, within=not permutations_only)
+    objective = [value]
     sweeps = 1 if permutations_only else max_sweeps
     for sweep in range(1, sweeps):
-        residual = solve_residual(a, apply(b, spec, _units_only(t), heads), spec, depth, fix_ones)
-        candidate, moved = _solve_units(a, b, spec, depth, heads, residual, within=True)
-        value = sq_distance(a, moved)
+        # Q = argmax ⟨X_A, Q U(X_B)⟩ over the residual group: Procrustes on every residual-side matrix (Eq. 4).
+        residual = groups.procrustes(work.residual_cross(t), fix_ones)
+        candidate, value = _solve_units(work, residual, within=True)
         log.info("weight matching sweep %d: ‖A − T(B)‖² = %.6g", sweep, value)
         if value > objective[-1] * (1 - tol):
             if value < objective[-1]:
