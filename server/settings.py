@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ INITS = ("shared", "independent")
 NARROW_PLACEMENTS = ("aligned", "principal")
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # a run's folder name under output-dir, never a path
 
 
 def places_principal(aggregation: str, narrow_placement: str) -> bool:
@@ -54,10 +56,15 @@ class RunSettings:
     fraction_evaluate: float = 0.0  # federated evaluation on each client's held-out 10%
     min_train_nodes: int = 2  # fewer valid replies than this keep the global model for the round
     min_available_nodes: int = 0  # connected nodes a round waits for before it samples (0 = min-train-nodes)
-    round_timeout: float = 3600.0  # seconds to wait for a round's replies; late or missing nodes count as failed
+    # seconds to wait for a round's replies; late or missing nodes count as failed. The slowest published round took
+    # 625 s under load (oneshot: many local epochs and the logit ensemble); 20 minutes leaves twice that
+    round_timeout: float = 1200.0
+    # seconds a round waits for min-available-nodes (at least min-train-nodes) to connect before it is skipped, with
+    # the global model kept and the reason recorded; flwr's own wait has no deadline
+    node_wait_timeout: float = 600.0
     seed: int = 0
     output_dir: str = "outputs"
-    run_name: str = ""  # outputs/<run-name>/; empty = "run-<flwr run id>"
+    run_name: str = ""  # outputs/<run-name>/; empty = "run-<flwr run id>"; a plain name (letters, digits, . - _)
     resume: bool = False  # continue outputs/<run-name>/ from its last checkpoint
     batch_size: int = 0  # 0 = the dataset's measured default
     lr: float = 0.0  # 0 = the dataset's measured default
@@ -116,7 +123,11 @@ class RunSettings:
             ("finite and ≥ 0 (0: the dataset's default)", lambda v: math.isfinite(v) and v >= 0, {"lr": self.lr}),
             ("≥ 1", lambda v: v >= 1, {"classes-per-client": self.classes_per_client}),
             ("≥ 0", lambda v: v >= 0, {"seed": self.seed})])
-        _require(self.round_timeout > 0, f"round-timeout must be positive, got {self.round_timeout}")
+        _require(self.round_timeout > 0 and self.node_wait_timeout > 0,
+                 f"round-timeout and node-wait-timeout must be positive, got {self.round_timeout} and "
+                 f"{self.node_wait_timeout}")
+        _require(not self.run_name or (PLAIN_NAME.fullmatch(self.run_name) is not None and ".." not in self.run_name),
+                 f"run-name must be a plain name (letters, digits, '.', '-', '_'; not a path), got {self.run_name!r}")
         _require(self.refine_concentration > 0,
                  f"refine-concentration must be positive, got {self.refine_concentration}")
         _require(self.refine_within in WITHIN, f"refine-within must be one of {WITHIN}, got {self.refine_within!r}")

@@ -4,8 +4,10 @@
 FedAvg exactly. ``weight``, ``activation``, ``learned``, ``canonical`` and ``fedavg-ft`` hand the decoded
 client states to :func:`server.aggregation.merge`. Every reply is validated first (:mod:`server.validation`); a bad
 one is dropped with a one-line reason, and with fewer than ``min_train_nodes`` valid replies the
-global model is kept for the round; so it is when the merge itself fails (a ``GlmcError``, logged and
-kept in the round's ``failure``).
+global model is kept for the round; so it is when the merge itself raises (any exception, logged and kept
+in the round's ``failure``) and when the merged model is not finite and bounded (:func:`check_model`).
+Evaluate replies are validated the same way. A node's width tier is the server's: the first valid reply
+of a node fixes it, and a later reply of another tier is dropped.
 
 The round loop stays flwr's ``Strategy.start``; this class only wraps its ``evaluate_fn`` so that,
 after the central evaluation of each round, the named hooks ``on_round_end(record, arrays)`` run
@@ -26,7 +28,6 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State
@@ -45,9 +46,11 @@ from server.aggregation import (
     universe_states,
 )
 from server.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
-from server.validation import ReplySchema, split_replies
+from server.validation import ReplySchema, check_evaluate_reply, check_model, split_replies
 
 log = logging.getLogger(__name__)
+
+NODE_POLL_SECONDS = 1.0  # how often a round that waits for nodes counts them (flwr's own wait polls once a second)
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
@@ -60,8 +63,9 @@ class RoundRecord:
     replies: int = 0
     valid: int = 0
     dropped: list[str] = field(default_factory=list)  # "node N: reason"
+    evaluate_dropped: list[str] = field(default_factory=list)  # federated evaluation replies dropped, "node N: reason"
     aggregated: bool = False
-    failure: str | None = None  # why the valid replies could not be merged (the global model was kept)
+    failure: str | None = None  # why the valid replies could not be merged, or the merge was rejected (model kept)
     central_loss: float | None = None
     central_accuracy: float | None = None
     mean_client_accuracy: float | None = None  # each client's trained model on the central test subset
@@ -100,7 +104,8 @@ class SymmetryAwareFedAvg(FedAvg):
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
                  repair: bool = False, refit: bool = False, narrow_placement: str = RunSettings.narrow_placement,
                  min_alignment_gain: float = RunSettings.min_alignment_gain, independent_init: bool = False,
-                 round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
+                 node_wait_timeout: float = RunSettings.node_wait_timeout, round_offset: int = 0,
+                 hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
         if aggregation not in AGGREGATIONS:
@@ -126,6 +131,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
         self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
+        self.node_wait_timeout = node_wait_timeout  # seconds a round waits for enough nodes before it is skipped
         self.round_offset = round_offset
         self.hooks = list(hooks)
         self.records: list[RoundRecord] = []
@@ -144,15 +150,28 @@ class SymmetryAwareFedAvg(FedAvg):
         """FedAvg's sampling, with the global round number and a fresh round record."""
         self._round_start = time.perf_counter()
         self.current = RoundRecord(server_round + self.round_offset)
-        self.await_nodes(grid)
+        self.instructions = []
+        if not self.await_nodes(grid, max(self.min_available_nodes, self.min_train_nodes)):
+            return []
         messages = list(super().configure_train(server_round + self.round_offset, arrays, config, grid))
         self.instructions = self.restrict_to_widths(messages, arrays)
         return self.instructions
 
-    def await_nodes(self, grid: Grid) -> None:
-        """Wait until ``min_available_nodes`` are connected. FedAvg sizes its sample from the nodes connected
-        *before* it waits, so a node that joins during the wait would otherwise be left out of the round."""
-        sample_nodes(grid, self.min_available_nodes, 0)
+    def await_nodes(self, grid: Grid, needed: int) -> bool:
+        """Wait until ``needed`` nodes are connected, at most ``node_wait_timeout`` seconds; False (the round is
+        skipped, the reason recorded) if they never are. FedAvg sizes its sample from the nodes connected *before*
+        it waits, so a node that joins during the wait would otherwise be left out of the round; and flwr's own
+        wait has no deadline."""
+        deadline = time.monotonic() + self.node_wait_timeout
+        while (connected := len(list(grid.get_node_ids()))) < needed:
+            if time.monotonic() >= deadline:
+                self.current.failure = (f"only {connected} of the {needed} nodes the round needs connected within "
+                                        f"{self.node_wait_timeout:g} s; round skipped")
+                log.error("round %d: %s", self.current.round, self.current.failure)
+                return False
+            log.info("waiting for nodes: %d connected, %d needed", connected, needed)
+            time.sleep(NODE_POLL_SECONDS)
+        return True
 
     def restrict_to_widths(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """Give every node whose width tier is known (from its last reply) the global model at its own width.
@@ -192,16 +211,19 @@ class SymmetryAwareFedAvg(FedAvg):
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """FedAvg's sampling for federated evaluation, each node getting the global model at its own width."""
-        self.await_nodes(grid)
+        needed = max(self.min_available_nodes, self.min_evaluate_nodes)
+        if self.fraction_evaluate == 0 or not self.await_nodes(grid, needed):
+            return []
         messages = list(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid))
         return self.restrict_to_widths(messages, arrays)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, then merge the valid replies; None (keep the global model) if too few are valid."""
+        """Validate, then merge the valid replies; None (keep the global model) if too few are valid, if the merge
+        raises anything at all, or if the merged model is not finite and bounded (the reason goes in the record)."""
         replies = list(replies)
         addressees = {m.metadata.message_id: m.metadata.dst_node_id for m in self.instructions}
-        valid, dropped = split_replies(replies, self.schema, addressees)
+        valid, dropped = split_replies(replies, self.schema, addressees, self.node_tiers)
         record = self.current
         record.replies, record.valid = len(replies), len(valid)
         record.dropped = [f"node {node}: {reason}" for node, reason in dropped]
@@ -211,14 +233,21 @@ class SymmetryAwareFedAvg(FedAvg):
             log.warning("round %d: %d valid replies < min-train-nodes %d; keeping the global model",
                         record.round, len(valid), self.min_train_nodes)
             return None, None
+        try:
+            return self._merge_valid(record, valid)
+        except Exception as err:  # whatever the replies make the merge do, the run goes on with the global model
+            record.failure = f"{type(err).__name__}: {err}".splitlines()[0]
+            log.error("round %d: aggregation failed, keeping the global model: %s", record.round, record.failure)
+            return None, None
+
+    def _merge_valid(self, record: RoundRecord,
+                     valid: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode, merge and check the valid replies; run the hooks; the new global model, if any."""
         start = time.perf_counter()
         clients = [self._decode(msg) for msg in valid]
-        try:
-            arrays, metrics = self._aggregate(record, valid, clients)
-        except GlmcError as err:  # e.g. a merge the valid replies cannot make: the global model stays
-            log.error("round %d: aggregation failed, keeping the global model: %s", record.round, err)
-            record.failure = str(err)
-            return None, None
+        arrays, metrics = self._aggregate(record, valid, clients)
+        if arrays is not None and (problem := check_model(arrays)) is not None:
+            raise GlmcError(f"the merged model is rejected: {problem}")
         record.aggregate_seconds = time.perf_counter() - start
         record.aggregated = arrays is not None
         self._record_client_metrics(record, valid, metrics)
@@ -227,6 +256,19 @@ class SymmetryAwareFedAvg(FedAvg):
         if arrays is not None:
             self.global_arrays = arrays
         return arrays, metrics
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """FedAvg's weighted metrics over the evaluate replies that pass :func:`check_evaluate_reply`; the others
+        are dropped with a reason in the round's ``evaluate_dropped``."""
+        valid, record = [], self.current
+        for msg in replies:
+            reason = check_evaluate_reply(msg)
+            if reason is None:
+                valid.append(msg)
+            else:
+                record.evaluate_dropped.append(f"node {msg.metadata.src_node_id}: {reason}")
+                log.warning("round %d: dropped evaluate reply from %s", record.round, record.evaluate_dropped[-1])
+        return super().aggregate_evaluate(server_round, valid) if valid else None
 
     def _decode(self, msg: Message) -> Client:
         """A valid reply as a client model; remembers the node's width tier for the downlink."""
