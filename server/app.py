@@ -152,7 +152,7 @@ def main(grid: Grid, context: Context) -> None:
         learn=learn, tune=server_tuning(settings, learn), restore_norms=settings.restore_norms,
         repair=settings.repair, refit=settings.refit, narrow_placement=settings.narrow_placement,
         min_alignment_gain=settings.min_alignment_gain, independent_init=settings.init == "independent",
-        node_wait_timeout=settings.node_wait_timeout, round_offset=done,
+        robust=settings.robustness, node_wait_timeout=settings.node_wait_timeout, round_offset=done,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
         min_available_nodes=settings.min_available_nodes or settings.min_train_nodes,

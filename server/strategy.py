@@ -45,6 +45,7 @@ from server.aggregation import (
     restrict,
     universe_states,
 )
+from server.robust import Clipping, Robustness, cap_examples, clip, combine, unclipped
 from server.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
 from server.validation import ReplySchema, check_evaluate_reply, check_model, split_replies
 
@@ -78,6 +79,10 @@ class RoundRecord:
     distance_before: float | None = None  # mean pairwise client distance, canonical form
     distance_after: float | None = None
     unaligned: bool = False  # min-alignment-gain set this round's alignment aside: the clients were averaged (FedAvg)
+    capped: int = 0  # replies whose num-examples the cap lowered (server.robust)
+    clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (server.robust.screen)
+    clipped: int = 0  # clients clipped around the global model where they are averaged (after matching)
+    spread: float | None = None  # the farthest client's distance from the global model over the lower median's
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +109,8 @@ class SymmetryAwareFedAvg(FedAvg):
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
                  repair: bool = False, refit: bool = False, narrow_placement: str = RunSettings.narrow_placement,
                  min_alignment_gain: float = RunSettings.min_alignment_gain, independent_init: bool = False,
-                 node_wait_timeout: float = RunSettings.node_wait_timeout, round_offset: int = 0,
+                 robust: Robustness | None = None, node_wait_timeout: float = RunSettings.node_wait_timeout,
+                 round_offset: int = 0,
                  hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
@@ -131,6 +137,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
         self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
+        self.robust = robust or RunSettings().robustness  # caps, clipping and the robust average (server.robust)
         self.node_wait_timeout = node_wait_timeout  # seconds a round waits for enough nodes before it is skipped
         self.round_offset = round_offset
         self.hooks = list(hooks)
@@ -244,7 +251,9 @@ class SymmetryAwareFedAvg(FedAvg):
                      valid: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode, merge and check the valid replies; run the hooks; the new global model, if any."""
         start = time.perf_counter()
-        clients = [self._decode(msg) for msg in valid]
+        clients = self._capped([self._decode(msg) for msg in valid])
+        record.capped = sum(c.weight < float(_metrics(m)[protocol.WEIGHT_KEY])  # type: ignore[arg-type]
+                            for c, m in zip(clients, valid, strict=True))
         arrays, metrics = self._aggregate(record, valid, clients)
         if arrays is not None and (problem := check_model(arrays)) is not None:
             raise GlmcError(f"the merged model is rejected: {problem}")
@@ -282,24 +291,48 @@ class SymmetryAwareFedAvg(FedAvg):
         placement = self._placement(node, tier) if self.principal else None
         return Client(_state(msg), float(metrics[protocol.WEIGHT_KEY]), tier, placement)  # type: ignore[arg-type]
 
+    def _capped(self, clients: list[Client]) -> list[Client]:
+        """The clients with their num-examples capped (:func:`server.robust.cap_examples`)."""
+        weights = cap_examples([c.weight for c in clients], self.robust)
+        return [c if c.weight == w else dataclasses.replace(c, weight=w)
+                for c, w in zip(clients, weights, strict=True)]
+
     def _aggregate(self, record: RoundRecord, valid: list[Message],
                    clients: list[Client]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The one aggregation step: flwr's FedAvg for fedavg at equal widths and for a round that
+        """The one aggregation step: FedAvg (:meth:`_fedavg`) for fedavg at equal widths and for a round that
         min-alignment-gain sets aside, else :func:`merge`."""
         if self.aggregation == "fedavg" and all(c.tier == 1.0 for c in clients):
             states, configs = universe_states(clients, self.model_config)
             record.distance_before = record.distance_after = embedded_distance(states, configs, self.model_config)
-            return super().aggregate_train(record.round, valid)
+            return self._fedavg(record, valid, clients)
         result = self._merge(record.round, clients)
         record.align_seconds = result.align_seconds
         record.distance_before, record.distance_after = result.distance_before, result.distance_after
         record.unaligned = result.unaligned
+        record.clipped_before = result.clipped_before
         for msg, placement in zip(valid, result.placements, strict=True):
             self.placements[msg.metadata.src_node_id] = placement
         if result.state is None:  # set aside: flwr's float32 FedAvg, so the fedavg run's bits exactly
-            return super().aggregate_train(record.round, valid)
+            return self._fedavg(record, valid, clients)
+        if result.clipping is not None:
+            _record_clipping(record, result.clipping)
         metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
         return ArrayRecord(result.state), metrics  # type: ignore[arg-type]
+
+    def _fedavg(self, record: RoundRecord, valid: list[Message],
+                clients: list[Client]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """flwr's own FedAvg of the replies, bit for bit, unless a defence acts (a weight capped, a client
+        clipped around the global model, or a robust average): then the robust average of the clients."""
+        states = [c.state for c in clients]
+        anchor = self.global_arrays.to_torch_state_dict() if self.global_arrays is not None else None
+        clipping = clip(states, [anchor] * len(states), self.robust.clip_ratio) \
+            if anchor is not None else unclipped(states)
+        _record_clipping(record, clipping)
+        if not (record.capped or clipping.clipped) and self.robust.weighted_mean:
+            return super().aggregate_train(record.round, valid)
+        merged = combine(clipping.states, [c.weight for c in clients], self.robust)
+        metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
+        return ArrayRecord(merged), metrics  # type: ignore[arg-type]
 
     def _merge(self, global_round: int, clients: list[Client]) -> MergeResult:
         # With independent inits the round-1 global model is an unrelated random net: no anchor then.
@@ -309,7 +342,7 @@ class SymmetryAwareFedAvg(FedAvg):
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
                      iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
                      restore=self.restore_norms, repair=self.repair, refit=self.refit,
-                     min_gain=self.min_alignment_gain)
+                     min_gain=self.min_alignment_gain, robust=self.robust)
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(
@@ -349,6 +382,13 @@ class SymmetryAwareFedAvg(FedAvg):
         for hook in self.hooks:
             hook.on_round_end(record, arrays)
         return record
+
+
+def _record_clipping(record: RoundRecord, clipping: Clipping) -> None:
+    record.clipped, record.spread = clipping.clipped, clipping.spread
+    if clipping.clipped:
+        log.warning("round %d: %d clients clipped to the bound around the global model", record.round,
+                    clipping.clipped)
 
 
 def _metrics(msg: Message) -> MetricRecord:

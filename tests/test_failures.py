@@ -19,10 +19,11 @@ from test_strategy import as_numpy, good_replies, instruction, metrics, reply, s
 
 from glmc.errors import ConfigError
 from server import protocol
+from server.robust import Robustness
 from server.settings import RunSettings
 from server.validation import check_evaluate_reply, check_model
 
-OFF: dict[str, object] = {}  # the failures as the audit saw them
+OFF = {"robust": Robustness.off()}  # the robust defences off: the failures as the audit saw them
 
 
 def _constant(value: float) -> dict[str, torch.Tensor]:
