@@ -49,7 +49,6 @@ def test_one_attacker_cannot_raise_the_clipping_bound_past_the_largest_honest_di
     honest = [_tuned(center, i, scale=0.01 * (i + 1)) for i in range(3)]
     for scale in (10.0, 1e3):
         result = clip([*honest, _tuned(center, 9, scale=scale)], [center] * 4, ratio=1.0)
-        assert result.factors[:3] == [1.0, 1.0, 1.0]
         assert distance(result.states[3], center) <= max(distance(h, center) for h in honest) * (1 + 1e-6)
 
 
