@@ -28,6 +28,7 @@ GUARDED = ("weight", "activation")
 INITS = ("shared", "independent")
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
+ATTACKS = ("none", "inflate", "scale", "signflip", "replace", "constant")  # client.attacks (a test hook)
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # a run's folder name under output-dir, never a path
@@ -115,6 +116,8 @@ class RunSettings:
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
+    attack: str = "none"  # TEST HOOK: the attack-partition's well-formed hostile reply (client.attacks.ATTACKS)
+    attack_partition: int = -1  # TEST HOOK: the partition that attacks (-1 = none)
 
     def __post_init__(self) -> None:
         _require(self.aggregation in AGGREGATIONS,
@@ -163,6 +166,7 @@ class RunSettings:
                  f"narrow-placement must be one of {NARROW_PLACEMENTS}, got {self.narrow_placement!r}")
         _require(0 <= self.min_alignment_gain < 1, f"min-alignment-gain must be in [0, 1), got "
                  f"{self.min_alignment_gain}")
+        _require(self.attack in ATTACKS, f"attack must be one of {ATTACKS}, got {self.attack!r}")
         _require(self.robust_average == "fedavg" or len(set(self.width_tiers)) == 1,
                  f"robust-average {self.robust_average!r} takes coordinates of equal-width clients; width-tiers "
                  f"{self.width_tiers} mixes widths")
