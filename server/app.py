@@ -19,7 +19,6 @@ from flwr.serverapp import Grid, ServerApp
 from client.data import eval_subset, label_counts, pool, split_config
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
-from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig, Within
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.hooks import (
@@ -27,8 +26,8 @@ from server.hooks import (
     EnsembleEvaluator,
     MetricsWriter,
     clear_outputs,
-    latest_checkpoint,
     load_records,
+    resume_point,
 )
 from server.settings import NATURAL_SPLITS, RunSettings
 from server.strategy import EvaluateFn, RoundHooks, SymmetryAwareFedAvg
@@ -69,11 +68,9 @@ def reply_schema(settings: RunSettings, cfg: ModelConfig) -> ReplySchema:
 def initial_model(settings: RunSettings, run_dir: Path, cfg: ModelConfig) -> tuple[int, ArrayRecord]:
     """(rounds already done, global arrays): the newest checkpoint on resume, else a fresh seeded model."""
     if settings.resume:
-        found = latest_checkpoint(run_dir)
-        if found is None:
-            raise ConfigError(f"resume=true but {run_dir} has no checkpoint; run once without resume first")
-        log.info("resuming %s from its round-%d checkpoint", run_dir, found[0])
-        return found[0], ArrayRecord(found[1])  # type: ignore[arg-type]
+        done, state = resume_point(run_dir, cfg, settings.to_run_config())
+        log.info("resuming %s from its round-%d checkpoint", run_dir, done)
+        return done, ArrayRecord(state)  # type: ignore[arg-type]
     clear_outputs(run_dir)
     seed_everything(settings.seed)
     state = cast(build_model(cfg).state_dict(), torch.float32)

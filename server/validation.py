@@ -156,11 +156,11 @@ def split_replies(replies: Iterable[Message], schema: ReplySchema, addressees: M
     their order, so without it two runs of one seed drift apart by rounding from the first average on.
     ``addressees`` maps instruction message ids to the node each was sent to: an error reply that the
     SuperLink makes for a node that went away carries the SuperLink's own id as its source, not the node's.
-    ``tiers`` maps node ids to the width tier the server holds for each (see :func:`check_reply`).
+    ``tiers`` maps node ids (a reply's source) to the width tier the server holds for each (:func:`check_reply`).
     """
     valid, dropped = [], []
     for msg in replies:
-        reason = check_reply(msg, schema, (tiers or {}).get(_source(msg, addressees or {})))
+        reason = check_reply(msg, schema, (tiers or {}).get(_sender(msg)))
         if reason is None:
             valid.append(msg)
         else:
@@ -176,6 +176,14 @@ def _content_digest(msg: Message) -> str:
             digest.update(key.encode())
             digest.update(array.data)
     return digest.hexdigest()
+
+
+def _sender(msg: Message) -> int | None:
+    """The node a reply comes from (a valid reply's own source; the strategy keys node tiers by it)."""
+    try:
+        return int(msg.metadata.src_node_id)
+    except Exception:
+        return None
 
 
 def _source(msg: Message, addressees: Mapping[str, int]) -> int:
