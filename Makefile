@@ -12,7 +12,7 @@ DATA_DIR := $(if $(GLMC_DATA),$(GLMC_DATA),.data)
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 DEMO_DIR := outputs/demo
 
-.PHONY: setup data test lint demo
+.PHONY: setup data test lint demo docs
 
 setup: $(STAMP) data
 
@@ -44,3 +44,7 @@ lint: setup
 # with width tiers {1, 0.5}, through `flwr run` (simulations/configs/demo.toml); prints the table and the plot.
 demo: setup
 	$(PY) -m simulations.compare --config simulations/configs/demo.toml --out $(DEMO_DIR) --force
+
+# Regenerate docs/cli.md, docs/run-config.md and docs/results.md from their sources (tests/test_docs.py checks them).
+docs: setup
+	$(PY) -m simulations.docs

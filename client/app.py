@@ -21,6 +21,7 @@ from torch import nn
 from client.attacks import attack
 from client.data import ClientShare, client_share, eval_subset, pool
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
+from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
 from server import protocol
@@ -88,11 +89,17 @@ def _start_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: No
     return _received_model(msg, cfg, settings, node)
 
 
-def _train_config(settings: RunSettings, defaults: dict, seed: int) -> TrainConfig:
+def _device(context: Context, settings: RunSettings) -> torch.device:
+    """Where this node computes: its node config's ``device``, else the run config's ``client-device``."""
+    return resolve(str(context.node_config.get("device", settings.client_device)))
+
+
+def _train_config(settings: RunSettings, defaults: dict, seed: int, device: torch.device) -> TrainConfig:
     """Local training hyper-parameters: the run config where set, else the dataset's defaults."""
     given = {"batch_size": settings.batch_size, "lr": settings.lr}
     return TrainConfig(epochs=settings.local_epochs, seed=seed, max_steps=settings.local_steps or None,
-                       threads=settings.client_threads, **(defaults | {k: v for k, v in given.items() if v}))
+                       threads=settings.client_threads, device=str(device),
+                       **(defaults | {k: v for k, v in given.items() if v}))
 
 
 def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[str, torch.Tensor]:
@@ -109,12 +116,16 @@ def train_fn(msg: Message, context: Context) -> Message:
     """One round of local training."""
     settings, node, cfg, share = _setup(context)
     server_round = int(msg.content.config_records[protocol.CONFIG][protocol.ROUND_KEY])  # type: ignore[arg-type]
-    arch = get_arch(cfg.family)
+    arch, device = get_arch(cfg.family), _device(context, settings)
     model = _start_model(msg, cfg, settings, node, server_round)
-    received = cast(model.state_dict(), torch.float32)
+    received = {k: v.detach().to(torch.float32, copy=True) for k, v in model.state_dict().items()}  # before training
     seed = settings.seed + 1000 * node.partition_id + server_round
-    fit = train(model, arch, share.train, _train_config(settings, pool(settings).task.defaults, seed), progress=False)
-    test = evaluate(model, arch, eval_subset(pool(settings).test, settings.eval_limit, settings.seed))
+    reset_peak_memory(device)
+    with released(device):  # an idle client (a Ray actor between rounds) keeps no cached GPU memory
+        config = _train_config(settings, pool(settings).task.defaults, seed, device)
+        fit = train(model, arch, share.train, config, progress=False)
+        test = evaluate(model, arch, eval_subset(pool(settings).test, settings.eval_limit, settings.seed))
+        model.cpu()
     values = {
         protocol.WEIGHT_KEY: len(share.train),
         protocol.TIER_KEY: float(node.tier),
@@ -123,6 +134,7 @@ def train_fn(msg: Message, context: Context) -> Message:
         "train-seconds": float(fit["seconds"]),
         "client-test-loss": float(test["loss"]),
         "client-test-accuracy": float(test["accuracy"]),
+        "client-peak-gpu-mb": peak_memory_mb(device),
     }
     state = _reply_state(model, settings, node)
     if node.partition_id == settings.attack_partition and settings.attack != "none":
@@ -138,8 +150,10 @@ def train_fn(msg: Message, context: Context) -> Message:
 def evaluate_fn(msg: Message, context: Context) -> Message:
     """Federated evaluation: the global model at this node's width on its local validation set."""
     settings, node, cfg, share = _setup(context)
-    model = _received_model(msg, cfg, settings, node)
-    result = evaluate(model, get_arch(cfg.family), share.val)
+    device = _device(context, settings)
+    with released(device):
+        model = _received_model(msg, cfg, settings, node).to(device)
+        result = evaluate(model, get_arch(cfg.family), share.val)
     metrics = MetricRecord({protocol.WEIGHT_KEY: len(share.val), "eval-loss": float(result["loss"]),  # type: ignore[arg-type]
                             "eval-accuracy": float(result["accuracy"])})
     return Message(RecordDict({protocol.METRICS: metrics}), reply_to=msg)

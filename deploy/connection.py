@@ -2,7 +2,7 @@
 
 ``flwr run . <name>``, ``flwr ls <name>`` and ``flwr supernode register KEY <name>`` reach the SuperLink's
 control API (its ``--port``, 9093 here) through this table. It never goes into pyproject.toml: `flwr run`
-rewrites a ``[tool.flwr.federations]`` section there (../shared/design/flower.md).
+rewrites a ``[tool.flwr.federations]`` section there.
 """
 
 from __future__ import annotations

@@ -27,13 +27,14 @@ def hooked_passes(arch: Arch, model: nn.Module, hooks: Mapping[Site, Hook], chun
     """A forward pass of each chunk through ``model`` with ``hooks`` on their sites' modules; a hook ends a pass
     early by raising :class:`AllSitesRecorded`. The hooks are removed afterwards, whatever happens."""
     handles = [arch.module(model, site, layer).register_forward_hook(hook) for (site, layer), hook in hooks.items()]
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
     try:
         with torch.no_grad():
             for chunk in chunks:
                 before_each()
-                with contextlib.suppress(AllSitesRecorded):
-                    arch.logits(model, chunk.to(dtype) if chunk.is_floating_point() else chunk)
+                with contextlib.suppress(AllSitesRecorded):  # inputs go where the model is, images in its dtype
+                    x = chunk.to(param.device, param.dtype) if chunk.is_floating_point() else chunk.to(param.device)
+                    arch.logits(model, x)
     finally:
         for handle in handles:
             handle.remove()

@@ -1,7 +1,7 @@
 """Pairwise alignment front-end: bring checkpoint B next to A by a named method, in canonical form.
 
 ``none`` leaves both models as trained (the vanilla baseline); every other method folds LayerNorms
-first (symmetry.md §1) and returns B transformed by an exact symmetry, so it computes the same function
+first and returns B transformed by an exact symmetry, so it computes the same function
 (except ``soft``, whose doubly stochastic mixing only approximates B: paper App. D).
 """
 
@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, cast, get_arch
 from glmc.canonical import Form, canonicalize, fixes_ones
+from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
 from glmc.match.learned import LearnConfig
@@ -80,7 +81,7 @@ def _learned(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data
 def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
     *, form: Form = "standard", data: Dataset | None = None, batch: int = 512, dtype: torch.dtype = torch.float64,
-    learn: LearnConfig | None = None, start: Start = "identity",
+    learn: LearnConfig | None = None, start: Start = "identity", device: str | torch.device | None = None,
 ) -> Alignment:
     """Align native state dict B to A (same config) by ``method``; ``start``: where the weight matching that the
     weight and learned methods run begins (:func:`glmc.match.weight.weight_match`).
@@ -89,6 +90,7 @@ def align_pair(
     measured on; activation matching uses its first ``batch`` inputs, the learned methods all of it (holding
     out a validation share) with the options ``learn``. ``dual`` returns B moved by π_A⁻¹ ∘ π_B, A in place.
     In the circuit form the states stay standard (aligned as such) and the learned methods learn the circuit path.
+    ``device`` is where the work happens and the aligned states stay (None: where the inputs are).
     """
     if method not in METHODS:
         raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
@@ -96,6 +98,7 @@ def align_pair(
         raise ConfigError(f"method {method!r} needs data: pass a batch of inputs (--data)")
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
+    native_a, native_b = to_device(native_a, device), to_device(native_b, device)
     if method == "none" and form != "rmsnorm":  # the models' own parameters: LayerNorm folding is bilinear
         a, b = (arch.to_canonical(cast(s, dtype), cfg.depth) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))

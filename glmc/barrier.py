@@ -1,4 +1,4 @@
-"""Loss barriers along linear paths (paper Eq. 1; symmetry.md §10).
+"""Loss barriers along linear paths (paper Eq. 1).
 
 θ(λ) = λ θ_A + (1−λ) θ_B, and B(λ) = L(θ(λ)) − [λ L(θ_A) + (1−λ) L(θ_B)]; the barrier is max_λ B(λ)
 over a grid, measured on held-out data. One model is built once and reloaded at each λ.

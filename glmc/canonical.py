@@ -1,4 +1,4 @@
-"""Canonical forms (symmetry.md §1–3): LayerNorm folding (standard), the rmsnorm form and the circuit form.
+"""Canonical forms: LayerNorm folding (standard), the rmsnorm form and the circuit form.
 
 ``standard``: every LayerNorm gain, and every bias its reader can absorb, is folded into the next linear
 layer; the model stays a standard timm / HF model. ``rmsnorm``: writers are also centred, so LayerNorm
@@ -128,11 +128,11 @@ def _swap_layernorms(model: nn.Module) -> None:
 
 
 def to_model(state: Mapping[str, torch.Tensor], cfg: ModelConfig, form: Form = "standard") -> nn.Module:
-    """A runnable model holding a canonical state (in the state's dtype)."""
+    """A runnable model holding a canonical state, in the state's dtype and on its device."""
     arch = get_arch(cfg.family)
     model = arch.build(cfg)
     if form == "rmsnorm":
         _swap_layernorms(model)
-    dtype = next(iter(state.values())).dtype
-    model.to(dtype).load_state_dict(arch.to_native(state, cfg.depth), strict=True)
+    first = next(iter(state.values()))
+    model.to(first.device, first.dtype).load_state_dict(arch.to_native(state, cfg.depth), strict=True)
     return model.eval()

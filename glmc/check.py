@@ -9,6 +9,7 @@ import torch
 
 from glmc.archs import ModelConfig, State, build_model, get_arch
 from glmc.canonical import Form, canonicalize, to_circuit, to_model
+from glmc.device import resolve, to_device
 from glmc.transforms import SYMMETRY_CLASSES, apply, random_transform
 
 TOLERANCE = 1e-5  # maximum absolute logit difference in float64 that still counts as the same function
@@ -42,11 +43,13 @@ def _logits(state: State, cfg: ModelConfig, form: Form, x: torch.Tensor) -> torc
         return get_arch(cfg.family).logits(to_model(state, cfg, form), x)
 
 
-def invariance_errors(cfg: ModelConfig, form: Form = "standard", seed: int = 0) -> dict[str, float]:
-    """Max |logit difference| for the canonical form itself and after a random transform of each class (and all)."""
-    arch = get_arch(cfg.family)
-    native, x = random_native(cfg, seed), random_inputs(cfg, seed=seed)
-    model = build_model(cfg).double().eval()
+def invariance_errors(cfg: ModelConfig, form: Form = "standard", seed: int = 0,
+                      device: str | torch.device = "cpu") -> dict[str, float]:
+    """Max |logit difference| for the canonical form itself and after a random transform of each class (and all),
+    computed on ``device``."""
+    arch, dev = get_arch(cfg.family), resolve(device)
+    native, x = to_device(random_native(cfg, seed), dev), random_inputs(cfg, seed=seed).to(dev)
+    model = build_model(cfg).to(dev, torch.float64).eval()
     model.load_state_dict(native)
     with torch.no_grad():
         reference = arch.logits(model, x)

@@ -2,8 +2,8 @@
 
 The header's string metadata holds one key, ``glmc``, a JSON blob with the preset, the full
 ``ModelConfig``, width multiplier, seed, data and split, metrics, the char vocabulary for text,
-and a SHA-256 of the tensors, so a flipped byte is caught rather than silently loaded (data.md,
-"Checkpoints"). Files are written to a temporary sibling and renamed: never half-written.
+and a SHA-256 of the tensors, so a flipped byte is caught rather than silently loaded.
+Files are written to a temporary sibling and renamed: never half-written.
 Nothing here unpickles: safetensors holds raw tensors only.
 """
 

@@ -16,12 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmc import cli_merge, cli_symmetry
-from glmc.cli_learn import DATA_HELP
+from glmc import __version__, cli_merge, cli_symmetry
+from glmc.cli_learn import DATA_HELP, positive
+from glmc.cli_outputs import check_outputs
 from glmc.errors import ConfigError, GlmcError
 
 if TYPE_CHECKING:
     from glmc.train import TrainConfig
+
+PRECISIONS = ["fp32", "bf16"]  # glmc.device.PRECISIONS, without importing torch
+DEVICE_HELP = "auto (CUDA when there is one, the default), cpu, cuda or cuda:N"
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width-mult", type=float, default=1.0,
                         help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2)")
     parser.add_argument("--batch-size", type=int, help="default: the dataset's")
-    parser.add_argument("--lr", type=float, help="peak learning rate; default: the dataset's")
+    parser.add_argument("--lr", type=positive, help="peak learning rate (> 0); default: the dataset's")
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--warmup", type=float, default=0.05, help="fraction of steps spent warming up")
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32, or bf16 autocast of the forward passes (on a GPU; training and evaluation)")
     parser.add_argument("--data", help=DATA_HELP)
     parser.add_argument("--out", required=True, type=Path, help="checkpoint path, *.safetensors")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
@@ -79,7 +85,7 @@ def run_train(args: argparse.Namespace) -> int:
     seed_everything(args.seed)  # the initial weights come from the seed too
     model = build_model(task.config)
     fit = train(model, arch, task.train, cfg, progress=not args.quiet)
-    test = evaluate(model, arch, task.test, batch_size=2 * cfg.batch_size)
+    test = evaluate(model, arch, task.test, batch_size=2 * cfg.batch_size, precision=cfg.precision)
     metrics = {"test_loss": test["loss"], "test_accuracy": test["accuracy"], "train_loss": fit["train_loss"]}
     meta = CheckpointMeta(
         preset=args.model,
@@ -111,6 +117,8 @@ def _train_config(args: argparse.Namespace, defaults: dict[str, Any]) -> TrainCo
         seed=args.seed,
         max_steps=args.max_steps,
         threads=args.threads,
+        device=args.device,
+        precision=args.precision,
         **(defaults | given),
     )
 
@@ -132,12 +140,14 @@ COMMANDS: dict[str, Command] = {
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per entry of ``COMMANDS``."""
     parser = _Parser(prog="glmc", description="Align, merge and train Transformers through their symmetries.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         command_parser = sub.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(command_parser)
         if command.single_threaded:
             command_parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+        command_parser.add_argument("--device", default="auto", help=f"where to compute: {DEVICE_HELP}")
     return parser
 
 
@@ -145,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``glmc`` console script; returns the exit status."""
     try:
         args = build_parser().parse_args(argv)
+        check_outputs(args)  # before any work: a bad --out, --json or --plot must not cost a run
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("glmc").setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
         if COMMANDS[args.command].single_threaded:
@@ -153,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.threads < 0:
                 raise ConfigError(f"--threads must be >= 0 (0: every core), got {args.threads}")
             set_threads(args.threads)
+        from glmc.device import resolve
+
+        args.device = str(resolve(args.device))  # an unknown device or a missing GPU is refused before any work
         return COMMANDS[args.command].run(args)
     except GlmcError as err:
         print(f"glmc: error: {err}", file=sys.stderr)

@@ -4,6 +4,7 @@ samples they see, and how learned matching trains on them."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,6 +28,18 @@ def count(text: str) -> int:
     return value
 
 
+def positive(text: str) -> float:
+    """An argparse type for a rate or scale that must be a finite number above 0 (a learning rate of 0 learns
+    nothing, and a negative one climbs the loss)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
     """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
     --batch-size, --lam, --val-points, --patience, --within and --quiet."""
@@ -35,7 +48,7 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     parser.add_argument("--epochs", type=int, default=epochs,
                         help=f"learned methods: passes over the training samples (default {epochs or 2})")
     parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs")
-    parser.add_argument("--lr", type=float, help="learned methods: AdamW learning rate on the latents")
+    parser.add_argument("--lr", type=positive, help="learned methods: AdamW learning rate on the latents (> 0)")
     parser.add_argument("--batch-size", type=int, help="learned methods: samples per step (default 128)")
     parser.add_argument("--lam", type=float, nargs=2, metavar=("LO", "HI"),
                         help="learned methods on a pair: train at λ ~ U(LO, HI), the weight of A (default 0.4 0.6, "

@@ -25,7 +25,7 @@ LEARN_SAMPLES = 20000  # default training samples of learned merging (a seeded s
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoints", nargs="+", type=Path, help="checkpoints to merge (.safetensors)")
+    parser.add_argument("checkpoints", nargs="+", type=Path, help="two or more checkpoints to merge (.safetensors)")
     parser.add_argument("--method", default="weight", help="none, weight, weight-perm, activation or learned")
     width = parser.add_mutually_exclusive_group()
     width.add_argument("--width-of", type=Path, help="give the merged model this checkpoint's width")
@@ -110,7 +110,7 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
                                                            ("workers", "workers")) if hasattr(args, name)}
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, learn=learn,
                       restore_norms=getattr(args, "restore_norms", False), repair=repair, refit=refit, fill=args.fill,
-                      **universe)  # align has no universe options: MergeSetup's defaults
+                      device=args.device, **universe)  # align has no universe options: MergeSetup's defaults
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
@@ -138,6 +138,8 @@ def run_merge(args: argparse.Namespace) -> int:
 
     if args.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {args.method!r}; known: {', '.join(MERGE_METHODS)}")
+    if len(args.checkpoints) < 2:
+        raise ConfigError(f"merge needs at least 2 checkpoints, got {len(args.checkpoints)}")
     check_out(args.out, args.force)
     natives, metas, target, mult = _prepare(args, args.checkpoints)
     setup = _setup(args, args.method, target, metas[0], len(natives))

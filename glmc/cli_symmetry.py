@@ -43,7 +43,7 @@ def run_check(args: argparse.Namespace) -> int:
     cfg = preset(args.model).replace(**changes)
     if cfg.family == "gpt2":
         cfg = cfg.replace(vocab_size=67)  # any vocabulary will do for an invariance check
-    errors = invariance_errors(cfg, args.form, args.seed)
+    errors = invariance_errors(cfg, args.form, args.seed, device=args.device)
     ok = max(errors.values()) <= TOLERANCE
     print(json.dumps({"model": args.model, "config": cfg.to_dict(), "form": args.form, "tolerance": TOLERANCE,
                       "max_abs_logit_error": errors, "ok": ok}, indent=2))
@@ -96,7 +96,7 @@ def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, 
     data = train_subset(meta, args.data, samples) if method in DATA_METHODS else None
     learn = learn_options(args) if method in LEARNED_METHODS else None
     return align_pair(state_a, state_b, meta.config, method, form=form, data=data,
-                      batch=samples or ACTIVATION_SAMPLES, learn=learn, start=args.start)
+                      batch=samples or ACTIVATION_SAMPLES, learn=learn, start=args.start, device=args.device)
 
 
 def run_align(args: argparse.Namespace) -> int:

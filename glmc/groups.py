@@ -1,6 +1,6 @@
 """The symmetry groups' elements: random draws for tests, and nearest-element projections for matching.
 
-The residual group of a standard LayerNorm model is {Q orthogonal : Q·1 = 1} ≅ O(d−1) (symmetry.md §2);
+The residual group of a standard LayerNorm model is {Q orthogonal : Q·1 = 1} ≅ O(d−1);
 the rmsnorm form has the whole O(d).
 """
 
@@ -59,7 +59,7 @@ def polar(m: torch.Tensor) -> torch.Tensor:
 
 
 def procrustes(m: torch.Tensor, fix_ones: bool) -> torch.Tensor:
-    """argmax_Q ⟨M, Q⟩ over O(d), or over {Q·1 = 1} by solving on the complement of 1 (symmetry.md §2)."""
+    """argmax_Q ⟨M, Q⟩ over O(d), or over {Q·1 = 1} by solving on the complement of 1."""
     if not fix_ones:
         return polar(m)
     b = ones_complement(m.shape[0], m.dtype).to(m.device)

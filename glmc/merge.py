@@ -4,7 +4,7 @@ multi-model barrier over a simplex grid (paper Eq. 2) and, across widths, each n
 to the wide one (paper Fig. 3c).
 
 Eq. 2: B(θ_1..θ_N) = max_w L(Σ_i w_i θ_i) − Σ_i w_i L(θ_i) over the simplex; here over the grid of weights
-that are multiples of 1/steps, evaluated on held-out data like the pairwise barrier (symmetry.md §10).
+that are multiples of 1/steps, evaluated on held-out data like the pairwise barrier.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from glmc.archs import Arch, ModelConfig, State, cast, get_arch, preset, scale_w
 from glmc.barrier import barrier_curve, evaluate_mixtures
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
+from glmc.device import device_of, resolve, to_device
 from glmc.errors import ConfigError
 from glmc.refit import refit
 from glmc.repair import repair
@@ -53,7 +54,12 @@ def simplex_grid(n: int, steps: int) -> list[tuple[float, ...]]:
 
 
 def grid_steps(n: int, max_points: int) -> int:
-    """The finest grid of at most ``max_points`` weights on the simplex of n models, and never coarser than 1/2."""
+    """The finest grid of at most ``max_points`` weights on the simplex of n models, and never coarser than 1/2.
+
+    A simplex needs two models at least: with one, every grid is a single point and no grid would ever be too fine.
+    """
+    if n < 2:
+        raise ConfigError(f"a simplex grid needs at least 2 models, got {n}")
     steps = 2
     while math.comb(steps + n, n - 1) <= max_points:
         steps += 1
@@ -143,6 +149,7 @@ class MergeSetup:
     repair: int = 0  # reset the merged channels' statistics on this many of ``train``'s inputs (glmc.repair); 0: off
     refit: int = 0  # refit the merged layers to the inputs' mean outputs on this many of ``train``'s inputs; 0: off
     fill: str = "zeros"  # how narrow inputs fill the target's extra heads and units (glmc.widths.FILLS)
+    device: str = "cpu"  # where the merge is computed (glmc.device.resolve); the result stays there
 
 
 def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
@@ -160,6 +167,7 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     # Vanilla averaging at one width takes the models as trained, like the paper's baseline; everything else
     # (and any embedding across widths) needs the standard form, LayerNorms folded.
     raw = setup.method == "none" and all(c == setup.target for c in configs)
+    natives = [to_device(s, setup.device) for s in natives]
     states = [arch.to_canonical(cast(s, torch.float64), c.depth) if raw
               else canonicalize(arch, s, c.depth, dtype=torch.float64) for s, c in zip(natives, configs, strict=True)]
     pairwise = "weight" if setup.method == "learned" else setup.method
@@ -181,7 +189,7 @@ def align_to_wide(wide: State, native: Mapping[str, torch.Tensor], cfg: ModelCon
                   setup: MergeSetup) -> UniverseResult:
     """A narrower native model (``cfg``) embedded into the canonical ``wide`` model's width (``setup.target``) and
     aligned to it by ``setup.method``: one universe step anchored at ``wide``, so it computes the narrow function."""
-    narrow = canonicalize(get_arch(cfg.family), native, cfg.depth, dtype=torch.float64)
+    narrow = canonicalize(get_arch(cfg.family), to_device(native, device_of(wide)), cfg.depth, dtype=torch.float64)
     return universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
                           data=setup.train, batch=setup.batch, learn=setup.learn, fill=setup.fill)
 
@@ -192,7 +200,8 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
     ref = _reference(configs, setup.target)
     if configs[ref] != setup.target:
         return []
-    wide = canonicalize(get_arch(setup.target.family), natives[ref], setup.target.depth, dtype=torch.float64)
+    wide = canonicalize(get_arch(setup.target.family), to_device(natives[ref], setup.device), setup.target.depth,
+                        dtype=torch.float64)
     rows = []
     for i, cfg in enumerate(configs):
         if cfg == setup.target:
@@ -212,7 +221,7 @@ def evaluate_merge(result: UniverseResult, natives: Sequence[Mapping[str, torch.
     arch = get_arch(setup.target.family)
     models = []
     for native, cfg in zip(natives, configs, strict=True):
-        model = arch.build(cfg)
+        model = arch.build(cfg).to(resolve(setup.device))
         model.load_state_dict(native)
         models.append(model.eval())
     merged = evaluate(to_model(cast(result.merged, torch.float32), setup.target), arch, test)

@@ -101,7 +101,7 @@ def mean_outputs(models: Sequence[nn.Module], weights: Sequence[float], cfg: Mod
             def hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
                 y = out.detach().reshape(-1, out.shape[-1]).double()
                 kind = arch.spec[f"{key[0]}.w"][0]
-                means[key].add(y, n, coverage(kind, p, key[1], y.shape[1]))
+                means[key].add(y, n, coverage(kind, p, key[1], y.shape[1]).to(y.device))
                 seen.add(key)
                 if len(seen) == len(stage):
                     raise AllSitesRecorded

@@ -73,7 +73,7 @@ def _target(inputs: Sequence[Stats], weights: torch.Tensor) -> Stats:
     """Per channel, the weighted mean of the inputs' mean and std over the inputs whose channel is alive (std > 0;
     a narrower model embedded in the universe has dead channels)."""
     means, stds = torch.stack([m for m, _ in inputs]), torch.stack([s for _, s in inputs])
-    held = (stds > 0).double() * weights[:, None]
+    held = (stds > 0).double() * weights.to(stds.device)[:, None]
     total = held.sum(0).clamp_min(torch.finfo(torch.float64).tiny)
     return (held * means).sum(0) / total, (held * stds).sum(0) / total
 

@@ -68,7 +68,8 @@ def _scale_mlp_out(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) 
 def _scale_q(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
     """Scale head h's q rows (the first third of qkv, head by head) by s[h]; k and v stay."""
     q = s.repeat_interleave(state[f"blocks.{layer}.attn.qkv.w"].shape[0] // (3 * cfg.heads))
-    _scale_rows(state, f"blocks.{layer}.attn.qkv", torch.cat([q, torch.ones(2 * q.numel(), dtype=s.dtype)]))
+    ones = torch.ones(2 * q.numel(), dtype=s.dtype, device=s.device)
+    _scale_rows(state, f"blocks.{layer}.attn.qkv", torch.cat([q, ones]))
 
 
 def _scale_proj(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
@@ -88,7 +89,7 @@ UNITS: tuple[tuple[Norms, Scale], ...] = (
 def target_norms(inputs: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
     """Per unit, the weighted mean of the inputs' norms over the inputs that hold the unit (norm > 0)."""
     norms = torch.stack(list(inputs))  # (N, units)
-    held = (norms > 0).to(norms.dtype) * weights[:, None]
+    held = (norms > 0).to(norms.dtype) * weights.to(norms.device)[:, None]
     return (held * norms).sum(0) / held.sum(0).clamp_min(torch.finfo(norms.dtype).tiny)
 
 

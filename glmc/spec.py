@@ -1,7 +1,7 @@
 """Symmetry specs as data: each canonical parameter template maps to the group acting on each axis.
 
 Canonical names are shared by every family (``blocks.{l}.attn.qkv.w`` …); linear weights are
-stored (out, in). Axis kinds (symmetry.md §2–4):
+stored (out, in). Axis kinds:
 
 - ``RES``: the residual stream, x → Q x (orthogonal, so readers and writers transform alike);
 - ``QKV``: the fused q|k|v rows, factorised (3, H, d_h): head permutation, then M on q, M⁻ᵀ on k, N on v;

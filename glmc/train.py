@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from glmc.archs import Arch
+from glmc.device import autocast, check_precision, resolve
 from glmc.errors import ConfigError, check_options
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ class TrainConfig:
     max_steps: int | None = None  # stop early after this many optimizer steps
     grad_clip: float = 1.0
     threads: int = 0  # torch intra-op threads; 0 = every core this process may use
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto (glmc.device.resolve)
+    precision: str = "fp32"  # fp32 | bf16 (autocast on the forward pass; the weights stay float32)
 
     def __post_init__(self) -> None:
         check_options("training", [
@@ -57,6 +59,7 @@ class TrainConfig:
              {"weight_decay": self.weight_decay, "threads": self.threads}),
             ("> 0 (inf: no clipping)", lambda v: v > 0, {"grad_clip": self.grad_clip}),  # 0 would zero every step
             ("in [0, 1)", lambda v: 0 <= v < 1, {"warmup": self.warmup})])
+        check_precision(self.precision)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,19 +125,23 @@ def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, prog
     if len(loader) == 0:
         raise ConfigError("cannot train on an empty dataset")
     total = min(cfg.epochs * len(loader), cfg.max_steps or cfg.epochs * len(loader))
+    device = resolve(cfg.device)
+    model.to(device).train()  # before the optimizer is built: AdamW's state then lives beside the weights
     optimizer = make_optimizer(model, cfg)
     scheduler = cosine_schedule(optimizer, total, cfg.warmup)
-    model.to(cfg.device).train()
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []  # kept on the device: a GPU step never waits for its loss to be read
     start = time.perf_counter()
     with tqdm(total=total, desc="train", unit="step", disable=not progress, dynamic_ncols=True) as bar:
-        for x, y in itertools.islice(_batches(loader, cfg.epochs), total):
-            losses.append(train_step(model, arch, x.to(cfg.device), y.to(cfg.device), optimizer, cfg.grad_clip))
+        for step, (x, y) in enumerate(itertools.islice(_batches(loader, cfg.epochs), total), start=1):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            losses.append(train_step(model, arch, x, y, optimizer, cfg.grad_clip, cfg.precision))
             scheduler.step()
             bar.update()
-            bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}", refresh=False)
+            if progress and step % 50 == 0:
+                bar.set_postfix(loss=f"{float(torch.stack(losses[-50:]).mean()):.4f}", refresh=False)
+    values = torch.stack(losses).double().cpu().numpy()
     seconds = time.perf_counter() - start
-    train_loss = float(np.mean(losses[-max(1, len(losses) // 10) :]))
+    train_loss = float(np.mean(values[-max(1, len(values) // 10) :]))
     log.info("trained %d steps in %.1f s; train loss %.4f", len(losses), seconds, train_loss)
     return {"train_loss": train_loss, "steps": len(losses), "seconds": seconds}
 
@@ -146,29 +153,37 @@ def train_step(
     y: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     clip: float,
-) -> float:
-    """One optimizer step on a batch; returns its mean loss."""
-    loss = token_loss(arch.logits(model, x), y)
+    precision: str = "fp32",
+) -> torch.Tensor:
+    """One optimizer step on a batch (forward under ``precision``'s autocast, backward outside it); returns its
+    mean loss, detached, on the batch's device."""
+    with autocast(x.device, precision):
+        logits = arch.logits(model, x)
+    loss = token_loss(logits.float(), y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
-    return loss.item()
+    return loss.detach()
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, arch: Arch, dataset: Dataset, batch_size: int = 256) -> dict[str, float]:
-    """Mean cross-entropy in nats per target and accuracy (next-char accuracy for text)."""
+def evaluate(model: nn.Module, arch: Arch, dataset: Dataset, batch_size: int = 256,
+             precision: str = "fp32") -> dict[str, float]:
+    """Mean cross-entropy in nats per target and accuracy (next-char accuracy for text), on the model's device;
+    ``precision='bf16'`` autocasts the forward passes (the loss is summed in float32)."""
     param = next(model.parameters())
     model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=param.device)  # summed on the device: one sync at the end
+    correct, count = torch.zeros((), dtype=torch.long, device=param.device), 0
     for x, y in DataLoader(dataset, batch_size=batch_size, shuffle=False):
         # images in the model's own precision (a float32 evaluation of float64 data, or the reverse); tokens as they are
         x, y = x.to(param.device, param.dtype) if x.is_floating_point() else x.to(param.device), y.to(param.device)
-        logits = arch.logits(model, x)
-        loss_sum += token_loss(logits, y, reduction="sum").item()
-        correct += int((logits.argmax(-1) == y).sum())
+        with autocast(param.device, precision):
+            logits = arch.logits(model, x)
+        loss_sum += token_loss(logits.float() if precision != "fp32" else logits, y, reduction="sum").double()
+        correct += (logits.argmax(-1) == y).sum()
         count += y.numel()
     if count == 0:
         raise ConfigError("cannot evaluate on an empty dataset")
-    return {"loss": loss_sum / count, "accuracy": correct / count}
+    return {"loss": float(loss_sum) / count, "accuracy": int(correct) / count}

@@ -3,7 +3,7 @@
 A transform acts as: residual stream x → Q x; heads of layer l reordered by ``heads[l]`` (new head i is
 old head ``heads[l][i]``), then q_i → M_i q_i, k_i → M_i⁻ᵀ k_i, v_i → N_i v_i with W_O,i → W_O,i N_i⁻¹;
 MLP units reordered by ``mlp[l]`` then scaled by ``mlp_scale[l]`` (ReLU only). Every one of these leaves
-the network function unchanged (paper §3.2; symmetry.md §2–4).
+the network function unchanged (paper §3.2).
 
 A reordering may also be a dense (n, n) matrix P acting as new = P @ old: a hard permutation matrix with a
 straight-through gradient, or a soft (doubly stochastic) one (paper App. D). ``apply`` accepts both forms;
@@ -53,19 +53,19 @@ class Transform:
 
 def _batched(maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Apply per-head maps (H, a, b) to x (H, b, rest) → (H, a, rest)."""
-    return torch.einsum("hab,hbr->har", maps.to(x.dtype), x)
+    return torch.einsum("hab,hbr->har", maps.to(x.device, x.dtype), x)
 
 
 def _reorder(x: torch.Tensor, p: torch.Tensor, axis: int = 0) -> torch.Tensor:
     """Reorder ``axis`` of x: new i = old p[i] for an index tensor, new = P @ old for a dense (n, n) matrix."""
     if p.dim() == 1:
-        return x.index_select(axis, p)
-    return torch.tensordot(p.to(x.dtype), x.movedim(axis, 0), dims=1).movedim(0, axis)
+        return x.index_select(axis, p.to(x.device))
+    return torch.tensordot(p.to(x.device, x.dtype), x.movedim(axis, 0), dims=1).movedim(0, axis)
 
 
 def _inv_t(m: torch.Tensor) -> torch.Tensor:
     """M⁻ᵀ; just M for the orthogonal maps that weight matching produces (orthogonal to this dtype's precision)."""
-    eye = torch.eye(m.shape[-1], dtype=m.dtype)
+    eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
     if torch.allclose(m @ m.mT, eye, rtol=0.0, atol=1e-12 if m.dtype == torch.float64 else 1e-5):
         return m
     return torch.linalg.inv(m).mT
@@ -103,7 +103,7 @@ def _apply_mlp(x: torch.Tensor, t: Transform, layer: int, reader: bool) -> torch
         x = _reorder(x, perm)
     scale = t.mlp_scale[layer]
     if scale is not None:
-        s = scale.to(x.dtype).unsqueeze(1)
+        s = scale.to(x.device, x.dtype).unsqueeze(1)
         x = x / s if reader else x * s
     return x
 
@@ -116,7 +116,7 @@ def _apply_axis(
     shape = y.shape
     y = y.reshape(shape[0], -1)
     if kind == RES and t.residual is not None:
-        y = t.residual.to(y.dtype) @ y
+        y = t.residual.to(y.device, y.dtype) @ y
     elif layer is not None and kind == QKV:
         y = _apply_qkv(y, t, layer, heads)
     elif layer is not None and kind == HEADS:

@@ -1,4 +1,4 @@
-"""Universe matching (paper §4.3, after C2M3; symmetry.md §8): align many models into one basin and merge them.
+"""Universe matching (paper §4.3, after C2M3): align many models into one basin and merge them.
 
 U ← a chosen model (or the previous global model). Repeat: align every model to U by a pairwise method (the N
 alignments of an iteration run in a process pool), then set U to the least-squares coverage-weighted mean of
@@ -9,7 +9,7 @@ minimises the multi-model barrier of Eq. 2. Models narrower than the universe ar
 
 ``method="none"`` skips alignment: one least-squares merge, i.e. FedAvg at equal widths and HeteroFL with
 coordinate placements, through the same code path. ``refine=True`` finishes with the multi-model learned
-refinement (mixing weights ~ Dirichlet(c·N·ŵ), symmetry.md §7; ``glmc.match.dual.refine_universe``).
+refinement (mixing weights ~ Dirichlet(c·N·ŵ), ``glmc.match.dual.refine_universe``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from glmc.archs import ModelConfig, State, get_arch
+from glmc.device import device_of
 from glmc.errors import ConfigError, check_options, check_weights
 from glmc.match.common import MatchResult, sq_distance
 from glmc.transforms import Transform, apply, compose
@@ -106,7 +107,7 @@ def _align_all(job: _Job, anchor: State, states: Sequence[State], workers: int) 
     The pool lives for one iteration, so its inputs reach each worker once rather than once per task: forked
     where the platform can (as torch's DataLoader does: nothing is copied or re-imported), spawned elsewhere.
     """
-    if workers <= 1:
+    if workers <= 1 or device_of(anchor).type != "cpu":  # a forked child cannot use its parent's CUDA context
         return [_align_one(job, anchor, s) for s in states]
     start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with ProcessPoolExecutor(min(workers, len(states)), mp_context=multiprocessing.get_context(start_method),

@@ -1,4 +1,4 @@
-"""Models of different widths in one universe (symmetry.md §9; paper App. E): exact embedding of a narrow
+"""Models of different widths in one universe (paper App. E): exact embedding of a narrow
 standard-form model into a wider architecture, projection back, and least-squares coverage-weighted merging.
 
 A :class:`Placement` says where a narrow model's units sit inside the wide model, one map per axis kind of
@@ -29,7 +29,7 @@ from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
 from glmc.transforms import Transform
 
 # How a narrow model fills the universe's extra heads and MLP units: zero heads and dead neurons (the exact
-# embedding of symmetry.md §9), or copies of its own (:func:`widen`).
+# embedding), or copies of its own (:func:`widen`).
 FILLS = ("zeros", "copies")
 # Fields that fix a model's width; every other field must agree for two models to share a universe.
 WIDTH_FIELDS = ("width", "heads", "mlp", "head_dim", "norm_eps")
@@ -193,7 +193,7 @@ def _map_axis(x: torch.Tensor, kind: AxisKind, p: Placement, layer: int | None, 
               embed: bool) -> torch.Tensor:
     """One axis (first, x is (n, rest)) moved between the narrow and wide models."""
     if kind == RES:
-        e = p.residual.to(x.dtype)
+        e = p.residual.to(x.device, x.dtype)
         return e @ x * scale if embed else e.T @ x / scale
     if kind == NORM:
         if not torch.allclose(x, torch.ones_like(x)):
@@ -231,7 +231,7 @@ def embed(state: Mapping[str, torch.Tensor], p: Placement) -> State:
 
 def project(state: Mapping[str, torch.Tensor], p: Placement) -> State:
     """A wide canonical state restricted to the model's subspace: exact for MLP units and heads, Eᵀ for the
-    residual. ``project(embed(θ, p), p) = θ``; this is the downlink to a narrow client (symmetry.md §9)."""
+    residual. ``project(embed(θ, p), p) = θ``; this is the downlink to a narrow client."""
     return _map_state(state, p, embed=False)
 
 
@@ -275,14 +275,14 @@ def _as_indices(perm: torch.Tensor) -> torch.Tensor:
     if perm.dim() == 1:
         return perm
     hard = perm.argmax(1)
-    if not torch.equal(perm, torch.eye(len(hard), dtype=perm.dtype)[hard]):
+    if not torch.equal(perm, torch.eye(len(hard), dtype=perm.dtype, device=perm.device)[hard]):
         raise ConfigError("a soft permutation does not move a placement; harden it first")
-    return hard
+    return hard.cpu()  # placements live on the CPU, whatever device the states are matched on
 
 
 def _moved(index: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
     """Where units now sit after a reordering in which new unit i is old unit perm[i]."""
-    return index if perm is None else torch.argsort(_as_indices(perm))[index]
+    return index if perm is None else torch.argsort(_as_indices(perm).cpu())[index]
 
 
 def move(p: Placement, t: Transform) -> Placement:
@@ -294,7 +294,7 @@ def move(p: Placement, t: Transform) -> Placement:
     if partial_heads and any(m is not None for m in (*t.qk, *t.ov)):
         raise ConfigError("within-head maps mix a narrower head's zero rows; merging models of different head "
                           "sizes needs a method without them (none or weight-perm)")
-    residual = p.residual if t.residual is None else t.residual.to(p.residual.dtype) @ p.residual
+    residual = p.residual if t.residual is None else t.residual.to(p.residual.device, p.residual.dtype) @ p.residual
     return dataclasses.replace(p, residual=residual,
                                heads=[_moved(h, t.heads[i]) for i, h in enumerate(p.heads)],
                                mlp=[_moved(m, t.mlp[i]) for i, m in enumerate(p.mlp)])
@@ -356,7 +356,7 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, axes: tuple[AxisKind | No
 
 def lstsq_merge(states: Sequence[Mapping[str, torch.Tensor]], placements: Sequence[Placement],
                 weights: Sequence[float] | None = None) -> State:
-    """Least-squares coverage-weighted merge of wide canonical states (symmetry.md §9).
+    """Least-squares coverage-weighted merge of wide canonical states.
 
     For a reader W: W* = (Σ n_i W_i P_i)(Σ n_i P_i)⁺ with P_i model i's projector in the universe basis
     (the residual's E Eᵀ times the 0/1 coverage of heads and units); writers are mirrored. At equal widths
@@ -366,8 +366,9 @@ def lstsq_merge(states: Sequence[Mapping[str, torch.Tensor]], placements: Sequen
     spec = get_arch(wide.family).spec
     n = torch.tensor([1.0] * len(states) if weights is None else list(weights), dtype=torch.float64)
     n = n / n.sum()
-    res_projectors = [p.projector() for p in placements]
-    scalar = [torch.ones(1, 1, dtype=torch.float64) for _ in placements]
+    device = next(iter(states[0].values())).device  # the placements' projectors join the states there
+    res_projectors = [p.projector().to(device) for p in placements]
+    scalar = [torch.ones(1, 1, dtype=torch.float64, device=device) for _ in placements]
     merged: State = {}
     for name, (layer, template) in expand(spec, wide.depth).items():
         axes, like = spec[template], states[0][name]

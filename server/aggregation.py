@@ -1,7 +1,7 @@
 """The strategy's one aggregation step: decoded client models in, one global model out.
 
 ``merge`` is the only place that knows how models are combined, so the strategy never branches on the
-method (architecture.md, "The path the data takes"):
+method:
 
 - ``fedavg``: HeteroFL's coverage-weighted average of width slices (:mod:`server.heterofl`). The strategy
   itself takes flwr's own FedAvg code path when every client is full width, so that case is FedAvg exactly.
@@ -26,13 +26,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
+from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
 from glmc.refit import refit as refit_layers
@@ -119,7 +120,8 @@ def finetune(native: State, full: ModelConfig, data: Dataset | None, config: Tra
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
           data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
           tune: TrainConfig | None = None, restore: bool = False, repair: bool = False,
-          refit: bool = False, min_gain: float = 0.0, robust: Robustness | None = None) -> MergeResult:
+          refit: bool = False, min_gain: float = 0.0, robust: Robustness | None = None,
+          device: str = "cpu") -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
@@ -131,14 +133,18 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     closer, merge nothing and say ``unaligned``: the caller averages them as FedAvg (:func:`_gains_too_little`).
     ``robust``: clipping around the anchor and the robust average (:mod:`server.robust`; the clients' weights come
     already capped); default off.
+    ``device``: where alignment, merging and fine-tuning run (``server-device``); the result comes back on the CPU.
     """
     robust = robust or Robustness.off()
     if aggregation in SLICED:
+        tune = replace(tune or TrainConfig(threads=1), device=device)
         return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust)
     arch = get_arch(full.family)
     states, configs = universe_states(clients, full)
+    states = [to_device(s, device) for s in states]
     starts = [c.placement for c in clients]
-    start = canonicalize(arch, anchor, full.depth, dtype=torch.float64) if anchor is not None else None
+    start = (canonicalize(arch, to_device(anchor, device), full.depth, dtype=torch.float64)
+             if anchor is not None else None)
     early = _around_anchor(screen, states, configs, starts, start, full, robust.clip_ratio)  # no runaway matched
     before = embedded_distance(early.states, configs, full, starts)
     weights = [c.weight for c in clients]
@@ -200,7 +206,7 @@ def _require_equal_widths(mixed: bool, robust: Robustness) -> None:
 
 
 def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str, anchor: State | None,
-                  data: Dataset | None, tune: TrainConfig | None, robust: Robustness) -> MergeResult:
+                  data: Dataset | None, tune: TrainConfig, robust: Robustness) -> MergeResult:
     """HeteroFL's average of the clipped width slices (or their FedMedian / FedTrimmedAvg at equal widths), then
     for fedavg-ft the fine-tuning on the server data."""
     states, configs = universe_states(clients, full)
@@ -216,7 +222,7 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
         native = coordinatewise(clipping.states, robust.average, robust.trim_beta)
     native, seconds = _float32(native), 0.0
     if aggregation == "fedavg-ft":
-        native, seconds = finetune(native, full, data, tune or TrainConfig(threads=1))
+        native, seconds = finetune(native, full, data, tune)
     return MergeResult(native, seconds, before, before, [None] * len(clients), 0, clipping)
 
 
@@ -256,4 +262,5 @@ def principal_placement(global_native: Mapping[str, torch.Tensor], full: ModelCo
 
 
 def _float32(state: Mapping[str, torch.Tensor]) -> State:
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in state.items()}
+    """The CPU float32 copy that goes into an ArrayRecord, wherever the state was computed."""
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}

@@ -19,8 +19,10 @@ from flwr.serverapp import Grid, ServerApp
 from client.data import eval_subset, label_counts, pool, split_config
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
+from glmc.device import resolve
 from glmc.match.learned import LearnConfig, Within
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
+from server.guard import set_aside_note
 from server.hooks import (
     CheckpointWriter,
     EnsembleEvaluator,
@@ -29,7 +31,7 @@ from server.hooks import (
     load_records,
     resume_point,
 )
-from server.settings import NATURAL_SPLITS, RunSettings
+from server.settings import GUARDED, NATURAL_SPLITS, RunSettings
 from server.strategy import EvaluateFn, RoundHooks, SymmetryAwareFedAvg
 from server.validation import ReplySchema
 
@@ -78,14 +80,15 @@ def initial_model(settings: RunSettings, run_dir: Path, cfg: ModelConfig) -> tup
 
 
 def central_evaluator(settings: RunSettings, cfg: ModelConfig) -> EvaluateFn:
-    """evaluate_fn(round, arrays): the full-width global model on ``eval-limit`` held-out test samples."""
+    """evaluate_fn(round, arrays): the full-width global model on ``eval-limit`` held-out test samples, on the
+    server's device."""
     test = eval_subset(pool(settings).test, settings.eval_limit, settings.seed)
-    arch = get_arch(cfg.family)
+    arch, device = get_arch(cfg.family), resolve(settings.server_device)
 
     def evaluate_global(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model = build_model(cfg)
         model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
-        result = evaluate(model, arch, test)
+        result = evaluate(model.to(device), arch, test)
         log.info("round %d: central test loss %.4f, accuracy %.4f", server_round, result["loss"], result["accuracy"])
         return MetricRecord({"central-loss": float(result["loss"]), "central-accuracy": float(result["accuracy"])})
 
@@ -150,6 +153,7 @@ def main(grid: Grid, context: Context) -> None:
         repair=settings.repair, refit=settings.refit, narrow_placement=settings.narrow_placement,
         min_alignment_gain=settings.min_alignment_gain, independent_init=settings.init == "independent",
         robust=settings.robustness, node_wait_timeout=settings.node_wait_timeout, round_offset=done,
+        device=settings.server_device,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
         min_available_nodes=settings.min_available_nodes or settings.min_train_nodes,
@@ -159,4 +163,6 @@ def main(grid: Grid, context: Context) -> None:
     strategy.start(grid, initial, num_rounds=settings.num_server_rounds - done, timeout=settings.round_timeout,
                    train_config=ConfigRecord(), evaluate_config=ConfigRecord(),
                    evaluate_fn=central_evaluator(settings, cfg))
+    if settings.aggregation in GUARDED:
+        log.info("run summary: %s", set_aside_note(strategy.records))
     log.info("run finished: outputs in %s", run_dir)

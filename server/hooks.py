@@ -92,7 +92,7 @@ class CheckpointWriter(RoundHooks):
 @dataclass(frozen=True)
 class EnsembleEvaluator(RoundHooks):
     """The logit ensemble of each round's client models on the central test subset: the one-shot reference
-    that merging into a single model tries to reach (issue 6, experiment 1)."""
+    that merging into a single model tries to reach (the one-shot experiment)."""
 
     full: ModelConfig
     test: Dataset

@@ -22,6 +22,7 @@ TRAIN_METRICS = frozenset({
     "train-seconds",
     "client-test-loss",  # the client's freshly trained model on the central test subset
     "client-test-accuracy",
+    "client-peak-gpu-mb",  # peak GPU memory of the round's training and evaluation (0 on a CPU)
 })
 EVALUATE_METRICS = frozenset({WEIGHT_KEY, "eval-loss", "eval-accuracy"})
 WIRE_DTYPE = "float32"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
 from glmc.match.learned import WITHIN
 from server.robust import Robustness
@@ -115,6 +116,10 @@ class RunSettings:
     trim_beta: float = 0.2  # fedtrimmedavg: the fraction cut from each end of every coordinate (Flower's beta)
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
+    # where clients train and evaluate: auto (the GPU the node sees, if any), cpu, cuda, cuda:N; a node's own
+    # node-config key `device` overrides it. In simulation a client sees a GPU only with client-resources-num-gpus > 0
+    client_device: str = "auto"
+    server_device: str = "auto"  # where the server aligns, merges and evaluates (same names)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
     attack: str = "none"  # TEST HOOK: the attack-partition's well-formed hostile reply (client.attacks.ATTACKS)
     attack_partition: int = -1  # TEST HOOK: the partition that attacks (-1 = none)
@@ -145,6 +150,11 @@ class RunSettings:
                  f"{self.node_wait_timeout}")
         _require(not self.run_name or (PLAIN_NAME.fullmatch(self.run_name) is not None and ".." not in self.run_name),
                  f"run-name must be a plain name (letters, digits, '.', '-', '_'; not a path), got {self.run_name!r}")
+        for key, value in (("client-device", self.client_device), ("server-device", self.server_device)):
+            try:
+                check_name(value)
+            except ConfigError as err:
+                raise ConfigError(f"{key}: {err}") from None
         _require(self.refine_concentration > 0,
                  f"refine-concentration must be positive, got {self.refine_concentration}")
         _require(self.refine_within in WITHIN, f"refine-within must be one of {WITHIN}, got {self.refine_within!r}")

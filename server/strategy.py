@@ -31,6 +31,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State
+from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
 from glmc.match.learned import LearnConfig
 from glmc.train import TrainConfig
@@ -45,6 +46,7 @@ from server.aggregation import (
     restrict,
     universe_states,
 )
+from server.guard import guard_note
 from server.robust import Clipping, Robustness, cap_examples, clip, combine, unclipped
 from server.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
 from server.validation import ReplySchema, check_evaluate_reply, check_model, split_replies
@@ -83,6 +85,8 @@ class RoundRecord:
     clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (server.robust.screen)
     clipped: int = 0  # clients clipped around the global model where they are averaged (after matching)
     spread: float | None = None  # the farthest client's distance from the global model over the lower median's
+    server_peak_gpu_mb: float = 0.0  # peak GPU memory of the server's aggregation and evaluation (0 on a CPU)
+    client_peak_gpu_mb: float = 0.0  # the largest peak GPU memory a valid client reported
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,8 +114,8 @@ class SymmetryAwareFedAvg(FedAvg):
                  repair: bool = False, refit: bool = False, narrow_placement: str = RunSettings.narrow_placement,
                  min_alignment_gain: float = RunSettings.min_alignment_gain, independent_init: bool = False,
                  robust: Robustness | None = None, node_wait_timeout: float = RunSettings.node_wait_timeout,
-                 round_offset: int = 0,
-                 hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
+                 round_offset: int = 0, hooks: Sequence[RoundHooks] = (), device: str = "cpu",
+                 **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
         if aggregation not in AGGREGATIONS:
@@ -139,6 +143,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.independent_init = independent_init
         self.robust = robust or RunSettings().robustness  # caps, clipping and the robust average (server.robust)
         self.node_wait_timeout = node_wait_timeout  # seconds a round waits for enough nodes before it is skipped
+        self.device = resolve(device)  # where the server aligns and merges (server-device)
         self.round_offset = round_offset
         self.hooks = list(hooks)
         self.records: list[RoundRecord] = []
@@ -149,8 +154,9 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        log.info("\t└──> Aggregation: %s (align iterations %d), width tiers %s", self.aggregation,
+        log.info("\t├──> Aggregation: %s (align iterations %d), width tiers %s", self.aggregation,
                  self.align_iters, sorted(self.schema.shapes))
+        log.info("\t└──> %s", guard_note(self.aggregation, self.min_alignment_gain, self.schema.shapes))
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -251,10 +257,12 @@ class SymmetryAwareFedAvg(FedAvg):
                      valid: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode, merge and check the valid replies; run the hooks; the new global model, if any."""
         start = time.perf_counter()
+        reset_peak_memory(self.device)
         clients = self._capped([self._decode(msg) for msg in valid])
         record.capped = sum(c.weight < float(_metrics(m)[protocol.WEIGHT_KEY])  # type: ignore[arg-type]
                             for c, m in zip(clients, valid, strict=True))
-        arrays, metrics = self._aggregate(record, valid, clients)
+        with released(self.device):
+            arrays, metrics = self._aggregate(record, valid, clients)
         if arrays is not None and (problem := check_model(arrays)) is not None:
             raise GlmcError(f"the merged model is rejected: {problem}")
         record.aggregate_seconds = time.perf_counter() - start
@@ -342,11 +350,12 @@ class SymmetryAwareFedAvg(FedAvg):
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
                      iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
                      restore=self.restore_norms, repair=self.repair, refit=self.refit,
-                     min_gain=self.min_alignment_gain, robust=self.robust)
+                     min_gain=self.min_alignment_gain, robust=self.robust, device=str(self.device))
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(
             float(_metrics(m)["client-test-accuracy"]) for m in valid)  # type: ignore[arg-type]
+        record.client_peak_gpu_mb = max(float(_metrics(m)["client-peak-gpu-mb"]) for m in valid)  # type: ignore[arg-type]
         if metrics is not None and "train-loss" in metrics:
             record.train_loss = float(metrics["train-loss"])  # type: ignore[arg-type]
 
@@ -378,6 +387,7 @@ class SymmetryAwareFedAvg(FedAvg):
             record.central_loss = _optional_float(metrics.get("central-loss"))
             record.central_accuracy = _optional_float(metrics.get("central-accuracy"))
         record.round_seconds = time.perf_counter() - self._round_start if global_round > self.round_offset else 0.0
+        record.server_peak_gpu_mb = peak_memory_mb(self.device)  # aggregation and central evaluation
         self.records.append(record)
         for hook in self.hooks:
             hook.on_round_end(record, arrays)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from glmc.errors import ConfigError
 from server.plots import plot_curves
 from server.settings import RunSettings
@@ -117,11 +119,12 @@ def grid(exp: Experiment) -> list[Cell]:
     return [Cell(a, s, w, seed) for seed in exp.seeds for s in exp.splits for w in exp.widths for a in exp.aggregations]
 
 
-def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str], gpus_per_client: float = 0.0,
+             ) -> dict[str, Any]:
     """Simulate one cell and return its row: identity, status, wall time, per-round records."""
     config = cell.run_config(exp, out)
     log.info("running %s", cell.name)
-    result = run_simulation(config, exp.num_supernodes, env=env)
+    result = run_simulation(config, exp.num_supernodes, gpus_per_client=gpus_per_client, env=env)
     metrics_path = out / "runs" / cell.name / "metrics.json"
     records = json.loads(metrics_path.read_text())["records"] if result.ok and metrics_path.is_file() else []
     return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
@@ -137,9 +140,9 @@ def pending(cell: Cell) -> dict[str, Any]:
 
 
 def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True,
-             reused: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+             reused: Sequence[dict[str, Any]] = (), gpus_per_client: float = 0.0) -> list[dict[str, Any]]:
     """Every cell, reusing the saved rows of finished ones (and the finished ``reused`` rows of an earlier
-    results.json) unless ``force``; without ``run``, only those."""
+    results.json) unless ``force``; without ``run``, only those. ``gpus_per_client``: see :func:`run_simulation`."""
     earlier = {r["cell"]: r for r in reused if r["status"] == "finished:completed"}
     rows = []
     with local_superlink_env() as env:
@@ -154,7 +157,7 @@ def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True,
             if not run:
                 rows.append(pending(cell))
                 continue
-            row = run_cell(exp, cell, out, env)
+            row = run_cell(exp, cell, out, env, gpus_per_client)
             if row["status"] == "finished:completed":
                 saved.parent.mkdir(parents=True, exist_ok=True)
                 saved.write_text(json.dumps(row))
@@ -226,6 +229,12 @@ def align_share(row: dict[str, Any]) -> float | None:
     return sum(r["align_seconds"] for r in rounds) / total if total else None
 
 
+SET_ASIDE = "rounds set aside %"  # the summary's column, there when the guard set any round aside
+SET_ASIDE_NOTE = ("Rounds set aside: the share of trained rounds whose matching brought the clients less than "
+                  "min-alignment-gain closer; the guard averaged those rounds as FedAvg, so a row at 100 is FedAvg's "
+                  "run.\n")
+
+
 def unaligned_share(row: dict[str, Any]) -> float | None:
     """The share of trained rounds whose alignment min-alignment-gain set aside (averaged as FedAvg)."""
     rounds = trained(row)
@@ -279,7 +288,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, 
                 "align / round time %": _fmt([align_share(r) for r in ok]),
                 "distance before → after": f"{_fmt([final(r, 'distance_before') for r in ok], 1, 2)} → "
                                            f"{_fmt([final(r, 'distance_after') for r in ok], 1, 2)}",
-                **({"rounds set aside %": _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
+                **({SET_ASIDE: _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
                 **({"rounds capped, clipped (before matching), failed; max spread": " / ".join(
                     defences(r) for r in ok)} if defended else {}),
             })
@@ -327,7 +336,8 @@ def provenance(config: Path, rows: list[dict[str, Any]]) -> str:
 
 def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config: Path) -> tuple[str, list[Path]]:
     """results.json, summary.md and the plots; returns the table and the plot paths."""
-    table = markdown(summary_rows(rows, exp))
+    summary = summary_rows(rows, exp)
+    table = markdown(summary)
     (out / "results.json").write_text(json.dumps({"experiment": exp.name, "config": exp.run, "rows": rows}, indent=1))
     plots = plot_groups(rows, exp, out)
     settings = ", ".join(f"{k}={v}" for k, v in exp.run.items())
@@ -338,7 +348,8 @@ def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config
             f"{exp.num_supernodes} clients, seeds {list(exp.seeds)}; {settings}.\n"
             "Accuracy: the global model on the central test set after the last round, mean ± s.e. over seeds; "
             "Δ: paired by seed, of that accuracy, of its mean over the last 3 rounds, and of its mean over all "
-            "trained rounds (which also rewards getting there sooner).\n\n"
+            "trained rounds (which also rewards getting there sooner).\n"
+            + (SET_ASIDE_NOTE if SET_ASIDE in summary[0] else "") + "\n"
             + table + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n")
     (out / "summary.md").write_text(text)
     return table, plots
@@ -368,10 +379,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--reuse", type=Path, metavar="JSON",
                       help="take the finished cells of an earlier results.json of this experiment and run only the "
                            "others (e.g. simulations/results/NAME/results.json after the grid gains an aggregation)")
+    parser.add_argument("--client-gpus", type=float, default=0.0, metavar="F",
+                        help="GPUs per simulated client (Flower's client-resources-num-gpus; 0.25 puts four clients "
+                             "on one GPU); the apps' client-device and server-device default to auto")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     exit_on_sigterm()
     try:
+        if not args.client_gpus >= 0:
+            raise ConfigError(f"--client-gpus must be ≥ 0, got {args.client_gpus}")
+        if args.client_gpus and not torch.cuda.is_available():  # Ray would wait for a GPU forever
+            raise ConfigError("--client-gpus asks for GPUs, but torch sees no CUDA GPU on this machine")
         exp = Experiment.load(args.config)
         rows = saved_rows(exp, args.from_results) if args.from_results else None
         reused = saved_rows(exp, args.reuse, whole=False) if args.reuse else []
@@ -381,7 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if rows is None:
-        rows = run_grid(exp, out, args.force, run=not args.finished_only, reused=reused)
+        rows = run_grid(exp, out, args.force, run=not args.finished_only, reused=reused,
+                        gpus_per_client=args.client_gpus)
     table, plots = write_outputs(exp, rows, out, args.config)
     print(table)
     for path in plots:

@@ -1,7 +1,7 @@
 """Run the Flower apps through the real simulation engine (`flwr run . --stream`) from Python, safely.
 
-`flwr run` exits 0 even when the ServerApp fails, and leaves a detached local SuperLink behind
-(../shared/design/flower.md). So :func:`run_simulation` reads the run id from ``--format json``,
+`flwr run` exits 0 even when the ServerApp fails, and leaves a detached local SuperLink behind.
+So :func:`run_simulation` reads the run id from ``--format json``,
 asks ``flwr ls --run-id ID --format json`` for the final status, and always stops the SuperLink it
 started, by the PID listening on its own port. Each call gets its own ``FLWR_HOME`` and free ports
 (``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``, ``FLWR_LOCAL_CONTROL_API_PORT``), so concurrent runs, tests
@@ -56,7 +56,7 @@ def free_port() -> int:
 
 
 def flwr_env(flwr_home: Path, http_port: int | None = None, control_port: int | None = None) -> dict[str, str]:
-    """The environment every flwr command of this project runs with (flower.md, "Environment").
+    """The environment every flwr command of this project runs with.
 
     ``http_port`` and ``control_port`` move the local SuperLink that `flwr run` starts for a simulation;
     a deployment (:mod:`deploy`) starts its own SuperLink and leaves them out.
@@ -191,17 +191,21 @@ def flwr_json(args: list[str], env: Mapping[str, str], timeout: float) -> dict[s
 
 
 def run_simulation(run_config: Mapping[str, Any], num_supernodes: int, *, cpus_per_client: int = 1,
-                   timeout: float = 7200, env: Mapping[str, str] | None = None) -> RunResult:
+                   gpus_per_client: float = 0.0, timeout: float = 7200,
+                   env: Mapping[str, str] | None = None) -> RunResult:
     """`flwr run . --stream` on the local simulation engine with these run-config overrides.
 
-    ``env``: an environment from :func:`local_superlink_env` to share one SuperLink across runs; without
-    it, the run gets its own, stopped before this returns.
+    ``gpus_per_client``: Flower's ``client-resources-num-gpus`` (a fraction lets several clients share one GPU;
+    0 keeps every client on the CPU). ``env``: an environment from :func:`local_superlink_env` to share one
+    SuperLink across runs; without it, the run gets its own, stopped before this returns.
     """
     if env is None:
         with local_superlink_env() as own:
-            return run_simulation(run_config, num_supernodes, cpus_per_client=cpus_per_client, timeout=timeout,
-                                  env=own)
+            return run_simulation(run_config, num_supernodes, cpus_per_client=cpus_per_client,
+                                  gpus_per_client=gpus_per_client, timeout=timeout, env=own)
     federation = f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
+    if gpus_per_client:
+        federation += f" client-resources-num-gpus={gpus_per_client}"
     return run_app(run_config, env, ["--federation-config", federation], timeout=timeout)
 
 

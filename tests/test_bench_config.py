@@ -13,6 +13,7 @@ from glmc.archs import get_arch
 from glmc.canonical import canonicalize
 from glmc.transforms import MATCHABLE, apply, random_transform
 from simulations.bench import (
+    accelerator,
     barrier_sites,
     barriers,
     forms,
@@ -27,7 +28,8 @@ from tests.symmetry_models import CONFIGS, dataset, random_native
 BENCHES: dict[str, Callable[[list[str]], int]] = {
     "barriers": barriers.main, "matching_time": matching_time.main, "merging": merging.main,
     "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main,
-    "learning_budget": learning_budget.main, "forms": forms.main, "barrier_sites": barrier_sites.main}
+    "learning_budget": learning_budget.main, "forms": forms.main, "barrier_sites": barrier_sites.main,
+    "accelerator": accelerator.main}
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -140,3 +142,41 @@ def test_a_model_and_its_transformed_copy_cost_nothing_at_any_site_once_weight_m
     assert weight["loss_a"] == pytest.approx(weight["loss_b"], abs=1e-5)
     assert abs(weight["midpoint"]) < 1e-5 and max(map(abs, weight["sites"].values())) < 1e-5
     assert len(none["sites"]) >= 2 * cfg.depth and max(map(abs, none["sites"].values())) > 1e-4
+
+
+TINY_ACCELERATOR = """
+[run]
+results = "unused"
+threads = 1
+[train]
+presets = ["vit-tiny", "gpt2-tiny"]
+warmup = 1
+steps = { cpu = 2, cuda = 2 }
+precisions = { cpu = ["fp32"], cuda = ["fp32"] }
+[big]
+devices = ["cpu", "cuda"]
+width = 30
+depth = 2
+heads = 3
+mlp = 37
+vocab = 41
+context = 8
+"""
+
+
+def test_the_accelerator_bench_measures_what_it_names_and_keeps_earlier_sections(tmp_path: Path) -> None:
+    """Two runs of one section each end in one results file; the planted transform is found; the table names every
+    row with no speed-up while only one device was measured."""
+    config = tmp_path / "accelerator.toml"
+    config.write_text(TINY_ACCELERATOR)
+    for section in ("train", "big"):
+        assert accelerator.main(["--config", str(config), "--device", "cpu", "--sections", section,
+                                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results-cpu.json").read_text())["rows"]
+    assert [r["row"].split(" (")[0] for r in rows] == ["train step vit-tiny", "train step gpt2-tiny",
+                                                       "weight matching, GPT-2 d30 × 2 layers, vocabulary 41"]
+    assert all(r["value"] > 0 for r in rows) and rows[-1]["relative_distance_left"] < 1e-10
+    summary = (tmp_path / "summary.md").read_text()
+    table = [line.split(" | ") for line in summary.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [cells[0].lstrip("| ") for cells in table[1:]] == [r["row"] for r in rows]
+    assert {cells[-2] for cells in table[1:]} == {"–"}  # the speed-up column: one device, no ratio

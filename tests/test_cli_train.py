@@ -86,7 +86,8 @@ def _fails_with_one_line(argv: list[str], capsys, expect: str) -> None:
         (["--model", "gpt2-tiny", "--dataset", "fashion-mnist"], "needs a vit preset"),
         (["--model", "vit-tiny"], "required: --dataset"),
         (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--epochs", "0", "--lr", "nan"],
-         "training: epochs=0 (must be ≥ 1); lr=nan (must be finite and > 0)"),
+         "argument --lr: must be a finite number > 0, got nan"),
+        (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--epochs", "0"], "training: epochs=0 (must be ≥ 1)"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(extra, expect, tmp_path, capsys):

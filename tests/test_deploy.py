@@ -1,4 +1,4 @@
-"""Deployment over gRPC (issue 7): certificates, node keys, the flwr connection, process records, and a real
+"""Deployment over gRPC: certificates, node keys, the flwr connection, process records, and a real
 SuperLink with two SuperNodes on loopback, with TLS and node authentication.
 
 The slow tests share one deployment (module fixture) and run in file order: nodes that must be refused,

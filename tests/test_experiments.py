@@ -1,5 +1,5 @@
 """Every experiment's ``-smoke`` config through the comparison harness on the real simulation engine: each cell
-finishes, records every round, and lands in results.json, summary.md and a plot (issue 6: CI runs them)."""
+finishes, records every round, and lands in results.json, summary.md and a plot (CI runs them)."""
 
 from __future__ import annotations
 

@@ -9,11 +9,13 @@ import pytest
 import scipy.stats
 import torch
 from flwr.app import ArrayRecord
-from test_strategy import _permuted, as_numpy, logits, metrics, reply, state, strategy
+from test_strategy import CFG, _permuted, as_numpy, logits, metrics, reply, schema, state, strategy
 
+from client.attacks import attack
 from glmc.errors import ConfigError
 from server.robust import Robustness, cap_examples, clip, coordinatewise, distance, screen
 from server.settings import RunSettings
+from server.validation import check_reply
 
 
 def _tuned(base: dict[str, torch.Tensor], seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
@@ -135,3 +137,15 @@ def test_robust_settings_are_checked(changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         RunSettings(**changes)
     assert RunSettings(robust_average="fedtrimmedavg", trim_beta=0.3).robustness.trim_beta == 0.3
+
+
+def test_the_attack_hook_makes_well_formed_replies_of_each_attack() -> None:
+    """client.attacks: every attack passes validation; sign flip and replacement move from the received model."""
+    received, trained = state(0), _tuned(state(0), 1)
+    for kind in ("none", "inflate", "scale", "signflip", "replace", "constant"):
+        sent, changes = attack(kind, trained, received, CFG, boost=5.0, seed=7)
+        assert check_reply(reply(sent, metrics(**changes)), schema()) is None, kind  # type: ignore[arg-type]
+        if kind == "signflip":
+            for k in received:
+                torch.testing.assert_close(sent[k], received[k] - 5.0 * (trained[k] - received[k]))
+    assert attack("inflate", trained, received, CFG, 5.0, 7)[1] == {"num-examples": 10**9}

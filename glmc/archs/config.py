@@ -11,7 +11,7 @@ from glmc.errors import ConfigError, check_options
 
 Family = Literal["vit", "gpt2"]
 
-# Each family's own LayerNorm eps (timm ViT, HF GPT-2); an exact width embedding rescales it (symmetry.md §9).
+# Each family's own LayerNorm eps (timm ViT, HF GPT-2); an exact width embedding rescales it.
 DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5}
 
 

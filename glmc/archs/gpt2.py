@@ -54,7 +54,7 @@ SPEC: dict[str, Axes] = {
 
 
 def build(cfg: ModelConfig) -> GPT2LMHeadModel:
-    """A standard GPT2LMHeadModel with no pretrained weights and an untied head (symmetry.md §1)."""
+    """A standard GPT2LMHeadModel with no pretrained weights and an untied head."""
     # Imported here: transformers takes seconds to import, and a ViT-only process (every deployed ClientApp
     # starts afresh each round) never needs it.
     from transformers import GPT2Config, GPT2LMHeadModel

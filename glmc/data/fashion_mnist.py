@@ -27,6 +27,7 @@ HOW_TO_GET = (
     "install it with `apt-get install dataset-fashion-mnist`, or put the four IDX .gz files "
     "in $GLMC_DATA/fashion-mnist"
 )
+_NEEDED = [name for pair in FILES.values() for name in pair]
 # IDX type codes (third magic byte) → numpy dtypes; multi-byte values are big-endian.
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
@@ -46,12 +47,11 @@ def read_idx(path: Path) -> np.ndarray:
 
 
 def find_fashion_mnist(path: str | Path | None = None) -> Path | None:
-    """The first directory holding all four IDX files: ``path``, the data root, then Debian's."""
-    candidates = [Path(path)] if path is not None else []
-    candidates += [data_root() / "fashion-mnist", DEBIAN_DIR]
-    needed = [name for pair in FILES.values() for name in pair]
+    """The first directory holding all four IDX files: ``path`` alone when given (a copy the caller named is never
+    silently replaced by another), else the data root, then Debian's."""
+    candidates = [Path(path)] if path is not None else [data_root() / "fashion-mnist", DEBIAN_DIR]
     for directory in candidates:
-        if all((directory / name).is_file() for name in needed):
+        if all((directory / name).is_file() for name in _NEEDED):
             return directory
     return None
 
@@ -60,6 +60,9 @@ def load_fashion_mnist(path: str | Path | None = None, allow_hub: bool = False) 
     """Fashion-MNIST as normalised (N, 1, 28, 28) tensors; hub download only if ``allow_hub``."""
     directory = find_fashion_mnist(path)
     if directory is None:
+        if path is not None:
+            raise DataNotFoundError(f"Fashion-MNIST not found in {path} (needs {', '.join(sorted(_NEEDED))}); "
+                                    f"{HOW_TO_GET}")
         if not allow_hub:
             raise DataNotFoundError(f"Fashion-MNIST not found locally; {HOW_TO_GET}")
         return download_hub_splits(HUB_DATASETS["fashion-mnist"], HOW_TO_GET)

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from glmc.data.partition import SplitConfig, partition_indices
 from glmc.data.paths import data_root
 from glmc.errors import ConfigError, DataNotFoundError
 
@@ -312,6 +311,8 @@ def shakespeare_partitions(
     are dropped. Each client's last ``test_fraction`` is its test set. Grouping goes through
     flwr-datasets' ``NaturalIdPartitioner``, like every other split.
     """
+    from glmc.data.partition import SplitConfig, partition_indices  # flwr-datasets: only when splitting by clients
+
     corpus = corpus_or_path if isinstance(corpus_or_path, TextCorpus) else load_shakespeare(corpus_or_path)
     context = corpus.context if context is None else context
     units = _natural_units(corpus.texts, by)

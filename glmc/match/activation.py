@@ -1,4 +1,4 @@
-"""Activation matching (Verma & Elbayad, "Merging Text Transformer Models", §3; symmetry.md §6).
+"""Activation matching (Verma & Elbayad, "Merging Text Transformer Models", §3).
 
 Run A and B on the same batch, take the Pearson correlation (Eq. 1) of their MLP hidden features, per-head
 attention features and residual-stream features, and solve a linear assignment (Eq. 2) for each: the
@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, get_arch
 from glmc.canonical import Form, to_model
+from glmc.device import device_of
 from glmc.match.common import MatchResult, sq_distance
 from glmc.transforms import Transform, apply
 
@@ -108,13 +109,14 @@ def correlations(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], c
     models = to_model(a, cfg, form), to_model(b, cfg, form)
     dtype = next(iter(a.values())).dtype
     moments: dict[Key, Moments] = {}
+    device = device_of(a)
     for chunk in torch.split(batch, batch_size):
-        x = chunk.to(dtype) if chunk.is_floating_point() else chunk
+        x = chunk.to(device, dtype) if chunk.is_floating_point() else chunk.to(device)
         fa, fb = (_features(arch, m, cfg.depth, x) for m in models)
         for kind, layer in fa:
             key = (kind, -1) if kind == "residual" else (kind, layer)
             moments.setdefault(key, Moments()).update(fa[kind, layer], fb[kind, layer])
-    return {key: m.correlation() for key, m in moments.items()}
+    return {key: m.correlation().cpu() for key, m in moments.items()}  # small; their assignments run on the CPU
 
 
 def _permutation_matrix(perm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

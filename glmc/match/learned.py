@@ -1,4 +1,4 @@
-"""Learned matching (paper §4.2, Algorithm 1; symmetry.md §7): the transform that moves B is learned from the
+"""Learned matching (paper §4.2, Algorithm 1): the transform that moves B is learned from the
 task loss of the interpolated model, starting at the weight-matching solution.
 
 Latent matrices — the residual (d, d) and, per layer, the heads (H, H) and the MLP (f, f) — are projected at
@@ -32,6 +32,7 @@ from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.barrier import mix
 from glmc.canonical import Form, fixes_ones, to_circuit, to_model
+from glmc.device import device_of
 from glmc.errors import ConfigError, check_options
 from glmc.match.common import MatchResult
 from glmc.match.weight import Start, weight_match
@@ -101,7 +102,7 @@ class LearnConfig:
 
 def straight_through(z: torch.Tensor) -> torch.Tensor:
     """Hungarian(Z) as a permutation matrix in the forward pass; the gradient reaches Z unchanged (STE)."""
-    hard = torch.eye(z.shape[0], dtype=z.dtype)[groups.assignment(z)]
+    hard = torch.eye(z.shape[0], dtype=z.dtype, device=z.device)[groups.assignment(z).to(z.device)]
     return hard + z - z.detach()
 
 
@@ -118,7 +119,8 @@ def dense(perm: torch.Tensor | None, n: int) -> torch.Tensor:
     eye = torch.eye(n, dtype=torch.float64)
     if perm is None:
         return eye
-    return eye[perm] if perm.dim() == 1 else perm.double()
+    # On the CPU, wherever the transform was found: latents are built there and moved with their path.
+    return eye[perm.cpu()] if perm.dim() == 1 else perm.double().cpu()
 
 
 def orthogonal_latent(q: torch.Tensor | None, d: int, noise: float, g: torch.Generator) -> torch.Tensor:
@@ -231,6 +233,7 @@ class Path:
     def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype) -> None:
         self.arch, self.cfg, self.dtype, self.circuit = get_arch(cfg.family), cfg, dtype, form == "circuit"
         self.states = [cast(e.state, dtype) for e in endpoints]
+        self.device = device_of(self.states[0])  # the path runs where its endpoints live
         self.still = [self._form(s)[0] for s in self.states]  # each endpoint as it stands, in the path's form
         self.module = _Logits(self.arch, to_model(*self._form(self.states[0]), form))
 
@@ -247,7 +250,7 @@ class Path:
     def logits(self, state: State, x: torch.Tensor) -> torch.Tensor:
         """Logits of the model holding the canonical ``state`` (no new module: ``functional_call``)."""
         native = self.arch.to_native(state, self.cfg.depth)
-        x = x.to(self.dtype) if x.is_floating_point() else x
+        x = x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
         return functional_call(self.module, {f"model.{k}": v for k, v in native.items()}, (x,))
 
     def check(self, x: torch.Tensor) -> None:
@@ -310,6 +313,7 @@ def validate(path: Path, transforms: Sequence[Transform | None], points: Sequenc
     total, count = 0.0, 0
     for x, y in loader:
         path.check(x)
+        y = y.to(path.device)
         total += sum(float(token_loss(path.logits(s, x), y, reduction="sum")) for s in states)
         count += y.numel()
     return total / (count * len(states))
@@ -319,11 +323,13 @@ def _step(path: Path, latents: Sequence[Latents | None], weights: Weights, x: to
           optimizer: torch.optim.Optimizer) -> float:
     """One optimizer step on the latents; NaN (and no step) when the loss or a gradient is not finite."""
     path.check(x)
-    loss = token_loss(path.logits(path.point([lat() if lat else None for lat in latents], weights), x), y)
+    logits = path.logits(path.point([lat() if lat else None for lat in latents], weights), x)
+    loss = token_loss(logits, y.to(path.device))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not math.isfinite(loss.item()) or not all(bool(torch.isfinite(gr).all()) for gr in grads):
+    finite = torch.stack([torch.isfinite(loss), *(torch.isfinite(gr).all() for gr in grads)]).all()
+    if not bool(finite):  # one device sync for the loss and every gradient
         return math.nan
     optimizer.step()
     return loss.item()
@@ -361,7 +367,7 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     start = time.perf_counter()
     train, val = split(data, options, validation)
     path = Path(endpoints, cfg, form, options.dtype)
-    latents = [e.latents for e in endpoints]
+    latents = [e.latents.to(path.device) if e.latents else None for e in endpoints]
     params = [p for lat in latents if lat is not None for p in lat.parameters()]
     val_loader = DataLoader(val, batch_size=256)
     best = _Progress(validate(path, [lat.init if lat else None for lat in latents], points, val_loader),

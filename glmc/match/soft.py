@@ -36,6 +36,7 @@ def endpoint_error(b: State, t: Transform, cfg: ModelConfig, data: Dataset, form
     for x, y in DataLoader(data, batch_size=256):
         before, after = path.logits(original, x), path.logits(moved, x)
         worst = max(worst, float((after - before).abs().max()))
+        y = y.to(path.device)
         change += float(token_loss(after, y, reduction="sum") - token_loss(before, y, reduction="sum"))
         count += y.numel()
     return {"endpoint_max_logit_error": worst, "endpoint_loss_change": change / count}

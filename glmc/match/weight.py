@@ -1,4 +1,4 @@
-"""Data-free weight matching (paper §4.1; symmetry.md §5): coordinate descent between the residual
+"""Data-free weight matching (paper §4.1): coordinate descent between the residual
 orthogonal map (Procrustes) and, given it, the head permutations with within-head maps and the MLP
 permutations (linear assignment). Reads only the spec: no architecture is named here.
 
@@ -105,7 +105,7 @@ def _circuit_norms(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def head_cost(fa: tuple[torch.Tensor, torch.Tensor], fb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """‖QK_i^A − QK_j^B‖² + ‖OV_i^A − OV_j^B‖² on the (bias-augmented) circuits, (H, H)."""
     (qkv_a, o_a), (qkv_b, o_b) = fa, fb
-    cost = torch.zeros(qkv_a.shape[1], qkv_b.shape[1], dtype=qkv_a.dtype)
+    cost = torch.zeros(qkv_a.shape[1], qkv_b.shape[1], dtype=qkv_a.dtype, device=qkv_a.device)
     pairs = ((qkv_a[0], qkv_a[1], qkv_b[0], qkv_b[1]), (qkv_a[2], o_a, qkv_b[2], o_b))
     for xa, ya, xb, yb in pairs:
         # QK_i = X_iᵀ Y_i; OV_i = O_i V_i with O_iᵀ stored as the second factor.

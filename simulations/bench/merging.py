@@ -1,4 +1,4 @@
-"""Merging benchmark (issue 5): merges N trained checkpoints per method through ``glmc merge`` (same width and
+"""Merging benchmark: merges N trained checkpoints per method through ``glmc merge`` (same width and
 mixed widths), draws the simplex heat map of three models through ``glmc barrier --simplex``, times universe
 matching of 10 models, and writes a summary.
 

@@ -1,0 +1,53 @@
+"""Output paths checked before any work: a command that would fail to write its results after minutes of merging or
+training fails at once instead, in one line, having written nothing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from glmc.errors import ConfigError
+
+OUTPUT_FLAGS = ("out", "json", "plot")  # every subcommand's file outputs, by argparse dest
+# What matplotlib's Agg canvas writes (FigureCanvasAgg.get_supported_filetypes()), without importing matplotlib.
+PLOT_FORMATS = ("avif", "eps", "gif", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif",
+                "tiff", "webp")
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """ConfigError unless ``path`` can be written: not a directory, and either a writable file or a new file whose
+    nearest existing ancestor is a writable directory (missing folders are created at the end)."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory, not a file")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{flag} {path} is not writable")
+        return
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{flag} {path} cannot be created: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path} cannot be created: {ancestor} is not writable")
+
+
+def check_plot_format(path: Path) -> None:
+    """ConfigError unless ``path`` ends in an image format matplotlib writes."""
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise ConfigError(f"--plot {path}: unknown image format {suffix or '(none)'!r}; use one of "
+                          f"{', '.join(PLOT_FORMATS)}")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every output flag a command was given (``--out``, ``--json``, ``--plot``), checked before it runs."""
+    for dest in OUTPUT_FLAGS:
+        path = getattr(args, dest, None)
+        if path is None:
+            continue
+        flag = f"--{dest}"
+        check_writable(Path(path), flag)
+        if dest == "plot":
+            check_plot_format(Path(path))

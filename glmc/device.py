@@ -1,0 +1,100 @@
+"""Where glmc computes: device names (``auto`` means CUDA when there is one), mixed precision, GPU memory.
+
+The library follows its tensors: a state on a device is matched, merged and evaluated there, and the models
+built along the way are put beside it. Only the entry points (the CLI, the Python API, the Flower apps) choose a
+device, with :func:`resolve`; on a machine without a GPU the default stays the CPU, bit-reproducible as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Literal
+
+import torch
+
+from glmc.errors import ConfigError
+
+Precision = Literal["fp32", "bf16"]
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
+DEVICE_HELP = "auto (CUDA when there is one), cpu, cuda or cuda:N"  # glmc.cli words its own, without torch
+
+
+def check_name(device: str | torch.device | None) -> str:
+    """The device name, lower-cased, if it is one glmc knows (auto, cpu, cuda, cuda:N), whatever this machine has:
+    a run config is read on machines with and without GPUs alike. ConfigError (one line) otherwise."""
+    name = str(device) if isinstance(device, torch.device) else (device or "auto").strip().lower()
+    if name == "auto":
+        return name
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"unknown device {name!r}; use {DEVICE_HELP}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unsupported device {name!r}; use {DEVICE_HELP}")
+    return name
+
+
+def resolve(device: str | torch.device | None = "auto") -> torch.device:
+    """The torch device a name means; ConfigError (one line) for an unknown name or a GPU this machine lacks."""
+    name = check_name(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cpu":
+        return dev
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for, but torch sees no CUDA GPU on this machine (use cpu or auto)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r} asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
+
+
+def device_of(state: Mapping[str, torch.Tensor]) -> torch.device:
+    """The device a state lives on (its first tensor's): where the work on it happens."""
+    return next(iter(state.values())).device
+
+
+def to_device(state: Mapping[str, torch.Tensor], device: str | torch.device | None) -> dict[str, torch.Tensor]:
+    """The state on ``device`` (None: left where it is); tensors already there are not copied."""
+    if device is None:
+        return dict(state)
+    dev = resolve(device)
+    return {k: v.to(dev) for k, v in state.items()}
+
+
+def check_precision(precision: str) -> Precision:
+    """The precision name, or ConfigError naming the allowed ones."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+    return precision  # type: ignore[return-value]
+
+
+def autocast(device: torch.device, precision: str = "fp32") -> contextlib.AbstractContextManager[object]:
+    """bf16 autocast on ``device`` for ``precision='bf16'``; a no-op context for fp32 (the default, exact)."""
+    if check_precision(precision) == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start counting peak GPU memory afresh (nothing on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated by torch on ``device`` since the last reset, in MiB (0 on a CPU)."""
+    if device.type != "cuda":
+        return 0.0
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+@contextlib.contextmanager
+def released(device: torch.device) -> Iterator[None]:
+    """Give cached GPU blocks back to the driver on leaving, so an idle process holds no memory it does not use."""
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

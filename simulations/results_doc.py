@@ -1,0 +1,120 @@
+"""docs/results.md from the committed ``simulations/results/*/results.json``: one section per experiment, its tables
+rendered from the JSON by the code that published it (:mod:`simulations.compare`, :mod:`simulations.bench`)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from simulations import compare
+from simulations.engine import PROJECT
+
+RESULTS = PROJECT / "simulations" / "results"
+# The columns of a comparison's summary kept here (summary.md has them all).
+COMPARE_COLUMNS = ("split", "widths", "aggregation", "runs", "accuracy %", "Δ vs fedavg (pts)", "Δ, all rounds",
+                   compare.SET_ASIDE)
+# Benches that publish one entry per model: folder → the module whose HEADING and markdown(name, entry) render it.
+PER_MODEL = {"barrier-sites": "barrier_sites", "barriers-repair": "repair_barriers", "forms": "forms",
+             "learning-budget": "learning_budget", "weight-starts": "weight_starts"}
+# What each experiment asks, in the order the page gives them, and the page that discusses it.
+ABOUT: dict[str, tuple[str, str]] = {
+    "oneshot": ("One-shot FL from independent inits: 5 clients, Dirichlet 0.5, one round.", "federated.md"),
+    "drift": ("High drift: 5 clients, Dirichlet 0.1, 5 local epochs, 10 rounds, seeds 0–2.", "federated.md"),
+    "drift-seeds": ("High drift on two more seeds (3, 4).", "federated.md"),
+    "drift-repair": ("High drift with REPAIR of the merge on server-held images.", "federated.md"),
+    "widths-principal": ("Mixed widths (tiers 1, 0.5, 0.25) with principal placement, the default.", "federated.md"),
+    "widths": ("Mixed widths with the aligned placement.", "federated.md"),
+    "widths-repair": ("Mixed widths with REPAIR.", "federated.md"),
+    "shakespeare": ("GPT-2 on Shakespeare, one client per role.", "federated.md"),
+    "overhead": ("Alignment's share of a 10-client round.", "federated.md"),
+    "barriers": ("Pairwise loss barriers of independently trained seeds, per matching method.", "methods.md"),
+    "barriers-repair": ("Barriers with REPAIR at every point of the path.", "methods.md"),
+    "forms": ("Barriers in the paper's rmsnorm and circuit forms.", "methods.md"),
+    "weight-starts": ("Weight matching from several residual starts.", "methods.md"),
+    "learning-budget": ("Learned matching with more learning.", "methods.md"),
+    "barrier-sites": ("Where the remaining midpoint loss comes from.", "methods.md"),
+    "matching-time": ("Weight-matching time.", "methods.md"),
+    "merging": ("Merging N models, of one width and across widths.", "methods.md"),
+}
+
+
+def _demote(lines: list[str]) -> list[str]:
+    """Headings one level down, so each experiment's own title nests under this page's."""
+    return [f"#{line}" if line.startswith("#") else line for line in lines]
+
+
+def _compare(data: dict[str, Any]) -> list[str]:
+    """A comparison's table, reduced to its headline columns, from its rows alone."""
+    rows = data["rows"]
+    labels = {axis: tuple({"label": v} for v in dict.fromkeys(r[axis] for r in rows)) for axis in ("split", "widths")}
+    exp = compare.Experiment(data["experiment"], 0, tuple(dict.fromkeys(r["seed"] for r in rows)), data["config"],
+                             labels["split"], labels["widths"],
+                             {a: {"aggregation": a} for a in dict.fromkeys(r["aggregation"] for r in rows)})
+    table = [{k: v for k, v in row.items() if k in COMPARE_COLUMNS} for row in compare.summary_rows(rows, exp)]
+    settings = ", ".join(f"{k}={v}" for k, v in data["config"].items())
+    return [f"Seeds {list(exp.seeds)}; {settings}. Accuracy: the global model after the last round, mean ± s.e. over "
+            "seeds; Δ: paired by seed with FedAvg (HeteroFL with mixed widths).", "", compare.markdown(table)]
+
+
+def _per_model(module: str) -> Callable[[dict[str, Any]], list[str]]:
+    def render(data: dict[str, Any]) -> list[str]:
+        bench = importlib.import_module(f"simulations.bench.{module}")
+        return _demote([*bench.HEADING[2:], *(line for name, entry in data.items()
+                                                for line in bench.markdown(name, entry))])
+    return render
+
+
+def _barriers(data: dict[str, Any]) -> list[str]:
+    from simulations.bench import barriers
+
+    text = barriers.markdown(data["rows"], data["timing"], data["meta"], barriers.approximate_table(data["pairs"]))
+    return text.splitlines()[2:]
+
+
+def _merging(data: dict[str, Any]) -> list[str]:
+    from simulations.bench import merging
+
+    return merging.markdown(data["rows"], data["simplex"], data["timing"], data["meta"]).splitlines()[2:]
+
+
+def _matching_time(data: dict[str, Any]) -> list[str]:
+    from simulations.bench.barriers import timing_table
+
+    load = ", ".join(f"{x:.1f}" for x in data["load_average"])
+    return ["Command: `python -m simulations.bench.matching_time`; median wall and CPU seconds of weight matching "
+            f"at each torch thread count; load average at the end {load}.", "", *timing_table(data["timing"])]
+
+
+RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "barriers": _barriers, "merging": _merging, "matching-time": _matching_time,
+    **{folder: _per_model(module) for folder, module in PER_MODEL.items()},
+}
+
+
+def _section(folder: Path) -> list[str]:
+    data = json.loads((folder / "results.json").read_text())
+    about, page = ABOUT.get(folder.name, ("", ""))
+    if "rows" in data and "experiment" in data:
+        body = _compare(data)
+    elif folder.name in RENDER:
+        body = RENDER[folder.name](data)
+    else:
+        body = ["(No table here for this experiment yet: see its summary.md.)"]
+    where = f"Files: [`simulations/results/{folder.name}/`](../simulations/results/{folder.name}/)" + (
+        f"; discussed in [{page}]({page})." if page else ".")
+    return [f"## {folder.name}", "", *([about, ""] if about else []), where, "", *body, ""]
+
+
+def results_markdown(root: Path = RESULTS) -> str:
+    """The whole page: every folder with a results.json, in ``ABOUT``'s order, then any others by name."""
+    folders = sorted((p.parent for p in root.glob("*/results.json")),
+                     key=lambda f: (list(ABOUT).index(f.name) if f.name in ABOUT else len(ABOUT), f.name))
+    head = ["# Results", "",
+            "Every table below is rendered from a committed `results.json` by the code that measured it, so the page "
+            "cannot drift from the data. Each experiment's folder also holds its full `summary.md` (the command, "
+            "machine and wall time) and its plots; each config is in `simulations/configs/` or "
+            "`simulations/bench/configs/`.", ""]
+    return "\n".join([*head, *(line for folder in folders for line in _section(folder))])
