@@ -8,7 +8,9 @@ Three honest clients of 20,000 examples each (vit-tiny, seeded fine-tunes: the g
 - inflation: the attacker's share of the weights when it claims 10⁹ examples;
 - scaling: the global model's norm after a reply of the attacker's weights × 1000;
 - model replacement: the global model's distance from the attacker's target t after a reply g + 4·(t − g);
-- a reply of all 9999 under weight aggregation (it crashed the ServerApp) and under canonical (it reached 4e8).
+- a reply of all 9999 under weight aggregation (it crashed the ServerApp) and under canonical (it reached 4e8);
+
+each with the defences off, at the defaults, and with FedMedian (the defaults and ``robust-average=fedmedian``).
 
 Writes simulations/results/hostile/summary.md and results.json.
 """
@@ -57,7 +59,7 @@ def _reply(state: State, examples: int, node: int) -> Message:
 def _round(aggregation: str, robust: Robustness, attacker: State, examples: int) -> dict[str, Any]:
     """One round: three honest clients and the attacker; the global model's norm and the record."""
     g = _model(0)
-    honest = [{k: v + STEP * torch.randn_like(v) for k, v in g.items()} for _ in range(3)]
+    honest = _honest(g)
     schema = ReplySchema({1.0: {k: tuple(v.shape) for k, v in g.items()}})
     s = SymmetryAwareFedAvg(aggregation, schema, preset(MODEL), robust=robust, min_train_nodes=2,
                             min_alignment_gain=0.0)
@@ -67,9 +69,21 @@ def _round(aggregation: str, robust: Robustness, attacker: State, examples: int)
     merged = arrays.to_torch_state_dict() if arrays is not None else g
     honest_mean = {k: sum(h[k] for h in honest) / 3 for k in g}
     return {"kept_global_model": arrays is None, "failure": s.current.failure, "capped": s.current.capped,
-            "clipped": s.current.clipped, "norm": distance(merged, {k: 0 * v for k, v in g.items()}),
+            "clipped": s.current.clipped, "clipped_before": s.current.clipped_before, "norm": distance(merged, {k: 0 * v for k, v in g.items()}),
             "max_abs": max(float(v.abs().max()) for v in merged.values()),
             "distance_from_honest_mean": distance(merged, honest_mean), "merged": merged}
+
+
+def _honest(g: State) -> list[State]:
+    """Three honest clients: ``g`` plus seeded Gaussian steps (seed 2)."""
+    gen = torch.Generator().manual_seed(2)
+    return [{k: v + STEP * torch.randn(v.shape, generator=gen) for k, v in g.items()} for _ in range(3)]
+
+
+def _radius() -> float:
+    """R: the largest distance of an honest client from the global model."""
+    g = _model(0)
+    return max(distance(h, g) for h in _honest(g))
 
 
 def inflation(robust: Robustness) -> dict[str, Any]:
@@ -108,16 +122,20 @@ CASES = {"inflation (10^9 examples)": inflation, "scaling (x1000)": scaling, "mo
 def main() -> int:
     torch.set_num_threads(1)
     start = time.perf_counter()
-    results = {name: {label: {k: v for k, v in measure(robust).items() if k != "merged"}
-                      for label, robust in (("off", Robustness.off()), ("defaults", Robustness()))}
+    settings = (("off", Robustness.off()), ("defaults", Robustness()), ("fedmedian", Robustness(average="fedmedian")))
+    results = {name: {label: {k: v for k, v in measure(robust).items() if k != "merged"} for label, robust in settings}
                for name, measure in CASES.items()}
+    radius = _radius()
     lines = ["# Hostile replies: the audit's figures, defences off and at the defaults", "",
-             f"Command: `python -m simulations.bench.hostile`. Machine: {platform.machine()}, {os.cpu_count()} cores, "
-             f"python {platform.python_version()}, torch {torch.__version__}; wall time "
-             f"{time.perf_counter() - start:.0f} s. Model {MODEL}, seeds 0 (global), 1 (steps), 123 (target); "
-             f"three honest clients of {HONEST_EXAMPLES} examples, one attacker. 'off': max-examples-ratio 0, "
-             "clip-ratio 0 (the merged-model check stays on); 'defaults': 5 and 5.", "",
-             "| attack | defences | kept global model (why) | capped | clipped | global norm | max abs | "
+             f"Command: `python -m simulations.bench.hostile`. Machine: {platform.machine()}, {os.cpu_count()} "
+             f"cores, python {platform.python_version()}, torch {torch.__version__}; wall time "
+             f"{time.perf_counter() - start:.0f} s. Model {MODEL}; seeds 0 (global), 2 (honest), 1 (attacker), "
+             f"123 (target); three honest clients of {HONEST_EXAMPLES} examples, one attacker.",
+             "'off': max-examples-ratio 0, clip-ratio 0 (the merged-model check stays on); 'defaults': 5 and 5; "
+             "'fedmedian': the defaults and robust-average fedmedian.",
+             f"R, the largest honest distance from the global model: {radius:.2f}; the bound of the defaults "
+             f"(server.robust): (clip-ratio + 1) R = {6 * radius:.2f} from the honest clients' own aggregate.", "",
+             "| attack | defences | kept global model (why) | capped | clipped (before matching) | global norm | max abs | "
              "distance from honest mean | figure |", "|---|---|---|---|---|---|---|---|---|"]
     for name, by in results.items():
         for label, r in by.items():
@@ -126,7 +144,7 @@ def main() -> int:
                       if "distance_to_target_after" in r else
                       f"norm {r['global_norm_before']:.1f} → {r['norm']:.1f}" if "global_norm_before" in r else "")
             kept = f"yes ({r['failure']})" if r["kept_global_model"] else "no"
-            lines.append(f"| {name} | {label} | {kept} | {r['capped']} | {r['clipped']} | {r['norm']:.2f} | "
+            lines.append(f"| {name} | {label} | {kept} | {r['capped']} | {r['clipped']} ({r['clipped_before']}) | {r['norm']:.2f} | "
                          f"{r['max_abs']:.3g} | {r['distance_from_honest_mean']:.3f} | {figure} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
