@@ -68,8 +68,10 @@ def _round(aggregation: str, robust: Robustness, attacker: State, examples: int)
     arrays, _ = s.aggregate_train(1, replies)
     merged = arrays.to_torch_state_dict() if arrays is not None else g
     honest_mean = {k: sum(h[k] for h in honest) / 3 for k in g}
-    return {"kept_global_model": arrays is None, "failure": s.current.failure, "capped": s.current.capped,
-            "clipped": s.current.clipped, "clipped_before": s.current.clipped_before, "norm": distance(merged, {k: 0 * v for k, v in g.items()}),
+    record = s.current
+    return {"kept_global_model": arrays is None, "failure": record.failure, "capped": record.capped,
+            "clipped": record.clipped, "clipped_before": record.clipped_before,
+            "norm": distance(merged, {k: 0 * v for k, v in g.items()}),
             "max_abs": max(float(v.abs().max()) for v in merged.values()),
             "distance_from_honest_mean": distance(merged, honest_mean), "merged": merged}
 
@@ -135,8 +137,8 @@ def main() -> int:
              "'fedmedian': the defaults and robust-average fedmedian.",
              f"R, the largest honest distance from the global model: {radius:.2f}; the bound of the defaults "
              f"(server.robust): (clip-ratio + 1) R = {6 * radius:.2f} from the honest clients' own aggregate.", "",
-             "| attack | defences | kept global model (why) | capped | clipped (before matching) | global norm | max abs | "
-             "distance from honest mean | figure |", "|---|---|---|---|---|---|---|---|---|"]
+             "| attack | defences | kept global model (why) | capped | clipped (before matching) | global norm | "
+             "max abs | distance from honest mean | figure |", "|---|---|---|---|---|---|---|---|---|"]
     for name, by in results.items():
         for label, r in by.items():
             figure = (f"attacker weight share {r['attacker_weight_share']:.5f}" if "attacker_weight_share" in r else
@@ -144,7 +146,8 @@ def main() -> int:
                       if "distance_to_target_after" in r else
                       f"norm {r['global_norm_before']:.1f} → {r['norm']:.1f}" if "global_norm_before" in r else "")
             kept = f"yes ({r['failure']})" if r["kept_global_model"] else "no"
-            lines.append(f"| {name} | {label} | {kept} | {r['capped']} | {r['clipped']} ({r['clipped_before']}) | {r['norm']:.2f} | "
+            clipped = f"{r['clipped']} ({r['clipped_before']})"
+            lines.append(f"| {name} | {label} | {kept} | {r['capped']} | {clipped} | {r['norm']:.2f} | "
                          f"{r['max_abs']:.3g} | {r['distance_from_honest_mean']:.3f} | {figure} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
