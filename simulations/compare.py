@@ -241,6 +241,17 @@ def unaligned_share(row: dict[str, Any]) -> float | None:
     return sum(bool(r.get("unaligned")) for r in rounds) / len(rounds) if rounds else None
 
 
+def defences(row: dict[str, Any]) -> str:
+    """What the robust defences did over the trained rounds: rounds that capped a num-examples or clipped a client
+    (after matching; before it in brackets), rounds kept for a failure, and the largest spread (the farthest client's
+    distance from the global model over the lower median's), which the clip-ratio must clear."""
+    rounds = trained(row)
+    spreads = [r["spread"] for r in rounds if r.get("spread") is not None]
+    return (f"{sum(r.get('capped', 0) > 0 for r in rounds)}, {sum(r.get('clipped', 0) > 0 for r in rounds)} "
+            f"({sum(r.get('clipped_before', 0) > 0 for r in rounds)}), {sum(bool(r.get('failure')) for r in rounds)}; "
+            f"{max(spreads):.2f}" if spreads else "–")
+
+
 def _fmt(values: Sequence[float | None], scale: float = 100.0, digits: int = 1) -> str:
     kept = [v * scale for v in values if v is not None]
     if not kept:
@@ -262,6 +273,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, 
     """One table row per (split, widths, aggregation): accuracies in %, mean ± s.e. over seeds."""
     table = []
     guarded = any(r.get("unaligned") for row in rows for r in row["records"])
+    defended = any("spread" in r for row in rows for r in row["records"])
     for split, widths in groups(exp):
         base = [r for r in select(rows, split, widths, "fedavg") if r["status"] == "finished:completed"]
         for agg in exp.aggregations:
@@ -277,6 +289,8 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, 
                 "distance before → after": f"{_fmt([final(r, 'distance_before') for r in ok], 1, 2)} → "
                                            f"{_fmt([final(r, 'distance_after') for r in ok], 1, 2)}",
                 **({SET_ASIDE: _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
+                **({"rounds capped, clipped (before matching), failed; max spread": " / ".join(
+                    defences(r) for r in ok)} if defended else {}),
             })
     return table
 
