@@ -18,6 +18,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from client.attacks import attack
 from client.data import ClientShare, client_share, eval_subset, pool
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
@@ -129,6 +130,7 @@ def train_fn(msg: Message, context: Context) -> Message:
     server_round = int(msg.content.config_records[protocol.CONFIG][protocol.ROUND_KEY])  # type: ignore[arg-type]
     arch, device = get_arch(cfg.family), _device(context, settings)
     model = _start_model(msg, cfg, settings, node, server_round)
+    received = {k: v.detach().to(torch.float32, copy=True) for k, v in model.state_dict().items()}  # before training
     seed = settings.seed + 1000 * node.partition_id + server_round
     reset_peak_memory(device)
     with released(device):  # an idle client (a Ray actor between rounds) keeps no cached GPU memory
@@ -136,8 +138,8 @@ def train_fn(msg: Message, context: Context) -> Message:
         fit = train(model, arch, share.train, config, progress=False)
         test = evaluate(model, arch, eval_subset(pool(settings).test, settings.eval_limit, settings.seed))
         model.cpu()
-    metrics = MetricRecord({
-        protocol.WEIGHT_KEY: len(share.train),  # type: ignore[arg-type]
+    values = {
+        protocol.WEIGHT_KEY: len(share.train),
         protocol.TIER_KEY: float(node.tier),
         "train-loss": float(fit["train_loss"]),
         "train-steps": int(fit["steps"]),
@@ -145,9 +147,15 @@ def train_fn(msg: Message, context: Context) -> Message:
         "client-test-loss": float(test["loss"]),
         "client-test-accuracy": float(test["accuracy"]),
         "client-peak-gpu-mb": peak_memory_mb(device),
-    })
-    arrays = ArrayRecord(_reply_state(model, settings, node))  # type: ignore[arg-type]
-    return Message(RecordDict({protocol.ARRAYS: arrays, protocol.METRICS: metrics}), reply_to=msg)
+    }
+    state = _reply_state(model, settings, node)
+    if node.partition_id == settings.attack_partition and settings.attack != "none":
+        log.warning("attack test hook: partition %d replies with attack %r", node.partition_id, settings.attack)
+        state, changes = attack(settings.attack, state, received, cfg, node.num_partitions, seed)
+        values |= changes
+    metrics = MetricRecord(values)  # type: ignore[arg-type]
+    return Message(RecordDict({protocol.ARRAYS: ArrayRecord(state), protocol.METRICS: metrics}),  # type: ignore[arg-type]
+                   reply_to=msg)
 
 
 @app.evaluate()

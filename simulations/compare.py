@@ -275,6 +275,17 @@ def unaligned_share(row: dict[str, Any]) -> float | None:
     return sum(bool(r.get("unaligned")) for r in rounds) / len(rounds) if rounds else None
 
 
+def defences(row: dict[str, Any]) -> str:
+    """What the robust defences did over the trained rounds: rounds that capped a num-examples or clipped a client
+    (after matching; before it in brackets), rounds kept for a failure, and the largest spread (the farthest client's
+    distance from the global model over the lower median's), which the clip-ratio must clear."""
+    rounds = trained(row)
+    spreads = [r["spread"] for r in rounds if r.get("spread") is not None]
+    return (f"{sum(r.get('capped', 0) > 0 for r in rounds)}, {sum(r.get('clipped', 0) > 0 for r in rounds)} "
+            f"({sum(r.get('clipped_before', 0) > 0 for r in rounds)}), {sum(bool(r.get('failure')) for r in rounds)}; "
+            f"{max(spreads):.2f}" if spreads else "–")
+
+
 def _fmt(values: Sequence[float | None], scale: float = 100.0, digits: int = 1) -> str:
     kept = [v * scale for v in values if v is not None]
     if not kept:
@@ -330,6 +341,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
     reads = reads or {label: server_data_read(exp, label) for label in exp.aggregations}
     table = []
     guarded = any(r.get("unaligned") for row in rows for r in row["records"])
+    defended = any("spread" in r for row in rows for r in row["records"])
     for split, widths in groups(exp):
         base = finished(rows, split, widths, "fedavg")
         against_control = control_delta(rows, exp, split, widths)
@@ -348,6 +360,8 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
                 "distance before → after": f"{_fmt([final(r, 'distance_before') for r in ok], 1, 2)} → "
                                            f"{_fmt([final(r, 'distance_after') for r in ok], 1, 2)}",
                 **({SET_ASIDE: _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
+                **({"rounds capped, clipped (before matching), failed; max spread": " / ".join(
+                    defences(r) for r in ok)} if defended else {}),
             })
     return table
 

@@ -467,7 +467,7 @@ def test_a_round_that_waits_for_nodes_samples_every_node_that_joined(monkeypatch
     """min-available-nodes=3 with fraction 1: all three nodes get the round, not just the one connected at first."""
     for key in ("_task_id", "_run_id", "_node_id"):  # what the ServerApp process sets before messages are made
         monkeypatch.setattr(TaskIdentity, key, 1)
-    monkeypatch.setattr("flwr.serverapp.strategy.strategy_utils.sleep", lambda _: None)  # flwr polls once a second
+    monkeypatch.setattr("server.strategy.NODE_POLL_SECONDS", 0.0)
     s = strategy(min_train_nodes=1, min_available_nodes=3, fraction_evaluate=1.0, min_evaluate_nodes=1)
     arrays = ArrayRecord(state(0))  # type: ignore[arg-type]
     train = s.configure_train(1, arrays, ConfigRecord(), JoiningGrid(3))
