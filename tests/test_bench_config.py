@@ -21,6 +21,7 @@ from simulations.bench import (
     matching_time,
     merging,
     repair_barriers,
+    scaling,
     weight_starts,
 )
 from tests.symmetry_models import CONFIGS, dataset, random_native
@@ -29,7 +30,7 @@ BENCHES: dict[str, Callable[[list[str]], int]] = {
     "barriers": barriers.main, "matching_time": matching_time.main, "merging": merging.main,
     "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main,
     "learning_budget": learning_budget.main, "forms": forms.main, "barrier_sites": barrier_sites.main,
-    "accelerator": accelerator.main}
+    "accelerator": accelerator.main, "scaling": scaling.main}
 
 
 @pytest.mark.parametrize("name", BENCHES)

@@ -7,7 +7,7 @@ basis, so the identity is an arbitrary first guess; the ``relaxed`` start, the d
 with every unit map relaxed to the full orthogonal group of its axis first (:func:`relaxed_residual`). The relaxation
 is tight at an exact symmetry, so a transformed copy is recovered from it; from the identity, a trained vit-tiny's
 copy can end in a local optimum (a swapped pair of heads with a reflected residual direction) at a quarter of
-random transforms. On independently trained pairs it also ends lower (simulations/results/weight-starts).
+random transforms.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from glmc import groups
-from glmc.archs.base import State, cast
+from glmc.archs.base import cast
 from glmc.errors import ConfigError
-from glmc.match.common import MatchResult, cross, gather, kind_first, sq_distance
+from glmc.match.common import MatchResult, gather, kind_first, sq_distance
+from glmc.match.descent import Descent
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable, expand
 from glmc.transforms import Transform, apply
 
@@ -65,11 +66,16 @@ class WeightOptions:
                                   f"known: {', '.join(get_args(kind))}")
 
 
-def solve_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                   fix_ones: bool) -> torch.Tensor:
-    """Q = argmax ⟨X_A, Q X_B⟩ over the residual group: Procrustes on every residual-side matrix (Eq. 4)."""
-    # Each (d, m) block is divided by √m, so every tensor counts per entry rather than per size (§5).
-    return groups.procrustes(cross(a, b, spec, depth, (RES,), scaled=True), fix_ones)
+def embedding_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
+                       fix_ones: bool) -> torch.Tensor:
+    """The official code's first residual step: Procrustes on the residual tensors outside the blocks alone (the
+    embeddings and the head), each (d, m) block divided by m as in the sweeps' Procrustes."""
+    blocks = [(kind_first(a[name], spec[template], RES), kind_first(b[name], spec[template], RES))
+              for name, (layer, template) in expand(spec, depth).items()
+              if layer is None and RES in spec[template] and name in a]
+    if not blocks:
+        raise ConfigError("the embeddings start needs a residual-side tensor outside the blocks (an embedding)")
+    return groups.procrustes(sum(xa @ xb.T / xa.shape[1] for xa, xb in blocks), fix_ones)
 
 
 def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
@@ -95,18 +101,6 @@ def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
         else:
             shared[layer, "vo" if unit == HEADS else "mlp"].append((xa, xb))
     return linear, list(shared.values())
-
-
-def embedding_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                       fix_ones: bool) -> torch.Tensor:
-    """The official code's first residual step: Procrustes on the residual tensors outside the blocks alone (the
-    embeddings and the head), each scaled as in :func:`solve_residual`."""
-    blocks = [(kind_first(a[name], spec[template], RES), kind_first(b[name], spec[template], RES))
-              for name, (layer, template) in expand(spec, depth).items()
-              if layer is None and RES in spec[template] and name in a]
-    if not blocks:
-        raise ConfigError("the embeddings start needs a residual-side tensor outside the blocks (an embedding)")
-    return groups.procrustes(sum(xa @ xb.T / xa.shape[1] for xa, xb in blocks), fix_ones)
 
 
 def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
@@ -185,14 +179,11 @@ def _unit_rows(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, l
     return F.normalize(rows, dim=1)
 
 
-def solve_mlp(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-              layer: int, options: WeightOptions = WeightOptions()) -> torch.Tensor:
-    """MLP permutation maximising ⟨W1_A, P W1_B⟩ + ⟨b1_A, P b1_B⟩ + ⟨W2_A, W2_B Pᵀ⟩ (Eq. 3), or minimising the L1
-    distance between matched units' normalised rows (``options.mlp_cost``)."""
-    if options.mlp_cost == "l1":
-        rows_a, rows_b = _unit_rows(a, spec, depth, layer), _unit_rows(b, spec, depth, layer)
-        return groups.assignment(-torch.cdist(rows_a, rows_b, p=1))
-    return groups.assignment(cross(a, b, spec, depth, (MLP, MLP_IN), layer))
+def l1_mlp_permutation(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
+                       layer: int) -> torch.Tensor:
+    """The MLP permutation minimising the L1 distance between matched units' normalised rows (the official cost;
+    the inner-product one is :meth:`glmc.match.descent.Descent.mlp_permutation`)."""
+    return groups.assignment(-torch.cdist(_unit_rows(a, spec, depth, layer), _unit_rows(b, spec, depth, layer), p=1))
 
 
 def _units_only(t: Transform) -> Transform:
@@ -200,17 +191,20 @@ def _units_only(t: Transform) -> Transform:
     return Transform(t.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
 
 
-def _solve_units(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 heads: int, residual: torch.Tensor | None, within: bool, options: WeightOptions,
-                 ) -> tuple[Transform, State]:
-    """Given the residual map, every layer's heads and MLP units, each an independent LAP; with T(B), reached
-    by moving the already rotated B's units only, so no tensor is rotated twice."""
-    moved = apply(b, spec, Transform(depth, residual=residual), heads)
-    t = Transform(depth, residual=residual)
-    for layer in range(depth):
-        t.heads[layer], t.qk[layer], t.ov[layer] = solve_heads(a, moved, spec, depth, layer, heads, within, options)
-        t.mlp[layer] = solve_mlp(a, moved, spec, depth, layer, options)
-    return t, apply(moved, spec, _units_only(t), heads)
+def _solve_units(work: Descent, residual: torch.Tensor | None, within: bool, options: WeightOptions,
+                 ) -> tuple[Transform, float]:
+    """Given the residual map, every layer's heads and MLP units, each an independent LAP; with ‖A − T(B)‖², from
+    each layer's tensors moved by Q then by the units, and the fixed tensors' (d, d) products."""
+    t = Transform(work.depth, residual=residual)
+    value = work.fixed_distance(residual)
+    for layer in work.layers:
+        a, moved = work.rotated(layer, residual)
+        i = layer.index
+        t.heads[i], t.qk[i], t.ov[i] = solve_heads(a, moved, work.spec, work.depth, i, work.heads, within, options)
+        t.mlp[i] = (work.mlp_permutation(layer, a, moved, residual) if options.mlp_cost == "inner"
+                    else l1_mlp_permutation(a, moved, work.spec, work.depth, i))
+        value += sq_distance(a, apply(moved, work.spec, _units_only(t), work.heads))
+    return t, value
 
 
 def _exact(t: Transform, fix_ones: bool) -> Transform:
@@ -256,13 +250,14 @@ def weight_match(
         raise ConfigError("permutation-only weight matching leaves the residual alone: it takes no start map")
     a, b = (cast(s, dtype) for s in (a, b))
     residual = None if permutations_only else _start_residual(a, b, spec, depth, fix_ones, start, dtype)
-    t, moved = _solve_units(a, b, spec, depth, heads, residual, not permutations_only, options)
-    objective = [sq_distance(a, moved)]
+    work = Descent(a, b, spec, depth, heads)
+    t, value = _solve_units(work, residual, not permutations_only, options)
+    objective = [value]
     sweeps = 1 if permutations_only else max_sweeps
     for sweep in range(1, sweeps):
-        residual = solve_residual(a, apply(b, spec, _units_only(t), heads), spec, depth, fix_ones)
-        candidate, moved = _solve_units(a, b, spec, depth, heads, residual, True, options)
-        value = sq_distance(a, moved)
+        # Q = argmax ⟨X_A, Q U(X_B)⟩ over the residual group: Procrustes on every residual-side matrix (Eq. 4).
+        residual = groups.procrustes(work.residual_cross(t), fix_ones)
+        candidate, value = _solve_units(work, residual, True, options)
         log.info("weight matching sweep %d: ‖A − T(B)‖² = %.6g", sweep, value)
         if options.stop == "converged" and value > objective[-1] * (1 - tol):
             if value < objective[-1]:

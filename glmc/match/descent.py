@@ -1,0 +1,233 @@
+"""Weight matching's sweeps without repeated work (paper §4.1), reading only the spec.
+
+A sweep pairs A with B rotated by the residual map Q (for the unit assignments), then A with B moved by the unit
+maps (for the next Q), and measures ‖A − T(B)‖². Only the tensors that a unit map touches change from sweep to
+sweep. The others (embeddings, the head, the stream's biases) enter through (d, d) products computed once, in
+float64, so a 50,257-row vocabulary costs two products per matching rather than two per sweep. An MLP's residual
+product is kept while its permutation stays, and its assignment is not solved again while a margin certificate
+proves that the optimum cannot have moved (the cost is linear in Q). The results are those of solving every
+assignment afresh: the certificate only skips solves whose answer is known.
+
+Cost matrices are built where the states live (a GPU included); only (n, n) matrices go to the CPU, for scipy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from glmc import groups
+from glmc.archs.base import State
+from glmc.match.common import cross, kind_first, sq_distance
+from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, SpecTable, expand
+from glmc.transforms import Transform, apply
+
+HEAD_KINDS: tuple[AxisKind, ...] = (QKV, HEADS)
+MLP_KINDS: tuple[AxisKind, ...] = (MLP, MLP_IN)
+# Entries of a float32 cost are off by far less than this share of ‖a_i‖·‖b_j‖; a certificate must beat it.
+ROUNDING = 1e-4
+
+
+def _sub(state: Mapping[str, torch.Tensor], names: list[str]) -> State:
+    return {n: state[n] for n in names}
+
+
+def _or_identity(q: torch.Tensor | None, width: int, like: torch.Tensor) -> torch.Tensor:
+    """``q`` (None is the identity) as a (d, d) matrix in ``like``'s dtype and device."""
+    return torch.eye(width, dtype=like.dtype, device=like.device) if q is None else q.to(like.device, like.dtype)
+
+
+@dataclass
+class Fixed:
+    """The tensors no unit map touches, reduced to (d, d) matrices over their residual-side ones: Σ X_A X_Bᵀ / m
+    (the Procrustes input, search dtype), Σ X_A X_Bᵀ and Σ X_B X_Bᵀ (float64, for the distance) and the squared
+    norms; and the squared distance of those without a residual axis, which no map moves."""
+
+    scaled: torch.Tensor
+    cross: torch.Tensor
+    gram: torch.Tensor
+    norms: float
+    unmoved: float
+
+    def distance(self, q: torch.Tensor | None) -> float:
+        """Σ ‖X_A − Q X_B‖² + the unmoved distance, in float64: ‖X_A‖² + ‖X_B‖² − 2⟨Σ X_A X_Bᵀ, Q⟩ plus the
+        ⟨Σ X_B X_Bᵀ, QᵀQ − I⟩ that a Q orthogonal only to float32 precision adds."""
+        eye = torch.eye(self.cross.shape[0], dtype=self.cross.dtype, device=self.cross.device)
+        q64 = _or_identity(q, eye.shape[0], eye)
+        drift = float((self.gram * (q64.T @ q64 - eye)).sum())
+        return self.norms + drift - 2 * float((self.cross * q64).sum()) + self.unmoved
+
+
+def _products(xa: torch.Tensor, xb: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X_A X_Bᵀ in float64, X_B X_Bᵀ) for (d, m) matrices, m in chunks (bounded memory for a vocabulary). The
+    cross products meet a near-equal ‖X_A‖² + ‖X_B‖² in the distance, so they need float64; the Gram matrix
+    only meets QᵀQ − I, which is of the search dtype's rounding, so the search dtype serves."""
+    cross_ab = torch.zeros(xa.shape[0], xa.shape[0], dtype=torch.float64, device=xa.device)
+    for start in range(0, xa.shape[1], chunk):
+        cross_ab += xa[:, start:start + chunk].double() @ xb[:, start:start + chunk].double().T
+    return cross_ab, (xb @ xb.T).double()
+
+
+def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
+               names: list[str], width: int) -> Fixed:
+    """The :class:`Fixed` reduction of ``names`` (tensors without a unit axis), computed once per matching."""
+    like = a[names[0]]
+    cross_ab = torch.zeros(width, width, dtype=torch.float64, device=like.device)
+    gram_b, scaled = torch.zeros_like(cross_ab), torch.zeros_like(cross_ab)
+    norms, unmoved = 0.0, 0.0
+    for name, (_, template) in expand(spec, depth).items():
+        axes = spec[template]
+        if name not in names:
+            continue
+        if RES not in axes:
+            unmoved += float(((a[name] - b[name]).double() ** 2).sum())
+            continue
+        xa, xb = kind_first(a[name], axes, RES), kind_first(b[name], axes, RES)
+        c, g = _products(xa, xb)
+        cross_ab, gram_b, scaled = cross_ab + c, gram_b + g, scaled + c / xa.shape[1]
+        norms += float((xa.double() ** 2).sum() + (xb.double() ** 2).sum())
+    return Fixed(scaled.to(like.dtype), cross_ab, gram_b, norms, unmoved)
+
+
+@dataclass
+class Certificate:
+    """Why an MLP permutation found at the residual map ``q`` stays optimal near it: each row's best column is
+    its assigned one by ``margin``; moving Q by δ (Frobenius) changes cost entry (i, j) by at most ‖a_i‖·δ·‖b_j‖,
+    so the assignment stands while every margin exceeds twice that (plus rounding)."""
+
+    q: torch.Tensor | None
+    perm: torch.Tensor
+    margin: torch.Tensor  # (f,)
+    row_norms: torch.Tensor  # (f,) ‖a_i‖
+    col_norm: float  # max_j ‖b_j‖
+
+    def holds(self, q: torch.Tensor | None) -> bool:
+        """Whether the permutation is still the unique optimum at the residual map ``q``."""
+        ref = q if q is not None else self.q
+        delta = 0.0
+        if ref is not None:
+            width = ref.shape[0]
+            delta = float(torch.linalg.matrix_norm(_or_identity(q, width, ref) - _or_identity(self.q, width, ref)))
+        bound = self.row_norms * self.col_norm * (2 * delta + ROUNDING)
+        return bool((self.margin > bound).all())
+
+
+def _row_norms(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int) -> torch.Tensor:
+    """‖x_i‖ over the tensors of ``state`` that have an MLP axis, that axis first (rows joined across tensors)."""
+    total = None
+    for name, (_, template) in expand(spec, depth).items():
+        axes = spec[template]
+        if name in state and any(k in axes for k in MLP_KINDS):
+            kind = MLP if MLP in axes else MLP_IN
+            sq = kind_first(state[name], axes, kind).square().sum(1)
+            total = sq if total is None else total + sq
+    if total is None:
+        raise ValueError("no tensor has an MLP axis")
+    return total.sqrt().double()
+
+
+def certified_assignment(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The permutation maximising Σ cost[i, p(i)]. When every row's strict maximum lies in a distinct column, that
+    permutation is the unique optimum (no solver needed) and each row's margin over its runner-up comes with it;
+    otherwise scipy's assignment and None."""
+    if cost.shape[1] < 2:
+        return groups.assignment(cost), None
+    top = cost.topk(2, dim=1)
+    best, margin = top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
+    if bool((margin > 0).all()) and int(torch.unique(best).numel()) == cost.shape[0]:
+        return best.cpu(), margin.double()
+    return groups.assignment(cost), None
+
+
+@dataclass
+class Layer:
+    """One layer's tensors that unit maps touch, split by the map they share, and what its MLP keeps."""
+
+    index: int
+    heads: list[str] = field(default_factory=list)
+    mlp: list[str] = field(default_factory=list)
+    mlp_cross: tuple[torch.Tensor, torch.Tensor] | None = None  # (perm, Σ X_A U(X_B)ᵀ / m over the MLP tensors)
+    certificate: Certificate | None = None
+    norms: tuple[torch.Tensor, float] | None = None  # A's MLP rows' norms, the largest of B's (for certificates)
+
+
+class Descent:
+    """A canonical pair (in the search dtype) prepared for weight matching's sweeps: its tensors sorted into the
+    fixed ones and each layer's unit groups, and the products kept between sweeps."""
+
+    def __init__(self, a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
+                 heads: int) -> None:
+        self.a, self.b, self.spec, self.depth, self.heads = a, b, spec, depth, heads
+        self.layers = [Layer(layer) for layer in range(depth)]
+        self.fixed_names: list[str] = []
+        self.norm_names: list[str] = []
+        for name, (layer, template) in expand(spec, depth).items():
+            axes = spec[template]
+            if name not in a:
+                continue
+            if layer is not None and any(k in axes for k in HEAD_KINDS):
+                self.layers[layer].heads.append(name)
+            elif layer is not None and any(k in axes for k in MLP_KINDS):
+                self.layers[layer].mlp.append(name)
+            else:
+                self.fixed_names.append(name)
+            if NORM in axes:
+                self.norm_names.append(name)
+        self.width = next(kind_first(a[n], spec[t], RES).shape[0] for n, (_, t) in expand(spec, depth).items()
+                          if n in a and RES in spec[t])
+        self._fixed: Fixed | None = None
+
+    @property
+    def fixed(self) -> Fixed:
+        """The fixed tensors' products, computed on first use (a permutation-only matching never needs them)."""
+        if self._fixed is None:
+            self._fixed = fixed_part(self.a, self.b, self.spec, self.depth, self.fixed_names, self.width)
+        return self._fixed
+
+    def fixed_distance(self, q: torch.Tensor | None) -> float:
+        """‖A − Q(B)‖² over the fixed tensors; rotating the stream needs every LayerNorm folded (SpecError)."""
+        if q is None:
+            return sq_distance(_sub(self.a, self.fixed_names), _sub(self.b, self.fixed_names))
+        apply(_sub(self.b, self.norm_names), self.spec, Transform(self.depth, residual=q), self.heads)
+        return self.fixed.distance(q)
+
+    def rotated(self, layer: Layer, q: torch.Tensor | None) -> tuple[State, State]:
+        """The layer's unit-touched tensors: A's as they are, B's with the residual map ``q`` applied."""
+        names = layer.heads + layer.mlp
+        return _sub(self.a, names), apply(_sub(self.b, names), self.spec, Transform(self.depth, residual=q),
+                                          self.heads)
+
+    def mlp_permutation(self, layer: Layer, a: State, moved: State, q: torch.Tensor | None) -> torch.Tensor:
+        """The MLP permutation maximising ⟨X_A, P Q(X_B)⟩ (Eq. 3), unless the layer's certificate proves the last
+        one still optimal at ``q``."""
+        if layer.certificate is not None and layer.certificate.holds(q):
+            return layer.certificate.perm
+        perm, margin = certified_assignment(cross(a, moved, self.spec, self.depth, MLP_KINDS, layer.index))
+        if margin is None:
+            layer.certificate = None
+        else:
+            if layer.norms is None:  # B's rows unrotated: Q keeps their norms
+                cols = _row_norms(_sub(self.b, layer.mlp), self.spec, self.depth)
+                layer.norms = _row_norms(a, self.spec, self.depth), float(cols.max())
+            layer.certificate = Certificate(q, perm, margin, *layer.norms)
+        return perm
+
+    def residual_cross(self, t: Transform) -> torch.Tensor:
+        """Σ X_A U(X_B)ᵀ / m over every residual-side tensor, U the unit maps of ``t`` (the Procrustes input;
+        each (d, m) block divided by m so that every tensor counts per entry)."""
+        total = self.fixed.scaled.clone()
+        units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
+        for layer in self.layers:
+            total += self._part_cross(layer.heads, units)
+            perm = t.mlp[layer.index]
+            kept = layer.mlp_cross
+            if kept is None or perm is None or not torch.equal(kept[0], perm):
+                kept = layer.mlp_cross = (perm, self._part_cross(layer.mlp, units))  # type: ignore[assignment]
+            total += kept[1]
+        return total
+
+    def _part_cross(self, names: list[str], units: Transform) -> torch.Tensor:
+        moved = apply(_sub(self.b, names), self.spec, units, self.heads)
+        return cross(_sub(self.a, names), moved, self.spec, self.depth, (RES,), scaled=True)

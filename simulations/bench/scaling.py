@@ -1,0 +1,210 @@
+"""Weight and activation matching against model size: time, peak memory and fitted growth exponents, on
+random-init pairs where B is a planted symmetry transform of A, so that every row also checks the answer.
+
+    nice -n 10 .venv/bin/python -m simulations.bench.scaling [--config simulations/bench/configs/scaling.toml]
+        [--models NAME ...]
+
+Each (model, method) runs in a fresh process: A is the model's own (seeded) initialisation in float32, canonical,
+and B = T(A) for a T drawn by ``glmc.transforms.random_transform``. Once the pair is built, the process's peak
+resident memory is reset (Linux ``/proc/self/clear_refs``), so ``peak RSS`` is the whole process's peak during the
+matching (both states included) and ``added`` that peak minus the resident size just before it. ``recovered``
+asks for ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖² (float64) and T̂ ∘ T = identity: permutations equal, continuous maps within
+1e-3. With ``--models`` only those models run; the others' rows are kept from the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import gc
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from glmc.archs import ModelConfig, State, build_model, cast, get_arch
+from glmc.canonical import canonicalize
+from glmc.check import random_inputs
+from glmc.match.activation import activation_match
+from glmc.match.common import MatchResult, sq_distance
+from glmc.match.weight import weight_match
+from glmc.transforms import Transform, apply, compose, random_transform
+from simulations.bench.barriers import machine
+from simulations.tomlfile import config_or_exit
+
+MAP_TOLERANCE = 1e-3  # T̂ ∘ T's continuous maps from the identity (max abs entry): float32 search, exact group
+DISTANCE_TOLERANCE = 1e-10  # ‖A − T̂(B)‖² / ‖A‖²
+
+
+def planted_pair(cfg: ModelConfig, classes: tuple[str, ...], seed: int) -> tuple[State, State, Transform]:
+    """A (the seeded initialisation, canonical float32), B = T(A) and T."""
+    arch = get_arch(cfg.family)
+    torch.manual_seed(seed)
+    a = canonicalize(arch, build_model(cfg).state_dict(), cfg.depth, dtype=torch.float32)
+    t = random_transform(cfg, classes, torch.Generator().manual_seed(seed))
+    return a, apply(a, arch.spec, t, cfg.heads), t
+
+
+def transform_error(found: Transform, planted: Transform) -> dict[str, float]:
+    """How far found ∘ planted is from the identity: permutation entries out of place, largest map deviation."""
+    both = compose(found, planted)
+    misplaced = sum(int((p.cpu() != torch.arange(len(p))).sum()) for p in both.heads + both.mlp if p is not None)
+    maps = [m for m in [both.residual, *both.qk, *both.ov] if m is not None]
+    deviation = max((float((m.cpu().double() - torch.eye(m.shape[-1], dtype=torch.float64)).abs().max())
+                     for m in maps), default=0.0)
+    return {"misplaced": misplaced, "map_deviation": deviation}
+
+
+def _rss_mb(field: str) -> float:
+    """A field of /proc/self/status (VmRSS, VmHWM) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _match(method: str, a: State, b: State, cfg: ModelConfig, run: dict[str, Any]) -> MatchResult:
+    if method == "weight":
+        return weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, start=run["weight_start"])
+    samples = run["activation_samples"][cfg.family]
+    return activation_match(a, b, cfg, random_inputs(cfg, samples, seed=1), batch_size=max(1, samples // 2))
+
+
+def measure(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[str, Any]:
+    """One (model, method) row: build the planted pair, reset the peak RSS, match, check the answer."""
+    torch.set_num_threads(run["threads"])
+    cfg = ModelConfig.from_dict(model["config"])
+    a, b, planted = planted_pair(cfg, tuple(run[f"{method}_classes"]), run["seed"])
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    before, load = _rss_mb("VmRSS"), os.getloadavg()[0]
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = _match(method, a, b, cfg, run)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    peak = _rss_mb("VmHWM")
+    a64, aligned = cast(a, torch.float64), apply(cast(b, torch.float64), get_arch(cfg.family).spec,
+                                                 result.transform, cfg.heads)
+    distance = sq_distance(a64, aligned) / sq_distance(a64, {k: torch.zeros_like(v) for k, v in a64.items()})
+    error = transform_error(result.transform, planted)
+    return {"model": model["name"], "method": method, "family": cfg.family, "width": cfg.width, "depth": cfg.depth,
+            "params": sum(v.numel() for v in a.values()), "wall_seconds": wall, "cpu_seconds": cpu,
+            "peak_rss_mb": peak, "added_rss_mb": peak - before, "sweeps": len(result.objective),
+            "relative_distance": distance, **error, "load_at_start": load, "threads": run["threads"],
+            "recovered": distance <= DISTANCE_TOLERANCE and error["misplaced"] == 0
+            and error["map_deviation"] <= MAP_TOLERANCE}
+
+
+def fit(rows: list[dict[str, Any]], x: str, y: str) -> float | None:
+    """The least-squares slope of log y against log x (the growth exponent), None for fewer than two rows."""
+    if len(rows) < 2:
+        return None
+    return float(np.polyfit([math.log(r[x]) for r in rows], [math.log(r[y]) for r in rows], 1)[0])
+
+
+def growth(rows: list[dict[str, Any]], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Exponents per (family, method) over the models in the growth series, against parameters and width."""
+    series = {m["name"] for m in models if m.get("growth", True)}
+    out = []
+    for family, method in sorted({(r["family"], r["method"]) for r in rows}):
+        chosen = [r for r in rows if (r["family"], r["method"]) == (family, method) and r["model"] in series]
+        out.append({"family": family, "method": method, "models": len(chosen),
+                    **{f"{y}_vs_{x}": fit(chosen, x, y) for x in ("params", "width")
+                       for y in ("wall_seconds", "cpu_seconds", "added_rss_mb")}})
+    return out
+
+
+def _exponent(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
+    """The committed summary: the runs, one row per (model, method), then the growth exponents."""
+    lines = ["# Matching cost against model size", "", "Runs (a row's `run` column; a shared CPU, so CPU time is the "
+             "steadier figure and the load average is noted):", "",
+             *(f"{i}. `{r['command']}`, config `{r['config']}`; machine: {r['machine']}; wall time "
+               f"{r.get('wall_minutes', 0):.1f} min; load average {r['load_before']} before, "
+               f"{r.get('load_after', '–')} after." for i, r in enumerate(runs)), "",
+             "Pairs: random init (seeded), B a planted transform of A. Peak RSS: the matching process's peak "
+             "resident memory during the matching (both float32 states included); added: that peak minus the "
+             "resident size just before. Recovered: ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖² and T̂ ∘ T = identity.", "",
+             "| model | d | layers | params (M) | method | wall s | CPU s | peak RSS MB | added MB | sweeps | "
+             "‖A − T̂(B)‖²/‖A‖² | recovered | load | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['width']} | {r['depth']} | {r['params'] / 1e6:.1f} | {r['method']} | "
+                     f"{r['wall_seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['peak_rss_mb']:.0f} | "
+                     f"{r['added_rss_mb']:.0f} | {r['sweeps']} | {r['relative_distance']:.1e} | "
+                     f"{'yes' if r['recovered'] else 'NO'} | {r['load_at_start']:.1f} | {r.get('run', 0)} |")
+    lines += ["", "Growth exponents (least-squares slope of log cost against log size, over the 12-layer series):",
+              "", "| family | method | models | wall vs params | CPU vs params | CPU vs d | added memory vs params |",
+              "|---|---|---|---|---|---|---|"]
+    for f in fits:
+        lines.append(f"| {f['family']} | {f['method']} | {f['models']} | {_exponent(f['wall_seconds_vs_params'])} | "
+                     f"{_exponent(f['cpu_seconds_vs_params'])} | {_exponent(f['cpu_seconds_vs_width'])} | "
+                     f"{_exponent(f['added_rss_mb_vs_params'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def selected(config: dict[str, Any], names: list[str] | None) -> list[tuple[dict[str, Any], str]]:
+    """Every (model, method) to run, in the config's order."""
+    return [(model, method) for model in config["models"] if not names or model["name"] in names
+            for method in model.get("methods", config["run"]["methods"])]
+
+
+def measured(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[str, Any]:
+    """:func:`measure` in a fresh spawned process (its own peak RSS, no memory left from the row before)."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure, model, method, run).result()
+
+
+def save(out: Path, config: dict[str, Any], runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """Write results.json and summary.md: the rows in the config's order, each run that made them, the fits."""
+    order = {m["name"]: i for i, m in enumerate(config["models"])}
+    rows = sorted((r for r in rows if r["model"] in order), key=lambda r: (order[r["model"]], r["method"] != "weight"))
+    fits = growth(rows, config["models"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"runs": runs, "rows": rows, "growth": fits}, indent=1) + "\n")
+    (out / "summary.md").write_text(markdown(rows, fits, runs))
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="simulations/bench/configs/scaling.toml")
+    parser.add_argument("--models", nargs="*", help="run only these models; the others' rows are kept")
+    args = parser.parse_args(argv)
+    config = config_or_exit(parser, args.config)
+    known = [m["name"] for m in config["models"]]
+    unknown = sorted(set(args.models or []) - set(known))
+    if unknown:
+        parser.exit(2, f"{parser.prog}: error: no model named {unknown[0]!r} in {args.config}; known: "
+                       f"{', '.join(known)}\n")
+    out, start = Path(config["run"]["results"]), time.perf_counter()
+    kept = json.loads((out / "results.json").read_text()) if args.models and (out / "results.json").is_file() else {}
+    todo = selected(config, args.models)
+    rows = [r for r in kept.get("rows", []) if (r["model"], r["method"]) not in {(m["name"], k) for m, k in todo}]
+    torch.set_num_threads(config["run"]["threads"])
+    run = {"command": " ".join(["python -m simulations.bench.scaling", *(sys.argv[1:] if argv is None else argv)]),
+           "config": args.config, "machine": machine(), "load_before": _load()}
+    runs = [*kept.get("runs", []), run]
+    for model, method in todo:  # saved after every row: a long run that is cut off keeps what it measured
+        rows.append(measured(model, method, config["run"]) | {"run": len(runs) - 1})
+        print(f"{model['name']} {method}: {rows[-1]['wall_seconds']:.1f} s wall, {rows[-1]['cpu_seconds']:.1f} s "
+              f"CPU, peak {rows[-1]['peak_rss_mb']:.0f} MB, recovered {rows[-1]['recovered']}", flush=True)
+        run |= {"wall_minutes": (time.perf_counter() - start) / 60, "load_after": _load()}
+        save(out, config, runs, rows)
+    print((out / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""The scaling bench's rows: each checks the planted transform is found, and its growth fit reads the slope."""
+
+from __future__ import annotations
+
+import pytest
+
+from glmc.archs import ModelConfig, get_arch
+from glmc.match.weight import weight_match
+from glmc.transforms import MATCHABLE, Transform
+from simulations.bench import scaling
+
+RUN = {"threads": 1, "seed": 0, "weight_start": "identity", "weight_classes": list(MATCHABLE),
+       "activation_classes": ["head-perm", "mlp-perm"],
+       "activation_samples": {"gpt2": 2, "vit": 2}}
+MODELS = {"gpt2": {"name": "tiny-gpt2", "config": {"family": "gpt2", "width": 32, "depth": 2, "heads": 2, "mlp": 48,
+                                                   "vocab_size": 40, "context": 8}},
+          "vit": {"name": "tiny-vit", "config": {"family": "vit", "width": 32, "depth": 2, "heads": 2, "mlp": 48,
+                                                 "img_size": 16, "patch": 8, "in_chans": 3, "num_classes": 5}}}
+
+
+@pytest.mark.parametrize("method", ["weight", "activation"])
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+def test_a_row_finds_the_planted_transform_and_measures_the_matching(family, method):
+    row = scaling.measure(MODELS[family], method, RUN)
+    assert row["recovered"] and row["misplaced"] == 0 and row["relative_distance"] <= 1e-10
+    assert row["peak_rss_mb"] >= row["added_rss_mb"] >= 0 and row["cpu_seconds"] > 0
+    assert row["params"] > 0 and row["method"] == method
+
+
+def test_an_unrecovered_transform_is_reported_as_such():
+    """The check reads the transform: the identity left in place of the answer is far from T⁻¹."""
+    cfg = ModelConfig.from_dict(MODELS["gpt2"]["config"])
+    a, b, planted = scaling.planted_pair(cfg, MATCHABLE, 0)
+    error = scaling.transform_error(Transform(planted.depth), planted)
+    assert error["misplaced"] > 0 and error["map_deviation"] > 0.1
+    found = weight_match(a, b, get_arch("gpt2").spec, cfg.depth, cfg.heads).transform
+    assert scaling.transform_error(found, planted) == {"misplaced": 0, "map_deviation": pytest.approx(0, abs=1e-3)}
+
+
+def test_the_growth_exponent_is_the_log_log_slope():
+    rows = [{"family": "gpt2", "method": "weight", "model": f"m{w}", "params": w ** 2, "width": w,
+             "wall_seconds": 0.5 * w ** 3, "cpu_seconds": w ** 3, "added_rss_mb": 2.0 * w ** 2} for w in (64, 128, 256)]
+    fits = scaling.growth(rows, [{"name": r["model"]} for r in rows])
+    assert fits[0]["cpu_seconds_vs_width"] == pytest.approx(3.0)
+    assert fits[0]["cpu_seconds_vs_params"] == pytest.approx(1.5)
+    assert fits[0]["added_rss_mb_vs_params"] == pytest.approx(1.0)
+    assert scaling.growth(rows, [{"name": "m64", "growth": False}, {"name": "m128"}])[0]["models"] == 1
