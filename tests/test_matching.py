@@ -21,8 +21,8 @@ from glmc.match.weight import (
     STARTS,
     WeightOptions,
     head_cost,
+    l1_mlp_permutation,
     relaxed_residual,
-    solve_mlp,
     weight_match,
 )
 from glmc.train import evaluate
@@ -87,7 +87,7 @@ def test_the_l1_mlp_cost_matches_units_by_their_normalised_rows():
     for name, axis in (("blocks.0.mlp.fc1.w", 0), ("blocks.0.mlp.fc1.b", 0), ("blocks.0.mlp.fc2.w", 1)):
         moved = a[name].index_select(axis, perm)
         b[name] = moved * (scale[:, None] if moved.dim() == 2 and axis == 0 else scale if axis == 0 else scale[None])
-    found = solve_mlp(a, b, arch.spec, cfg.depth, 0, WeightOptions(mlp_cost="l1"))
+    found = l1_mlp_permutation(a, b, arch.spec, cfg.depth, 0)
     assert torch.equal(perm[found], torch.arange(cfg.mlp))
 
 
