@@ -277,4 +277,6 @@ def test_barrier_across_widths_refuses_what_it_cannot_do_in_one_line(trio, tmp_p
                          "--repair applies to two models of one width")
     _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--start", "relaxed", "--json", report], capsys,
                          "--start applies to two models of one width")
+    _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--head-cost", "norm", "--json", report], capsys,
+                         "--head-cost applies to two models of one width")
     assert not (tmp_path / "b.json").exists()
