@@ -12,9 +12,9 @@ if TYPE_CHECKING:
 START_NAMES = ["relaxed", "identity", "embeddings"]  # glmc.match.weight.STARTS, the default (DEFAULT_START) first
 # glmc.match.weight.WeightOptions' choices, each field's default first: flag → (field, choices, what they mean)
 WEIGHT_FLAGS = {
-    "--head-cost": ("head_cost", ["squared", "norm"], "the head assignment's cost: ‖ΔQK‖² + ‖ΔOV‖² or ‖ΔQK‖ + ‖ΔOV‖"),
-    "--mlp-cost": ("mlp_cost", ["inner", "l1"], "the MLP assignment's: the inner product of the units' weights, or "
-                   "the L1 distance between their L2-normalised rows"),
+    "--head-cost": ("head_cost", ["norm", "squared"], "the head assignment's cost: ‖ΔQK‖ + ‖ΔOV‖ or ‖ΔQK‖² + ‖ΔOV‖²"),
+    "--mlp-cost": ("mlp_cost", ["l1", "inner"], "the MLP assignment's: the L1 distance between the units' "
+                   "L2-normalised rows, or the inner product of their weights"),
     "--stop": ("stop", ["converged", "fixed"], "sweeps end when the objective stops improving, or run all 15"),
 }
 
