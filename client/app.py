@@ -1,6 +1,6 @@
-"""ClientApp: train the received global model (or, with ``init=independent`` in round 1, a model
-from the client's own seed) on this node's partition at its width tier, then reply with the
-weights, ``num-examples``, the width tier and the training metrics.
+"""ClientApp: train the received global model (or, in round 1 with ``init=independent``, a model
+from the client's own seed; with ``init`` a folder of checkpoints, checkpoint p mod n) on this node's
+partition at its width tier, then reply with the weights, ``num-examples``, the width tier and the training metrics.
 
 The partition comes from the node config (``partition-id``, ``num-partitions``: the simulation
 engine sets both; a deployed SuperNode passes them with ``--node-config``); the width tier from the
@@ -18,6 +18,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from client.attacks import attack
 from client.data import ClientShare, client_share, eval_subset, pool
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
@@ -61,13 +62,18 @@ def _setup(context: Context) -> tuple[RunSettings, Node, ModelConfig, ClientShar
 
 
 def _received_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: Node) -> nn.Module:
-    """A model at this node's width holding the weights the server sent.
+    """A model at this node's width holding the weights the server sent."""
+    return _model_at_tier(dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()), cfg, settings, node)
 
-    A server that has not heard from this node yet sends the full-width model; the node then restricts
-    it itself, exactly as the server would (its HeteroFL slice, or its projection for aligned merging).
+
+def _model_at_tier(state: dict[str, torch.Tensor], cfg: ModelConfig, settings: RunSettings, node: Node) -> nn.Module:
+    """A model at this node's width holding ``state``.
+
+    A server that has not heard from this node yet sends the full-width model (and a pretrained start is one);
+    the node then restricts it itself, exactly as the server would (its HeteroFL slice, or its projection for
+    aligned merging).
     """
     model = build_model(cfg)
-    state: dict[str, torch.Tensor] = dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict())
     if any(state[k].shape != v.shape for k, v in model.state_dict().items() if k in state):
         full = pool(settings).task.config
         principal = places_principal(settings.aggregation, settings.narrow_placement)
@@ -82,6 +88,13 @@ def _received_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node:
 
 def _start_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: Node, server_round: int) -> nn.Module:
     """The model to train: the server's weights, or this client's own seed in an independent first round."""
+    starts = settings.init_checkpoints
+    if len(starts) > 1 and server_round == 1:  # independently pretrained clients: checkpoint p mod n
+        from glmc.formats import read
+
+        own = starts[node.partition_id % len(starts)]
+        log.info("partition %d starts from %s", node.partition_id, own)
+        return _model_at_tier(cast(read(own)[0], torch.float32), cfg, settings, node)
     if settings.init == "independent" and server_round == 1:
         seed_everything(settings.seed + 1000 * node.partition_id)
         return build_model(cfg)
@@ -117,6 +130,7 @@ def train_fn(msg: Message, context: Context) -> Message:
     server_round = int(msg.content.config_records[protocol.CONFIG][protocol.ROUND_KEY])  # type: ignore[arg-type]
     arch, device = get_arch(cfg.family), _device(context, settings)
     model = _start_model(msg, cfg, settings, node, server_round)
+    received = {k: v.detach().to(torch.float32, copy=True) for k, v in model.state_dict().items()}  # before training
     seed = settings.seed + 1000 * node.partition_id + server_round
     reset_peak_memory(device)
     with released(device):  # an idle client (a Ray actor between rounds) keeps no cached GPU memory
@@ -124,8 +138,8 @@ def train_fn(msg: Message, context: Context) -> Message:
         fit = train(model, arch, share.train, config, progress=False)
         test = evaluate(model, arch, eval_subset(pool(settings).test, settings.eval_limit, settings.seed))
         model.cpu()
-    metrics = MetricRecord({
-        protocol.WEIGHT_KEY: len(share.train),  # type: ignore[arg-type]
+    values = {
+        protocol.WEIGHT_KEY: len(share.train),
         protocol.TIER_KEY: float(node.tier),
         "train-loss": float(fit["train_loss"]),
         "train-steps": int(fit["steps"]),
@@ -133,9 +147,15 @@ def train_fn(msg: Message, context: Context) -> Message:
         "client-test-loss": float(test["loss"]),
         "client-test-accuracy": float(test["accuracy"]),
         "client-peak-gpu-mb": peak_memory_mb(device),
-    })
-    arrays = ArrayRecord(_reply_state(model, settings, node))  # type: ignore[arg-type]
-    return Message(RecordDict({protocol.ARRAYS: arrays, protocol.METRICS: metrics}), reply_to=msg)
+    }
+    state = _reply_state(model, settings, node)
+    if node.partition_id == settings.attack_partition and settings.attack != "none":
+        log.warning("attack test hook: partition %d replies with attack %r", node.partition_id, settings.attack)
+        state, changes = attack(settings.attack, state, received, cfg, node.num_partitions, seed)
+        values |= changes
+    metrics = MetricRecord(values)  # type: ignore[arg-type]
+    return Message(RecordDict({protocol.ARRAYS: ArrayRecord(state), protocol.METRICS: metrics}),  # type: ignore[arg-type]
+                   reply_to=msg)
 
 
 @app.evaluate()

@@ -17,12 +17,13 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
-from glmc.archs import preset
+from glmc.archs import ModelConfig, preset
 from glmc.data.vision import ArrayDataset
 from glmc.errors import ConfigError
 from glmc.tasks import Task, load_task
@@ -55,12 +56,29 @@ class ClientShare:
 def pool(settings: RunSettings) -> Pool:
     """The cached pool of ``settings``' dataset (keyed only by what shapes it)."""
     return _pool(settings.dataset, settings.model, settings.partitioner, settings.seed, settings.server_data,
-                 settings.train_limit)
+                 settings.train_limit, tuple(settings.init_checkpoints))
+
+
+def base_config(dataset: str, model: str, checkpoints: tuple[Path, ...]) -> ModelConfig:
+    """The model preset, or the config of the first ``init`` checkpoint, whose data-dependent sizes must be the
+    dataset's (a run cannot retrain a 1000-class head on 10 classes without saying so)."""
+    if not checkpoints:
+        return preset(model)
+    from glmc.formats import read
+
+    cfg = read(checkpoints[0])[1].config
+    fitted = load_task(dataset, cfg).config
+    if fitted != cfg:
+        diff = "; ".join(f"{k} {v} (the data needs {fitted.to_dict()[k]})" for k, v in cfg.to_dict().items()
+                         if fitted.to_dict()[k] != v)
+        raise ConfigError(f"init checkpoint {checkpoints[0]} does not fit {dataset}: {diff}")
+    return cfg
 
 
 @functools.lru_cache(maxsize=4)
-def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: int, train_limit: int) -> Pool:
-    task = load_task(dataset, preset(model), seed=seed)
+def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: int, train_limit: int,
+          checkpoints: tuple[Path, ...] = ()) -> Pool:
+    task = load_task(dataset, base_config(dataset, model, checkpoints), seed=seed)
     if partitioner in NATURAL_SPLITS:
         return _text_pool(task, partitioner, seed, server_data)
     train = task.train

@@ -3,7 +3,7 @@
     python -m deploy certs --out DIR [--host NAME_OR_IP ...]         CA + SuperLink certificate
     python -m deploy keys --out DIR NAME [NAME ...]                  SuperNode authentication keys
     python -m deploy connection --name N --address HOST:9093 --ca ca.crt [--flwr-home DIR]
-    python -m deploy up --name N --nodes 2 [--tiers 1,0.5] [--auth] [--insecure] [ports]
+    python -m deploy up --name N --nodes 2 [--tiers 1,0.5] [--no-auth] [--insecure] [ports]
     python -m deploy run --name N [--run-config 'num-server-rounds=2 aggregation="weight"']
     python -m deploy status --name N
     python -m deploy down --name N
@@ -57,8 +57,8 @@ def cmd_connection(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(name=args.name, nodes=args.nodes, tiers=parse_tiers(args.tiers), fleet_port=args.fleet_port,
-                       control_port=args.control_port, node_ports=tuple(args.node_port or ()), auth=args.auth,
-                       insecure=args.insecure, output_dir=args.output_dir)
+                       control_port=args.control_port, node_ports=tuple(args.node_port or ()),
+                       auth=not (args.no_auth or args.insecure), insecure=args.insecure, output_dir=args.output_dir)
     cluster = up(spec)
     print(describe(cluster))
     print(f"run the apps: python -m deploy run --name {spec.name}  (or FLWR_HOME={spec.cli_home.resolve()} "
@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-port", type=int, default=ClusterSpec.control_port)
     p.add_argument("--node-port", type=int, action="append",
                    help="each SuperNode's runtime API port, once per node (default: control port + 1 + i)")
-    p.add_argument("--auth", action="store_true", help="node authentication: make and register a key per node")
-    p.add_argument("--insecure", action="store_true", help="no TLS (prints a warning)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="no node authentication (prints a warning); by default every node gets a registered key")
+    p.add_argument("--insecure", action="store_true", help="no TLS and so no node authentication (prints a warning)")
 
     for command, text in (("down", "stop exactly the processes `up` started"),
                           ("status", "which recorded processes run; exit 1 if one does not")):

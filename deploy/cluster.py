@@ -1,6 +1,6 @@
 """A local deployment: one SuperLink and N SuperNodes on loopback, talking over the gRPC Fleet API with TLS.
 
-:func:`up` makes what is missing (CA and server certificate, node keys when authentication is on),
+:func:`up` makes what is missing (CA and server certificate, node keys: authentication is on unless turned off),
 starts the SuperLink, writes the `flwr` CLI's connection, registers the node keys, starts the
 SuperNodes (each with its own partition and width tier in ``--node-config``), and records every PID.
 :func:`down` stops exactly the recorded processes. The same layout serves one machine or the
@@ -45,6 +45,8 @@ LOOPBACK = "127.0.0.1"
 READY_TIMEOUT = 90.0  # seconds for a process to listen or join (imports are slow on a loaded machine)
 INSECURE_WARNING = ("--insecure: TLS is OFF. Model weights, node identities and the control API travel in plain "
                     "text, and node authentication is impossible. Use it on a trusted loopback only.")
+NO_AUTH_WARNING = ("--no-auth: node authentication is OFF. Anyone who holds the CA certificate can join as a "
+                   "SuperNode, receive the global model and send replies into the aggregation.")
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # flwr colours its log levels
 JOINED = "SuperNode ID:"  # what a SuperNode logs once the SuperLink has accepted it
 
@@ -59,7 +61,7 @@ class ClusterSpec:
     fleet_port: int = 9092  # Fleet API (gRPC-rere): SuperNodes connect here
     control_port: int = 9093  # HTTP API: the `flwr` CLI (control) and the ServerApp's SuperExec (runtime)
     node_ports: tuple[int, ...] = ()  # each SuperNode's own runtime API port; default 9094, 9095, ...
-    auth: bool = False  # node authentication: only SuperNodes with a registered key may join
+    auth: bool = True  # node authentication: only SuperNodes with a registered key may join (off: warned)
     insecure: bool = False
     output_dir: Path = Path("outputs/deploy")
 
@@ -148,7 +150,9 @@ def up(spec: ClusterSpec) -> Cluster:
                           f"--control-port, --node-port")
     if spec.insecure:
         log.warning(INSECURE_WARNING)
-    elif not spec.certs.exist():
+    elif not spec.auth:
+        log.warning(NO_AUTH_WARNING)
+    if not spec.insecure and not spec.certs.exist():
         make_certificates(spec.certs.root)
     cluster = Cluster(spec)
     try:

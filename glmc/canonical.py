@@ -28,10 +28,25 @@ def fixes_ones(form: Form) -> bool:
     return form != "rmsnorm"
 
 
+def fold_scales(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
+    """A LayerScale γ ⊙ (W y + c) on a writer becomes (diag γ W) y + γ ⊙ c, with γ → 1 (timm's ``init_values``)."""
+    out = dict(state)
+    for scale, (layer, template) in expand(arch.scales, depth).items():
+        if f"{scale}.g" not in out:
+            continue
+        gamma, writer = out[f"{scale}.g"], arch.scales[template].format(l=layer)
+        out[f"{writer}.w"] = gamma[:, None] * out[f"{writer}.w"]
+        out[f"{writer}.b"] = gamma * out[f"{writer}.b"]
+        out[f"{scale}.g"] = torch.ones_like(gamma)
+    return out
+
+
 def fold_layernorms(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
     """LN(x) = γ⊙n(x) + β read by W y + c becomes (W diag γ) n(x) + (W β + c), with γ → 1 and β → 0."""
     out = dict(state)
     for norm, (layer, template) in expand(arch.folds, depth).items():
+        if f"{norm}.w" not in out:  # a norm this variant does not have (a ViT pooling before its fc_norm)
+            continue
         gamma, beta = out[f"{norm}.w"], out[f"{norm}.b"]
         readers = [r.format(l=layer) for r in arch.folds[template]]
         absorbs_bias = all(f"{r}.b" in out for r in readers)
@@ -71,7 +86,7 @@ def canonicalize(
     state = arch.to_canonical(native, depth)
     if dtype is not None:
         state = cast(state, dtype)
-    state = fold_layernorms(arch, state, depth)
+    state = fold_layernorms(arch, fold_scales(arch, state, depth), depth)
     if form == "rmsnorm":
         state = centre_writers(arch, state, depth)
         state = {k: v for k, v in state.items() if not _is_norm_gain(arch, k, depth)}
@@ -101,9 +116,11 @@ def to_circuit(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[Sta
     out = dict(state)
     for layer in range(cfg.depth):
         p = f"blocks.{layer}.attn"
-        out[f"{p}.qkv.w"], out[f"{p}.qkv.b"], out[f"{p}.proj.w"] = _circuit_layer(
-            state[f"{p}.qkv.w"], state[f"{p}.qkv.b"], state[f"{p}.proj.w"], cfg.heads)
-    return out, cfg.replace(head_dim=cfg.width + 1)
+        w = state[f"{p}.qkv.w"]
+        bias = state.get(f"{p}.qkv.b", w.new_zeros(w.shape[0]))  # a variant without qkv biases: zeros
+        out[f"{p}.qkv.w"], out[f"{p}.qkv.b"], out[f"{p}.proj.w"] = _circuit_layer(w, bias, state[f"{p}.proj.w"],
+                                                                                cfg.heads)
+    return out, cfg.replace(head_dim=cfg.width + 1, qkv_bias=True)
 
 
 class RMSNormBias(nn.Module):

@@ -5,14 +5,17 @@ This is what ``glmc check`` runs; the tests assert the same invariants on odd si
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from glmc.archs import ModelConfig, State, build_model, get_arch
+from glmc.archs import ModelConfig, State, build_model, cast, get_arch
 from glmc.canonical import Form, canonicalize, to_circuit, to_model
 from glmc.device import resolve, to_device
 from glmc.transforms import SYMMETRY_CLASSES, apply, random_transform
 
 TOLERANCE = 1e-5  # maximum absolute logit difference in float64 that still counts as the same function
+CHECK_CONTEXT = 64  # tokens per checked sequence: a pretrained GPT-2's 1024 would make the check slow, not stricter
 
 
 def random_native(cfg: ModelConfig, seed: int) -> State:
@@ -44,11 +47,15 @@ def _logits(state: State, cfg: ModelConfig, form: Form, x: torch.Tensor) -> torc
 
 
 def invariance_errors(cfg: ModelConfig, form: Form = "standard", seed: int = 0,
-                      device: str | torch.device = "cpu") -> dict[str, float]:
+                      device: str | torch.device = "cpu", native: Mapping[str, torch.Tensor] | None = None,
+                      ) -> dict[str, float]:
     """Max |logit difference| for the canonical form itself and after a random transform of each class (and all),
-    computed on ``device``."""
+    computed on ``device``, for ``native`` (a model's own weights; default: a random model of ``cfg``) on short
+    random inputs."""
     arch, dev = get_arch(cfg.family), resolve(device)
-    native, x = to_device(random_native(cfg, seed), dev), random_inputs(cfg, seed=seed).to(dev)
+    native = random_native(cfg, seed) if native is None else cast(native, torch.float64)
+    x = random_inputs(cfg.replace(context=min(cfg.context, CHECK_CONTEXT)), seed=seed).to(dev)
+    native = to_device(native, dev)
     model = build_model(cfg).to(dev, torch.float64).eval()
     model.load_state_dict(native)
     with torch.no_grad():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmc import __version__, cli_merge, cli_symmetry
+from glmc import __version__, cli_export, cli_merge, cli_symmetry
 from glmc.cli_learn import DATA_HELP, positive
 from glmc.cli_outputs import check_outputs
 from glmc.errors import ConfigError, GlmcError
@@ -134,6 +134,8 @@ COMMANDS: dict[str, Command] = {
                        cli_symmetry.add_barrier_arguments, cli_symmetry.run_barrier),
     "merge": Command("merge N checkpoints (any widths) into one standard checkpoint", cli_merge.add_merge_arguments,
                      cli_merge.run_merge),
+    "export": Command("write a checkpoint as a Hugging Face folder, a timm state dict or a glmc checkpoint",
+                      cli_export.add_export_arguments, cli_export.run_export),
 }
 
 

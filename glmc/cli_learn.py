@@ -4,14 +4,21 @@ samples they see, and how learned matching trains on them."""
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from glmc.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
+    from glmc.archs import ModelConfig
     from glmc.checkpoint import CheckpointMeta
     from glmc.match.learned import LearnConfig
+
+log = logging.getLogger(__name__)
 
 DATA_HELP = "dataset directory (default: the dataset's own copy, under $GLMC_DATA, .data/ or the system path)"
 
@@ -44,6 +51,7 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
     --batch-size, --lam, --val-points, --patience, --within and --quiet."""
     parser.add_argument("--data", help=DATA_HELP)
+    add_data_file_arguments(parser)
     parser.add_argument("--batch", type=count, help=batch_help)
     parser.add_argument("--epochs", type=int, default=epochs,
                         help=f"learned methods: passes over the training samples (default {epochs or 2})")
@@ -63,6 +71,16 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
                         help="learned methods: the within-head maps, kept from weight matching, learned as "
                              "orthogonal maps (default) or learned as any invertible maps")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+
+
+def add_data_file_arguments(parser: argparse.ArgumentParser) -> None:
+    """--data-file and --train-file: the user's own data, for models glmc did not train (glmc.userdata)."""
+    parser.add_argument("--data-file", type=Path, metavar="FILE",
+                        help="held-out data to measure on instead of the checkpoint's dataset: a .npy of token ids "
+                             "(GPT-2) or a .npz of images and labels (ViT)")
+    parser.add_argument("--train-file", type=Path, metavar="FILE",
+                        help="data for the data-driven methods (activation, learned, REPAIR, refit), same formats; "
+                             "default: the checkpoint's training split, else --data-file")
 
 
 def learn_options(args: argparse.Namespace) -> LearnConfig:
@@ -90,3 +108,39 @@ def train_subset(meta: CheckpointMeta, data: str | None, n: int | None) -> Datas
         return train
     idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:n]  # type: ignore[arg-type]
     return Subset(train, idx.tolist())
+
+
+def _needs_file(meta: CheckpointMeta, flag: str) -> None:
+    if not meta.dataset:
+        raise ConfigError(f"this model was not trained by glmc on a known dataset: pass {flag} (a .npy of token ids "
+                          "or a .npz of images and labels)")
+
+
+def training_data(meta: CheckpointMeta, args: argparse.Namespace, n: int | None) -> Dataset:
+    """``n`` training samples (all for None): from --train-file, the checkpoint's training split, or --data-file."""
+    from torch.utils.data import Subset
+
+    from glmc.userdata import load_data_file
+
+    given = getattr(args, "train_file", None)
+    if given is None and not meta.dataset and getattr(args, "data_file", None) is not None:
+        log.warning("no --train-file: the data-driven method fits on --data-file, the data it is measured on")
+        given = args.data_file
+    if given is None:
+        _needs_file(meta, "--train-file or --data-file")
+        return train_subset(meta, args.data, n)
+    data = load_data_file(given, meta.config)
+    return data if n is None else Subset(data, range(min(n, len(data))))
+
+
+def test_data(meta: CheckpointMeta, cfg: ModelConfig, args: argparse.Namespace) -> Dataset:
+    """The held-out samples every barrier and merge is measured on: --data-file, else the dataset's test split."""
+    from glmc.tasks import held_out
+    from glmc.userdata import load_data_file
+
+    if getattr(args, "data_file", None) is not None:
+        if args.limit is not None and args.limit < 1:
+            raise ConfigError(f"limit must be at least 1 held-out sample, got {args.limit}")
+        return load_data_file(args.data_file, cfg, args.limit)
+    _needs_file(meta, "--data-file")
+    return held_out(meta.dataset, cfg, args.data, args.limit)

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmc.cli_learn import add_learn_arguments, count, learn_options, train_subset
+from glmc.cli_export import add_format_argument, early_format, output_format
+from glmc.cli_learn import add_learn_arguments, count, learn_options, test_data, training_data
 from glmc.errors import ConfigError, check_weights
 
 if TYPE_CHECKING:
@@ -25,7 +26,9 @@ LEARN_SAMPLES = 20000  # default training samples of learned merging (a seeded s
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoints", nargs="+", type=Path, help="two or more checkpoints to merge (.safetensors)")
+    parser.add_argument("checkpoints", nargs="+", type=Path,
+                        help="two or more checkpoints to merge (glmc .safetensors, Hugging Face folders or timm state "
+                             "dicts)")
     parser.add_argument("--method", default="weight", help="none, weight, weight-perm, activation or learned")
     width = parser.add_mutually_exclusive_group()
     width.add_argument("--width-of", type=Path, help="give the merged model this checkpoint's width")
@@ -34,6 +37,7 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="merged standard checkpoint (.safetensors)")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    add_format_argument(parser)
     parser.add_argument("--simplex-points", type=int, default=66, help="at most this many simplex grid weights")
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
     parser.add_argument("--restore-norms", action="store_true",
@@ -84,9 +88,9 @@ def _weights(text: str | None, n: int) -> list[float] | None:
 
 
 def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
-    from glmc.checkpoint import load_checkpoint
+    from glmc.formats import read
 
-    loaded = [load_checkpoint(p) for p in paths]
+    loaded = [read(p) for p in paths]
     return [s for s, _ in loaded], [m for _, m in loaded]
 
 
@@ -100,11 +104,11 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
     repair, refit = getattr(args, "repair", None) or 0, getattr(args, "refit", None) or 0
     train: Dataset | None
     if samples is None:  # the whole split, which covers REPAIR's and the refit's samples too
-        train = train_subset(dataclasses.replace(meta, config=target), args.data, None)
+        train = training_data(dataclasses.replace(meta, config=target), args, None)
         samples = len(train)  # type: ignore[arg-type]
     else:
         wanted = max(samples, repair, refit) if method in DATA_METHODS else max(repair, refit)  # first `samples` stay
-        train = train_subset(dataclasses.replace(meta, config=target), args.data, wanted) if wanted else None
+        train = training_data(dataclasses.replace(meta, config=target), args, wanted) if wanted else None
     learn = learn_options(args)
     universe = {key: getattr(args, name) for key, name in (("max_iters", "iters"), ("tol", "tol"),
                                                            ("workers", "workers")) if hasattr(args, name)}
@@ -114,18 +118,16 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
-    from glmc.tasks import held_out
-
-    return held_out(meta.dataset, target, args.data, args.limit)
+    return test_data(meta, target, args)
 
 
 def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta], Any, float]:
     """Inputs, their metadata, and the checked target config and width multiplier."""
-    from glmc.checkpoint import load_checkpoint
+    from glmc.formats import read
     from glmc.merge import check_inputs, target_config
 
     natives, metas = _load(paths)
-    width_of = load_checkpoint(args.width_of)[1] if getattr(args, "width_of", None) else None
+    width_of = read(args.width_of)[1] if getattr(args, "width_of", None) else None
     target, mult = target_config(metas, width_of, getattr(args, "width_mult", None))
     check_inputs(metas, target)
     return natives, metas, target, mult
@@ -133,19 +135,27 @@ def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], l
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
-    from glmc.checkpoint import check_out
+    from glmc.formats import check_output
     from glmc.merge import MERGE_METHODS, grid_steps
 
     if args.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {args.method!r}; known: {', '.join(MERGE_METHODS)}")
     if len(args.checkpoints) < 2:
         raise ConfigError(f"merge needs at least 2 checkpoints, got {len(args.checkpoints)}")
-    check_out(args.out, args.force)
+    check_output(args.out, early_format(args), args.force)
     natives, metas, target, mult = _prepare(args, args.checkpoints)
+    fmt = output_format(args, metas[0])
     setup = _setup(args, args.method, target, metas[0], len(natives))
     configs = [m.config for m in metas]
-    test = _test_split(metas[0], target, args)  # before the merge: a bad --limit or missing data costs nothing
-    result, report = _merge_and_save(args, natives, metas, setup, mult)
+    # Before the merge: a bad --limit or missing data costs nothing. Outside models with no --data-file are merged
+    # and written, not evaluated.
+    test = _test_split(metas[0], target, args) if args.data_file or metas[0].dataset else None
+    result, report = _merge_and_save(args, natives, metas, setup, mult, fmt)
+    if test is None:
+        print("no held-out data (these models name no glmc dataset): the merge is written but not evaluated; pass "
+              "--data-file to measure it", file=sys.stderr)
+        print(json.dumps({k: report[k] for k in ("out", "format", "method", "universe_seconds")}))
+        return 0
     report |= _evaluate(args, natives, configs, setup, test, grid_steps(len(natives), args.simplex_points), result)
     _print_merge(report)
     if args.json:
@@ -155,12 +165,10 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
-                    mult: float) -> tuple[UniverseResult, dict[str, Any]]:
-    """Universe matching, then the merged model written as a standard float32 checkpoint."""
-    import torch
-
-    from glmc.archs import cast, get_arch
-    from glmc.checkpoint import save_checkpoint
+                    mult: float, fmt: str) -> tuple[UniverseResult, dict[str, Any]]:
+    """Universe matching, then the merged model written as a standard float32 checkpoint in ``fmt``."""
+    from glmc.archs import get_arch
+    from glmc.formats import write
     from glmc.merge import merge_states
 
     result = merge_states(natives, [m.config for m in metas], setup)
@@ -168,8 +176,8 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     split = f"merged from {len(natives)} checkpoints by {setup.method}: {', '.join(p.name for p in args.checkpoints)}"
     meta = dataclasses.replace(metas[0], config=setup.target, width_mult=mult, seed=None, split=split, metrics={},
                                train={})
-    save_checkpoint(args.out, cast(native, torch.float32), meta)
-    return result, {"out": str(args.out), "method": setup.method, "restore_norms": setup.restore_norms,
+    write(args.out, fmt, native, meta)
+    return result, {"out": str(args.out), "format": fmt, "method": setup.method, "restore_norms": setup.restore_norms,
                     "repair": setup.repair, "refit": setup.refit,
                     "target": setup.target.to_dict(),
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}

@@ -15,10 +15,11 @@ PLOT_FORMATS = ("avif", "eps", "gif", "jpeg", "jpg", "pdf", "pgf", "png", "ps", 
                 "tiff", "webp")
 
 
-def check_writable(path: Path, flag: str) -> None:
-    """ConfigError unless ``path`` can be written: not a directory, and either a writable file or a new file whose
-    nearest existing ancestor is a writable directory (missing folders are created at the end)."""
-    if path.is_dir():
+def check_writable(path: Path, flag: str, folder: bool = False) -> None:
+    """ConfigError unless ``path`` can be written: not a directory (unless the output is a ``folder``, a Hugging Face
+    model), and either writable or new with a writable nearest existing ancestor (missing folders are created at
+    the end)."""
+    if path.is_dir() and not folder:
         raise ConfigError(f"{flag} {path} is a directory, not a file")
     if path.exists():
         if not os.access(path, os.W_OK):
@@ -48,6 +49,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         if path is None:
             continue
         flag = f"--{dest}"
-        check_writable(Path(path), flag)
+        # An --out without a suffix is a Hugging Face folder (glmc.formats.check_output says what may be there)
+        check_writable(Path(path), flag, folder=dest == "out" and not Path(path).suffix)
         if dest == "plot":
             check_plot_format(Path(path))

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glmc import cli_merge
-from glmc.cli_learn import add_learn_arguments, count, learn_options, train_subset
+from glmc import cli_export, cli_merge
+from glmc.cli_learn import add_learn_arguments, count, learn_options, test_data, training_data
 from glmc.errors import ConfigError
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="preset name, e.g. vit-tiny or gpt2-bench")
+    parser.add_argument("checkpoint", type=Path, nargs="?",
+                        help="check this model's own weights: a glmc checkpoint, Hugging Face folder or timm state "
+                             "dict (instead of a random --model)")
+    parser.add_argument("--model", help="preset name, e.g. vit-tiny or gpt2-bench")
     for size in ("width", "depth", "heads", "mlp"):
         parser.add_argument(f"--{size}", type=int, help=f"override the preset's {size}")
     parser.add_argument("--activation", choices=["gelu", "relu"], help="relu adds the MLP scaling symmetry")
@@ -35,8 +38,13 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     """Apply a random transform of every class in float64; print JSON errors; exit 0 only if all are ≤ 1e-5."""
-    from glmc.archs import preset
     from glmc.check import TOLERANCE, invariance_errors
+
+    if args.checkpoint is not None:
+        return _check_checkpoint(args)
+    if args.model is None:
+        raise ConfigError("give a checkpoint to check, or --model PRESET for a random model of a preset")
+    from glmc.archs import preset
 
     changes = {k: getattr(args, k) for k in ("width", "depth", "heads", "mlp", "activation")
                if getattr(args, k) is not None}  # --width 0 is an error to report, not "no override"
@@ -50,8 +58,25 @@ def run_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _check_checkpoint(args: argparse.Namespace) -> int:
+    """``glmc check CHECKPOINT``: the invariance errors of the model's own weights."""
+    from glmc.check import TOLERANCE, invariance_errors
+    from glmc.formats import read
+
+    for flag in ("model", "width", "depth", "heads", "mlp", "activation"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag} shapes a random preset model; a checkpoint has its own")
+    state, meta = read(args.checkpoint)
+    errors = invariance_errors(meta.config, args.form, args.seed, device=args.device, native=state)
+    ok = max(errors.values()) <= TOLERANCE
+    print(json.dumps({"checkpoint": str(args.checkpoint), "config": meta.config.to_dict(), "form": args.form,
+                      "tolerance": TOLERANCE, "max_abs_logit_error": errors, "ok": ok}, indent=2))
+    return 0 if ok else 1
+
+
 def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", type=Path, help="reference checkpoint A (.safetensors)")
+    parser.add_argument("a", type=Path, help="reference checkpoint A (glmc .safetensors, Hugging Face folder or timm "
+                        "state dict)")
     parser.add_argument("b", type=Path, help="checkpoint B, moved towards A (B may be narrower: then it is "
                         "embedded into A's width first, as glmc merge embeds its inputs)")
     add_learn_arguments(parser, "training samples given to data-driven methods (default: "
@@ -67,18 +92,19 @@ def add_align_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="weight", help=f"one of {METHOD_NAMES}")
     parser.add_argument("--out", required=True, type=Path, help="aligned B, a standard checkpoint (at A's width)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    cli_export.add_format_argument(parser)
     cli_merge.add_fill_argument(parser)
 
 
 def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
     """Both checkpoints, refusing before any work different families or a B that does not fit inside A (only
     widths may differ, and B is then embedded into A's width)."""
-    from glmc.checkpoint import load_checkpoint
+    from glmc.formats import read
     from glmc.spec import check_same_shapes
     from glmc.widths import check_embeddable
 
-    state_a, meta_a = load_checkpoint(a)
-    state_b, meta_b = load_checkpoint(b)
+    state_a, meta_a = read(a)
+    state_b, meta_b = read(b)
     if meta_a.config.family != meta_b.config.family:
         raise ConfigError(f"{a} is a {meta_a.config.family} but {b} is a {meta_b.config.family}")
     if meta_a.config != meta_b.config:
@@ -93,7 +119,7 @@ def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, 
     from glmc.align import DATA_METHODS, LEARNED_METHODS, align_pair
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
-    data = train_subset(meta, args.data, samples) if method in DATA_METHODS else None
+    data = training_data(meta, args, samples) if method in DATA_METHODS else None
     learn = learn_options(args) if method in LEARNED_METHODS else None
     return align_pair(state_a, state_b, meta.config, method, form=form, data=data,
                       batch=samples or ACTIVATION_SAMPLES, learn=learn, start=args.start, device=args.device)
@@ -103,13 +129,12 @@ def run_align(args: argparse.Namespace) -> int:
     """Write B transformed towards A as a standard checkpoint (same function as B)."""
     import dataclasses
 
-    import torch
+    from glmc.archs import get_arch
+    from glmc.formats import check_output, write
 
-    from glmc.archs import cast, get_arch
-    from glmc.checkpoint import check_out, save_checkpoint
-
-    check_out(args.out, args.force)
+    check_output(args.out, cli_export.early_format(args), args.force)
     state_a, state_b, meta, meta_b = _load_pair(args.a, args.b)
+    fmt = cli_export.output_format(args, meta_b)
     config = meta.config
     if meta_b.config != config:  # embedded into A's width: a checkpoint of A's shapes computing B
         moved, config, seconds = cli_merge.align_across_widths(args, [state_a, state_b], [meta, meta_b])
@@ -122,8 +147,8 @@ def run_align(args: argparse.Namespace) -> int:
     native = get_arch(config.family).to_native(moved, config.depth)
     split = f"{meta_b.split}; aligned to {args.a.name} by {args.method}"
     out_meta = dataclasses.replace(meta_b, config=config, width_mult=meta.width_mult, split=split)
-    save_checkpoint(args.out, cast(native, torch.float32), out_meta)
-    print(json.dumps({"out": str(args.out), "method": args.method, **report}))
+    write(args.out, fmt, native, out_meta)
+    print(json.dumps({"out": str(args.out), "format": fmt, "method": args.method, **report}))
     return 0
 
 
@@ -152,7 +177,6 @@ def run_barrier(args: argparse.Namespace) -> int:
 
     from glmc.barrier import barrier_curve
     from glmc.canonical import to_circuit
-    from glmc.tasks import held_out
 
     if args.simplex:
         for flag, given in (("--repair", args.repair), ("--form", args.form != "standard")):
@@ -167,8 +191,8 @@ def run_barrier(args: argparse.Namespace) -> int:
     if meta_b.config != meta.config:
         _write_barrier_outputs(args, cli_merge.width_curves(args, [state_a, state_b], [meta, meta_b]))
         return 0
-    test = held_out(meta.dataset, meta.config, args.data, args.limit)
-    repair = train_subset(meta, args.data, args.repair) if args.repair else None
+    test = test_data(meta, meta.config, args)
+    repair = training_data(meta, args, args.repair) if args.repair else None
     curves = []
     for method in args.method or ["weight"]:
         aligned = _align(args, method, state_a, state_b, meta, args.form)  # learned methods learn the form's path

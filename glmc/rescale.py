@@ -23,8 +23,9 @@ Scale = Callable[[State, int, ModelConfig, torch.Tensor], None]
 
 
 def _augmented(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    """[W | b] of a linear layer (out, in + 1)."""
-    return torch.cat([state[f"{name}.w"], state[f"{name}.b"][:, None]], 1)
+    """[W | b] of a linear layer (out, in + 1); b is zero for a layer without one (a ViT without qkv biases)."""
+    w = state[f"{name}.w"]
+    return torch.cat([w, state.get(f"{name}.b", w.new_zeros(w.shape[0]))[:, None]], 1)
 
 
 def _heads(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
@@ -53,7 +54,8 @@ def _ov_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -
 def _scale_rows(state: State, name: str, factor: torch.Tensor) -> None:
     """Scale each output row of linear layer ``name``, weight and bias alike."""
     state[f"{name}.w"] = state[f"{name}.w"] * factor[:, None]
-    state[f"{name}.b"] = state[f"{name}.b"] * factor
+    if f"{name}.b" in state:
+        state[f"{name}.b"] = state[f"{name}.b"] * factor
 
 
 def _scale_mlp_in(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:

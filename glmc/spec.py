@@ -14,7 +14,7 @@ stored (out, in). Axis kinds:
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Literal
 
@@ -77,13 +77,17 @@ def _expand(templates: tuple[str, ...], depth: int) -> Mapping[str, tuple[int | 
     return MappingProxyType(out)
 
 
-def check_coverage(spec: SpecTable, state: Mapping[str, torch.Tensor], depth: int) -> None:
-    """Raise SpecError naming the first key the spec does not describe, or the first it misses."""
+def check_coverage(spec: SpecTable, state: Mapping[str, torch.Tensor], depth: int,
+                   optional: Collection[str] = ()) -> None:
+    """Raise SpecError naming the first key the spec does not describe, or the first it misses (templates in
+    ``optional`` may be missing: parameters some variants of the family go without)."""
     names = expand(spec, depth)
     for key in state:
         if key not in names:
             raise SpecError(f"parameter {key!r} is not covered by the symmetry spec")
     for key, (_, template) in names.items():
+        if key not in state and template in optional:
+            continue
         if key not in state:
             raise SpecError(f"parameter {key!r} is missing from the state dict")
         if state[key].dim() != len(spec[template]):

@@ -132,6 +132,8 @@ def _principal_residual(state: Mapping[str, torch.Tensor], d: int, wide: ModelCo
     spec = get_arch(wide.family).spec
     gram = torch.zeros(wide.width, wide.width, dtype=torch.float64)
     for name, (_, template) in expand(spec, wide.depth).items():
+        if name not in state:  # a parameter this variant does not have
+            continue
         axes = spec[template]
         rows = _as_rows(state[name].double(), axes)
         energy = float(rows.square().sum())
@@ -210,6 +212,8 @@ def _map_state(state: Mapping[str, torch.Tensor], p: Placement, embed: bool) -> 
     spec = get_arch(p.wide.family).spec
     out: State = {}
     for name, (layer, template) in expand(spec, p.wide.depth).items():
+        if name not in state:
+            continue
         x = state[name]
         for axis, kind in enumerate(spec[template]):
             if kind is None:
@@ -246,6 +250,8 @@ def widen(state: Mapping[str, torch.Tensor], cfg: ModelConfig, wide: ModelConfig
     spec = get_arch(cfg.family).spec
     out: State = {}
     for name, (_, template) in expand(spec, cfg.depth).items():
+        if name not in state:
+            continue
         x = state[name]
         for axis, kind in enumerate(spec[template]):
             if kind in (QKV, HEADS, MLP, MLP_IN):
@@ -371,6 +377,8 @@ def lstsq_merge(states: Sequence[Mapping[str, torch.Tensor]], placements: Sequen
     scalar = [torch.ones(1, 1, dtype=torch.float64, device=device) for _ in placements]
     merged: State = {}
     for name, (layer, template) in expand(spec, wide.depth).items():
+        if name not in states[0]:
+            continue
         axes, like = spec[template], states[0][name]
         rows = [_as_rows(s[name].double(), axes) for s in states]
         masks = torch.stack([_row_mask(like.shape, axes, p, layer) for p in placements])

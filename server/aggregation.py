@@ -16,6 +16,10 @@ method:
 - ``fedavg-ft``: the control for the server-held data: ``fedavg``, then the merged model itself trained on that
   data with the learned refinement's budget (:func:`finetune`). ``learned`` minus ``fedavg-ft`` is what spending
   the same samples on choosing symmetries, rather than on the weights, is worth.
+- ``server-only``: the other control: the clients are ignored; the previous global model (round 1: the initial
+  model: seeded, so a model trained from scratch, or the ``init`` checkpoint) is trained on the server-held data
+  with the same budget. After R rounds it has had R budgets, as fedavg-ft's model has. A data-using aggregation
+  under it gains nothing from the clients that the server's own samples would not give.
 
 Each client later gets the global model restricted to its own width (:func:`restrict`).
 """
@@ -25,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,8 +45,9 @@ from glmc.repair import repair as repair_statistics
 from glmc.rescale import restore_norms
 from glmc.train import TrainConfig, train
 from glmc.universe import universe_match
-from glmc.widths import Placement, embed, place, principal_place, project
+from glmc.widths import Placement, embed, lstsq_merge, place, principal_place, project
 from server import heterofl
+from server.robust import Clipping, Robustness, clip, coordinatewise, screen, unclipped
 from server.settings import GUARDED, SLICED
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,8 @@ class MergeResult:
     distance_before: float  # mean pairwise ‖θ_i − θ_j‖ of the clients in the universe (canonical, embedded)
     distance_after: float  # the same after alignment
     placements: list[Placement | None]  # per client, for restricting the next global model (None: HeteroFL)
+    clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (server.robust.screen)
+    clipping: Clipping | None = None  # how far each client was from the global model, and what clipping did
 
     @property
     def unaligned(self) -> bool:
@@ -104,9 +111,10 @@ def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], f
 
 
 def finetune(native: State, full: ModelConfig, data: Dataset | None, config: TrainConfig) -> tuple[State, float]:
-    """The full-width native model trained on the server-held ``data`` (``fedavg-ft``); returns it and the seconds."""
+    """The full-width native model trained on the server-held ``data`` (``fedavg-ft``, ``server-only``); returns it
+    and the seconds."""
     if data is None:
-        raise ConfigError("fedavg-ft fine-tunes on server-held data: set server-data > 0")
+        raise ConfigError("fedavg-ft and server-only train on server-held data: set server-data > 0")
     start = time.perf_counter()
     model = build_model(full)
     model.load_state_dict(native, strict=True)
@@ -117,7 +125,8 @@ def finetune(native: State, full: ModelConfig, data: Dataset | None, config: Tra
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
           data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
           tune: TrainConfig | None = None, restore: bool = False, repair: bool = False,
-          refit: bool = False, min_gain: float = 0.0, device: str = "cpu") -> MergeResult:
+          refit: bool = False, min_gain: float = 0.0, robust: Robustness | None = None,
+          device: str = "cpu") -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
@@ -127,43 +136,109 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
     ``min_gain``: for weight and activation at equal widths, when matching brings the clients less than this fraction
     closer, merge nothing and say ``unaligned``: the caller averages them as FedAvg (:func:`_gains_too_little`).
+    ``robust``: clipping around the anchor and the robust average (:mod:`server.robust`; the clients' weights come
+    already capped); default off.
     ``device``: where alignment, merging and fine-tuning run (``server-device``); the result comes back on the CPU.
     """
+    robust = robust or Robustness.off()
+    if aggregation in SLICED:
+        tune = replace(tune or TrainConfig(threads=1), device=device)
+        return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust)
+    arch = get_arch(full.family)
     states, configs = universe_states(clients, full)
     states = [to_device(s, device) for s in states]
     starts = [c.placement for c in clients]
-    before = embedded_distance(states, configs, full, starts)
-    weights = [c.weight for c in clients]
-    if aggregation in SLICED:
-        native, seconds = _sliced(clients, configs, full, anchor), 0.0
-        if aggregation == "fedavg-ft":
-            native, seconds = finetune(native, full, data, replace(tune or TrainConfig(threads=1), device=device))
-        return MergeResult(native, seconds, before, before, [None] * len(clients))
-    arch = get_arch(full.family)
-    method, refine = UNIVERSE_METHODS[aggregation]
     start = (canonicalize(arch, to_device(anchor, device), full.depth, dtype=torch.float64)
              if anchor is not None else None)
-    result = universe_match(states, full, method, weights=weights, anchor=start,
+    early = _around_anchor(screen, states, configs, starts, start, full, robust.clip_ratio)  # no runaway matched
+    before = embedded_distance(early.states, configs, full, starts)
+    weights = [c.weight for c in clients]
+    method, refine = UNIVERSE_METHODS[aggregation]
+    result = universe_match(early.states, full, method, weights=weights, anchor=start,
                             reference=max(range(len(clients)), key=weights.__getitem__), configs=configs,
                             max_iters=iters, data=data, batch=len(data) if data is not None else 512,  # type: ignore[arg-type]
                             workers=workers, refine=refine, learn=learn, starts=starts)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     after = mean_pairwise_distance(result.aligned)
     if aggregation in GUARDED and _gains_too_little(before, after, min_gain, configs, full):
-        return MergeResult(None, seconds, before, before, [None] * len(clients))
-    merged = restore_norms(result.merged, result.aligned, full, weights) if restore else result.merged
+        return MergeResult(None, seconds, before, before, [None] * len(clients), early.clipped)
+    clipping = _around_anchor(clip, result.aligned, [full] * len(clients), result.placements, start, full,
+                              robust.clip_ratio)  # the distance the average sees
+    merged = _robust_merge(result.merged, clipping, result.placements, weights, robust)
+    if restore:
+        merged = restore_norms(merged, clipping.states, full, weights)
     if refit:
-        merged = refit_layers(merged, result.aligned, full, data, weights=weights, placements=result.placements)
+        merged = refit_layers(merged, clipping.states, full, data, weights=weights, placements=result.placements)
     if repair:
-        merged = repair_statistics(merged, result.aligned, full, data, weights=weights)
-    return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before, after, list(result.placements))
+        merged = repair_statistics(merged, clipping.states, full, data, weights=weights)
+    return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before, after, list(result.placements),
+                       early.clipped, clipping)
 
 
-def _sliced(clients: Sequence[Client], configs: Sequence[ModelConfig], full: ModelConfig,
-            anchor: State | None) -> State:
-    """HeteroFL's coverage-weighted average of the native width slices (FedAvg at equal widths)."""
+def _around_anchor(how: Callable[[Sequence[State], Sequence[State], float], Clipping], states: Sequence[State],
+                   configs: Sequence[ModelConfig], placements: Sequence[Placement | None], anchor: State | None,
+                   full: ModelConfig, ratio: float) -> Clipping:
+    """Canonical ``states`` clipped (or screened) around the canonical ``anchor`` as each one sees it: at its own width
+    (``configs[i]`` narrower than ``full``: the anchor projected where it sits), or in the universe (a narrow
+    ``placements[i]``: the anchor projected there, then embedded back). No anchor, nothing to clip around."""
+    if anchor is None:
+        return unclipped(states)
+    centers = []
+    for cfg, p in zip(configs, placements, strict=True):
+        if cfg != full:
+            centers.append(project(anchor, p or place(cfg, full)))
+        elif p is not None and p.narrow != full:
+            centers.append(embed(project(anchor, p), p))
+        else:
+            centers.append(anchor)
+    return how(states, centers, ratio)
+
+
+def _robust_merge(merged: State, clipping: Clipping, placements: Sequence[Placement], weights: Sequence[float],
+                  robust: Robustness) -> State:
+    """The universe's merge again when a defence acts: the least-squares mean of the clipped clients, or their
+    coordinate-wise FedMedian / FedTrimmedAvg (equal widths); else ``merged`` itself, untouched."""
+    if robust.weighted_mean:
+        return lstsq_merge(clipping.states, placements, weights) if clipping.clipped else merged
+    _require_equal_widths(any(p.narrow != p.wide for p in placements), robust)
+    return coordinatewise(clipping.states, robust.average, robust.trim_beta)
+
+
+def _require_equal_widths(mixed: bool, robust: Robustness) -> None:
+    if mixed:
+        raise ConfigError(f"robust-average {robust.average!r} takes the coordinates of equal-width clients; this "
+                          "round has narrow ones")
+
+
+def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str, anchor: State | None,
+                  data: Dataset | None, tune: TrainConfig, robust: Robustness) -> MergeResult:
+    """HeteroFL's average of the clipped width slices (or their FedMedian / FedTrimmedAvg at equal widths), then
+    for fedavg-ft the fine-tuning on the server data; server-only trains the previous global model instead."""
+    states, configs = universe_states(clients, full)
+    before = embedded_distance(states, configs, full, [c.placement for c in clients])
+    if aggregation == "server-only":
+        native, seconds = finetune(_server_only(anchor), full, data, tune)
+        return MergeResult(native, seconds, before, before, [None] * len(clients))
     previous = anchor if anchor is not None else clients[0].state
-    return _float32(heterofl.merge([c.state for c in clients], configs, [c.weight for c in clients], full, previous))
+    centers = [previous if cfg == full else heterofl.restrict(previous, full, cfg) for cfg in configs]
+    natives = [c.state for c in clients]
+    clipping = clip(natives, centers, robust.clip_ratio) if anchor is not None else unclipped(natives)
+    if robust.weighted_mean:
+        native = heterofl.merge(clipping.states, configs, [c.weight for c in clients], full, previous)
+    else:
+        _require_equal_widths(any(cfg != full for cfg in configs), robust)
+        native = coordinatewise(clipping.states, robust.average, robust.trim_beta)
+    native, seconds = _float32(native), 0.0
+    if aggregation == "fedavg-ft":
+        native, seconds = finetune(native, full, data, tune)
+    return MergeResult(native, seconds, before, before, [None] * len(clients), 0, clipping)
+
+
+def _server_only(anchor: State | None) -> State:
+    """``server-only``'s start: the previous global model, whatever the clients sent."""
+    if anchor is None:
+        raise ConfigError("server-only trains the previous global model on the server data: it needs one")
+    return _float32(anchor)
 
 
 def _gains_too_little(before: float, after: float, min_gain: float, configs: Sequence[ModelConfig],
@@ -181,8 +256,9 @@ def _gains_too_little(before: float, after: float, min_gain: float, configs: Seq
 
 def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float, aggregation: str,
              placement: Placement | None = None) -> State:
-    """The global model at a client's width: its HeteroFL slice (fedavg, fedavg-ft), else its projection onto the
-    client's subspace of the universe (``placement``: where alignment last put it; default: the exact embedding)."""
+    """The global model at a client's width: its HeteroFL slice (fedavg, fedavg-ft, server-only), else its projection
+    onto the client's subspace of the universe (``placement``: where alignment last put it; default: the exact
+    embedding)."""
     narrow = scale_width(full, tier)
     if narrow == full:
         return dict(global_native)

@@ -20,17 +20,17 @@ from client.data import eval_subset, label_counts, pool, split_config
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.device import resolve
-from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig, Within
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.guard import set_aside_note
 from server.hooks import (
     CheckpointWriter,
+    ClientsWriter,
     EnsembleEvaluator,
     MetricsWriter,
     clear_outputs,
-    latest_checkpoint,
     load_records,
+    resume_point,
 )
 from server.settings import GUARDED, NATURAL_SPLITS, RunSettings
 from server.strategy import EvaluateFn, RoundHooks, SymmetryAwareFedAvg
@@ -71,12 +71,15 @@ def reply_schema(settings: RunSettings, cfg: ModelConfig) -> ReplySchema:
 def initial_model(settings: RunSettings, run_dir: Path, cfg: ModelConfig) -> tuple[int, ArrayRecord]:
     """(rounds already done, global arrays): the newest checkpoint on resume, else a fresh seeded model."""
     if settings.resume:
-        found = latest_checkpoint(run_dir)
-        if found is None:
-            raise ConfigError(f"resume=true but {run_dir} has no checkpoint; run once without resume first")
-        log.info("resuming %s from its round-%d checkpoint", run_dir, found[0])
-        return found[0], ArrayRecord(found[1])  # type: ignore[arg-type]
+        done, state = resume_point(run_dir, cfg, settings.to_run_config())
+        log.info("resuming %s from its round-%d checkpoint", run_dir, done)
+        return done, ArrayRecord(state)  # type: ignore[arg-type]
     clear_outputs(run_dir)
+    if settings.init_checkpoints:  # a pretrained start (a folder's first checkpoint, if its clients start apart)
+        from glmc.formats import read
+
+        log.info("initial global model: %s", settings.init_checkpoints[0])
+        return 0, ArrayRecord(cast(read(settings.init_checkpoints[0])[0], torch.float32))  # type: ignore[arg-type]
     seed_everything(settings.seed)
     state = cast(build_model(cfg).state_dict(), torch.float32)
     return 0, ArrayRecord(state)  # type: ignore[arg-type]
@@ -119,7 +122,7 @@ def run_header(settings: RunSettings, num_nodes: int) -> dict[str, Any]:
 
 def output_hooks(settings: RunSettings, run_dir: Path, start_round: int, num_nodes: int) -> list[RoundHooks]:
     """Metrics files (continuing the earlier records on resume), one checkpoint per round, and on request
-    the logit ensemble of the clients."""
+    the logit ensemble of the clients and their models."""
     task = pool(settings).task
     meta = CheckpointMeta(preset=settings.model, config=task.config, seed=settings.seed, dataset=settings.dataset,
                           split=task.split, train=settings.to_run_config(),
@@ -127,6 +130,8 @@ def output_hooks(settings: RunSettings, run_dir: Path, start_round: int, num_nod
     previous = load_records(run_dir, start_round) if settings.resume else []
     hooks: list[RoundHooks] = [MetricsWriter(run_dir, run_header(settings, num_nodes), previous),
                                CheckpointWriter(run_dir, meta)]
+    if settings.save_clients:
+        hooks.append(ClientsWriter(run_dir, meta))
     if settings.ensemble_eval:
         hooks.insert(0, EnsembleEvaluator(task.config, eval_subset(pool(settings).test, settings.eval_limit,
                                                                    settings.seed)))
@@ -154,8 +159,9 @@ def main(grid: Grid, context: Context) -> None:
         align_iters=settings.align_iters, align_workers=settings.align_workers,
         learn=learn, tune=server_tuning(settings, learn), restore_norms=settings.restore_norms,
         repair=settings.repair, refit=settings.refit, narrow_placement=settings.narrow_placement,
-        min_alignment_gain=settings.min_alignment_gain, independent_init=settings.init == "independent",
-        round_offset=done, device=settings.server_device,
+        min_alignment_gain=settings.min_alignment_gain, independent_init=settings.independent_start,
+        robust=settings.robustness, node_wait_timeout=settings.node_wait_timeout, round_offset=done,
+        device=settings.server_device,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
         min_available_nodes=settings.min_available_nodes or settings.min_train_nodes,

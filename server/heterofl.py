@@ -44,7 +44,7 @@ def _canonical_positions(full_state: Mapping[str, torch.Tensor], narrow: ModelCo
                          full: ModelConfig) -> dict[str, torch.Tensor]:
     spec = get_arch(full.family).spec
     return {name: positions(full_state[name].shape, spec[template], narrow, full)
-            for name, (_, template) in expand(spec, full.depth).items()}
+            for name, (_, template) in expand(spec, full.depth).items() if name in full_state}
 
 
 def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, narrow: ModelConfig) -> State:

@@ -5,6 +5,8 @@ Layout of ``outputs/<run>/``::
     metrics.json   {"settings", "split", "model", "records": [RoundRecord...]}
     metrics.csv    one row per round (dropped replies as a count)
     checkpoints/round-NNN.safetensors   the global model after round N (round 0 = the initial model)
+    clients/round-NNN/client-K.safetensors   with save-clients: the K-th valid client model of round N (its example
+                                             count in the metadata's metrics["examples"])
     accuracy.png   central test accuracy of the global model and of the clients' models (mean) per round
 """
 
@@ -14,7 +16,7 @@ import csv
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,10 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from glmc.errors import CheckpointError, ConfigError
 from glmc.merge import ensemble_metrics
 from server.aggregation import Client
+from server.settings import RunSettings
 from server.strategy import RoundHooks, RoundRecord
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,24 @@ class CheckpointWriter(RoundHooks):
 
 
 @dataclass(frozen=True)
+class ClientsWriter(RoundHooks):
+    """Saves every valid client model of each round (``save-clients``), for merging them offline (``glmc merge``)."""
+
+    run_dir: Path
+    meta: CheckpointMeta
+
+    def on_aggregate(self, record: RoundRecord, clients: Sequence[Client]) -> None:
+        folder = self.run_dir / "clients" / f"round-{record.round:03d}"
+        for stale in folder.glob("client-*.safetensors"):
+            stale.unlink()
+        for k, client in enumerate(clients):
+            meta = replace(self.meta, config=scale_width(self.meta.config, client.tier), width_mult=client.tier,
+                           metrics={"round": float(record.round), "examples": client.weight})
+            save_checkpoint(folder / f"client-{k}.safetensors", client.state, meta)
+        log.info("round %d: %d client models written to %s", record.round, len(clients), folder)
+
+
+@dataclass(frozen=True)
 class EnsembleEvaluator(RoundHooks):
     """The logit ensemble of each round's client models on the central test subset: the one-shot reference
     that merging into a single model tries to reach (the one-shot experiment)."""
@@ -110,19 +132,56 @@ def checkpoint_path(run_dir: Path, round_: int) -> Path:
     return run_dir / "checkpoints" / f"round-{round_:03d}.safetensors"
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]] | None:
-    """(round, state) of the newest checkpoint in ``run_dir``, verified by its checksum; None if there is none."""
-    found = sorted((int(m[1]), p) for p in (run_dir / "checkpoints").glob("round-*.safetensors")
-                   if (m := CHECKPOINT.fullmatch(p.name)))
-    if not found:
-        return None
-    round_, path = found[-1]
-    state, _ = load_checkpoint(path)
-    return round_, state
+# What a resumed run may change: how long it runs and waits, how many threads or workers it computes with, and the
+# federated evaluations that train nothing. Any other run-config key would make the resumed rounds another
+# experiment than the checkpoints' own.
+RESUME_MAY_CHANGE = frozenset({"num-server-rounds", "resume", "round-timeout", "node-wait-timeout", "client-threads",
+                               "align-workers", "output-dir", "fraction-evaluate", "ensemble-eval"})
+
+
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(round, path) of every round checkpoint in ``run_dir``, newest first."""
+    return sorted(((int(m[1]), p) for p in (run_dir / "checkpoints").glob("round-*.safetensors")
+                   if (m := CHECKPOINT.fullmatch(p.name))), reverse=True)
+
+
+def resume_point(run_dir: Path, cfg: ModelConfig, run_config: Mapping[str, Any]) -> tuple[int, dict[str, torch.Tensor]]:
+    """(round, state) of the newest checkpoint in ``run_dir`` that is whole (its checksum holds) and fits ``cfg``
+    (architecture and every tensor's shape); a newer one that is not is skipped, with a warning. A ConfigError if none
+    is, or if the one found was written with other run-config values than ``run_config`` (those of
+    RESUME_MAY_CHANGE aside)."""
+    expected = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+    skipped = []
+    for round_, path in checkpoints(run_dir):
+        try:
+            state, meta = load_checkpoint(path)
+        except CheckpointError as err:
+            skipped.append(str(err))
+        else:
+            if meta.config == cfg and {k: tuple(v.shape) for k, v in state.items()} == expected:
+                _require_same_run(path, meta.train, run_config)
+                return round_, state
+            skipped.append(f"{path.name} holds another model ({meta.preset}) than this run's")
+        log.warning("resume: skipping %s", skipped[-1])
+    raise ConfigError(f"resume=true but {run_dir} has no usable checkpoint"
+                      f"{': ' + '; '.join(skipped) if skipped else ''}; run once without resume first")
+
+
+def _require_same_run(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """ConfigError naming the run-config keys whose values differ between the checkpoint and this run (keys a
+    checkpoint predates count as their current defaults)."""
+    defaults = RunSettings().to_run_config()
+    changed = sorted(k for k in set(saved) | set(current) if k not in RESUME_MAY_CHANGE
+                     and saved.get(k, defaults.get(k)) != current.get(k, defaults.get(k)))
+    if changed:
+        shown = ", ".join(f"{k} {saved.get(k, defaults.get(k))!r} → {current.get(k)!r}" for k in changed[:4])
+        raise ConfigError(f"resume: {path.name} was written with other settings ({shown}); resume with its run "
+                          f"config (only {', '.join(sorted(RESUME_MAY_CHANGE - {'resume'}))} may change)")
 
 
 def clear_outputs(run_dir: Path) -> None:
-    """A fresh (not resumed) run starts from an empty run directory: stale checkpoints would mislead a resume."""
+    """A fresh (not resumed) run starts from an empty run directory: stale checkpoints would mislead a resume. Only
+    this run's own files go: ``run_dir`` is output-dir/run-name, and a run name is a plain name, never a path."""
     stale = [*(run_dir / "checkpoints").glob("round-*.safetensors"), run_dir / "metrics.json", run_dir / "metrics.csv"]
     for path in stale:
         path.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,18 +18,27 @@ from typing import Any
 from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
 from glmc.match.learned import WITHIN
+from server.robust import Robustness
 
-AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft")
-DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft")  # need the server-held batch (`server-data`)
-# Aggregations that average HeteroFL width slices without alignment; their clients get slices back.
-SLICED = ("fedavg", "fedavg-ft")
+AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft", "server-only")
+# need the server-held batch (`server-data`)
+DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft", "server-only")
+# The controls for the server-held data: what its samples are worth with no alignment. fedavg-ft trains FedAvg's
+# model on them, server-only the server's own model, ignoring the clients; both with the same budget.
+CONTROLS = ("fedavg-ft", "server-only")
+# Aggregations that read the server-held labels, not only its inputs (activation, refit and repair read inputs only).
+LABEL_AGGREGATIONS = ("learned", *CONTROLS)
+# Aggregations without alignment (HeteroFL width slices, or the server's own model); their clients get slices back.
+SLICED = ("fedavg", *CONTROLS)
 # Aggregations whose alignment min-alignment-gain may set aside for a round (matching only, no refinement).
 GUARDED = ("weight", "activation")
 INITS = ("shared", "independent")
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
+ATTACKS = ("none", "inflate", "scale", "signflip", "replace", "constant")  # client.attacks (a test hook)
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # a run's folder name under output-dir, never a path
 
 
 def places_principal(aggregation: str, narrow_placement: str) -> bool:
@@ -50,15 +60,22 @@ class RunSettings:
     local_steps: int = 0  # cap on optimizer steps per round (0 = whole epochs); keeps smoke runs short
     aggregation: str = "fedavg"
     width_tiers: tuple[float, ...] = (1.0,)  # width multipliers, tier of partition p = tiers[p mod len]
-    init: str = "shared"  # independent: round 1 starts every client from its own seed
+    # independent: round 1 starts every client from its own seed; a path: from that checkpoint (glmc, Hugging Face or
+    # timm; its config replaces the model preset's), or from checkpoint p mod n of a folder of n for partition p
+    init: str = "shared"
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0  # federated evaluation on each client's held-out 10%
     min_train_nodes: int = 2  # fewer valid replies than this keep the global model for the round
     min_available_nodes: int = 0  # connected nodes a round waits for before it samples (0 = min-train-nodes)
-    round_timeout: float = 3600.0  # seconds to wait for a round's replies; late or missing nodes count as failed
+    # seconds to wait for a round's replies; late or missing nodes count as failed. The slowest published round took
+    # 625 s under load (oneshot: many local epochs and the logit ensemble); 20 minutes leaves twice that
+    round_timeout: float = 1200.0
+    # seconds a round waits for min-available-nodes (at least min-train-nodes) to connect before it is skipped, with
+    # the global model kept and the reason recorded; flwr's own wait has no deadline
+    node_wait_timeout: float = 600.0
     seed: int = 0
     output_dir: str = "outputs"
-    run_name: str = ""  # outputs/<run-name>/; empty = "run-<flwr run id>"
+    run_name: str = ""  # outputs/<run-name>/; empty = "run-<flwr run id>"; a plain name (letters, digits, . - _)
     resume: bool = False  # continue outputs/<run-name>/ from its last checkpoint
     batch_size: int = 0  # 0 = the dataset's measured default
     lr: float = 0.0  # 0 = the dataset's measured default
@@ -92,18 +109,36 @@ class RunSettings:
     # gained 0.6–2% there), and matching their noise cost FedAvg points under drift (simulations/results/drift-seeds);
     # independently initialised clients gain 13–15% (simulations/results/oneshot)
     min_alignment_gain: float = 0.05
+    # Robust aggregation (server.robust), on every aggregation, where the clients are averaged (after alignment).
+    # The defaults sit above every honest round measured (simulations/results/attacks): there they change nothing.
+    # a node's num-examples is capped at this multiple of the round's lower median (0 = off); the published splits
+    # reach 3.84 (drift, Dirichlet 0.1, seed 0)
+    max_examples_ratio: float = 5.0
+    max_examples: int = 0  # a declared per-node budget of num-examples, the cap of every node (0 = none)
+    # a client farther from the global model than this multiple of the lower median client's distance is pulled back
+    # to it along its update, before and after matching (0 = off)
+    clip_ratio: float = 5.0
+    # fedavg (the weighted mean) | fedmedian | fedtrimmedavg: Flower's FedMedian and FedTrimmedAvg, unweighted, of the
+    # aligned clients; equal widths only
+    robust_average: str = "fedavg"
+    trim_beta: float = 0.2  # fedtrimmedavg: the fraction cut from each end of every coordinate (Flower's beta)
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
+    # write each round's valid client models to <run>/clients/round-NNN/client-K.safetensors (offline merging)
+    save_clients: bool = False
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
     # where clients train and evaluate: auto (the GPU the node sees, if any), cpu, cuda, cuda:N; a node's own
     # node-config key `device` overrides it. In simulation a client sees a GPU only with client-resources-num-gpus > 0
     client_device: str = "auto"
     server_device: str = "auto"  # where the server aligns, merges and evaluates (same names)
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
+    attack: str = "none"  # TEST HOOK: the attack-partition's well-formed hostile reply (client.attacks.ATTACKS)
+    attack_partition: int = -1  # TEST HOOK: the partition that attacks (-1 = none)
 
     def __post_init__(self) -> None:
         _require(self.aggregation in AGGREGATIONS,
                  f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        _require(self.init in INITS, f"init must be one of {INITS}, got {self.init!r}")
+        _require(self.init in INITS or Path(self.init).exists(),
+                 f"init must be one of {INITS} or a checkpoint path, got {self.init!r} (no such file or folder)")
         splits = LABEL_SPLITS + NATURAL_SPLITS
         _require(self.partitioner in splits, f"partitioner must be one of {splits}, got {self.partitioner!r}")
         _require(bool(self.width_tiers) and all(0 < t <= 1 for t in self.width_tiers),
@@ -121,7 +156,11 @@ class RunSettings:
             ("finite and ≥ 0 (0: the dataset's default)", lambda v: math.isfinite(v) and v >= 0, {"lr": self.lr}),
             ("≥ 1", lambda v: v >= 1, {"classes-per-client": self.classes_per_client}),
             ("≥ 0", lambda v: v >= 0, {"seed": self.seed})])
-        _require(self.round_timeout > 0, f"round-timeout must be positive, got {self.round_timeout}")
+        _require(self.round_timeout > 0 and self.node_wait_timeout > 0,
+                 f"round-timeout and node-wait-timeout must be positive, got {self.round_timeout} and "
+                 f"{self.node_wait_timeout}")
+        _require(not self.run_name or (PLAIN_NAME.fullmatch(self.run_name) is not None and ".." not in self.run_name),
+                 f"run-name must be a plain name (letters, digits, '.', '-', '_'; not a path), got {self.run_name!r}")
         for key, value in (("client-device", self.client_device), ("server-device", self.server_device)):
             try:
                 check_name(value)
@@ -135,21 +174,32 @@ class RunSettings:
         _require(min(self.min_train_nodes, self.align_iters, self.align_workers, self.client_threads) >= 1,
                  "min-train-nodes, align-iters, align-workers and client-threads must be >= 1")
         _require(not (self.restore_norms and self.aggregation in SLICED),
-                 f"restore-norms rescales aligned merges; aggregation {self.aggregation!r} averages width slices")
+                 f"restore-norms rescales aligned merges; aggregation {self.aggregation!r} does not align")
         _require(not (self.repair and self.aggregation in SLICED),
-                 f"repair resets aligned merges; aggregation {self.aggregation!r} averages width slices")
+                 f"repair resets aligned merges; aggregation {self.aggregation!r} does not align")
         _require(not self.repair or self.server_data > 0, "repair measures statistics on server-held data: set "
                  "server-data > 0")
         _require(not (self.refit and self.aggregation in SLICED),
-                 f"refit fits aligned merges; aggregation {self.aggregation!r} averages width slices")
+                 f"refit fits aligned merges; aggregation {self.aggregation!r} does not align")
         _require(not self.refit or self.server_data > 0, "refit fits the layers on server-held data: set "
                  "server-data > 0")
         _require(self.narrow_placement in NARROW_PLACEMENTS,
                  f"narrow-placement must be one of {NARROW_PLACEMENTS}, got {self.narrow_placement!r}")
         _require(0 <= self.min_alignment_gain < 1, f"min-alignment-gain must be in [0, 1), got "
                  f"{self.min_alignment_gain}")
+        _require(self.attack in ATTACKS, f"attack must be one of {ATTACKS}, got {self.attack!r}")
+        _require(self.robust_average == "fedavg" or len(set(self.width_tiers)) == 1,
+                 f"robust-average {self.robust_average!r} takes coordinates of equal-width clients; width-tiers "
+                 f"{self.width_tiers} mixes widths")
+        self.robustness  # noqa: B018  (checks the robust-aggregation keys)
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
+
+    @property
+    def robustness(self) -> Robustness:
+        """The robust-aggregation settings (:class:`server.robust.Robustness`)."""
+        return Robustness(max_examples_ratio=self.max_examples_ratio, max_examples=self.max_examples,
+                          clip_ratio=self.clip_ratio, average=self.robust_average, trim_beta=self.trim_beta)
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, Any]) -> RunSettings:
@@ -164,6 +214,24 @@ class RunSettings:
         out = {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
         out["width-tiers"] = ",".join(f"{t:g}" for t in self.width_tiers)
         return out
+
+    def server_data_read(self) -> str:
+        """What the aggregation reads of the server-held data: "labels" (and inputs), "inputs" only, or "none"."""
+        if self.aggregation in LABEL_AGGREGATIONS:
+            return "labels"
+        return "inputs" if self.aggregation in DATA_AGGREGATIONS or self.refit or self.repair else "none"
+
+    @property
+    def init_checkpoints(self) -> list[Path]:
+        """The checkpoints ``init`` names: none for shared and independent starts, one, or a folder's."""
+        from glmc.formats import checkpoint_paths
+
+        return [] if self.init in INITS else checkpoint_paths(self.init)
+
+    @property
+    def independent_start(self) -> bool:
+        """Whether round 1's clients start from unrelated models: their own seeds, or a folder of checkpoints."""
+        return self.init == "independent" or len(self.init_checkpoints) > 1
 
     def tier_of(self, partition_id: int) -> float:
         """The width tier of a partition when its node config does not name one."""

@@ -1,11 +1,13 @@
 """SymmetryAwareFedAvg: FedAvg whose averaging step first aligns the clients' Transformers.
 
 ``aggregation="fedavg"`` runs flwr's own ``FedAvg.aggregate_train`` on the valid replies, so it is
-FedAvg exactly. ``weight``, ``activation``, ``learned``, ``canonical`` and ``fedavg-ft`` hand the decoded
-client states to :func:`server.aggregation.merge`. Every reply is validated first (:mod:`server.validation`); a bad
-one is dropped with a one-line reason, and with fewer than ``min_train_nodes`` valid replies the
-global model is kept for the round; so it is when the merge itself fails (a ``GlmcError``, logged and
-kept in the round's ``failure``).
+FedAvg exactly. ``weight``, ``activation``, ``learned``, ``canonical``, ``fedavg-ft`` and ``server-only`` hand the
+decoded client states to :func:`server.aggregation.merge`. Every reply is validated first
+(:mod:`server.validation`); a bad one is dropped with a one-line reason, and with fewer than ``min_train_nodes``
+valid replies the global model is kept for the round; so it is when the merge itself raises (any exception, logged
+and kept in the round's ``failure``) and when the merged model is not finite and bounded (:func:`check_model`).
+Evaluate replies are validated the same way. A node's width tier is the server's: the first valid reply
+of a node fixes it, and a later reply of another tier is dropped.
 
 The round loop stays flwr's ``Strategy.start``; this class only wraps its ``evaluate_fn`` so that,
 after the central evaluation of each round, the named hooks ``on_round_end(record, arrays)`` run
@@ -26,7 +28,6 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State
@@ -46,10 +47,13 @@ from server.aggregation import (
     universe_states,
 )
 from server.guard import guard_note
+from server.robust import Clipping, Robustness, cap_examples, clip, combine, unclipped
 from server.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
-from server.validation import ReplySchema, split_replies
+from server.validation import ReplySchema, check_evaluate_reply, check_model, split_replies
 
 log = logging.getLogger(__name__)
+
+NODE_POLL_SECONDS = 1.0  # how often a round that waits for nodes counts them (flwr's own wait polls once a second)
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
@@ -62,8 +66,9 @@ class RoundRecord:
     replies: int = 0
     valid: int = 0
     dropped: list[str] = field(default_factory=list)  # "node N: reason"
+    evaluate_dropped: list[str] = field(default_factory=list)  # federated evaluation replies dropped, "node N: reason"
     aggregated: bool = False
-    failure: str | None = None  # why the valid replies could not be merged (the global model was kept)
+    failure: str | None = None  # why the valid replies could not be merged, or the merge was rejected (model kept)
     central_loss: float | None = None
     central_accuracy: float | None = None
     mean_client_accuracy: float | None = None  # each client's trained model on the central test subset
@@ -76,6 +81,10 @@ class RoundRecord:
     distance_before: float | None = None  # mean pairwise client distance, canonical form
     distance_after: float | None = None
     unaligned: bool = False  # min-alignment-gain set this round's alignment aside: the clients were averaged (FedAvg)
+    capped: int = 0  # replies whose num-examples the cap lowered (server.robust)
+    clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (server.robust.screen)
+    clipped: int = 0  # clients clipped around the global model where they are averaged (after matching)
+    spread: float | None = None  # the farthest client's distance from the global model over the lower median's
     server_peak_gpu_mb: float = 0.0  # peak GPU memory of the server's aggregation and evaluation (0 on a CPU)
     client_peak_gpu_mb: float = 0.0  # the largest peak GPU memory a valid client reported
 
@@ -104,6 +113,7 @@ class SymmetryAwareFedAvg(FedAvg):
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
                  repair: bool = False, refit: bool = False, narrow_placement: str = RunSettings.narrow_placement,
                  min_alignment_gain: float = RunSettings.min_alignment_gain, independent_init: bool = False,
+                 robust: Robustness | None = None, node_wait_timeout: float = RunSettings.node_wait_timeout,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), device: str = "cpu",
                  **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
@@ -131,6 +141,8 @@ class SymmetryAwareFedAvg(FedAvg):
         self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
         self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
+        self.robust = robust or RunSettings().robustness  # caps, clipping and the robust average (server.robust)
+        self.node_wait_timeout = node_wait_timeout  # seconds a round waits for enough nodes before it is skipped
         self.device = resolve(device)  # where the server aligns and merges (server-device)
         self.round_offset = round_offset
         self.hooks = list(hooks)
@@ -151,15 +163,28 @@ class SymmetryAwareFedAvg(FedAvg):
         """FedAvg's sampling, with the global round number and a fresh round record."""
         self._round_start = time.perf_counter()
         self.current = RoundRecord(server_round + self.round_offset)
-        self.await_nodes(grid)
+        self.instructions = []
+        if not self.await_nodes(grid, max(self.min_available_nodes, self.min_train_nodes)):
+            return []
         messages = list(super().configure_train(server_round + self.round_offset, arrays, config, grid))
         self.instructions = self.restrict_to_widths(messages, arrays)
         return self.instructions
 
-    def await_nodes(self, grid: Grid) -> None:
-        """Wait until ``min_available_nodes`` are connected. FedAvg sizes its sample from the nodes connected
-        *before* it waits, so a node that joins during the wait would otherwise be left out of the round."""
-        sample_nodes(grid, self.min_available_nodes, 0)
+    def await_nodes(self, grid: Grid, needed: int) -> bool:
+        """Wait until ``needed`` nodes are connected, at most ``node_wait_timeout`` seconds; False (the round is
+        skipped, the reason recorded) if they never are. FedAvg sizes its sample from the nodes connected *before*
+        it waits, so a node that joins during the wait would otherwise be left out of the round; and flwr's own
+        wait has no deadline."""
+        deadline = time.monotonic() + self.node_wait_timeout
+        while (connected := len(list(grid.get_node_ids()))) < needed:
+            if time.monotonic() >= deadline:
+                self.current.failure = (f"only {connected} of the {needed} nodes the round needs connected within "
+                                        f"{self.node_wait_timeout:g} s; round skipped")
+                log.error("round %d: %s", self.current.round, self.current.failure)
+                return False
+            log.info("waiting for nodes: %d connected, %d needed", connected, needed)
+            time.sleep(NODE_POLL_SECONDS)
+        return True
 
     def restrict_to_widths(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """Give every node whose width tier is known (from its last reply) the global model at its own width.
@@ -199,16 +224,19 @@ class SymmetryAwareFedAvg(FedAvg):
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """FedAvg's sampling for federated evaluation, each node getting the global model at its own width."""
-        self.await_nodes(grid)
+        needed = max(self.min_available_nodes, self.min_evaluate_nodes)
+        if self.fraction_evaluate == 0 or not self.await_nodes(grid, needed):
+            return []
         messages = list(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid))
         return self.restrict_to_widths(messages, arrays)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, then merge the valid replies; None (keep the global model) if too few are valid."""
+        """Validate, then merge the valid replies; None (keep the global model) if too few are valid, if the merge
+        raises anything at all, or if the merged model is not finite and bounded (the reason goes in the record)."""
         replies = list(replies)
         addressees = {m.metadata.message_id: m.metadata.dst_node_id for m in self.instructions}
-        valid, dropped = split_replies(replies, self.schema, addressees)
+        valid, dropped = split_replies(replies, self.schema, addressees, self.node_tiers)
         record = self.current
         record.replies, record.valid = len(replies), len(valid)
         record.dropped = [f"node {node}: {reason}" for node, reason in dropped]
@@ -218,16 +246,25 @@ class SymmetryAwareFedAvg(FedAvg):
             log.warning("round %d: %d valid replies < min-train-nodes %d; keeping the global model",
                         record.round, len(valid), self.min_train_nodes)
             return None, None
+        try:
+            return self._merge_valid(record, valid)
+        except Exception as err:  # whatever the replies make the merge do, the run goes on with the global model
+            record.failure = f"{type(err).__name__}: {err}".splitlines()[0]
+            log.error("round %d: aggregation failed, keeping the global model: %s", record.round, record.failure)
+            return None, None
+
+    def _merge_valid(self, record: RoundRecord,
+                     valid: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode, merge and check the valid replies; run the hooks; the new global model, if any."""
         start = time.perf_counter()
         reset_peak_memory(self.device)
-        clients = [self._decode(msg) for msg in valid]
-        try:
-            with released(self.device):
-                arrays, metrics = self._aggregate(record, valid, clients)
-        except GlmcError as err:  # e.g. a merge the valid replies cannot make: the global model stays
-            log.error("round %d: aggregation failed, keeping the global model: %s", record.round, err)
-            record.failure = str(err)
-            return None, None
+        clients = self._capped([self._decode(msg) for msg in valid])
+        record.capped = sum(c.weight < float(_metrics(m)[protocol.WEIGHT_KEY])  # type: ignore[arg-type]
+                            for c, m in zip(clients, valid, strict=True))
+        with released(self.device):
+            arrays, metrics = self._aggregate(record, valid, clients)
+        if arrays is not None and (problem := check_model(arrays)) is not None:
+            raise GlmcError(f"the merged model is rejected: {problem}")
         record.aggregate_seconds = time.perf_counter() - start
         record.aggregated = arrays is not None
         self._record_client_metrics(record, valid, metrics)
@@ -236,6 +273,19 @@ class SymmetryAwareFedAvg(FedAvg):
         if arrays is not None:
             self.global_arrays = arrays
         return arrays, metrics
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """FedAvg's weighted metrics over the evaluate replies that pass :func:`check_evaluate_reply`; the others
+        are dropped with a reason in the round's ``evaluate_dropped``."""
+        valid, record = [], self.current
+        for msg in replies:
+            reason = check_evaluate_reply(msg)
+            if reason is None:
+                valid.append(msg)
+            else:
+                record.evaluate_dropped.append(f"node {msg.metadata.src_node_id}: {reason}")
+                log.warning("round %d: dropped evaluate reply from %s", record.round, record.evaluate_dropped[-1])
+        return super().aggregate_evaluate(server_round, valid) if valid else None
 
     def _decode(self, msg: Message) -> Client:
         """A valid reply as a client model; remembers the node's width tier for the downlink."""
@@ -249,34 +299,59 @@ class SymmetryAwareFedAvg(FedAvg):
         placement = self._placement(node, tier) if self.principal else None
         return Client(_state(msg), float(metrics[protocol.WEIGHT_KEY]), tier, placement)  # type: ignore[arg-type]
 
+    def _capped(self, clients: list[Client]) -> list[Client]:
+        """The clients with their num-examples capped (:func:`server.robust.cap_examples`)."""
+        weights = cap_examples([c.weight for c in clients], self.robust)
+        return [c if c.weight == w else dataclasses.replace(c, weight=w)
+                for c, w in zip(clients, weights, strict=True)]
+
     def _aggregate(self, record: RoundRecord, valid: list[Message],
                    clients: list[Client]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The one aggregation step: flwr's FedAvg for fedavg at equal widths and for a round that
+        """The one aggregation step: FedAvg (:meth:`_fedavg`) for fedavg at equal widths and for a round that
         min-alignment-gain sets aside, else :func:`merge`."""
         if self.aggregation == "fedavg" and all(c.tier == 1.0 for c in clients):
             states, configs = universe_states(clients, self.model_config)
             record.distance_before = record.distance_after = embedded_distance(states, configs, self.model_config)
-            return super().aggregate_train(record.round, valid)
+            return self._fedavg(record, valid, clients)
         result = self._merge(record.round, clients)
         record.align_seconds = result.align_seconds
         record.distance_before, record.distance_after = result.distance_before, result.distance_after
         record.unaligned = result.unaligned
+        record.clipped_before = result.clipped_before
         for msg, placement in zip(valid, result.placements, strict=True):
             self.placements[msg.metadata.src_node_id] = placement
         if result.state is None:  # set aside: flwr's float32 FedAvg, so the fedavg run's bits exactly
-            return super().aggregate_train(record.round, valid)
+            return self._fedavg(record, valid, clients)
+        if result.clipping is not None:
+            _record_clipping(record, result.clipping)
         metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
         return ArrayRecord(result.state), metrics  # type: ignore[arg-type]
 
+    def _fedavg(self, record: RoundRecord, valid: list[Message],
+                clients: list[Client]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """flwr's own FedAvg of the replies, bit for bit, unless a defence acts (a weight capped, a client
+        clipped around the global model, or a robust average): then the robust average of the clients."""
+        states = [c.state for c in clients]
+        anchor = self.global_arrays.to_torch_state_dict() if self.global_arrays is not None else None
+        clipping = clip(states, [anchor] * len(states), self.robust.clip_ratio) \
+            if anchor is not None else unclipped(states)
+        _record_clipping(record, clipping)
+        if not (record.capped or clipping.clipped) and self.robust.weighted_mean:
+            return super().aggregate_train(record.round, valid)
+        merged = combine(clipping.states, [c.weight for c in clients], self.robust)
+        metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
+        return ArrayRecord(merged), metrics  # type: ignore[arg-type]
+
     def _merge(self, global_round: int, clients: list[Client]) -> MergeResult:
-        # With independent inits the round-1 global model is an unrelated random net: no anchor then.
-        fresh = self.independent_init and global_round == 1 and self.aggregation != "fedavg"
+        # With independent inits the round-1 global model is an unrelated random net: no anchor then (server-only
+        # trains it: from scratch).
+        fresh = self.independent_init and global_round == 1 and self.aggregation not in ("fedavg", "server-only")
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
         tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
                      iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
                      restore=self.restore_norms, repair=self.repair, refit=self.refit,
-                     min_gain=self.min_alignment_gain, device=str(self.device))
+                     min_gain=self.min_alignment_gain, robust=self.robust, device=str(self.device))
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(
@@ -318,6 +393,13 @@ class SymmetryAwareFedAvg(FedAvg):
         for hook in self.hooks:
             hook.on_round_end(record, arrays)
         return record
+
+
+def _record_clipping(record: RoundRecord, clipping: Clipping) -> None:
+    record.clipped, record.spread = clipping.clipped, clipping.spread
+    if clipping.clipped:
+        log.warning("round %d: %d clients clipped to the bound around the global model", record.round,
+                    clipping.clipped)
 
 
 def _metrics(msg: Message) -> MetricRecord:

@@ -5,10 +5,12 @@
 Every cell is a real `flwr run . --stream` (:mod:`simulations.engine`) of the apps in ``client/`` and
 ``server/``, sharing one local SuperLink. It writes ``outputs/NAME/``: ``runs/<cell>/`` (each run's own
 metrics, checkpoints and plot), ``cells/<cell>.json`` (a finished cell is not run again unless ``--force``),
-``results.json``, ``summary.md`` (mean ± s.e. over seeds, and the paired difference to fedavg) and one
-accuracy-against-round plot per split and width mix, one curve per aggregation. ``--publish`` copies the
-summary, JSON and plots to ``simulations/results/NAME/``; ``--from-results`` summarises the rows of an earlier
-results.json again, running nothing; ``--reuse`` takes its finished cells and runs the rest of the grid.
+``results.json``, ``summary.md`` (mean ± s.e. over seeds, the paired difference to fedavg and to the strongest
+control for the server-held data, and what each row reads of that data) and one accuracy-against-round plot per
+split and width mix, one curve per aggregation. ``--publish`` copies the summary, JSON and plots to
+``simulations/results/NAME/``; ``--from-results`` summarises the rows of an earlier results.json again, running
+nothing (cells the grid gained since are listed as not run yet); ``--reuse`` takes its finished cells and runs the
+rest of the grid.
 
 Config: ``[experiment]`` (name, num-supernodes, seeds, aggregations), ``[run]`` (run-config keys shared by
 every cell) and ``[[splits]]`` / ``[[widths]]`` tables, each a ``label`` plus the run-config keys it sets. An
@@ -34,7 +36,7 @@ import torch
 
 from glmc.errors import ConfigError
 from server.plots import plot_curves
-from server.settings import RunSettings
+from server.settings import CONTROLS, RunSettings
 from simulations.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
 from simulations.tomlfile import read_toml
 
@@ -113,6 +115,22 @@ def _variant(entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return entry["label"], _keys(entry)
 
 
+def server_data_read(exp: Experiment, label: str) -> str:
+    """What aggregation ``label`` reads of the server-held data: "none", "inputs" or "labels" (and inputs); "unknown"
+    where its keys do not parse: an Experiment rebuilt from results.json rows alone, a variant's label standing for
+    its aggregation (such a results.json says it in ``server_data_read``)."""
+    keys = {**exp.run, **_keys(exp.splits[0]), **_keys(exp.widths[0]), **exp.variants[label]}
+    try:
+        return RunSettings.from_run_config(keys).server_data_read()
+    except ConfigError:
+        return "unknown"
+
+
+def controls(exp: Experiment) -> list[str]:
+    """The labels of the grid's controls for the server-held data (fedavg-ft, server-only and their variants)."""
+    return [label for label, keys in exp.variants.items() if keys["aggregation"] in CONTROLS]
+
+
 def grid(exp: Experiment) -> list[Cell]:
     """Seed by seed: each seed runs every aggregation before the next starts, so a grid stopped part-way (its
     finished cells are kept) already holds paired comparisons."""
@@ -127,9 +145,20 @@ def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str], gpus_p
     result = run_simulation(config, exp.num_supernodes, gpus_per_client=gpus_per_client, env=env)
     metrics_path = out / "runs" / cell.name / "metrics.json"
     records = json.loads(metrics_path.read_text())["records"] if result.ok and metrics_path.is_file() else []
+    status, details = rounds_status(result.status, result.details, records)
     return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
-            "widths": cell.widths["label"], "seed": cell.seed, "status": result.status, "details": result.details,
+            "widths": cell.widths["label"], "seed": cell.seed, "status": status, "details": details,
             "seconds": round(result.seconds, 1), "load": [round(x, 2) for x in os.getloadavg()], "records": records}
+
+
+def rounds_status(status: str, details: str, records: Sequence[dict[str, Any]]) -> tuple[str, str]:
+    """A run that finished with a trained round that kept the global model (too few valid replies: e.g. clients
+    killed for memory) is not the grid's experiment: ``failed:not-aggregated``, so it is not saved and runs again."""
+    kept = [r for r in records if r["round"] > 0 and not r["aggregated"]]
+    if not kept:
+        return status, details
+    why = (kept[0]["dropped"] or [kept[0].get("failure") or "too few replies"])[0]
+    return "failed:not-aggregated", f"rounds {[r['round'] for r in kept]} kept the global model: {why[:300]}"
 
 
 def pending(cell: Cell) -> dict[str, Any]:
@@ -165,21 +194,26 @@ def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True,
     return rows
 
 
-def saved_rows(exp: Experiment, path: Path, whole: bool = True) -> list[dict[str, Any]]:
-    """The rows of an earlier ``results.json`` of this experiment (with ``whole``, exactly the grid's cells; else
-    only cells of the grid); a file of another experiment, grid or [run] config is a one-line ConfigError."""
+def saved_rows(exp: Experiment, path: Path) -> list[dict[str, Any]]:
+    """The rows of an earlier ``results.json`` of this experiment (cells of this grid, maybe not all of them); a file
+    of another experiment, of cells outside this grid or of another [run] config is a one-line ConfigError."""
     try:
         saved = json.loads(path.read_text())
         name, config, rows = saved["experiment"], saved["config"], saved["rows"]
-        cells = sorted(r["cell"] for r in rows)
+        cells = {r["cell"] for r in rows}
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"cannot read the rows of {path}: {err!r}") from err
-    names = sorted(c.name for c in grid(exp))
-    if name != exp.name or (cells != names if whole else not set(cells) <= set(names)):
+    if name != exp.name or not cells <= {c.name for c in grid(exp)}:
         raise ConfigError(f"{path} holds experiment {name!r} with other cells than the {exp.name!r} grid")
     if config != exp.run:
         raise ConfigError(f"{path} ran with another [run] config than {exp.name!r} has now")
     return list(rows)
+
+
+def whole_grid(exp: Experiment, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` in grid order, a pending row for every cell they lack (one the grid gained after they ran)."""
+    by_cell = {r["cell"]: r for r in rows}
+    return [by_cell.get(cell.name) or pending(cell) for cell in grid(exp)]
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
@@ -209,7 +243,7 @@ def round_mean(row: dict[str, Any], last: int | None = None) -> float | None:
 
 def paired(ok: list[dict[str, Any]], base: list[dict[str, Any]], metric: Callable[[dict[str, Any]], float | None],
            ) -> list[float]:
-    """``metric`` of each finished run minus that of the fedavg run of its seed."""
+    """``metric`` of each finished run minus that of the ``base`` run of its seed."""
     by_seed = {r["seed"]: metric(r) for r in base}
     return [a - b for r in ok if (a := metric(r)) is not None and (b := by_seed.get(r["seed"])) is not None]
 
@@ -241,6 +275,17 @@ def unaligned_share(row: dict[str, Any]) -> float | None:
     return sum(bool(r.get("unaligned")) for r in rounds) / len(rounds) if rounds else None
 
 
+def defences(row: dict[str, Any]) -> str:
+    """What the robust defences did over the trained rounds: rounds that capped a num-examples or clipped a client
+    (after matching; before it in brackets), rounds kept for a failure, and the largest spread (the farthest client's
+    distance from the global model over the lower median's), which the clip-ratio must clear."""
+    rounds = trained(row)
+    spreads = [r["spread"] for r in rounds if r.get("spread") is not None]
+    return (f"{sum(r.get('capped', 0) > 0 for r in rounds)}, {sum(r.get('clipped', 0) > 0 for r in rounds)} "
+            f"({sum(r.get('clipped_before', 0) > 0 for r in rounds)}), {sum(bool(r.get('failure')) for r in rounds)}; "
+            f"{max(spreads):.2f}" if spreads else "–")
+
+
 def _fmt(values: Sequence[float | None], scale: float = 100.0, digits: int = 1) -> str:
     kept = [v * scale for v in values if v is not None]
     if not kept:
@@ -258,25 +303,65 @@ def select(rows: list[dict[str, Any]], split: str, widths: str, aggregation: str
     return [r for r in rows if (r["split"], r["widths"], r["aggregation"]) == (split, widths, aggregation)]
 
 
-def summary_rows(rows: list[dict[str, Any]], exp: Experiment) -> list[dict[str, str]]:
-    """One table row per (split, widths, aggregation): accuracies in %, mean ± s.e. over seeds."""
+# How the summary names what a row reads of the server-held data.
+READS = {"none": "no", "inputs": "inputs", "labels": "inputs + labels", "unknown": "–"}
+
+
+def finished(rows: list[dict[str, Any]], split: str, widths: str, aggregation: str) -> list[dict[str, Any]]:
+    return [r for r in select(rows, split, widths, aggregation) if r["status"] == "finished:completed"]
+
+
+def strongest_control(rows: list[dict[str, Any]], exp: Experiment, split: str, widths: str) -> str | None:
+    """The control of highest mean final accuracy in this group (None: no control finished a run)."""
+    scores = {label: statistics.fmean(accs) for label in controls(exp)
+              if (accs := [a for r in finished(rows, split, widths, label)
+                           if (a := final(r, "central_accuracy")) is not None])}
+    return max(scores, key=scores.__getitem__) if scores else None
+
+
+def control_delta(rows: list[dict[str, Any]], exp: Experiment, split: str, widths: str) -> Callable[[str], str]:
+    """agg → its paired final-accuracy Δ against the group's strongest control, naming that control."""
+    best = strongest_control(rows, exp, split, widths)
+    base = finished(rows, split, widths, best) if best else []
+
+    def delta(agg: str) -> str:
+        if best is None or agg == best:
+            return "–"
+        text = _fmt(paired(finished(rows, split, widths, agg), base, lambda r: final(r, "central_accuracy")))
+        return text if text == "–" else f"{text} (vs {best})"
+
+    return delta
+
+
+def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
+                 reads: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """One table row per (split, widths, aggregation): accuracies in %, mean ± s.e. over seeds; what the row reads
+    of the server-held data (``reads``: label → a ``server_data_read`` value, default: from ``exp``); with controls
+    in the grid, its Δ against the strongest of them."""
+    reads = reads or {label: server_data_read(exp, label) for label in exp.aggregations}
     table = []
     guarded = any(r.get("unaligned") for row in rows for r in row["records"])
+    defended = any("spread" in r for row in rows for r in row["records"])
     for split, widths in groups(exp):
-        base = [r for r in select(rows, split, widths, "fedavg") if r["status"] == "finished:completed"]
+        base = finished(rows, split, widths, "fedavg")
+        against_control = control_delta(rows, exp, split, widths)
         for agg in exp.aggregations:
             cell = select(rows, split, widths, agg)
             ok = [r for r in cell if r["status"] == "finished:completed"]
             deltas = {name: "–" if agg == "fedavg" else _fmt(paired(ok, base, metric)) for name, metric in DELTAS}
             table.append({
-                "split": split, "widths": widths, "aggregation": agg, "runs": f"{len(ok)}/{len(cell)}",
+                "split": split, "widths": widths, "aggregation": agg,
+                "server data read": READS[reads.get(agg, "unknown")], "runs": f"{len(ok)}/{len(cell)}",
                 "accuracy %": _fmt([final(r, "central_accuracy") for r in ok]), **deltas,
+                **({"Δ vs strongest control (pts)": against_control(agg)} if controls(exp) else {}),
                 "clients % (mean)": _fmt([final(r, "mean_client_accuracy") for r in ok]),
                 "ensemble %": _fmt([final(r, "ensemble_accuracy") for r in ok]),
                 "align / round time %": _fmt([align_share(r) for r in ok]),
                 "distance before → after": f"{_fmt([final(r, 'distance_before') for r in ok], 1, 2)} → "
                                            f"{_fmt([final(r, 'distance_after') for r in ok], 1, 2)}",
                 **({SET_ASIDE: _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
+                **({"rounds capped, clipped (before matching), failed; max spread": " / ".join(
+                    defences(r) for r in ok)} if defended else {}),
             })
     return table
 
@@ -324,7 +409,9 @@ def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config
     """results.json, summary.md and the plots; returns the table and the plot paths."""
     summary = summary_rows(rows, exp)
     table = markdown(summary)
-    (out / "results.json").write_text(json.dumps({"experiment": exp.name, "config": exp.run, "rows": rows}, indent=1))
+    reads = {label: server_data_read(exp, label) for label in exp.aggregations}
+    (out / "results.json").write_text(json.dumps({"experiment": exp.name, "config": exp.run, "rows": rows,
+                                                  "server_data_read": reads, "controls": controls(exp)}, indent=1))
     plots = plot_groups(rows, exp, out)
     settings = ", ".join(f"{k}={v}" for k, v in exp.run.items())
     waiting = [r["cell"] for r in rows if r["status"] == "pending"]
@@ -334,11 +421,19 @@ def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config
             f"{exp.num_supernodes} clients, seeds {list(exp.seeds)}; {settings}.\n"
             "Accuracy: the global model on the central test set after the last round, mean ± s.e. over seeds; "
             "Δ: paired by seed, of that accuracy, of its mean over the last 3 rounds, and of its mean over all "
-            "trained rounds (which also rewards getting there sooner).\n"
+            "trained rounds (which also rewards getting there sooner). Server data read: what the aggregation reads "
+            "of the samples the server holds back from every client (no / their inputs only / inputs + labels)."
+            f"{CONTROL_NOTE if controls(exp) else ''}\n"
             + (SET_ASIDE_NOTE if SET_ASIDE in summary[0] else "") + "\n"
             + table + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n")
     (out / "summary.md").write_text(text)
     return table, plots
+
+
+CONTROL_NOTE = (" Δ vs strongest control: paired by seed, against the better (by mean accuracy) of the grid's "
+                "controls for the server-held data, which read its labels: fedavg-ft (FedAvg, then its model trained "
+                "on those samples) and server-only (a model trained on them alone, from scratch, ignoring the "
+                "clients), each with the same server-side budget as learned alignment's refinement.")
 
 
 def publish(out: Path, name: str) -> Path:
@@ -361,7 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="run nothing: summarise the cells already finished (e.g. while the grid runs)")
     mode.add_argument("--from-results", type=Path, metavar="JSON",
                       help="run nothing: summarise the rows of an earlier results.json of this experiment again "
-                           "(e.g. simulations/results/NAME/results.json after the table gains a column)")
+                           "(e.g. simulations/results/NAME/results.json after the table gains a column; cells the "
+                           "grid gained since are listed as not run yet)")
     mode.add_argument("--reuse", type=Path, metavar="JSON",
                       help="take the finished cells of an earlier results.json of this experiment and run only the "
                            "others (e.g. simulations/results/NAME/results.json after the grid gains an aggregation)")
@@ -377,8 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.client_gpus and not torch.cuda.is_available():  # Ray would wait for a GPU forever
             raise ConfigError("--client-gpus asks for GPUs, but torch sees no CUDA GPU on this machine")
         exp = Experiment.load(args.config)
-        rows = saved_rows(exp, args.from_results) if args.from_results else None
-        reused = saved_rows(exp, args.reuse, whole=False) if args.reuse else []
+        rows = whole_grid(exp, saved_rows(exp, args.from_results)) if args.from_results else None
+        reused = saved_rows(exp, args.reuse) if args.reuse else []
     except ConfigError as err:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2

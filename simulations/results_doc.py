@@ -14,13 +14,14 @@ from simulations.engine import PROJECT
 
 RESULTS = PROJECT / "simulations" / "results"
 # The columns of a comparison's summary kept here (summary.md has them all).
-COMPARE_COLUMNS = ("split", "widths", "aggregation", "runs", "accuracy %", "Δ vs fedavg (pts)", "Δ, all rounds",
-                   compare.SET_ASIDE)
+COMPARE_COLUMNS = ("split", "widths", "aggregation", "server data read", "runs", "accuracy %", "Δ vs fedavg (pts)",
+                   "Δ, all rounds", "Δ vs strongest control (pts)", compare.SET_ASIDE)
 # Benches that publish one entry per model: folder → the module whose HEADING and markdown(name, entry) render it.
 PER_MODEL = {"barrier-sites": "barrier_sites", "barriers-repair": "repair_barriers", "forms": "forms",
              "learning-budget": "learning_budget", "weight-starts": "weight_starts"}
 # What each experiment asks, in the order the page gives them, and the page that discusses it.
 ABOUT: dict[str, tuple[str, str]] = {
+    "accelerator": ("The same workloads on an NVIDIA H200 and on this project's CPU.", "accelerators.md"),
     "oneshot": ("One-shot FL from independent inits: 5 clients, Dirichlet 0.5, one round.", "federated.md"),
     "drift": ("High drift: 5 clients, Dirichlet 0.1, 5 local epochs, 10 rounds, seeds 0–2.", "federated.md"),
     "drift-seeds": ("High drift on two more seeds (3, 4).", "federated.md"),
@@ -53,10 +54,13 @@ def _compare(data: dict[str, Any]) -> list[str]:
     exp = compare.Experiment(data["experiment"], 0, tuple(dict.fromkeys(r["seed"] for r in rows)), data["config"],
                              labels["split"], labels["widths"],
                              {a: {"aggregation": a} for a in dict.fromkeys(r["aggregation"] for r in rows)})
-    table = [{k: v for k, v in row.items() if k in COMPARE_COLUMNS} for row in compare.summary_rows(rows, exp)]
+    summary = compare.summary_rows(rows, exp, data.get("server_data_read"))
+    table = [{k: v for k, v in row.items() if k in COMPARE_COLUMNS} for row in summary]
     settings = ", ".join(f"{k}={v}" for k, v in data["config"].items())
     return [f"Seeds {list(exp.seeds)}; {settings}. Accuracy: the global model after the last round, mean ± s.e. over "
-            "seeds; Δ: paired by seed with FedAvg (HeteroFL with mixed widths).", "", compare.markdown(table)]
+            "seeds; Δ: paired by seed with FedAvg (HeteroFL with mixed widths); server data read: what the row reads "
+            "of the samples the server holds back ([controls.md](controls.md)); Δ vs strongest control: paired by seed "
+            "with the better of fedavg-ft and server-only, where the grid has them.", "", compare.markdown(table)]
 
 
 def _per_model(module: str) -> Callable[[dict[str, Any]], list[str]]:
@@ -88,8 +92,14 @@ def _matching_time(data: dict[str, Any]) -> list[str]:
             f"at each torch thread count; load average at the end {load}.", "", *timing_table(data["timing"])]
 
 
+def _accelerator(data: dict[str, Any]) -> list[str]:
+    from simulations.bench import accelerator
+
+    return accelerator.table(data).splitlines()[2:]
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "barriers": _barriers, "merging": _merging, "matching-time": _matching_time,
+    "barriers": _barriers, "merging": _merging, "matching-time": _matching_time, "accelerator": _accelerator,
     **{folder: _per_model(module) for folder, module in PER_MODEL.items()},
 }
 

@@ -334,3 +334,21 @@ def wait_for(ready: Callable[[], bool], cluster: Cluster, what: str, interval: f
     """Poll ``ready()`` for up to 5 minutes; fails at once, quoting its log, if the SuperLink exits meanwhile.
     Checks that run the `flwr` CLI take a CPU-second each: poll those every 2 s, not to starve the run."""
     wait_until(ready, cluster.process("superlink"), f"see {what}", timeout=300, interval=interval)
+
+
+@pytest.mark.slow
+def test_node_authentication_is_on_by_default_and_no_auth_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    for name, flags in (("default", []), ("open", ["--no-auth"])):
+        where = ["--name", name, "--output-dir", str(tmp_path)]
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING):
+                assert cli.main(["up", *where, "--nodes", "0", *flags, "--fleet-port", str(free_port()),
+                                 "--control-port", str(free_port())]) == 0
+            argv = Cluster.load(name, tmp_path).process("superlink").argv
+            warned = any("node authentication is OFF" in r.getMessage() for r in caplog.records)
+            assert ("--enable-supernode-auth" in argv) == (not flags) and warned == bool(flags), name
+            assert ("node authentication" in capsys.readouterr().out) == (not flags)
+        finally:
+            assert cli.main(["down", *where]) == 0

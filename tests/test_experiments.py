@@ -3,6 +3,7 @@ finishes, records every round, and lands in results.json, summary.md and a plot 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -59,6 +60,26 @@ def _assert_same_final_model(runs: Path, row: dict[str, Any], fedavg: dict[str, 
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), row["cell"]
 
 
+@pytest.mark.parametrize("config", sorted((PROJECT / "simulations" / "configs").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_grid_that_gives_an_aggregation_server_data_runs_both_controls(config: Path) -> None:
+    """fedavg-ft and server-only beside any row that reads the server-held samples, on the same seeds."""
+    exp = compare.Experiment.load(config)
+    readers = [a for a in exp.aggregations if compare.server_data_read(exp, a) != "none"]
+    kinds = {exp.variants[label]["aggregation"] for label in compare.controls(exp)}
+    assert not readers or kinds == {"fedavg-ft", "server-only"}, readers
+
+
+def test_a_run_whose_round_kept_the_global_model_is_not_a_finished_cell() -> None:
+    """Clients killed for memory leave a round with no valid reply: the run finishes, but it is not the grid's
+    experiment; only a run in which every trained round aggregated stays finished."""
+    records = [{"round": 0, "aggregated": False, "dropped": []},
+               {"round": 1, "aggregated": True, "dropped": ["node 3: timeout"]}]
+    assert compare.rounds_status("finished:completed", "", records) == ("finished:completed", "")
+    records.append({"round": 2, "aggregated": False, "dropped": ["node 7: client error: OutOfMemoryError"]})
+    status, details = compare.rounds_status("finished:completed", "", records)
+    assert status == "failed:not-aggregated" and details.startswith("rounds [2] kept") and "OutOfMemory" in details
+
+
 def test_the_grid_runs_seed_by_seed() -> None:
     """Every aggregation of a seed runs before the next seed, so a grid stopped part-way is paired."""
     exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift.toml")
@@ -81,7 +102,7 @@ def test_finished_only_summarises_saved_cells_and_runs_nothing(tmp_path: Path) -
     summary = (tmp_path / "summary.md").read_text()
     others = [c.name for c in compare.grid(exp) if c != done]
     assert f"**Partial:** 1 of {len(others) + 1} cells finished" in summary and all(c in summary for c in others)
-    assert f"| {done.aggregation} | 1/1 | 50.0 ± 0.0 |" in summary
+    assert f"| {done.aggregation} | no | 1/1 | 50.0 ± 0.0 |" in summary
     assert not (tmp_path / "runs").exists()
 
 
@@ -113,9 +134,81 @@ def test_from_results_summarises_an_earlier_results_json_again_and_runs_nothing(
     assert not (again / "runs").exists() and not (again / "cells").exists()
 
 
+def _summary_line(summary: str, aggregation: str) -> list[str]:
+    """The cells of ``aggregation``'s row of a summary table."""
+    line = next(x for x in summary.splitlines() if f"| {aggregation} |" in x)
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+@pytest.mark.parametrize("best", ["server-only", "fedavg-ft"])
+def test_summary_marks_what_each_row_reads_and_its_delta_against_the_strongest_control(best: str,
+                                                                                      tmp_path: Path) -> None:
+    """Every row says what it reads of the server-held data; each is compared, paired by seed, with the grid's
+    stronger control (by mean accuracy), which is named; the JSON says the same."""
+    config = PROJECT / "simulations" / "configs" / "oneshot-smoke.toml"
+    exp = compare.Experiment.load(config)
+    final = {"fedavg": 0.2, "weight": 0.3, "learned": 0.4, "fedavg-ft": 0.5, "server-only": 0.6, "weight-repair": 0.7}
+    final[best] = 0.9
+    (tmp_path / "cells").mkdir()
+    for row in _finished_rows(exp):
+        row["records"][-1]["central_accuracy"] = final[row["aggregation"]]
+        (tmp_path / "cells" / f"{row['cell']}.json").write_text(json.dumps(row))
+    assert compare.main(["--config", str(config), "--out", str(tmp_path), "--finished-only"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    head = _summary_line(summary, "aggregation")
+    reads = head.index("server data read")
+    against = head.index("Δ vs strongest control (pts)")
+    expect = {"fedavg": "no", "weight": "no", "learned": "inputs + labels", "fedavg-ft": "inputs + labels",
+              "server-only": "inputs + labels", "weight-repair": "inputs"}
+    for agg, accuracy in final.items():
+        cells = _summary_line(summary, agg)
+        assert cells[reads] == expect[agg], agg
+        delta = f"{100 * (accuracy - 0.9):.1f} ± 0.0 (vs {best})"
+        assert cells[against] == ("–" if agg == best else delta), agg
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["controls"] == ["fedavg-ft", "server-only"]
+    assert saved["server_data_read"] == {k: v.replace("inputs + labels", "labels").replace("no", "none")
+                                         for k, v in expect.items()}
+
+
+def test_a_grid_without_controls_has_no_control_column() -> None:
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
+    table = compare.summary_rows(_finished_rows(exp), exp)
+    assert compare.controls(exp) == [] and all("Δ vs strongest control (pts)" not in row for row in table)
+    assert {row["server data read"] for row in table} == {"no"}
+
+
+def test_a_table_rebuilt_from_rows_alone_takes_the_marks_it_is_given() -> None:
+    """docs/results.md rebuilds a table from results.json rows, labels standing for aggregations: a variant's label
+    is no aggregation, so its mark is unknown ("–") unless the JSON's server_data_read is passed."""
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "oneshot-smoke.toml")
+    rows = _finished_rows(exp)
+    rebuilt = dataclasses.replace(exp, variants={a: {"aggregation": a} for a in exp.aggregations})
+    marks = {r["aggregation"]: r["server data read"] for r in compare.summary_rows(rows, rebuilt)}
+    assert marks["weight-repair"] == "–" and marks["learned"] == "inputs + labels"
+    given = {label: compare.server_data_read(exp, label) for label in exp.aggregations}
+    marks = {r["aggregation"]: r["server data read"] for r in compare.summary_rows(rows, rebuilt, given)}
+    assert marks["weight-repair"] == "inputs"
+
+
+def test_from_results_lists_the_cells_the_grid_gained_as_not_run(tmp_path: Path) -> None:
+    """A grid that gained an aggregation after its results.json: summarised again, the new cells pending."""
+    config = PROJECT / "simulations" / "configs" / "oneshot-smoke.toml"
+    exp = compare.Experiment.load(config)
+    rows = [r for r in _finished_rows(exp) if r["aggregation"] != "server-only"]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"experiment": exp.name, "config": exp.run, "rows": rows}))
+    assert compare.main(["--config", str(config), "--out", str(tmp_path / "out"), "--from-results",
+                         str(results)]) == 0
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert f"**Partial:** {len(rows)} of {len(rows) + 1} cells finished; not run yet: server-only_" in summary
+    cells, head = _summary_line(summary, "server-only"), _summary_line(summary, "aggregation")
+    assert cells[4:6] == ["0/1", "–"] and cells[head.index("Δ vs strongest control (pts)")] == "–"
+
+
 @pytest.mark.parametrize(("edit", "expect"), [
     (lambda saved: saved | {"experiment": "other"}, "with other cells than"),
-    (lambda saved: saved | {"rows": saved["rows"][1:]}, "with other cells than"),
+    (lambda saved: saved | {"rows": [saved["rows"][0] | {"cell": "weight_other_equal_s9"}]}, "with other cells than"),
     (lambda saved: saved | {"config": saved["config"] | {"num-server-rounds": 7}}, "another [run] config"),
     (lambda saved: {"rows": saved["rows"]}, "cannot read the rows"),
 ])
@@ -141,13 +234,13 @@ def test_reuse_takes_the_finished_cells_of_an_earlier_results_json(tmp_path: Pat
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"experiment": exp.name, "config": exp.run,
                                    "rows": [finished, failed | {"status": "failed"}]}))
-    rows = compare.run_grid(exp, tmp_path, force=False, run=False, reused=compare.saved_rows(exp, results, whole=False))
+    rows = compare.run_grid(exp, tmp_path, force=False, run=False, reused=compare.saved_rows(exp, results))
     assert [r["status"] for r in rows] == ["finished:completed"] + ["pending"] * (len(compare.grid(exp)) - 1)
     assert rows[0] == finished
     foreign = finished | {"cell": "weight_other_equal_s9"}
     results.write_text(json.dumps({"experiment": exp.name, "config": exp.run, "rows": [foreign]}))
     with pytest.raises(compare.ConfigError, match="other cells than"):
-        compare.saved_rows(exp, results, whole=False)
+        compare.saved_rows(exp, results)
 
 
 def test_the_summary_pairs_final_last_three_and_all_round_accuracy_by_seed() -> None:

@@ -25,6 +25,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize, to_model
+from glmc.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
 from glmc.refit import RIDGE, layer_rows
@@ -33,7 +34,7 @@ from glmc.train import TrainConfig, evaluate, train
 from glmc.transforms import MATCHABLE, apply, random_transform
 from server import heterofl, protocol
 from server.aggregation import Client, principal_placement, restrict
-from server.hooks import EnsembleEvaluator
+from server.hooks import ClientsWriter, EnsembleEvaluator
 from server.settings import RunSettings, places_principal
 from server.strategy import RoundHooks, RoundRecord, SymmetryAwareFedAvg
 from server.validation import ReplySchema, check_reply, split_replies
@@ -265,6 +266,47 @@ def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data() -> None:
     assert s.current.align_seconds > 0
 
 
+@pytest.mark.parametrize("independent", [False, True])
+def test_server_only_trains_the_global_model_on_the_server_data_and_ignores_the_clients(independent: bool) -> None:
+    """The second control: the previous global model (round 1: the initial one, so from scratch, independent inits
+    included) trained by glmc.train on the server-held samples with fedavg-ft's budget; the replies change nothing."""
+    data = synthetic_images(40)
+    tune = TrainConfig(epochs=2, batch_size=16, lr=1e-2, seed=5, threads=1)
+    results = []
+    for replies in (good_replies(), [reply(state(i + 7), metrics(examples=5), node=i + 1) for i in range(2)]):
+        s = strategy("server-only", server_data=data, tune=tune, independent_init=independent)
+        s.global_arrays = ArrayRecord(state(11))  # type: ignore[arg-type]
+        s.current = RoundRecord(1)
+        arrays, _ = s.aggregate_train(1, replies)
+        assert arrays is not None and s.current.align_seconds > 0
+        results.append(as_numpy(arrays))
+    model = build_model(CFG)
+    model.load_state_dict(state(11))
+    fit = train(model, get_arch(CFG.family), data, dataclasses.replace(tune, seed=tune.seed + 1), progress=False)
+    assert fit["steps"] == 6
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(results[0][key], value.numpy())
+        np.testing.assert_array_equal(results[1][key], value.numpy())
+    assert any(not np.allclose(results[0][k], v.numpy(), atol=1e-3) for k, v in state(11).items())
+
+
+@pytest.mark.parametrize(("changes", "reads"), [
+    ({"aggregation": "fedavg"}, "none"), ({"aggregation": "weight", "restore_norms": True}, "none"),
+    ({"aggregation": "weight", "refit": True}, "inputs"), ({"aggregation": "canonical", "repair": True}, "inputs"),
+    ({"aggregation": "activation"}, "inputs"), ({"aggregation": "learned"}, "labels"),
+    ({"aggregation": "fedavg-ft"}, "labels"), ({"aggregation": "server-only"}, "labels")])
+def test_each_aggregation_says_what_it_reads_of_the_server_data(changes: dict[str, object], reads: str) -> None:
+    assert RunSettings(server_data=8, **changes).server_data_read() == reads  # type: ignore[arg-type]
+
+
+def test_server_only_refuses_alignment_options_in_one_line() -> None:
+    for key in ("restore_norms", "repair", "refit"):
+        with pytest.raises(ConfigError, match="server-only"):
+            RunSettings(aggregation="server-only", server_data=8, **{key: True})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="server-data"):
+        RunSettings(aggregation="server-only")
+
+
 def test_fedavg_ft_needs_server_data() -> None:
     with pytest.raises(ConfigError, match="server-data"):
         RunSettings(aggregation="fedavg-ft")
@@ -425,7 +467,7 @@ def test_a_round_that_waits_for_nodes_samples_every_node_that_joined(monkeypatch
     """min-available-nodes=3 with fraction 1: all three nodes get the round, not just the one connected at first."""
     for key in ("_task_id", "_run_id", "_node_id"):  # what the ServerApp process sets before messages are made
         monkeypatch.setattr(TaskIdentity, key, 1)
-    monkeypatch.setattr("flwr.serverapp.strategy.strategy_utils.sleep", lambda _: None)  # flwr polls once a second
+    monkeypatch.setattr("server.strategy.NODE_POLL_SECONDS", 0.0)
     s = strategy(min_train_nodes=1, min_available_nodes=3, fraction_evaluate=1.0, min_evaluate_nodes=1)
     arrays = ArrayRecord(state(0))  # type: ignore[arg-type]
     train = s.configure_train(1, arrays, ConfigRecord(), JoiningGrid(3))
@@ -659,3 +701,20 @@ def test_principal_placement_is_the_default_for_aligned_aggregations_only() -> N
     assert not places_principal("fedavg", "principal") and not places_principal("weight", "aligned")
     with pytest.raises(ConfigError, match="narrow-placement must be one of"):
         RunSettings.from_run_config({"aggregation": "weight", "narrow-placement": "best"})
+
+
+def test_clients_writer_saves_each_client_model_at_its_width(tmp_path: Path) -> None:
+    """save-clients: every valid client of the round as a glmc checkpoint (its width and example count in the
+    metadata), loadable by glmc.checkpoint; a rerun of the round replaces the earlier files."""
+    clients = [Client(state(3), 10.0, 1.0), Client(state(5), 30.0, 1.0)]
+    writer = ClientsWriter(tmp_path, CheckpointMeta(preset="test", config=CFG, seed=0))
+    stale = tmp_path / "clients" / "round-002" / "client-7.safetensors"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
+    writer.on_aggregate(RoundRecord(2), clients)
+    files = sorted((tmp_path / "clients" / "round-002").iterdir())
+    assert [f.name for f in files] == ["client-0.safetensors", "client-1.safetensors"]
+    for path, client in zip(files, clients, strict=True):
+        loaded, meta = load_checkpoint(path)
+        assert meta.config == CFG and meta.metrics == {"round": 2.0, "examples": client.weight}
+        assert all(torch.equal(loaded[k], v) for k, v in client.state.items())

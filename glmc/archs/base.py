@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,10 +22,13 @@ def cast(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> State:
 
 @dataclass(frozen=True)
 class KeyRule:
-    """Where a canonical parameter lives in the native state dict, and whether it is stored (in, out)."""
+    """Where a canonical parameter lives in the native state dict, whether it is stored (in, out), and whether
+    some variants of the family go without it (a ViT without class token or qkv bias); the config's builder
+    decides which are present, and loading a native state into it checks that they are."""
 
     native: str
     transpose: bool = False
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,21 @@ class Arch:
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     module_names: Mapping[str, str]  # canonical module prefix -> native module path (for hooks)
     check_inputs: Callable[[ModelConfig, torch.Tensor], None]  # ConfigError unless a batch fits the model
+    # The config of a live model of this family as its library built it (timm, transformers), None for another
+    # family's module; ConfigError for a variant the spec does not describe.
+    config_of: Callable[[nn.Module], ModelConfig | None]
     # Activation matching permutes the residual stream by its correlations. Verma & Elbayad do so for classifiers
     # and keep the identity for language modelling, where every residual permutation they tried raised the barrier
     # (their §5.3, Table 2). Measured on seeds 0, 1: vit-bench 0.92 with it, 1.70 without; gpt2-bench 1.58 and 1.48
     # (vanilla 1.50).
     activation_residual: bool = True
+    # LayerScale prefix -> the residual writer whose output rows it scales (folded into it when canonicalising)
+    scales: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def optional(self) -> frozenset[str]:
+        """The canonical templates some variants of the family go without."""
+        return frozenset(name for name, rule in self.keys.items() if rule.optional)
 
     def to_canonical(self, native: Mapping[str, torch.Tensor], depth: int) -> State:
         """Rename a native (timm / HF) state dict to canonical names, weights as (out, in)."""
@@ -54,6 +67,8 @@ class Arch:
             rule = self.keys[template]
             key = rule.native.format(l=layer)
             if key not in native:
+                if rule.optional:
+                    continue
                 raise CheckpointError(f"missing parameter {key!r} for a {self.family} of depth {depth}")
             out[name] = native[key].t() if rule.transpose else native[key]
         extra = set(native) - {self.keys[t].native.format(l=layer) for layer, t in expand(self.keys, depth).values()}

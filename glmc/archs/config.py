@@ -13,6 +13,7 @@ Family = Literal["vit", "gpt2"]
 
 # Each family's own LayerNorm eps (timm ViT, HF GPT-2); an exact width embedding rescales it.
 DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5}
+POOLS = ("token", "avg")  # the timm ViT poolings glmc covers
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,16 @@ class ModelConfig:
     patch: int = 7
     in_chans: int = 1
     num_classes: int = 10
+    # timm ViT variants (their defaults are the plain ViT glmc trains): a class token, ``reg_tokens`` register
+    # tokens, pooling by the class token or the mean of the patch tokens ("avg"), the final norm after pooling
+    # (``fc_norm``), biases on q, k, v, LayerScale after each branch, position embeddings on the patches only
+    class_token: bool = True
+    reg_tokens: int = 0
+    global_pool: Literal["token", "avg"] = "token"
+    fc_norm: bool = False
+    qkv_bias: bool = True
+    layer_scale: bool = False
+    no_embed_class: bool = False
     # GPT-2 only
     vocab_size: int = 0
     context: int = 0
@@ -45,6 +56,11 @@ class ModelConfig:
             object.__setattr__(self, "norm_eps", DEFAULT_NORM_EPS[self.family])
         for sizes in (("width", "depth", "heads", "mlp"), ("head_dim",)):  # head_dim after the sizes it comes from
             check_options("model config", [("≥ 1", lambda v: v >= 1, {k: getattr(self, k) for k in sizes})])
+        if self.global_pool not in POOLS:
+            raise ConfigError(f"global_pool must be one of {POOLS}, got {self.global_pool!r}")
+        if self.global_pool == "token" and not self.class_token:
+            raise ConfigError("global_pool 'token' needs the class token (class_token=False pools by 'avg')")
+        check_options("model config", [("≥ 0", lambda v: v >= 0, {"reg_tokens": self.reg_tokens})])
 
     @property
     def attn_dim(self) -> int:

@@ -96,6 +96,31 @@ def _set_head_dim(model: GPT2LMHeadModel, head_dim: int) -> None:
         attn.c_proj = Conv1D(attn.embed_dim, inner)
 
 
+# HF activation_function → glmc's name; "gelu" in glmc is GPT-2's tanh approximation, as built above.
+_ACTIVATIONS = {"gelu_new": "gelu", "relu": "relu"}
+
+
+def config_of(model: nn.Module) -> ModelConfig | None:
+    """The ModelConfig of an HF GPT2LMHeadModel (None for any other module); ConfigError for options glmc's spec
+    does not describe (another activation, attention scaled per layer, cross-attention)."""
+    from transformers import GPT2LMHeadModel
+
+    if not isinstance(model, GPT2LMHeadModel):
+        return None
+    hf: Any = model.config
+    if hf.activation_function not in _ACTIVATIONS:
+        raise ConfigError(f"unsupported GPT-2 activation_function {hf.activation_function!r} (glmc covers "
+                          f"{', '.join(_ACTIVATIONS)})")
+    for option, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                          ("add_cross_attention", False)):
+        if bool(getattr(hf, option, plain)) != plain:
+            raise ConfigError(f"unsupported GPT-2 option {option}={getattr(hf, option)!r}")
+    attn: Any = model.transformer.h[0].attn
+    return ModelConfig("gpt2", width=hf.n_embd, depth=hf.n_layer, heads=hf.n_head, mlp=hf.n_inner or 4 * hf.n_embd,
+                       head_dim=attn.head_dim, activation=_ACTIVATIONS[hf.activation_function],  # type: ignore[arg-type]
+                       norm_eps=hf.layer_norm_epsilon, vocab_size=hf.vocab_size, context=hf.n_positions)
+
+
 def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """(B, T) token ids → (B, T, vocab) next-token logits."""
     return model(input_ids=x).logits
@@ -118,5 +143,6 @@ GPT2 = Arch(
     logits=logits,
     module_names=_MODULES,
     check_inputs=check_inputs,
+    config_of=config_of,
     activation_residual=False,  # a language model: the residual stays as it is (Verma & Elbayad §5.3)
 )

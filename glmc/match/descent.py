@@ -1,4 +1,4 @@
-"""Weight matching's sweeps without repeated work (paper §4.1; symmetry.md §5), reading only the spec.
+"""Weight matching's sweeps without repeated work (paper §4.1), reading only the spec.
 
 A sweep pairs A with B rotated by the residual map Q (for the unit assignments), then A with B moved by the unit
 maps (for the next Q), and measures ‖A − T(B)‖². Only the tensors that a unit map touches change from sweep to
@@ -216,7 +216,7 @@ class Descent:
 
     def residual_cross(self, t: Transform) -> torch.Tensor:
         """Σ X_A U(X_B)ᵀ / m over every residual-side tensor, U the unit maps of ``t`` (the Procrustes input;
-        each (d, m) block divided by m so that every tensor counts per entry, symmetry.md §5)."""
+        each (d, m) block divided by m so that every tensor counts per entry)."""
         total = self.fixed.scaled.clone()
         units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
         for layer in self.layers:

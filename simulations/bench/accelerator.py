@@ -204,9 +204,13 @@ def measure(config: dict[str, Any], device: torch.device, sections: list[str], o
     return report
 
 
-def table(out: Path) -> str:
+def combine(out: Path) -> dict[str, Any]:
+    """Every device's report in ``out`` (its results-*.json), by device type: what results.json holds."""
+    return {r["device"]: r for r in (json.loads(p.read_text()) for p in sorted(out.glob("results-*.json")))}
+
+
+def table(reports: dict[str, Any]) -> str:
     """summary.md: every row on every device measured, with the CPU-to-GPU speed-up where both have it."""
-    reports = {r["device"]: r for r in (json.loads(p.read_text()) for p in sorted(out.glob("results-*.json")))}
     devices = [d for d in ("cuda", "cpu") if d in reports]
     names = list(dict.fromkeys(row["row"] for d in devices for row in reports[d]["rows"]))
     values = {d: {row["row"]: row for row in reports[d]["rows"]} for d in devices}
@@ -246,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
         measure(config, resolve(args.device), sections, out)
-    summary = table(out)
+    reports = combine(out)
+    (out / "results.json").write_text(json.dumps(reports, indent=1))
+    summary = table(reports)
     (out / "summary.md").write_text(summary)
     print(summary)
     return 0

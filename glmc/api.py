@@ -1,0 +1,160 @@
+"""The Python API on live models: ``glmc.align``, ``glmc.merge``, ``glmc.barrier`` and ``glmc.check`` take timm
+``VisionTransformer`` and Hugging Face ``GPT2LMHeadModel`` instances as they come (tied GPT-2s included) and return
+modules of the same class.
+
+Every model is read through :func:`glmc.live.read_module` (its config, its weights untied, checked against glmc's
+rebuild); the inputs are never modified. ``data`` may be a Dataset of (input, target) pairs, an (inputs, targets)
+pair of tensors, a tensor of token ids (next-token targets taken from it) or a ``.npy`` / ``.npz`` path
+(:mod:`glmc.userdata`). ``device`` is where the work happens ("cpu", "cuda", "auto"); results stay beside their
+inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from glmc.archs import Arch, ModelConfig, State, cast
+from glmc.barrier import BarrierCurve
+from glmc.errors import ConfigError
+from glmc.live import like, read_module
+from glmc.widths import check_embeddable
+
+Data = Dataset | tuple[torch.Tensor, torch.Tensor] | torch.Tensor | str | Path | None
+
+
+def as_dataset(data: Data, cfg: ModelConfig) -> Dataset | None:
+    """``data`` as a Dataset of (input, target) pairs (see the module docstring)."""
+    from glmc.userdata import load_data_file
+
+    if data is None or isinstance(data, Dataset):
+        return data
+    if isinstance(data, str | Path):
+        return load_data_file(data, cfg)
+    if isinstance(data, tuple) and len(data) == 2:
+        return TensorDataset(*data)
+    if isinstance(data, torch.Tensor) and not data.is_floating_point() and data.dim() == 2 and data.shape[1] >= 2:
+        return TensorDataset(data[:, :-1], data[:, 1:])
+    raise ConfigError("data must be a Dataset of (input, target) pairs, an (inputs, targets) pair of tensors, a "
+                      "tensor of token ids (N, L ≥ 2) or a .npy/.npz path")
+
+
+def _read_all(models: Sequence[nn.Module]) -> tuple[Arch, list[ModelConfig], list[State]]:
+    """Every model read, refused in one line unless they are one family."""
+    if not models:
+        raise ConfigError("no models given")
+    read = [read_module(m) for m in models]
+    families = [cfg.family for _, cfg, _ in read]
+    if len(set(families)) > 1:
+        raise ConfigError(f"models of different families cannot be aligned: {', '.join(families)}")
+    return read[0][0], [cfg for _, cfg, _ in read], [state for _, _, state in read]
+
+
+def _refuse_forms(options: dict[str, Any]) -> None:
+    if options.get("form", "standard") != "standard":
+        raise ConfigError(f"form {options['form']!r} changes the architecture; the API returns standard models")
+
+
+def align(model_a: nn.Module, model_b: nn.Module, method: str = "weight", data: Data = None, *,
+          device: str = "cpu", **options: Any) -> nn.Module:
+    """A new module of ``model_b``'s class and config computing ``model_b``'s function, moved next to
+    ``model_a`` by a symmetry found by ``method`` (glmc.align.METHODS; ``data`` for the data-driven ones).
+    ``options`` go to :func:`glmc.align.align_pair` (``batch``, ``start``, ``learn``).
+
+    >>> import timm, torch, glmc
+    >>> kw = dict(img_size=16, patch_size=4, in_chans=1, embed_dim=24, depth=2, num_heads=3, num_classes=5)
+    >>> a = timm.create_model("vit_tiny_patch16_224", **kw)
+    >>> b = timm.create_model("vit_tiny_patch16_224", **kw)
+    >>> b_moved = glmc.align(a, b)
+    >>> x = torch.randn(4, 1, 16, 16)
+    >>> bool((b_moved(x) - b.eval()(x)).abs().max() < 1e-4)
+    True
+    """
+    from glmc.align import align_pair
+
+    _refuse_forms(options)
+    arch, (cfg, cfg_b), (state_a, state_b) = _read_all([model_a, model_b])
+    if cfg != cfg_b:
+        raise ConfigError("glmc.align takes two models of one config; glmc.merge also takes different widths")
+    aligned = align_pair(state_a, state_b, cfg, method, data=as_dataset(data, cfg), device=device, **options)
+    return like(model_b, arch.to_native(aligned.b, cfg.depth))
+
+
+def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence[float] | None = None,
+          data: Data = None, *, device: str = "cpu", **options: Any) -> nn.Module:
+    """The models aligned into one universe and averaged (``weights``: one per model, default equal), a module of
+    the widest model's class and config; narrower models are embedded into its width. ``options`` go to
+    :class:`glmc.merge.MergeSetup` (``max_iters``, ``fill``, ``restore_norms``, ...).
+
+    >>> import torch, glmc
+    >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> config = GPT2Config(vocab_size=20, n_positions=8, n_embd=24, n_layer=2, n_head=3)
+    >>> models = [GPT2LMHeadModel(config) for _ in range(3)]
+    >>> merged = glmc.merge(models)
+    >>> type(merged).__name__, merged(torch.randint(0, 20, (2, 8))).logits.shape
+    ('GPT2LMHeadModel', torch.Size([2, 8, 20]))
+    """
+    from glmc.merge import MergeSetup, merge_states
+
+    arch, configs, states = _read_all(models)
+    widest = max(range(len(configs)), key=lambda i: (configs[i].width, configs[i].mlp, configs[i].heads))
+    target = configs[widest]
+    for cfg in configs:
+        check_embeddable(cfg, target)
+    setup = MergeSetup(method, target, None if weights is None else [float(w) for w in weights],
+                       as_dataset(data, target), device=device, **options)
+    result = merge_states(states, configs, setup)
+    return like(models[widest], arch.to_native(result.merged, target.depth))
+
+
+def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "weight", points: int = 11, *,
+            train: Data = None, device: str = "cpu", **options: Any) -> BarrierCurve:
+    """The loss barrier on ``data`` (held-out) along the linear path from B (λ = 0) to A (λ = 1) after aligning B
+    by ``method`` ("none": as they are); data-driven methods fit on ``train`` (default: ``data``). The curve has
+    ``.barrier``, ``.lambdas``, ``.losses`` and ``.accuracies``.
+
+    >>> import torch, glmc
+    >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> config = GPT2Config(vocab_size=20, n_positions=8, n_embd=24, n_layer=2, n_head=3)
+    >>> a, b = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
+    >>> curve = glmc.barrier(a, b, torch.randint(0, 20, (16, 9)), points=5)
+    >>> len(curve.lambdas), curve.barrier >= 0.0
+    (5, True)
+    """
+    from glmc.align import DATA_METHODS, align_pair
+    from glmc.barrier import barrier_curve
+
+    _refuse_forms(options)
+    if points < 2:
+        raise ConfigError(f"points must be at least 2, got {points}")
+    _, (cfg, cfg_b), (state_a, state_b) = _read_all([model_a, model_b])
+    if cfg != cfg_b:
+        raise ConfigError("glmc.barrier takes two models of one config")
+    test = as_dataset(data, cfg)
+    if test is None:
+        raise ConfigError("a barrier is measured on data: pass held-out data")
+    fit = as_dataset(train, cfg) if train is not None else test
+    aligned = align_pair(state_a, state_b, cfg, method, data=fit if method in DATA_METHODS else None, device=device,
+                         **options)
+    return barrier_curve(aligned.a, aligned.b, cfg, test, points, method=method, dtype=torch.float32)
+
+
+def check(model: nn.Module, *, device: str = "cpu", seed: int = 0) -> float:
+    """The largest logit change (float64) that a random transform of any symmetry class causes on this model's own
+    weights: ≤ 1e-5 (glmc.check.TOLERANCE) means glmc's symmetries are exact on it.
+
+    >>> import timm, glmc
+    >>> vit = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=24, depth=2,
+    ...                         num_heads=3, class_token=False, global_pool="avg", reg_tokens=2, init_values=0.1)
+    >>> glmc.check(vit) < 1e-5
+    True
+    """
+    from glmc.check import invariance_errors
+
+    _, cfg, state = read_module(model)
+    return max(invariance_errors(cfg, seed=seed, device=device, native=cast(state, torch.float64)).values())

@@ -1,0 +1,60 @@
+"""``glmc export`` (a checkpoint of any format written as a Hugging Face folder, a timm state dict or a glmc
+checkpoint) and the ``--format`` option that ``align`` and ``merge`` share."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from glmc.checkpoint import CheckpointMeta
+
+FORMAT_NAMES = ["glmc", "hf", "timm"]  # glmc.formats.FORMATS, without importing torch
+FORMAT_HELP = ("what --out is: glmc (a .safetensors checkpoint), hf (a Hugging Face folder for from_pretrained) or "
+               "timm (a .safetensors state dict with timm.create_model kwargs in a .json beside it); default: hf for "
+               "an --out without .safetensors, else the format of the model written (B for align, the first input for "
+               "merge)")
+
+
+def add_format_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=FORMAT_NAMES, help=FORMAT_HELP)
+
+
+def early_format(args: argparse.Namespace) -> str:
+    """The output format as far as the flags tell before any input is read (timm is told by its input)."""
+    return args.format or ("glmc" if args.out.suffix == ".safetensors" else "hf")
+
+
+def output_format(args: argparse.Namespace, meta: CheckpointMeta) -> str:
+    """The output format: --format, else hf for a folder, else the first input's (timm stays timm)."""
+    from glmc.formats import check_output, format_of
+
+    fmt = args.format or early_format(args)
+    if args.format is None and fmt == "glmc" and format_of(meta) == "timm":
+        fmt = "timm"
+    check_output(args.out, fmt, args.force)
+    return fmt
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", type=Path, help="a glmc checkpoint, Hugging Face folder or timm state dict")
+    out = parser.add_mutually_exclusive_group(required=True)
+    out.add_argument("--hf", type=Path, metavar="DIR", help="write a Hugging Face folder (GPT-2)")
+    out.add_argument("--timm", type=Path, metavar="FILE", help="write a timm state dict (ViT), FILE.safetensors "
+                     "with its create_model kwargs in FILE.json")
+    out.add_argument("--glmc", type=Path, metavar="FILE", help="write a glmc checkpoint (.safetensors)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Read the checkpoint and write it, unchanged, in the asked format."""
+    from glmc.formats import check_output, read, write
+
+    fmt, out = next((name, getattr(args, name)) for name in FORMAT_NAMES if getattr(args, name) is not None)
+    check_output(out, fmt, args.force)
+    state, meta = read(args.checkpoint)
+    write(out, fmt, state, meta)
+    print(json.dumps({"out": str(out), "format": fmt, "family": meta.config.family}))
+    return 0

@@ -1,0 +1,401 @@
+"""Checkpoints in and out in three formats: glmc's own, a Hugging Face folder, a timm state dict.
+
+- ``glmc``: one .safetensors with JSON metadata (:mod:`glmc.checkpoint`);
+- ``hf``: a folder with ``config.json`` and ``model.safetensors`` (or a sharded index) of a ``GPT2LMHeadModel`` or
+  ``GPT2Model``, as ``save_pretrained`` writes it; a tied head is untied on reading (one INFO line) and tied again
+  on writing only if it is still equal to the embedding bit for bit;
+- ``timm``: a ViT's ``state_dict`` as .safetensors, with ``timm.create_model``'s kwargs, model name included, in a
+  JSON file of the same stem beside it (``vit.safetensors`` + ``vit.json``).
+
+Every model read is checked against glmc's rebuild of it (:func:`glmc.live.read_module`). Pickle formats
+(``pytorch_model.bin``, ``.pt``, ``.pth``) are refused unopened: unpickling a file can run any code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from glmc.archs import ModelConfig, State, cast
+from glmc.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
+from glmc.errors import CheckpointError, ConfigError
+from glmc.live import read_module
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("glmc", "hf", "timm")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+HF_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
+HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers saved with GPT-2's weights
+GLMC_JSON = "glmc.json"  # glmc's metadata (dataset, vocabulary, metrics) in an HF folder it wrote
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json")
+TIMM_DEFAULT_NAME = "vit_tiny_patch16_224"  # the registered name exported glmc ViTs use; every size is overridden
+TIMM_UNSAFE_KWARGS = ("pretrained", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay")
+TIMM_NORM_EPS = 1e-6  # timm's LayerNorm default: the only eps a kwargs JSON can carry
+CONVERT_HINT = ("convert it to safetensors where you trust it, e.g. `save_pretrained(DIR)` (HF saves safetensors) or "
+                "`safetensors.torch.save_file(torch.load(FILE, weights_only=True), OUT)`")
+
+
+def _pickle_error(path: Path) -> CheckpointError:
+    return CheckpointError(f"{path} is a pickle file, which glmc never opens (unpickling can run code); "
+                           f"{CONVERT_HINT}")
+
+
+def read(path: str | Path) -> tuple[State, CheckpointMeta]:
+    """The native (untied) state and metadata of a glmc checkpoint, an HF folder or a timm state dict."""
+    path = Path(path)
+    if path.suffix in PICKLE_SUFFIXES:
+        raise _pickle_error(path)
+    if path.is_dir():
+        return read_hf(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint file or folder at {path}")
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"{path} is neither a .safetensors file nor a Hugging Face folder")
+    if META_KEY in _header(path):
+        return load_checkpoint(path)
+    return read_timm(path)
+
+
+def format_of(meta: CheckpointMeta) -> str:
+    """The format a checkpoint was read from: glmc unless its origin says HF or timm."""
+    return str(meta.origin.get("format", "glmc"))
+
+
+def _header(path: Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception as err:  # safetensors raises several types for a bad header
+        raise CheckpointError(f"{path} is not a readable safetensors file: {_first_line(err)}") from err
+
+
+def _tensors(path: Path) -> State:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    except Exception as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {_first_line(err)}") from err
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _load_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: unreadable {what}: {_first_line(err)}") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} is not a JSON object")
+    return data
+
+
+# --- Hugging Face folders --------------------------------------------------------------------------------------
+
+
+def _hf_tensors(folder: Path) -> State:
+    """The weights of an HF folder: model.safetensors, or the shards its index names; pickles refused."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return _tensors(single)
+    if index.is_file():
+        shards = sorted(set(_load_json(index, "safetensors index").get("weight_map", {}).values()))
+        state: State = {}
+        for shard in shards:
+            state.update(_tensors(folder / shard))
+        return state
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise _pickle_error(folder / pickles[0])
+    raise CheckpointError(f"{folder} has no model.safetensors (nor a sharded model.safetensors.index.json)")
+
+
+def _hf_architecture(folder: Path, config: Mapping[str, Any]) -> str:
+    names = list(config.get("architectures") or [])
+    name = names[0] if names else str(config.get("model_type", "unknown"))
+    if config.get("model_type") != "gpt2" or (names and names[0] not in HF_ARCHITECTURES):
+        raise ConfigError(f"{folder}: unsupported architecture {name}; glmc reads Hugging Face "
+                          f"{' and '.join(HF_ARCHITECTURES)} folders and timm ViTs")
+    return names[0] if names else "GPT2LMHeadModel"
+
+
+def read_hf(folder: Path) -> tuple[State, CheckpointMeta]:
+    """A GPT2LMHeadModel (or GPT2Model, read as one with a tied head) from a ``save_pretrained`` folder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} is a folder without config.json: not a Hugging Face model folder")
+    config = _load_json(folder / "config.json", "config.json")
+    architecture = _hf_architecture(folder, config)
+    tensors = {k: v for k, v in _hf_tensors(folder).items() if not k.endswith(HF_BUFFERS)}
+    if architecture == "GPT2Model" or not any(k.startswith("transformer.") for k in tensors):
+        tensors = {f"transformer.{k}": v for k, v in tensors.items()}  # the base model: its head is its embedding
+    hf = GPT2Config.from_dict(config)
+    if architecture == "GPT2Model":
+        hf.tie_word_embeddings = True
+    model = GPT2LMHeadModel(hf)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and hf.tie_word_embeddings)]
+    if missing or unexpected:
+        what = f"lacks {missing[0]!r}" if missing else f"has an unexpected {unexpected[0]!r}"
+        raise CheckpointError(f"{folder} does not hold its config's GPT-2: it {what}")
+    _, cfg, state = read_module(model.eval())
+    saved = _load_json(folder / GLMC_JSON, GLMC_JSON) if (folder / GLMC_JSON).is_file() else {}
+    meta = _meta(cfg, saved, f"read from the Hugging Face folder {folder}",
+                 {"format": "hf", "config": config, "path": str(folder)})
+    return state, meta
+
+
+def _meta(cfg: ModelConfig, saved: Mapping[str, Any], split: str, origin: dict[str, Any]) -> CheckpointMeta:
+    """Metadata of a model read from another format: what glmc wrote beside it, if anything, with its config."""
+    fields = {f.name for f in dataclasses.fields(CheckpointMeta)} - {"config", "origin"}
+    known = {k: v for k, v in saved.items() if k in fields}
+    return CheckpointMeta(**{"preset": "", "split": split, **known}, config=cfg, origin=origin)
+
+
+def _tied_pairs(model: object) -> dict[str, str]:
+    """The weights an HF model ties (name → the name it shares), as transformers declares them."""
+    pairs = getattr(model, "_tied_weights_keys", None) or {}
+    return dict(pairs) if isinstance(pairs, Mapping) else {}
+
+
+def hf_model(native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Any:
+    """The GPT2LMHeadModel of a native state: the config it was read with (if any) at the state's sizes, tied only
+    where the tied weights are equal bit for bit."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from glmc.archs import build_model
+
+    cfg = meta.config
+    if cfg.family != "gpt2":
+        raise ConfigError(f"a Hugging Face folder holds a GPT-2 here, not a {cfg.family}; write --format glmc or timm")
+    if cfg.attn_dim != cfg.width:
+        raise ConfigError(f"this GPT-2's heads are {cfg.head_dim} wide, not width/heads: transformers cannot load it; "
+                          "write --format glmc")
+    ours: Any = build_model(cfg).config
+    sizes = {k: getattr(ours, k) for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
+                                           "layer_norm_epsilon", "activation_function")}
+    hf = GPT2Config.from_dict({**(meta.origin.get("config") or ours.to_dict()), **sizes})
+    hf.architectures = ["GPT2LMHeadModel"]
+    pairs = _tied_pairs(GPT2LMHeadModel)
+    hf.tie_word_embeddings = bool(pairs) and all(torch.equal(native[k], native[v]) for k, v in pairs.items())
+    model = GPT2LMHeadModel(hf)
+    model.load_state_dict(dict(native), strict=True)
+    return model.eval()
+
+
+def _write_tokenizer(folder: Path, meta: CheckpointMeta) -> None:
+    """The input folder's tokenizer files, or a char-level tokenizer from glmc's vocabulary."""
+    source = Path(str(meta.origin.get("path", ""))) if meta.origin.get("format") == "hf" else None
+    copied = [name for name in TOKENIZER_FILES if source is not None and (source / name).is_file()]
+    for name in copied:
+        shutil.copy2(source / name, folder / name)  # type: ignore[operator]
+    if copied or not meta.vocab:
+        return
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from glmc.data import CharVocab
+
+    chars = CharVocab.from_json(meta.vocab).chars
+    # No unknown token: a character outside the vocabulary is an error, as in glmc's CharVocab, not a silent stand-in.
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token a character
+    tokenizer.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(str(folder))
+
+
+def write_hf(folder: Path, native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> None:
+    """``save_pretrained`` of the state's GPT2LMHeadModel (float32), its tokenizer, and glmc's metadata."""
+    model = hf_model(cast(native, torch.float32), meta)
+
+    def fill(tmp: Path) -> None:
+        with _quiet_transformers():
+            model.save_pretrained(str(tmp))
+        _write_tokenizer(tmp, meta)
+        (tmp / GLMC_JSON).write_text(json.dumps(meta.to_dict() | {"origin": {}}, indent=1, sort_keys=True))
+
+    _replace_folder(folder, fill)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars off for one call (a CLI prints its own one-line result)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _replace_folder(folder: Path, fill: Callable[[Path], None]) -> None:
+    """Fill a temporary sibling folder, then put it in ``folder``'s place: never half-written, and an old folder
+    is removed only once the new one is complete."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    old = tmp.with_suffix(".old")
+    try:
+        tmp.mkdir()
+        fill(tmp)
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+    finally:
+        for leftover in (tmp, old):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+# --- timm state dicts --------------------------------------------------------------------------------------------
+
+
+def kwargs_path(path: Path) -> Path:
+    """The JSON of timm.create_model kwargs beside a timm state dict: same stem, .json."""
+    return path.with_suffix(".json")
+
+
+def timm_model(kwargs: Mapping[str, Any], where: Path | str) -> nn.Module:
+    """``timm.create_model(**kwargs)``, never pretrained (nothing is downloaded, no file is opened)."""
+    import timm
+
+    unsafe = [k for k in TIMM_UNSAFE_KWARGS if kwargs.get(k)]
+    if unsafe:
+        raise ConfigError(f"{where}: timm kwarg {unsafe[0]!r} would download or open weights; glmc reads them "
+                          "from the .safetensors beside it")
+    if not isinstance(kwargs.get("model_name"), str):
+        raise ConfigError(f"{where}: the timm kwargs need a \"model_name\" (e.g. \"vit_small_patch16_224\")")
+    try:
+        return timm.create_model(**{**kwargs, "pretrained": False})
+    except (RuntimeError, TypeError, ValueError, AssertionError, KeyError) as err:
+        raise ConfigError(f"{where}: timm.create_model failed: {_first_line(err)}") from err
+
+
+def read_timm(path: Path) -> tuple[State, CheckpointMeta]:
+    """A timm ViT from its state dict and the create_model kwargs beside it."""
+    where = kwargs_path(path)
+    if not where.is_file():
+        raise CheckpointError(f"{path} has no glmc metadata and no timm kwargs at {where}; for a timm model write "
+                              "{\"model_name\": ..., <create_model kwargs>} there")
+    kwargs = _load_json(where, "timm kwargs")
+    model = timm_model(kwargs, where)
+    try:
+        model.load_state_dict(_tensors(path), strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"{path} does not fit the timm model of {where.name}: {_first_line(err)}") from err
+    _, cfg, state = read_module(model.eval())
+    return state, _meta(cfg, {}, f"read from the timm state dict {path}",
+                        {"format": "timm", "kwargs": kwargs, "path": str(path)})
+
+
+def timm_kwargs(cfg: ModelConfig, origin: Mapping[str, Any]) -> dict[str, Any]:
+    """create_model kwargs for ``cfg``: the ones it was read with (if any), every size and variant option set."""
+    if cfg.family != "vit":
+        raise ConfigError(f"a timm state dict holds a ViT here, not a {cfg.family}; write --format glmc or hf")
+    if cfg.norm_eps != TIMM_NORM_EPS or cfg.attn_dim != cfg.width:
+        raise ConfigError(f"timm kwargs cannot give this ViT its LayerNorm eps {cfg.norm_eps:g} or head size "
+                          f"{cfg.head_dim} (a width embedding changes them); write --format glmc")
+    kwargs = dict(origin.get("kwargs") or {"model_name": TIMM_DEFAULT_NAME})
+    ratio = kwargs.get("mlp_ratio")
+    if not isinstance(ratio, int | float) or int(cfg.width * ratio) != cfg.mlp:
+        ratio = (cfg.mlp + 0.5) / cfg.width  # timm floors d·ratio
+    layer_scale = kwargs.get("init_values") or 1e-5
+    kwargs.update(img_size=cfg.img_size, patch_size=cfg.patch, in_chans=cfg.in_chans, num_classes=cfg.num_classes,
+                  embed_dim=cfg.width, depth=cfg.depth, num_heads=cfg.heads, mlp_ratio=ratio, qkv_bias=cfg.qkv_bias,
+                  class_token=cfg.class_token, reg_tokens=cfg.reg_tokens, global_pool=cfg.global_pool,
+                  fc_norm=cfg.fc_norm, no_embed_class=cfg.no_embed_class,
+                  init_values=layer_scale if cfg.layer_scale else None,
+                  act_layer="relu" if cfg.activation == "relu" else "gelu")
+    return kwargs
+
+
+def write_timm(path: Path, native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> None:
+    """The state dict (a glmc checkpoint, so it keeps its metadata) and its kwargs JSON, checked to load strictly."""
+    kwargs = timm_kwargs(meta.config, meta.origin)
+    state = cast(native, torch.float32)
+    try:
+        timm_model(kwargs, path).load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ConfigError(f"the timm model of these kwargs does not take the state: {_first_line(err)}") from err
+    save_checkpoint(path, state, dataclasses.replace(meta, origin={"format": "timm", "kwargs": kwargs}))
+    _write_text(kwargs_path(path), json.dumps(kwargs, indent=1, sort_keys=True))
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+# --- writing any format ------------------------------------------------------------------------------------------
+
+
+def check_output(path: Path, fmt: str, force: bool) -> None:
+    """Fail before any work if ``path`` does not suit ``fmt`` or would be overwritten without ``force``."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown output format {fmt!r}; known: {', '.join(FORMATS)}")
+    if fmt != "hf":
+        check_out(path, force)
+        if fmt == "timm" and kwargs_path(path).exists() and not force:
+            raise CheckpointError(f"{kwargs_path(path)} already exists; pass --force to overwrite it")
+        return
+    if (path.suffix and not path.is_dir()) or (path.exists() and not path.is_dir()):
+        raise ConfigError(f"--out must end in .safetensors, or name a folder for a Hugging Face output; got {path}")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise CheckpointError(f"{path} already exists; pass --force to overwrite it")
+
+
+def write(path: str | Path, fmt: str, native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Path:
+    """Write a native state in ``fmt`` (glmc, hf or timm), float32; returns the path."""
+    path = Path(path)
+    if fmt == "hf":
+        write_hf(path, native, meta)
+    elif fmt == "timm":
+        write_timm(path, native, meta)
+    elif fmt == "glmc":
+        save_checkpoint(path, cast(native, torch.float32), meta)
+    else:
+        raise ConfigError(f"unknown output format {fmt!r}; known: {', '.join(FORMATS)}")
+    return path
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` looks like one checkpoint of some format (not yet read): a .safetensors file or an HF
+    folder (one with a config.json)."""
+    return (path.is_file() and path.suffix == ".safetensors") or (path.is_dir() and (path / "config.json").is_file())
+
+
+def checkpoint_paths(path: str | Path) -> list[Path]:
+    """One checkpoint, or every checkpoint in a folder of them in name order (timm kwargs JSONs beside them are
+    not checkpoints); CheckpointError if there is none."""
+    path = Path(path)
+    if path.suffix in PICKLE_SUFFIXES:
+        raise _pickle_error(path)
+    if is_checkpoint(path):
+        return [path]
+    found = sorted(p for p in path.iterdir() if is_checkpoint(p)) if path.is_dir() else []
+    if not found:
+        raise CheckpointError(f"{path} is neither a checkpoint (.safetensors, Hugging Face folder) nor a folder of "
+                              "them")
+    return found

@@ -1,0 +1,173 @@
+"""Robust aggregation that composes with alignment: what one hostile but well-formed reply can do to a round is bounded.
+
+Validation (:mod:`server.validation`) drops malformed replies; a well-formed hostile one (an inflated
+``num-examples``, weights scaled or replaced, a tensor of constants) passes it. Three defences bound it, on every
+aggregation, in the space the clients are averaged in (after alignment, for the aligned ones):
+
+- **A cap on num-examples** (``max-examples-ratio``, ``max-examples``): a node's weight is at most that multiple of
+  the lower median weight of the round, and at most a declared per-node budget.
+- **Update-norm clipping** (``clip-ratio``): a client farther from the global model than ``clip-ratio`` times the
+  lower median client's distance is pulled back along its update to that distance (as Flower's adaptive clipping
+  does with a quantile of the update norms; here the median, so one client cannot move its own bound). Aligned
+  aggregations measure after matching, where the distance is the one the average sees; before matching, only a
+  client whose norm alone proves it would be clipped is scaled down (:func:`screen`), so that a runaway reply
+  cannot derail the matching itself. A narrow client is measured against the global model at its own width.
+- **Coordinate-wise robust averages** (``robust-average``): ``fedmedian`` (Flower's FedMedian) and
+  ``fedtrimmedavg`` with ``trim-beta`` (Flower's FedTrimmedAvg: ``int(beta·n)`` values cut from each end), both
+  unweighted as in Flower, of the aligned clients. Equal widths only.
+
+With the lower median, one attacker among n ≥ 2 honest clients cannot raise either bound past the largest honest
+value, so the defaults, set above every honest round measured (simulations/results/attacks), leave an honest round
+bit for bit what it was without them. Bound (mean, one attacker): the global model lies within
+``(clip-ratio + 1) · R`` of the honest clients' own aggregate, R the largest honest distance from the global model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from glmc.archs import State
+from glmc.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+AVERAGES = ("fedavg", "fedmedian", "fedtrimmedavg")  # Flower's names: the weighted mean, FedMedian, FedTrimmedAvg
+
+
+@dataclass(frozen=True)
+class Robustness:
+    """The robust-aggregation settings of a run (run-config keys of the same names, see pyproject.toml)."""
+
+    max_examples_ratio: float = 5.0  # a node's num-examples is capped at this multiple of the lower median; 0 = off
+    max_examples: int = 0  # a declared per-node budget of num-examples; 0 = none
+    clip_ratio: float = 5.0  # distance from the global model capped at this multiple of the lower median's; 0 = off
+    average: str = "fedavg"  # fedavg (weighted mean) | fedmedian | fedtrimmedavg
+    trim_beta: float = 0.2  # fedtrimmedavg: the fraction cut from each end of every coordinate
+
+    def __post_init__(self) -> None:
+        if self.average not in AVERAGES:
+            raise ConfigError(f"robust-average must be one of {AVERAGES}, got {self.average!r}")
+        if not (self.max_examples_ratio >= 0 and self.clip_ratio >= 0 and self.max_examples >= 0):
+            raise ConfigError("max-examples-ratio, max-examples and clip-ratio must be >= 0 (0 = off)")
+        if not 0 <= self.trim_beta < 0.5:
+            raise ConfigError(f"trim-beta must be in [0, 0.5), got {self.trim_beta}")
+        for name in ("max_examples_ratio", "clip_ratio"):
+            value = getattr(self, name)
+            if value and value < 1:
+                raise ConfigError(f"{name.replace('_', '-')} below 1 would cut the median client itself, got {value}")
+
+    @classmethod
+    def off(cls) -> Robustness:
+        """No cap, no clipping, the weighted mean: the aggregation as it was before these defences."""
+        return cls(max_examples_ratio=0.0, max_examples=0, clip_ratio=0.0)
+
+    @property
+    def weighted_mean(self) -> bool:
+        return self.average == "fedavg"
+
+
+def cap_examples(weights: Sequence[float], robust: Robustness) -> list[float]:
+    """Every weight capped at ``max_examples_ratio`` × the lower median weight and at ``max_examples``."""
+    caps = [robust.max_examples_ratio * statistics.median_low(weights)] if robust.max_examples_ratio else []
+    caps += [float(robust.max_examples)] if robust.max_examples else []
+    cap = min(caps, default=math.inf)
+    return [min(float(w), cap) for w in weights]
+
+
+def distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """‖a − b‖ over every tensor, in float64."""
+    return math.sqrt(sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a))
+
+
+@dataclass
+class Clipping:
+    """States after clipping, with each one's factor (1.0: untouched, the same object) and the largest distance
+    from the global model relative to the lower median (what ``clip-ratio`` must clear in an honest round)."""
+
+    states: list[State]
+    factors: list[float]
+    spread: float | None  # None: nothing to measure against (no global model yet)
+
+    @property
+    def clipped(self) -> int:
+        return sum(f < 1.0 for f in self.factors)
+
+
+def clip(states: Sequence[State], centers: Sequence[Mapping[str, torch.Tensor]], ratio: float) -> Clipping:
+    """Each state pulled toward its center along its update so that ‖θ_i − c_i‖ ≤ ``ratio`` × the lower median
+    of those distances (``ratio`` 0: measured, never clipped)."""
+    distances = [distance(s, c) for s, c in zip(states, centers, strict=True)]
+    median = statistics.median_low(distances)
+    spread = max(distances) / median if median > 0 else (1.0 if max(distances) == 0 else math.inf)
+    bound = ratio * median if ratio else math.inf
+    factors = [bound / d if d > bound else 1.0 for d in distances]
+    out = [_toward(s, c, f) for s, c, f in zip(states, centers, factors, strict=True)]
+    if any(f < 1.0 for f in factors):
+        log.warning("clipped %d of %d clients to %.3g (clip-ratio %g × the lower median distance %.3g); factors %s",
+                    sum(f < 1.0 for f in factors), len(factors), bound, ratio, median,
+                    [f"{f:.3g}" for f in factors])
+    return Clipping(out, factors, spread)
+
+
+def screen(states: Sequence[State], centers: Sequence[Mapping[str, torch.Tensor]], ratio: float) -> Clipping:
+    """Before matching: a state whose norm exceeds its center's by more than ``ratio`` × the lower median distance
+    to the centers is clipped to that distance. Norms do not change under the permutations and orthogonal maps
+    matching applies, and ‖θ‖ − ‖c‖ ≤ ‖T(θ) − c‖ for any such T, so this touches only clients the clipping after
+    matching would clip anyway; a client sent back in another basis is left alone. It keeps runaway values (a
+    reply of all 9999 made weight matching's assignment infeasible) out of the matching."""
+    distances = [distance(s, c) for s, c in zip(states, centers, strict=True)]
+    bound = ratio * statistics.median_low(distances) if ratio else math.inf
+    flagged = [_norm(s) - _norm(c) > bound for s, c in zip(states, centers, strict=True)]
+    factors = [bound / d if runaway else 1.0 for d, runaway in zip(distances, flagged, strict=True)]
+    if any(flagged):
+        log.warning("clipped %d of %d clients before matching: norms beyond the global model's + %.3g",
+                    sum(flagged), len(flagged), bound)
+    return Clipping([_toward(s, c, f) for s, c, f in zip(states, centers, factors, strict=True)], factors, None)
+
+
+def _toward(state: State, center: Mapping[str, torch.Tensor], factor: float) -> State:
+    """center + factor · (state − center), each tensor in its own dtype; ``state`` itself when factor is 1."""
+    if factor == 1.0:
+        return state
+    return {k: (center[k].double() + factor * (v.double() - center[k].double())).to(v.dtype) for k, v in state.items()}
+
+
+def _norm(state: Mapping[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((v.double() ** 2).sum()) for v in state.values()))
+
+
+def unclipped(states: Sequence[State]) -> Clipping:
+    """No global model to measure against (round 1 of independent inits): every state as it is."""
+    return Clipping(list(states), [1.0] * len(states), None)
+
+
+def weighted_mean(states: Sequence[State], weights: Sequence[float]) -> State:
+    """Σ w_i θ_i / Σ w_i in float64, each tensor back in its own dtype."""
+    total = float(sum(weights))
+    return {k: (sum(w * s[k].double() for s, w in zip(states, weights, strict=True)) / total).to(v.dtype)
+            for k, v in states[0].items()}
+
+
+def coordinatewise(states: Sequence[State], average: str, beta: float) -> State:
+    """Flower's FedMedian (the median of every coordinate; the mean of the middle two for even n) or FedTrimmedAvg
+    (the mean of every coordinate after cutting ``int(beta·n)`` values from each end), unweighted."""
+    n = len(states)
+    low, high = ((n - 1) // 2, n // 2 + 1) if average == "fedmedian" else (int(beta * n), n - int(beta * n))
+    merged: State = {}
+    for key, like in states[0].items():
+        ordered = torch.stack([s[key].double() for s in states]).sort(dim=0).values
+        merged[key] = ordered[low:high].mean(dim=0).to(like.dtype)
+    return merged
+
+
+def combine(states: Sequence[State], weights: Sequence[float], robust: Robustness) -> State:
+    """The robust average of equal-width states: the weighted mean, FedMedian or FedTrimmedAvg."""
+    if robust.weighted_mean:
+        return weighted_mean(states, weights)
+    return coordinatewise(states, robust.average, robust.trim_beta)

@@ -1,0 +1,160 @@
+"""The audit's figures of hostile but well-formed replies, measured with the robust defences off and at the defaults.
+
+    .venv/bin/python -m simulations.bench.hostile
+
+Three honest clients of 20,000 examples each (vit-tiny, seeded fine-tunes: the global model plus Gaussian steps of
+0.02) and one attacker, through the real strategy on real flwr replies:
+
+- inflation: the attacker's share of the weights when it claims 10⁹ examples;
+- scaling: the global model's norm after a reply of the attacker's weights × 1000;
+- model replacement: the global model's distance from the attacker's target t after a reply g + 4·(t − g);
+- a reply of all 9999 under weight aggregation (it crashed the ServerApp) and under canonical (it reached 4e8);
+
+each with the defences off, at the defaults, and with FedMedian (the defaults and ``robust-average=fedmedian``).
+
+Writes simulations/results/hostile/summary.md and results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+
+from glmc.archs import build_model, preset
+from glmc.train import seed_everything
+from server import protocol
+from server.robust import Robustness, distance
+from server.strategy import SymmetryAwareFedAvg
+from server.validation import ReplySchema
+
+RESULTS = Path("simulations/results/hostile")
+MODEL = "vit-tiny"
+HONEST_EXAMPLES = 20_000
+STEP = 0.02
+State = dict[str, torch.Tensor]
+
+
+def _model(seed: int) -> State:
+    seed_everything(seed)
+    return {k: v.detach().clone() for k, v in build_model(preset(MODEL)).state_dict().items()}
+
+
+def _reply(state: State, examples: int, node: int) -> Message:
+    values = {key: 0.5 for key in protocol.TRAIN_METRICS} | {protocol.TIER_KEY: 1.0, protocol.WEIGHT_KEY: examples}
+    meta = Metadata(run_id=1, message_id=f"m{node}", src_node_id=0, dst_node_id=node, reply_to_message_id="",
+                    group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
+    instruction = Message(RecordDict({protocol.CONFIG: ConfigRecord()}), metadata=meta)
+    return Message(RecordDict({protocol.ARRAYS: ArrayRecord(state),  # type: ignore[arg-type]
+                               protocol.METRICS: MetricRecord(values)}), reply_to=instruction)  # type: ignore[arg-type]
+
+
+def _round(aggregation: str, robust: Robustness, attacker: State, examples: int) -> dict[str, Any]:
+    """One round: three honest clients and the attacker; the global model's norm and the record."""
+    g = _model(0)
+    honest = _honest(g)
+    schema = ReplySchema({1.0: {k: tuple(v.shape) for k, v in g.items()}})
+    s = SymmetryAwareFedAvg(aggregation, schema, preset(MODEL), robust=robust, min_train_nodes=2,
+                            min_alignment_gain=0.0)
+    s.global_arrays = ArrayRecord(g)  # type: ignore[arg-type]
+    replies = [_reply(h, HONEST_EXAMPLES, i + 1) for i, h in enumerate(honest)] + [_reply(attacker, examples, 9)]
+    arrays, _ = s.aggregate_train(1, replies)
+    merged = arrays.to_torch_state_dict() if arrays is not None else g
+    honest_mean = {k: sum(h[k] for h in honest) / 3 for k in g}
+    record = s.current
+    return {"kept_global_model": arrays is None, "failure": record.failure, "capped": record.capped,
+            "clipped": record.clipped, "clipped_before": record.clipped_before,
+            "norm": distance(merged, {k: 0 * v for k, v in g.items()}),
+            "max_abs": max(float(v.abs().max()) for v in merged.values()),
+            "distance_from_honest_mean": distance(merged, honest_mean), "merged": merged}
+
+
+def _honest(g: State) -> list[State]:
+    """Three honest clients: ``g`` plus seeded Gaussian steps (seed 2)."""
+    gen = torch.Generator().manual_seed(2)
+    return [{k: v + STEP * torch.randn(v.shape, generator=gen) for k, v in g.items()} for _ in range(3)]
+
+
+def _radius() -> float:
+    """R: the largest distance of an honest client from the global model."""
+    g = _model(0)
+    return max(distance(h, g) for h in _honest(g))
+
+
+def inflation(robust: Robustness) -> dict[str, Any]:
+    torch.manual_seed(1)
+    result = _round("fedavg", robust, {k: v + STEP * torch.randn_like(v) for k, v in _model(0).items()}, 10**9)
+    claimed = robust.max_examples_ratio * HONEST_EXAMPLES if robust.max_examples_ratio else 10**9
+    return {"attacker_weight_share": claimed / (claimed + 3 * HONEST_EXAMPLES)} | result
+
+
+def scaling(robust: Robustness) -> dict[str, Any]:
+    torch.manual_seed(1)
+    g = _model(0)
+    result = _round("fedavg", robust, {k: 1000 * (v + STEP * torch.randn_like(v)) for k, v in g.items()},
+                    HONEST_EXAMPLES)
+    return result | {"global_norm_before": distance(g, {k: 0 * v for k, v in g.items()})}
+
+
+def replacement(robust: Robustness) -> dict[str, Any]:
+    g, target = _model(0), _model(123)
+    result = _round("fedavg", robust, {k: g[k] + 4 * (target[k] - g[k]) for k in g}, HONEST_EXAMPLES)
+    return {"distance_to_target_before": distance(g, target),
+            "distance_to_target_after": distance(result["merged"], target)} | result
+
+
+def constant(aggregation: str) -> Callable[[Robustness], dict[str, Any]]:
+    def measure(robust: Robustness) -> dict[str, Any]:
+        return _round(aggregation, robust, {k: torch.full_like(v, 9999.0) for k, v in _model(0).items()},
+                      HONEST_EXAMPLES)
+    return measure
+
+
+CASES = {"inflation (10^9 examples)": inflation, "scaling (x1000)": scaling, "model replacement (boost 4)": replacement,
+         "all 9999, weight": constant("weight"), "all 9999, canonical": constant("canonical")}
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    settings = (("off", Robustness.off()), ("defaults", Robustness()), ("fedmedian", Robustness(average="fedmedian")))
+    results = {name: {label: {k: v for k, v in measure(robust).items() if k != "merged"} for label, robust in settings}
+               for name, measure in CASES.items()}
+    radius = _radius()
+    lines = ["# Hostile replies: the audit's figures, defences off and at the defaults", "",
+             f"Command: `python -m simulations.bench.hostile`. Machine: {platform.machine()}, {os.cpu_count()} "
+             f"cores, python {platform.python_version()}, torch {torch.__version__}; wall time "
+             f"{time.perf_counter() - start:.0f} s. Model {MODEL}; seeds 0 (global), 2 (honest), 1 (attacker), "
+             f"123 (target); three honest clients of {HONEST_EXAMPLES} examples, one attacker.",
+             "'off': max-examples-ratio 0, clip-ratio 0 (the merged-model check stays on); 'defaults': 5 and 5; "
+             "'fedmedian': the defaults and robust-average fedmedian.",
+             f"R, the largest honest distance from the global model: {radius:.2f}; the bound of the defaults "
+             f"(server.robust): (clip-ratio + 1) R = {6 * radius:.2f} from the honest clients' own aggregate.", "",
+             "| attack | defences | kept global model (why) | capped | clipped (before matching) | global norm | "
+             "max abs | distance from honest mean | figure |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, by in results.items():
+        for label, r in by.items():
+            figure = (f"attacker weight share {r['attacker_weight_share']:.5f}" if "attacker_weight_share" in r else
+                      f"distance to target {r['distance_to_target_before']:.2f} → {r['distance_to_target_after']:.2f}"
+                      if "distance_to_target_after" in r else
+                      f"norm {r['global_norm_before']:.1f} → {r['norm']:.1f}" if "global_norm_before" in r else "")
+            kept = f"yes ({r['failure']})" if r["kept_global_model"] else "no"
+            clipped = f"{r['clipped']} ({r['clipped_before']})"
+            lines.append(f"| {name} | {label} | {kept} | {r['capped']} | {clipped} | {r['norm']:.2f} | "
+                         f"{r['max_abs']:.3g} | {r['distance_from_honest_mean']:.3f} | {figure} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "summary.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,257 @@
+"""Standard checkpoints in and out: models built and saved by timm and transformers themselves go through read →
+check → align (a planted symmetry transform is undone) → merge → write → reload with plain timm / transformers,
+and compute what they computed."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from timm.models.vision_transformer import VisionTransformer
+
+import glmc
+from glmc.archs import cast, get_arch
+from glmc.canonical import canonicalize
+from glmc.check import TOLERANCE, classes_for, invariance_errors
+from glmc.cli import main
+from glmc.formats import read
+from glmc.live import like, read_module
+from glmc.transforms import MATCHABLE, apply, random_transform
+from tests.interop_models import HF, TIMM, VIT_VARIANTS, Library, gpt2, logits, vit, vit_kwargs
+
+F32 = 1e-4  # the bar for the same function in float32 (files are written in float32)
+CASES = {"gpt2-tied": (lambda: gpt2(tied=True), HF, {}), "gpt2-untied": (lambda: gpt2(tied=False), HF, {})} | {
+    name: (lambda name=name: vit(name), TIMM, vit_kwargs(name)) for name in VIT_VARIANTS}
+
+
+@pytest.mark.parametrize("name", VIT_VARIANTS)
+def test_every_symmetry_class_is_exact_on_timm_variants(name):
+    """Transforms applied by glmc, loaded back into the VisionTransformer timm's own class built: same logits."""
+    kwargs = {k: v for k, v in vit_kwargs(name).items() if k != "model_name"}
+    torch.manual_seed(1)
+    model = VisionTransformer(**kwargs).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    arch, cfg, native = read_module(model)
+    x = TIMM.inputs(model).double()
+    state, reference = canonicalize(arch, native, cfg.depth), logits(model, x)
+    g = torch.Generator().manual_seed(2)
+    classes = classes_for(cfg)
+    for group in [*((c,) for c in classes), classes]:
+        moved = copy.deepcopy(model)
+        moved.load_state_dict(arch.to_native(apply(state, arch.spec, random_transform(cfg, group, g), cfg.heads),
+                                             cfg.depth), strict=True)
+        assert (logits(moved, x) - reference).abs().max() <= TOLERANCE, group
+
+
+def _plant(model, seed=5):
+    """A copy of the model moved by a random symmetry of every matchable class (glmc.transforms), float32."""
+    arch, cfg, native = read_module(model)
+    state = canonicalize(arch, native, cfg.depth, dtype=torch.float64)
+    t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(seed))
+    return like(model, cast(arch.to_native(apply(state, arch.spec, t, cfg.heads), cfg.depth), torch.float32))
+
+
+def _roundtrip_paths(tmp_path, lib: Library, model, kwargs):
+    a, b = tmp_path / f"a{lib.suffix}", tmp_path / f"b{lib.suffix}"
+    lib.save(model, a, kwargs)
+    lib.save(_plant(model), b, kwargs)
+    return a, b
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_round_trip_through_the_command_line(tmp_path, name):
+    make, lib, kwargs = CASES[name]
+    model = make()
+    a, b = _roundtrip_paths(tmp_path, lib, model, kwargs)
+    x, want = lib.inputs(model), logits(model, lib.inputs(model))
+    assert (logits(lib.load(b), x) - want).abs().max() <= F32  # the planted copy computes the same
+    state, meta = read(a)
+    assert max((read(b)[0][k] - v).abs().max() for k, v in state.items()) > 0.05  # the plant moved the weights
+    assert max(invariance_errors(meta.config, native=state).values()) <= TOLERANCE
+    for command in (["align", str(a), str(b)], ["merge", str(a), str(b)]):
+        out = tmp_path / f"{command[0]}{lib.suffix}"
+        assert main([*command, "--out", str(out)]) == 0
+        reloaded = lib.load(out)
+        assert type(reloaded) is type(model)
+        assert (logits(reloaded, x) - want).abs().max() <= F32, command[0]
+    aligned, _ = read(tmp_path / f"align{lib.suffix}")
+    arch = get_arch(meta.config.family)
+    folded = arch.to_native(canonicalize(arch, state, meta.config.depth), meta.config.depth)
+    assert max((aligned[k] - folded[k]).abs().max() for k in folded) <= F32  # the planted transform is undone
+
+
+@pytest.mark.parametrize("name", ["gpt2-tied", "vit-dinov2-like"])
+def test_api_round_trip_in_float64(name):
+    make, lib, _ = CASES[name]
+    model = make().double()
+    planted = _plant(model).double()
+    x = lib.inputs(model)
+    want = logits(model, x)
+    assert glmc.check(model) <= TOLERANCE
+    moved = glmc.align(model, planted)
+    assert type(moved) is type(model) and (logits(moved, x) - want).abs().max() <= TOLERANCE
+    merged = glmc.merge([model, planted])
+    assert (logits(merged, x) - want).abs().max() <= TOLERANCE
+    labels = torch.randint(0, want.shape[-1], (len(x),), generator=torch.Generator().manual_seed(4))
+    curve = glmc.barrier(model, planted, (x, labels) if x.is_floating_point() else x, points=3)
+    assert curve.lambdas == [0.0, 0.5, 1.0] and abs(curve.barrier) <= F32
+
+
+def test_a_tied_gpt2_stays_tied_only_while_equal(tmp_path):
+    """Folding ln_f's gain into the head moves it off the embedding: the written folder must say so."""
+    model = gpt2(tied=True)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    HF.save(model, tmp_path / "a", {})
+    assert main(["align", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert config["tie_word_embeddings"] is False and "lm_head.weight" in tensors
+    assert not torch.equal(tensors["lm_head.weight"], tensors["transformer.wte.weight"])
+    untouched = glmc.merge([model, model], method="none")
+    assert untouched.lm_head.weight is untouched.transformer.wte.weight  # still bit-equal: still tied
+
+
+def _permute_timm_vit(state, heads, units, num_heads):
+    """Head and MLP-unit permutations written directly on timm's names (not glmc.transforms): layer 0 only."""
+    out = dict(state)
+    qkv = state["blocks.0.attn.qkv.weight"]
+    out["blocks.0.attn.qkv.weight"] = qkv.reshape(3, num_heads, -1, qkv.shape[1])[:, heads].reshape(qkv.shape)
+    bias = state["blocks.0.attn.qkv.bias"]
+    out["blocks.0.attn.qkv.bias"] = bias.reshape(3, num_heads, -1)[:, heads].reshape(bias.shape)
+    proj = state["blocks.0.attn.proj.weight"]
+    out["blocks.0.attn.proj.weight"] = proj.reshape(proj.shape[0], num_heads, -1)[:, heads].reshape(proj.shape)
+    out["blocks.0.mlp.fc1.weight"] = state["blocks.0.mlp.fc1.weight"][units]
+    out["blocks.0.mlp.fc1.bias"] = state["blocks.0.mlp.fc1.bias"][units]
+    out["blocks.0.mlp.fc2.weight"] = state["blocks.0.mlp.fc2.weight"][:, units]
+    return out
+
+
+def test_an_independently_written_permutation_is_undone(tmp_path):
+    model = vit("vit-registers")
+    kwargs = vit_kwargs("vit-registers")
+    TIMM.save(model, tmp_path / "a.safetensors", kwargs)
+    g = torch.Generator().manual_seed(0)
+    heads, units = torch.randperm(3, generator=g), torch.randperm(60, generator=g)
+    permuted = copy.deepcopy(model)
+    permuted.load_state_dict(_permute_timm_vit(model.state_dict(), heads, units, 3))
+    x = TIMM.inputs(model)
+    assert (logits(permuted, x) - logits(model, x)).abs().max() <= F32
+    TIMM.save(permuted, tmp_path / "b.safetensors", kwargs)
+    out = tmp_path / "out.safetensors"
+    assert main(["align", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--out", str(out),
+                 "--method", "weight-perm", "--format", "timm"]) == 0
+    aligned, (arch, cfg, native) = TIMM.load(out).state_dict(), read_module(model)
+    folded = arch.to_native(canonicalize(arch, native, cfg.depth), cfg.depth)  # glmc writes LayerNorms folded
+    assert max((aligned[k] - v).abs().max() for k, v in folded.items()) <= 1e-6
+
+
+def test_a_gpt2model_folder_reads_as_a_tied_lm(tmp_path):
+    from transformers import GPT2Config, GPT2Model
+
+    from tests.interop_models import GPT2_BASE
+
+    torch.manual_seed(0)
+    GPT2Model(GPT2Config(**GPT2_BASE)).save_pretrained(str(tmp_path / "base"))
+    state, meta = read(tmp_path / "base")
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+    assert state["lm_head.weight"].data_ptr() != state["transformer.wte.weight"].data_ptr()
+    assert meta.config.vocab_size == GPT2_BASE["vocab_size"] and meta.origin["format"] == "hf"
+
+
+def _refused(capsys, argv, *phrases):
+    capsys.readouterr()  # what the fixtures printed
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("glmc: error:") and len(err.splitlines()) == 1, err
+    for phrase in phrases:
+        assert phrase in err, err
+
+
+def test_bad_inputs_get_one_line_and_write_nothing(tmp_path, capsys):
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(vocab_size=20, hidden_size=12, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=16)).save_pretrained(str(tmp_path / "bert"))
+    HF.save(gpt2(tied=True), tmp_path / "g2", {})
+    deep = gpt2(tied=False).config.to_dict() | {"n_layer": 3}
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config.from_dict(deep)).save_pretrained(str(tmp_path / "g3"))
+    TIMM.save(vit("vit-plain"), tmp_path / "v.safetensors", vit_kwargs("vit-plain"))
+    (tmp_path / "model.pth").write_bytes(b"not even opened")
+    out = tmp_path / "out"
+    _refused(capsys, ["check", str(tmp_path / "bert")], "unsupported architecture BertModel")
+    _refused(capsys, ["align", str(tmp_path / "model.pth"), str(tmp_path / "g2"), "--out", str(out)], "pickle",
+             "safetensors")
+    _refused(capsys, ["align", str(tmp_path / "g2"), str(tmp_path / "v.safetensors"), "--out", str(out)],
+             "is a gpt2 but")
+    _refused(capsys, ["merge", str(tmp_path / "g2"), str(tmp_path / "g3"), "--out", str(out)], "depth")
+    _refused(capsys, ["export", str(tmp_path / "v.safetensors"), "--hf", str(out)], "not a vit")
+    assert not out.exists()
+
+
+def test_timm_kwargs_that_would_download_or_change_the_function_are_refused(tmp_path, capsys):
+    model = vit("vit-plain")
+    for name, extra, phrase in [("pre", {"pretrained": True}, "would download"),
+                                ("max", {"global_pool": "max"}, "global_pool"),
+                                ("qkn", {"qk_norm": True}, "unsupported")]:
+        kwargs = vit_kwargs("vit-plain") | extra
+        path = tmp_path / f"{name}.safetensors"
+        built = model if name == "pre" else perturb_like(kwargs)
+        TIMM.save(built, path, kwargs)
+        _refused(capsys, ["check", str(path)], phrase)
+
+
+def perturb_like(kwargs):
+    import timm
+
+    from tests.interop_models import perturb
+
+    return perturb(timm.create_model(**kwargs), 0)
+
+
+def test_a_glmc_text_model_exports_with_its_char_tokenizer(tmp_path):
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    from glmc.archs import build_model, preset
+    from glmc.checkpoint import CheckpointMeta, save_checkpoint
+    from glmc.data import CharVocab
+
+    vocab = CharVocab("\n !abcdefghi")
+    cfg = preset("gpt2-tiny").replace(vocab_size=vocab.size, context=8)
+    model = build_model(cfg).eval()
+    save_checkpoint(tmp_path / "c.safetensors", model, CheckpointMeta("gpt2-tiny", cfg, dataset="shakespeare",
+                                                                      vocab=vocab.to_json()))
+    assert main(["export", str(tmp_path / "c.safetensors"), "--hf", str(tmp_path / "hf")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ids = tokenizer("bad fig\n")["input_ids"]
+    assert ids == vocab.encode("bad fig\n").tolist() and tokenizer.decode(ids) == "bad fig\n"
+    x = torch.tensor([ids])
+    assert (logits(GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")), x) - logits(model, x)).abs().max() <= F32
+    assert read(tmp_path / "hf")[1].dataset == "shakespeare"  # glmc.json keeps what glmc knew
+
+
+def test_data_files(tmp_path):
+    import numpy as np
+
+    from glmc.errors import ConfigError
+    from glmc.userdata import load_data_file
+
+    cfg = read_module(vit("vit-plain"))[1]
+    images = np.random.default_rng(0).normal(size=(6, 1, 16, 16)).astype(np.float32)
+    np.savez(tmp_path / "v.npz", images=images, labels=np.arange(6) % 5)
+    x, y = load_data_file(tmp_path / "v.npz", cfg)[:]
+    assert x.shape == (6, 1, 16, 16) and y.tolist() == [0, 1, 2, 3, 4, 0]
+    text = read_module(gpt2(tied=True))[1]
+    np.save(tmp_path / "stream.npy", np.arange(25) % 19)
+    x, y = load_data_file(tmp_path / "stream.npy", text)[:]
+    assert x.shape == (2, 10) and torch.equal(y[:, :-1], x[:, 1:])  # windows of context + 1, targets shifted
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object))
+    for bad, phrase in (("objects.npy", "not a readable"), ("v.npz", "does not fit the gpt2")):
+        with pytest.raises(ConfigError, match=phrase):
+            load_data_file(tmp_path / bad, text)

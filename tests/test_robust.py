@@ -1,0 +1,151 @@
+"""Robust aggregation (server.robust) on its own and through the strategy on real flwr replies: the cap on
+num-examples, update-norm clipping measured after alignment, FedMedian and FedTrimmedAvg (checked against numpy and
+scipy), and the defaults leaving an honest round bit for bit as it was without them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from flwr.app import ArrayRecord
+from test_strategy import CFG, _permuted, as_numpy, logits, metrics, reply, schema, state, strategy
+
+from client.attacks import attack
+from glmc.errors import ConfigError
+from server.robust import Robustness, cap_examples, clip, coordinatewise, distance, screen
+from server.settings import RunSettings
+from server.validation import check_reply
+
+
+def _tuned(base: dict[str, torch.Tensor], seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
+    """A fine-tune of ``base``: a small seeded step away from it."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in base.items()}
+
+
+def test_num_examples_are_capped_at_a_multiple_of_the_lower_median_and_at_the_budget() -> None:
+    claimed = [20_000, 20_000, 20_000, 10**9]
+    assert cap_examples(claimed, Robustness()) == [20_000, 20_000, 20_000, 100_000]
+    assert cap_examples(claimed, Robustness(max_examples=30_000)) == [20_000, 20_000, 20_000, 30_000]
+    assert cap_examples(claimed, Robustness.off()) == claimed
+    assert cap_examples([10**9, 5], Robustness()) == [25, 5]  # the lower median: one of two cannot set its own cap
+
+
+def test_clipping_pulls_a_far_client_back_along_its_update_to_the_bound() -> None:
+    center = state(0)
+    states = [_tuned(center, i) for i in range(3)] + [_tuned(center, 9, scale=3.0)]
+    result = clip(states, [center] * 4, ratio=2.0)
+    median = sorted(distance(s, center) for s in states)[1]
+    assert result.clipped == 1 and result.states[:3] == states[:3]  # the same objects: untouched
+    assert all(a is b for a, b in zip(result.states[:3], states[:3], strict=True))
+    assert distance(result.states[3], center) == pytest.approx(2.0 * median, rel=1e-5)
+    update = torch.cat([(states[3][k] - center[k]).reshape(-1) for k in center])
+    moved = torch.cat([(result.states[3][k] - center[k]).reshape(-1) for k in center])
+    assert torch.nn.functional.cosine_similarity(update, moved, dim=0) > 1 - 1e-6
+    assert result.spread == pytest.approx(distance(states[3], center) / median)
+
+
+def test_one_attacker_cannot_raise_the_clipping_bound_past_the_largest_honest_distance() -> None:
+    center = state(0)
+    honest = [_tuned(center, i, scale=0.01 * (i + 1)) for i in range(3)]
+    for scale in (10.0, 1e3):
+        result = clip([*honest, _tuned(center, 9, scale=scale)], [center] * 4, ratio=1.0)
+        assert distance(result.states[3], center) <= max(distance(h, center) for h in honest) * (1 + 1e-6)
+
+
+def test_screen_leaves_a_client_in_another_basis_alone_and_clips_a_runaway() -> None:
+    center = state(0)
+    moved = _permuted(_tuned(center, 1), seed=3)  # far from the center in this basis, not in norm
+    runaway = {k: torch.full_like(v, 9999.0) for k, v in center.items()}
+    result = screen([_tuned(center, 2), _tuned(center, 3), moved, runaway], [center] * 4, ratio=5.0)
+    assert result.factors[:3] == [1.0, 1.0, 1.0] and result.states[2] is moved
+    assert result.factors[3] < 1e-4
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 7])
+def test_fedmedian_and_fedtrimmedavg_are_numpys_median_and_scipys_trimmed_mean(n: int) -> None:
+    states = [_tuned(state(0), i, scale=1.0) for i in range(n)]
+    median = coordinatewise(states, "fedmedian", 0.2)
+    trimmed = coordinatewise(states, "fedtrimmedavg", 0.2)
+    for key in states[0]:
+        stacked = np.stack([s[key].double().numpy() for s in states])
+        np.testing.assert_allclose(median[key].numpy(), np.median(stacked, axis=0), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(trimmed[key].numpy(), scipy.stats.trim_mean(stacked, 0.2, axis=0),
+                                   rtol=1e-6, atol=1e-7)
+
+
+def _round(aggregation: str, replies: list, robust: Robustness, anchor: dict[str, torch.Tensor]) -> tuple:
+    s = strategy(aggregation, robust=robust, min_alignment_gain=0.0)
+    s.global_arrays = ArrayRecord(anchor)  # type: ignore[arg-type]
+    arrays, _ = s.aggregate_train(1, replies)
+    assert arrays is not None, s.current.failure
+    return as_numpy(arrays), s.current
+
+
+@pytest.mark.parametrize("aggregation", ["fedavg", "weight", "canonical"])
+def test_the_defaults_leave_an_honest_round_bit_for_bit(aggregation: str) -> None:
+    anchor = state(0)
+    replies = [reply(_tuned(anchor, i, scale=0.01 * (i + 1)), metrics(examples=n), node=i + 1)
+               for i, n in enumerate((10, 20, 30))]
+    defended, record = _round(aggregation, replies, Robustness(), anchor)
+    plain, _ = _round(aggregation, replies, Robustness.off(), anchor)
+    assert all(np.array_equal(defended[k], plain[k]) for k in plain)
+    assert record.capped == record.clipped == record.clipped_before == 0 and 1 < record.spread < 5
+
+
+def test_clipping_is_measured_after_alignment() -> None:
+    """A client sent back in another basis (the same function) is far from the global model before matching and near
+    it after: weight matching leaves it unclipped and merges it as if sent in the global basis; FedAvg, which does
+    not align, clips it."""
+    anchor = state(0)
+    tuned = [_tuned(anchor, i) for i in range(4)]
+    counts = (10, 20, 30, 40)
+    replies = [reply(t, metrics(examples=n), node=i + 1) for i, (t, n) in enumerate(zip(tuned, counts, strict=True))]
+    moved = [*replies[:3], reply(_permuted(tuned[3], seed=5), metrics(examples=40), node=4)]
+    aligned, record = _round("weight", moved, Robustness(clip_ratio=2.0), anchor)
+    reference, _ = _round("weight", replies, Robustness(clip_ratio=2.0), anchor)
+    assert record.clipped == record.clipped_before == 0
+    x = torch.randn(4, 1, 8, 8)
+    as_torch = {k: torch.from_numpy(v) for k, v in aligned.items()}
+    torch.testing.assert_close(logits(as_torch, x), logits({k: torch.from_numpy(v) for k, v in reference.items()}, x),
+                               rtol=1e-4, atol=1e-4)
+    _, unaligned = _round("fedavg", moved, Robustness(clip_ratio=2.0), anchor)
+    assert unaligned.clipped == 1
+
+
+def test_fedmedian_keeps_every_coordinate_within_the_honest_clients_range() -> None:
+    anchor = state(0)
+    honest = [_tuned(anchor, i, scale=0.05) for i in range(4)]
+    attacker = {k: 1000 * v for k, v in honest[0].items()}
+    replies = [reply(h, metrics(examples=10), node=i + 1) for i, h in enumerate(honest)]
+    merged, _ = _round("fedavg", [*replies, reply(attacker, metrics(examples=10**9), node=9)],
+                       Robustness(average="fedmedian"), anchor)
+    for key in anchor:
+        stacked = torch.stack([h[key] for h in honest]).numpy()
+        assert (merged[key] >= stacked.min(0) - 1e-6).all() and (merged[key] <= stacked.max(0) + 1e-6).all()
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"robust_average": "fedmedian", "width_tiers": (1.0, 0.5)}, "equal-width"),
+    ({"robust_average": "krum"}, "robust-average must be one of"),
+    ({"clip_ratio": 0.5}, "clip-ratio below 1"),
+    ({"max_examples_ratio": -1.0}, ">= 0"),
+    ({"trim_beta": 0.5}, "trim-beta"),
+])
+def test_robust_settings_are_checked(changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RunSettings(**changes)
+    assert RunSettings(robust_average="fedtrimmedavg", trim_beta=0.3).robustness.trim_beta == 0.3
+
+
+def test_the_attack_hook_makes_well_formed_replies_of_each_attack() -> None:
+    """client.attacks: every attack passes validation; sign flip and replacement move from the received model."""
+    received, trained = state(0), _tuned(state(0), 1)
+    for kind in ("none", "inflate", "scale", "signflip", "replace", "constant"):
+        sent, changes = attack(kind, trained, received, CFG, boost=5.0, seed=7)
+        assert check_reply(reply(sent, metrics(**changes)), schema()) is None, kind  # type: ignore[arg-type]
+        if kind == "signflip":
+            for k in received:
+                torch.testing.assert_close(sent[k], received[k] - 5.0 * (trained[k] - received[k]))
+    assert attack("inflate", trained, received, CFG, 5.0, 7)[1] == {"num-examples": 10**9}
