@@ -45,7 +45,7 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: 
     arch = get_arch(cfg.family)
     if method in LEARNED_METHODS:
         assert data is not None
-        return _learned(method, a, b, cfg, form, data, learn, start)
+        return _learned(method, a, b, cfg, form, data, learn, start, weight)
     if method in ("weight", "weight-perm"):
         from glmc.match.weight import weight_match
 
@@ -60,20 +60,21 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: 
 
 
 def _learned(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset,
-             learn: LearnConfig | None, start: Start) -> MatchResult:
-    """Learned matching (Algorithm 1), its permutation-only row, soft permutations, or dual learning."""
+             learn: LearnConfig | None, start: Start, weight: WeightOptions | None) -> MatchResult:
+    """Learned matching (Algorithm 1), its permutation-only row, soft permutations, or dual learning, each from
+    weight matching at ``start`` with the options ``weight``."""
     if method == "soft":
         from glmc.match.soft import soft_match
 
-        return soft_match(a, b, cfg, data, form=form, options=learn, start=start)
+        return soft_match(a, b, cfg, data, form=form, options=learn, start=start, weight=weight)
     if method == "dual":
         from glmc.match.dual import dual_match
 
-        return dual_match(a, b, cfg, data, form=form, options=learn, start=start).result
+        return dual_match(a, b, cfg, data, form=form, options=learn, start=start, weight=weight).result
     from glmc.match.learned import learned_match
 
     return learned_match(a, b, cfg, data, form=form, options=learn, permutations_only=method == "learned-perm",
-                         start=start)
+                         start=start, weight=weight)
 
 
 def align_pair(

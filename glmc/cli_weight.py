@@ -4,6 +4,7 @@ a narrower model is aligned as ``glmc merge`` aligns it): where it starts, its c
 from __future__ import annotations
 
 import argparse
+import typing
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def weight_flags_given(args: argparse.Namespace) -> dict[str, bool]:
 
 def weight_start(args: argparse.Namespace) -> Start:
     """The residual start the flags give."""
-    return args.start or START_NAMES[0]
+    return typing.cast("Start", args.start or START_NAMES[0])
 
 
 def weight_options(args: argparse.Namespace) -> WeightOptions:
@@ -50,5 +51,5 @@ def weight_options(args: argparse.Namespace) -> WeightOptions:
     from glmc.match.weight import WeightOptions
 
     given = _given(args)
-    return WeightOptions(**{field: given[flag] for flag, (field, _, _) in WEIGHT_FLAGS.items()
+    return WeightOptions(**{field: given[flag] for flag, (field, _, _) in WEIGHT_FLAGS.items()  # type: ignore[arg-type]
                             if given[flag] is not None})

@@ -31,6 +31,7 @@ from glmc.archs import ModelConfig, State, get_arch
 from glmc.device import device_of
 from glmc.errors import ConfigError, check_options, check_weights
 from glmc.match.common import MatchResult, sq_distance
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.transforms import Transform, apply, compose
 from glmc.widths import FILLS, Placement, embed, lstsq_merge, move, place, widen
 
@@ -79,13 +80,16 @@ class _Job:
     data: Dataset | None
     batch: int
     learn: Any = None  # glmc.match.learned.LearnConfig for the learned methods
+    weight_start: Start = DEFAULT_START  # where weight matching (and the learned methods' first matching) starts
+    weight: WeightOptions | None = None  # that matching's costs and stopping rule
 
 
 def _align_one(job: _Job, anchor: State, state: State) -> MatchResult:
     """The transform that brings ``state`` next to ``anchor`` (both canonical, standard form, width of cfg)."""
     from glmc.align import _match
 
-    return _match(job.method, anchor, state, job.cfg, "standard", job.data, job.batch, job.learn)
+    return _match(job.method, anchor, state, job.cfg, "standard", job.data, job.batch, job.learn,
+                  job.weight_start, job.weight)
 
 
 _SHARED: dict[str, Any] = {}  # a worker's copy of one iteration's job, anchor and states
@@ -159,7 +163,7 @@ def universe_match(
     anchor: State | None = None, reference: int = 0, configs: Sequence[ModelConfig] | None = None,
     max_iters: int = 5, tol: float = 1e-3, data: Dataset | None = None, batch: int = 512, workers: int = 1,
     refine: bool = False, learn: LearnConfig | None = None, starts: Sequence[Placement | None] | None = None,
-    fill: str = "zeros",
+    fill: str = "zeros", weight_start: Start = DEFAULT_START, weight: WeightOptions | None = None,
 ) -> UniverseResult:
     """Align N canonical standard-form models into one universe of config ``cfg`` and merge them (paper §4.3).
 
@@ -170,7 +174,9 @@ def universe_match(
     first ``batch`` inputs; learned: all of it) and the refinement; ``workers`` > 1 runs each iteration's
     alignments in a process pool; ``refine`` adds the multi-model learned refinement with options ``learn``;
     ``starts[i]`` is where narrow state i sits in the universe before matching (default: :func:`place`);
-    ``fill`` is how a narrow model fills the universe's extra heads and units (:data:`glmc.widths.FILLS`).
+    ``fill`` is how a narrow model fills the universe's extra heads and units (:data:`glmc.widths.FILLS`);
+    ``weight_start`` and ``weight``: where each pairwise weight matching starts and its options
+    (:func:`glmc.match.weight.weight_match`).
     """
     if len(states) == 0:
         raise ConfigError("universe matching needs at least one model")
@@ -188,7 +194,7 @@ def universe_match(
     universe = dict(anchor) if anchor is not None else aligned[reference]
     if workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
         data = _small_dataset(data, batch if method == "activation" else None)
-    job = _Job(method, cfg, data, batch, learn)
+    job = _Job(method, cfg, data, batch, learn, weight_start, weight)
     result = UniverseResult(aligned, placements, transforms, universe)
     for iteration in range(1, max_iters + 1):
         _iterate(result, job, workers, iteration, weights)

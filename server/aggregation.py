@@ -40,6 +40,7 @@ from glmc.canonical import canonicalize
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.refit import refit as refit_layers
 from glmc.repair import repair as repair_statistics
 from glmc.rescale import restore_norms
@@ -126,7 +127,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
           data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
           tune: TrainConfig | None = None, restore: bool = False, repair: bool = False,
           refit: bool = False, min_gain: float = 0.0, robust: Robustness | None = None,
-          device: str = "cpu") -> MergeResult:
+          device: str = "cpu", weight_start: Start = DEFAULT_START, weight: WeightOptions | None = None) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
@@ -139,6 +140,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     ``robust``: clipping around the anchor and the robust average (:mod:`server.robust`; the clients' weights come
     already capped); default off.
     ``device``: where alignment, merging and fine-tuning run (``server-device``); the result comes back on the CPU.
+    ``weight_start``, ``weight``: where weight matching starts and its costs (also the learned methods' first step).
     """
     robust = robust or Robustness.off()
     if aggregation in SLICED:
@@ -157,7 +159,8 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     result = universe_match(early.states, full, method, weights=weights, anchor=start,
                             reference=max(range(len(clients)), key=weights.__getitem__), configs=configs,
                             max_iters=iters, data=data, batch=len(data) if data is not None else 512,  # type: ignore[arg-type]
-                            workers=workers, refine=refine, learn=learn, starts=starts)
+                            workers=workers, refine=refine, learn=learn, starts=starts, weight_start=weight_start,
+                            weight=weight)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     after = mean_pairwise_distance(result.aligned)
     if aggregation in GUARDED and _gains_too_little(before, after, min_gain, configs, full):

@@ -21,6 +21,7 @@ from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.device import resolve
 from glmc.match.learned import LearnConfig, Within
+from glmc.match.weight import Start
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.guard import set_aside_note
 from server.hooks import (
@@ -161,7 +162,8 @@ def main(grid: Grid, context: Context) -> None:
         repair=settings.repair, refit=settings.refit, narrow_placement=settings.narrow_placement,
         min_alignment_gain=settings.min_alignment_gain, independent_init=settings.independent_start,
         robust=settings.robustness, node_wait_timeout=settings.node_wait_timeout, round_offset=done,
-        device=settings.server_device,
+        device=settings.server_device, weight_start=typing.cast(Start, settings.weight_start),
+        weight=settings.weight_options,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
         min_available_nodes=settings.min_available_nodes or settings.min_train_nodes,

@@ -18,6 +18,7 @@ from typing import Any
 from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
 from glmc.match.learned import WITHIN
+from glmc.match.weight import STARTS, WeightOptions
 from server.robust import Robustness
 
 AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft", "server-only")
@@ -109,6 +110,12 @@ class RunSettings:
     # gained 0.6–2% there), and matching their noise cost FedAvg points under drift (simulations/results/drift-seeds);
     # independently initialised clients gain 13–15% (simulations/results/oneshot)
     min_alignment_gain: float = 0.05
+    # weight matching (weight, universe, and the learned methods' first step): its start (relaxed | identity |
+    # embeddings), head cost (norm | squared) and MLP cost (l1 | inner); glmc align's --start, --head-cost and
+    # --mlp-cost. Results published before these keys ran identity, squared and inner (their configs pin them)
+    weight_start: str = "relaxed"
+    weight_head_cost: str = "norm"
+    weight_mlp_cost: str = "l1"
     # Robust aggregation (server.robust), on every aggregation, where the clients are averaged (after alignment).
     # The defaults sit above every honest round measured (simulations/results/attacks): there they change nothing.
     # a node's num-examples is capped at this multiple of the round's lower median (0 = off); the published splits
@@ -192,6 +199,11 @@ class RunSettings:
                  f"robust-average {self.robust_average!r} takes coordinates of equal-width clients; width-tiers "
                  f"{self.width_tiers} mixes widths")
         self.robustness  # noqa: B018  (checks the robust-aggregation keys)
+        _require(self.weight_start in STARTS, f"weight-start must be one of {STARTS}, got {self.weight_start!r}")
+        try:
+            self.weight_options  # noqa: B018  (checks weight-head-cost and weight-mlp-cost)
+        except ConfigError as err:
+            raise ConfigError(f"weight-head-cost / weight-mlp-cost: {err}") from None
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
 
@@ -200,6 +212,11 @@ class RunSettings:
         """The robust-aggregation settings (:class:`server.robust.Robustness`)."""
         return Robustness(max_examples_ratio=self.max_examples_ratio, max_examples=self.max_examples,
                           clip_ratio=self.clip_ratio, average=self.robust_average, trim_beta=self.trim_beta)
+
+    @property
+    def weight_options(self) -> WeightOptions:
+        """Weight matching's costs (:class:`glmc.match.weight.WeightOptions`)."""
+        return WeightOptions(head_cost=self.weight_head_cost, mlp_cost=self.weight_mlp_cost)  # type: ignore[arg-type]
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, Any]) -> RunSettings:

@@ -34,6 +34,7 @@ from glmc.archs import ModelConfig, State
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
 from glmc.match.learned import LearnConfig
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.train import TrainConfig
 from glmc.widths import Placement
 from server import protocol
@@ -115,7 +116,7 @@ class SymmetryAwareFedAvg(FedAvg):
                  min_alignment_gain: float = RunSettings.min_alignment_gain, independent_init: bool = False,
                  robust: Robustness | None = None, node_wait_timeout: float = RunSettings.node_wait_timeout,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), device: str = "cpu",
-                 **fedavg: Any) -> None:
+                 weight_start: Start = DEFAULT_START, weight: WeightOptions | None = None, **fedavg: Any) -> None:
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
         if aggregation not in AGGREGATIONS:
@@ -144,6 +145,8 @@ class SymmetryAwareFedAvg(FedAvg):
         self.robust = robust or RunSettings().robustness  # caps, clipping and the robust average (server.robust)
         self.node_wait_timeout = node_wait_timeout  # seconds a round waits for enough nodes before it is skipped
         self.device = resolve(device)  # where the server aligns and merges (server-device)
+        self.weight_start = weight_start  # where weight matching (and the learned methods' first matching) starts
+        self.weight = weight  # that matching's costs and stopping rule (glmc.match.weight.WeightOptions)
         self.round_offset = round_offset
         self.hooks = list(hooks)
         self.records: list[RoundRecord] = []
@@ -351,7 +354,8 @@ class SymmetryAwareFedAvg(FedAvg):
         return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
                      iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
                      restore=self.restore_norms, repair=self.repair, refit=self.refit,
-                     min_gain=self.min_alignment_gain, robust=self.robust, device=str(self.device))
+                     min_gain=self.min_alignment_gain, robust=self.robust, device=str(self.device),
+                     weight_start=self.weight_start, weight=self.weight)
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(

@@ -133,4 +133,5 @@ def load_shakespeare_bpe(path: str | Path | None = None, context: int = 256,
         raise ConfigError(f"the corpus is too short for blocks of {context} tokens in each of its three splits")
     log.info("Shakespeare BPE: vocab %d; %d train / %d validation / %d test blocks of %d tokens", vocab.size,
              *map(len, blocks), context)
-    return BpeCorpus(vocab, *blocks, context=context)
+    train_blocks, val_blocks, test_blocks = blocks
+    return BpeCorpus(vocab, train_blocks, val_blocks, test_blocks, context)

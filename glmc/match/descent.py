@@ -224,8 +224,11 @@ class Descent:
             perm = t.mlp[layer.index]
             kept = layer.mlp_cross
             if kept is None or perm is None or not torch.equal(kept[0], perm):
-                kept = layer.mlp_cross = (perm, self._part_cross(layer.mlp, units))  # type: ignore[assignment]
-            total += kept[1]
+                cross = self._part_cross(layer.mlp, units)
+                layer.mlp_cross = None if perm is None else (perm, cross)
+            else:
+                cross = kept[1]
+            total += cross
         return total
 
     def _part_cross(self, names: list[str], units: Transform) -> torch.Tensor:

@@ -24,7 +24,7 @@ from glmc.canonical import Form, fixes_ones
 from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn, pair_points
-from glmc.match.weight import DEFAULT_START, Start, weight_match
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.transforms import Transform, compose, invert
 
 
@@ -39,12 +39,13 @@ class DualResult:
 
 def dual_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
                options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = DEFAULT_START,
-               ) -> DualResult:
+               weight: WeightOptions | None = None) -> DualResult:
     """Learn π_A and π_B jointly so that λ π_A(θ_A) + (1−λ) π_B(θ_B) has low task loss, λ ~ U(0.4, 0.6)."""
     options = options or LearnConfig()
     began = time.perf_counter()
     fix_ones = fixes_ones(form)
-    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start)
+    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start,
+                        options=weight)
     sides = [Latents(t, cfg, options, fix_ones=fix_ones, seed=i) for i, t in enumerate((Transform(cfg.depth),
                                                                                          init.transform))]
     learned = learn([Endpoint(a, sides[0]), Endpoint(b, sides[1])], cfg, data, Sampler(options.seed, lam=options.lam),

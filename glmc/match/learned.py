@@ -35,7 +35,7 @@ from glmc.canonical import CIRCUITS, Form, fixes_ones, to_circuit, to_model
 from glmc.device import device_of
 from glmc.errors import ConfigError, check_options
 from glmc.match.common import MatchResult
-from glmc.match.weight import DEFAULT_START, Start, weight_match
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.train import cosine_schedule, token_loss
 from glmc.transforms import Transform, apply
 
@@ -424,18 +424,20 @@ def _epochs(loader: DataLoader, total: int) -> Iterator[tuple[torch.Tensor, torc
 
 def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
                   permutations_only: bool = False, options: LearnConfig | None = None,
-                  validation: Dataset | None = None, start: Start = DEFAULT_START) -> MatchResult:
+                  validation: Dataset | None = None, start: Start = DEFAULT_START,
+                  weight: WeightOptions | None = None) -> MatchResult:
     """Algorithm 1: T(θ_B) ≡ θ_B as a function with λ θ_A + (1−λ) T(θ_B) of low task loss.
 
     ``a``, ``b``: canonical states of ``cfg`` in ``form``; ``data``: (input, target) pairs of the training split,
     a validation share of it held out unless ``validation`` is given. ``permutations_only`` makes the residual a
     permutation too and starts from permutation-only weight matching (the paper's "permutations" row).
+    ``start`` and ``weight``: the start and costs of that first weight matching (:func:`weight_match`).
     """
     options = options or LearnConfig()
     began = time.perf_counter()
     arch, fix_ones = get_arch(cfg.family), fixes_ones(form)
     init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, permutations_only=permutations_only,
-                        start=start)
+                        start=start, options=weight)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, residual_perm=permutations_only)
     learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
                     pair_points(options), options, form=form, validation=validation)

@@ -19,7 +19,7 @@ from glmc.canonical import Form, fixes_ones
 from glmc.check import TOLERANCE
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
-from glmc.match.weight import DEFAULT_START, Start, weight_match
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.train import token_loss
 from glmc.transforms import Transform
 
@@ -44,7 +44,7 @@ def endpoint_error(b: State, t: Transform, cfg: ModelConfig, data: Dataset, form
 
 def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
                options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = DEFAULT_START,
-               ) -> MatchResult:
+               weight: WeightOptions | None = None) -> MatchResult:
     """Learn soft head and MLP permutations and the residual map for λ θ_A + (1−λ) T(θ_B) (App. D.3).
 
     The transform's ``heads`` and ``mlp`` are dense doubly stochastic matrices (``apply`` accepts them);
@@ -53,7 +53,8 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
     options = options or LearnConfig()
     began = time.perf_counter()
     fix_ones = fixes_ones(form)
-    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start)
+    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start,
+                        options=weight)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, soft=True)
     learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
                     pair_points(options), options, form=form, validation=validation)

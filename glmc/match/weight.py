@@ -78,7 +78,8 @@ def embedding_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tens
               if layer is None and RES in spec[template] and name in a]
     if not blocks:
         raise ConfigError("the embeddings start needs a residual-side tensor outside the blocks (an embedding)")
-    return groups.procrustes(sum(xa @ xb.T / xa.shape[1] for xa, xb in blocks), fix_ones)
+    cross = torch.stack([xa @ xb.T / xa.shape[1] for xa, xb in blocks]).sum(0)
+    return groups.procrustes(cross, fix_ones)
 
 
 def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
