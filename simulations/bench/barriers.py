@@ -116,7 +116,9 @@ def report_path(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path, ta
 def pair_barriers(run: dict[str, Any], model: dict[str, Any], a: Path, b: Path, methods: list[str],
                   extra: list[str], tag: str) -> dict[str, Any]:
     """Run ``glmc barrier`` for one pair with ``methods`` and extra flags, unless a report with the same settings
-    exists (so an interrupted benchmark resumes where it stopped)."""
+    exists (so an interrupted benchmark resumes where it stopped). The run's ``matcher`` flags come first: the weight
+    matcher a published table ran with."""
+    extra = [*run.get("matcher", []), *extra]
     out = report_path(run, model, a, b, tag)
     settings = {"points": run["points"], "methods": methods, "extra": extra}
     if out.exists():
