@@ -14,8 +14,8 @@ START_NAMES = ["relaxed", "identity", "embeddings"]  # glmc.match.weight.STARTS,
 # glmc.match.weight.WeightOptions' choices, each field's default first: flag → (field, choices, what they mean)
 WEIGHT_FLAGS = {
     "--head-cost": ("head_cost", ["norm", "squared"], "the head assignment's cost: ‖ΔQK‖ + ‖ΔOV‖ or ‖ΔQK‖² + ‖ΔOV‖²"),
-    "--mlp-cost": ("mlp_cost", ["l1", "inner"], "the MLP assignment's: the L1 distance between the units' "
-                   "L2-normalised rows, or the inner product of their weights"),
+    "--mlp-cost": ("mlp_cost", ["inner", "l1"], "the MLP assignment's: the inner product of the units' weights, "
+                   "or the L1 distance between their L2-normalised rows (slow at large widths)"),
     "--stop": ("stop", ["converged", "fixed"], "sweeps end when the objective stops improving, or run all 15"),
 }
 

@@ -115,7 +115,7 @@ class RunSettings:
     # --mlp-cost. Results published before these keys ran identity, squared and inner (their configs pin them)
     weight_start: str = "relaxed"
     weight_head_cost: str = "norm"
-    weight_mlp_cost: str = "l1"
+    weight_mlp_cost: str = "inner"
     # Robust aggregation (server.robust), on every aggregation, where the clients are averaged (after alignment).
     # The defaults sit above every honest round measured (simulations/results/attacks): there they change nothing.
     # a node's num-examples is capped at this multiple of the round's lower median (0 = off); the published splits

@@ -98,7 +98,7 @@ def test_the_cli_offers_every_weight_option_with_the_library_defaults():
     for field, choices, _ in WEIGHT_FLAGS.values():
         assert choices == list(typing.get_args(hints[field])) and choices[0] == getattr(defaults, field)
     assert {f.name for f in dataclasses.fields(WeightOptions)} == {field for field, _, _ in WEIGHT_FLAGS.values()}
-    with pytest.raises(ConfigError, match="unknown weight-matching mlp_cost 'l2'; known: l1, inner"):
+    with pytest.raises(ConfigError, match="unknown weight-matching mlp_cost 'l2'; known: inner, l1"):
         WeightOptions(mlp_cost="l2")  # type: ignore[arg-type]
 
 
