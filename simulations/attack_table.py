@@ -32,15 +32,18 @@ def table(rows: list[dict[str, Any]]) -> str:
         if (accuracy := final_accuracy(row)) is not None:
             cells.setdefault((row["split"], row["aggregation"]), []).append(100 * accuracy)
     reference = statistics.fmean(cells.get(REFERENCE, [float("nan")]))
+    failed = {(r["split"], r["aggregation"]): r for r in rows if r["status"] != "finished:completed"}
     lines = ["| attack | " + " | ".join(aggregations) + " |", "|---|" + "---|" * len(aggregations)]
     for attack in attacks:
         shown = []
         for agg in aggregations:
             values = cells.get((attack, agg))
-            shown.append("–" if not values else
+            shown.append(("failed" if (attack, agg) in failed else "–") if not values else
                          f"{statistics.fmean(values):.1f} ({statistics.fmean(values) - reference:+.1f})")
         lines.append(f"| {attack} | " + " | ".join(shown) + " |")
-    return "\n".join(lines)
+    notes = [f"- failed, {attack} × {agg} (seed {r['seed']}): {r['status']}, {r['details']}"
+             for (attack, agg), r in failed.items()]
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
 def main(argv: list[str] | None = None) -> int:

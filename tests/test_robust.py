@@ -16,6 +16,7 @@ from glmc.errors import ConfigError
 from server.robust import Robustness, cap_examples, clip, coordinatewise, distance, screen
 from server.settings import RunSettings
 from server.validation import check_reply
+from simulations.attack_table import table
 
 
 def _tuned(base: dict[str, torch.Tensor], seed: int, scale: float = 0.01) -> dict[str, torch.Tensor]:
@@ -149,3 +150,17 @@ def test_the_attack_hook_makes_well_formed_replies_of_each_attack() -> None:
             for k in received:
                 torch.testing.assert_close(sent[k], received[k] - 5.0 * (trained[k] - received[k]))
     assert attack("inflate", trained, received, CFG, 5.0, 7)[1] == {"num-examples": 10**9}
+
+
+def test_the_attack_table_sets_each_cell_against_fedavg_without_an_attacker_and_names_failed_runs():
+    def row(split: str, aggregation: str, accuracy: float | None, status: str = "finished:completed") -> dict:
+        records = [] if accuracy is None else [{"round": 1, "central_accuracy": accuracy}]
+        return {"split": split, "aggregation": aggregation, "seed": 0, "status": status, "details": "why",
+                "records": records}
+
+    text = table([row("no-attack", "fedavg-undefended", 0.5), row("no-attack", "fedmedian", 0.55),
+                  row("scale", "fedavg-undefended", None, "failed:not-aggregated"), row("scale", "fedmedian", 0.4)])
+    lines = text.splitlines()
+    assert lines[2] == "| no-attack | 50.0 (+0.0) | 55.0 (+5.0) |"
+    assert lines[3] == "| scale | failed | 40.0 (-10.0) |"
+    assert lines[-1] == "- failed, scale × fedavg-undefended (seed 0): failed:not-aggregated, why"
