@@ -147,7 +147,7 @@ def test_summary_marks_what_each_row_reads_and_its_delta_against_the_strongest_c
     stronger control (by mean accuracy), which is named; the JSON says the same."""
     config = PROJECT / "simulations" / "configs" / "oneshot-smoke.toml"
     exp = compare.Experiment.load(config)
-    final = {"fedavg": 0.2, "weight": 0.3, "learned": 0.4, "fedavg-ft": 0.5, "server-only": 0.6, "weight-repair": 0.7}
+    final = {"fedavg": 0.2, "learned": 0.4, "fedavg-ft": 0.5, "server-only": 0.6, "weight-repair": 0.7}
     final[best] = 0.9
     (tmp_path / "cells").mkdir()
     for row in _finished_rows(exp):
@@ -158,7 +158,7 @@ def test_summary_marks_what_each_row_reads_and_its_delta_against_the_strongest_c
     head = _summary_line(summary, "aggregation")
     reads = head.index("server data read")
     against = head.index("Δ vs strongest control (pts)")
-    expect = {"fedavg": "no", "weight": "no", "learned": "inputs + labels", "fedavg-ft": "inputs + labels",
+    expect = {"fedavg": "no", "learned": "inputs + labels", "fedavg-ft": "inputs + labels",
               "server-only": "inputs + labels", "weight-repair": "inputs"}
     for agg, accuracy in final.items():
         cells = _summary_line(summary, agg)
