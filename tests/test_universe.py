@@ -119,3 +119,23 @@ def test_learned_refinement_keeps_every_model_exact():
     assert [r.method for r in result.history] == ["weight", "refine"]
     for native, aligned in zip(natives, result.aligned, strict=True):
         assert (_logits(aligned, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-6
+
+
+def test_the_weight_matchers_choices_reach_every_pairwise_matching():
+    """universe_match hands its start and costs to each weight matching (the FL keys weight-start, -head-cost and
+    -mlp-cost travel this way): the old matcher still merges copies back, and an unknown start is refused there."""
+    from glmc.match.weight import WeightOptions
+    from server.settings import RunSettings
+
+    cfg = CONFIGS["vit-odd"]
+    copies = _copies(cfg, canonicalize(get_arch(cfg.family), random_native(cfg, 1), cfg.depth), 3)
+    old = WeightOptions(head_cost="squared", mlp_cost="inner")
+    result = universe_match(copies, cfg, "weight", weight_start="identity", weight=old)
+    assert sq_distance(result.merged, copies[0]) < 1e-9
+    with pytest.raises(ConfigError, match="unknown weight-matching start 'nowhere'"):
+        universe_match(copies, cfg, "weight", weight_start="nowhere")  # type: ignore[arg-type]
+    assert RunSettings(weight_head_cost="squared").weight_options == WeightOptions(head_cost="squared")
+    with pytest.raises(ConfigError, match="weight-start must be one of"):
+        RunSettings(weight_start="nowhere")
+    with pytest.raises(ConfigError, match="weight-mlp-cost: unknown weight-matching mlp_cost 'l2'"):
+        RunSettings(weight_mlp_cost="l2")
