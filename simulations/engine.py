@@ -179,6 +179,18 @@ def local_superlink_env(flwr_home: Path | None = None) -> Iterator[dict[str, str
                 stop_tree(pid)
 
 
+def free_local_superlink(env: Mapping[str, str]) -> bool:
+    """Stop a local SuperLink that holds ``env``'s port (one that started after `flwr run` gave up waiting on it,
+    under heavy load); True if there was one, so that the run can be tried again."""
+    port = env.get("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT")
+    pid = listening_pid(int(port)) if port else None
+    if pid is None:
+        return False
+    log.warning("the run did not start; stopping the local SuperLink on port %s (pid %d) and trying again", port, pid)
+    stop_tree(pid)
+    return True
+
+
 def flwr_json(args: list[str], env: Mapping[str, str], timeout: float) -> dict[str, Any]:
     """Run one flwr CLI command with ``--format json``; its JSON answer (success false on no answer)."""
     proc = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], cwd=PROJECT, env=dict(env),
@@ -222,8 +234,11 @@ def run_app(run_config: Mapping[str, Any], env: Mapping[str, str], options: Sequ
     with tempfile.NamedTemporaryFile("w", suffix=".toml") as overrides:
         overrides.write("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
         overrides.flush()
-        started = flwr_json(["run", str(PROJECT), *target, *(["--stream"] if wait else []), *options,
-                             "--run-config", overrides.name], env, timeout)
+        command = ["run", str(PROJECT), *target, *(["--stream"] if wait else []), *options,
+                   "--run-config", overrides.name]
+        started = flwr_json(command, env, timeout)
+        if not started.get("run-id") and superlink is None and free_local_superlink(env):
+            started = flwr_json(command, env, timeout)
     run_id = started.get("run-id")
     if not run_id:
         error = started.get("error") or started.get("error-message") or started

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ from glmc.checkpoint import load_checkpoint
 from glmc.data.fashion_mnist import find_fashion_mnist
 from server import app as server_app
 from server import protocol
-from simulations.engine import PROJECT, free_port, listening_pid, run_simulation, toml_value
+from simulations.engine import PROJECT, free_local_superlink, free_port, listening_pid, run_simulation, toml_value
 
 needs_data = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
 
@@ -41,6 +42,24 @@ def test_the_superlink_is_found_by_its_port_and_overrides_are_toml() -> None:
         assert listening_pid(s.getsockname()[1]) == os.getpid()
     assert listening_pid(free_port()) is None
     assert [toml_value(v) for v in (True, 3, 0.5, "a'b")] == ["true", "3", "0.5", '"a\'b"']
+
+
+def test_a_late_local_superlink_on_the_runs_port_is_stopped_before_the_retry() -> None:
+    """Under load `flwr run` can give up on its local SuperLink before it listens; the late one holds the port
+    and every later run of the grid would fail, so run_app stops it (by the PID on the port) and tries again."""
+    port = free_port()
+    env = {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}
+    late = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while listening_pid(port) != late.pid and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert free_local_superlink(env)
+        assert late.wait(timeout=30) is not None and listening_pid(port) is None
+        assert not free_local_superlink(env) and not free_local_superlink({})
+    finally:
+        late.kill()
 
 
 def test_sigterm_runs_the_cleanup_that_stops_the_superlink(tmp_path: Path) -> None:
