@@ -18,7 +18,7 @@ MODELS = {"gpt2": {"name": "tiny-gpt2", "config": {"family": "gpt2", "width": 32
                                                  "img_size": 16, "patch": 8, "in_chans": 3, "num_classes": 5}}}
 
 
-@pytest.mark.parametrize("method", ["weight", "activation"])
+@pytest.mark.parametrize("method", ["weight", "weight-relaxed", "activation"])
 @pytest.mark.parametrize("family", ["gpt2", "vit"])
 def test_a_row_finds_the_planted_transform_and_measures_the_matching(family, method):
     row = scaling.measure(MODELS[family], method, RUN)
@@ -45,3 +45,4 @@ def test_the_growth_exponent_is_the_log_log_slope():
     assert fits[0]["cpu_seconds_vs_params"] == pytest.approx(1.5)
     assert fits[0]["added_rss_mb_vs_params"] == pytest.approx(1.0)
     assert scaling.growth(rows, [{"name": "m64", "growth": False}, {"name": "m128"}])[0]["models"] == 1
+    assert scaling.growth([r | {"threads": 2} for r in rows], [{"name": r["model"]} for r in rows]) == []

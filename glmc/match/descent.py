@@ -3,10 +3,12 @@
 A sweep pairs A with B rotated by the residual map Q (for the unit assignments), then A with B moved by the unit
 maps (for the next Q), and measures ‖A − T(B)‖². Only the tensors that a unit map touches change from sweep to
 sweep. The others (embeddings, the head, the stream's biases) enter through (d, d) products computed once, in
-float64, so a 50,257-row vocabulary costs two products per matching rather than two per sweep. An MLP's residual
-product is kept while its permutation stays, and its assignment is not solved again while a margin certificate
-proves that the optimum cannot have moved (the cost is linear in Q). The results are those of solving every
-assignment afresh: the certificate only skips solves whose answer is known.
+float64, so a 50,257-row vocabulary costs two products per matching rather than two per sweep. The distance of the
+unit-touched tensors comes from the products of the next Procrustes step too (‖X_A‖² + ‖X_B‖² − 2⟨Q, X_A U(X_B)ᵀ⟩),
+so no sweep materialises T(B). An MLP's residual product is kept while its permutation stays, and its assignment
+is not solved again, nor its tensors rotated, while a margin certificate proves that the optimum cannot have moved
+(the cost is linear in Q). The results are those of solving every assignment afresh: the certificate only skips
+solves whose answer is known.
 
 Cost matrices are built where the states live (a GPU included); only (n, n) matrices go to the CPU, for scipy.
 """
@@ -61,12 +63,13 @@ class Fixed:
 
 
 def _products(xa: torch.Tensor, xb: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X_A X_Bᵀ in float64, X_B X_Bᵀ) for (d, m) matrices, m in chunks (bounded memory for a vocabulary). The
-    cross products meet a near-equal ‖X_A‖² + ‖X_B‖² in the distance, so they need float64; the Gram matrix
-    only meets QᵀQ − I, which is of the search dtype's rounding, so the search dtype serves."""
+    """(X_A X_Bᵀ, X_B X_Bᵀ) in float64 for (d, m) matrices: products of the search dtype over chunks of m (bounded
+    memory for a vocabulary), summed in float64. The cross products meet a near-equal ‖X_A‖² + ‖X_B‖² in the
+    distance, so the distance is as exact as the search dtype's products (about 1e-7 of ‖A‖² in float32), as it is
+    for the unit-touched tensors (:class:`Products`)."""
     cross_ab = torch.zeros(xa.shape[0], xa.shape[0], dtype=torch.float64, device=xa.device)
     for start in range(0, xa.shape[1], chunk):
-        cross_ab += xa[:, start:start + chunk].double() @ xb[:, start:start + chunk].double().T
+        cross_ab += (xa[:, start:start + chunk] @ xb[:, start:start + chunk].T).double()
     return cross_ab, (xb @ xb.T).double()
 
 
@@ -87,7 +90,7 @@ def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spe
         xa, xb = kind_first(a[name], axes, RES), kind_first(b[name], axes, RES)
         c, g = _products(xa, xb)
         cross_ab, gram_b, scaled = cross_ab + c, gram_b + g, scaled + c / xa.shape[1]
-        norms += float((xa.double() ** 2).sum() + (xb.double() ** 2).sum())
+        norms += float(torch.sum(xa.square(), dtype=torch.float64) + torch.sum(xb.square(), dtype=torch.float64))
     return Fixed(scaled.to(like.dtype), cross_ab, gram_b, norms, unmoved)
 
 
@@ -142,13 +145,30 @@ def certified_assignment(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 @dataclass
+class Products:
+    """What a group of unit-touched tensors adds to a sweep's residual step, for unit maps U at the residual map
+    Q: Σ X_A U(X_B)ᵀ / m over its residual-side tensors (the Procrustes input), the same unscaled in float64 and
+    ‖X_A‖² + ‖X_B‖² (so ‖X_A − Q U(X_B)‖² = norms − 2⟨Q, cross⟩), and the distance of its tensors without a
+    residual axis (biases), which Q leaves alone."""
+
+    scaled: torch.Tensor
+    cross: torch.Tensor
+    norms: float
+    unaxed: float
+
+    def distance(self, q: torch.Tensor | None) -> float:
+        return self.norms - 2 * float((self.cross * _or_identity(q, self.cross.shape[0], self.cross)).sum()) \
+            + self.unaxed
+
+
+@dataclass
 class Layer:
     """One layer's tensors that unit maps touch, split by the map they share, and what its MLP keeps."""
 
     index: int
     heads: list[str] = field(default_factory=list)
     mlp: list[str] = field(default_factory=list)
-    mlp_cross: tuple[torch.Tensor, torch.Tensor] | None = None  # (perm, Σ X_A U(X_B)ᵀ / m over the MLP tensors)
+    mlp_products: tuple[torch.Tensor, Products] | None = None  # (perm, the MLP tensors' Products at it)
     certificate: Certificate | None = None
     norms: tuple[torch.Tensor, float] | None = None  # A's MLP rows' norms, the largest of B's (for certificates)
 
@@ -178,6 +198,8 @@ class Descent:
         self.width = next(kind_first(a[n], spec[t], RES).shape[0] for n, (_, t) in expand(spec, depth).items()
                           if n in a and RES in spec[t])
         self._fixed: Fixed | None = None
+        self._squares: dict[str, float] = {}
+        self._resolution: float | None = None
 
     @property
     def fixed(self) -> Fixed:
@@ -193,17 +215,17 @@ class Descent:
         apply(_sub(self.b, self.norm_names), self.spec, Transform(self.depth, residual=q), self.heads)
         return self.fixed.distance(q)
 
-    def rotated(self, layer: Layer, q: torch.Tensor | None) -> tuple[State, State]:
-        """The layer's unit-touched tensors: A's as they are, B's with the residual map ``q`` applied."""
-        names = layer.heads + layer.mlp
+    def rotated(self, names: list[str], q: torch.Tensor | None) -> tuple[State, State]:
+        """These tensors of A as they are and of B with the residual map ``q`` applied."""
         return _sub(self.a, names), apply(_sub(self.b, names), self.spec, Transform(self.depth, residual=q),
                                           self.heads)
 
-    def mlp_permutation(self, layer: Layer, a: State, moved: State, q: torch.Tensor | None) -> torch.Tensor:
+    def mlp_permutation(self, layer: Layer, q: torch.Tensor | None) -> torch.Tensor:
         """The MLP permutation maximising ⟨X_A, P Q(X_B)⟩ (Eq. 3), unless the layer's certificate proves the last
-        one still optimal at ``q``."""
+        one still optimal at ``q`` (then B's MLP tensors are not even rotated)."""
         if layer.certificate is not None and layer.certificate.holds(q):
             return layer.certificate.perm
+        a, moved = self.rotated(layer.mlp, q)
         perm, margin = certified_assignment(cross(a, moved, self.spec, self.depth, MLP_KINDS, layer.index))
         if margin is None:
             layer.certificate = None
@@ -214,23 +236,53 @@ class Descent:
             layer.certificate = Certificate(q, perm, margin, *layer.norms)
         return perm
 
-    def residual_cross(self, t: Transform) -> torch.Tensor:
-        """Σ X_A U(X_B)ᵀ / m over every residual-side tensor, U the unit maps of ``t`` (the Procrustes input;
-        each (d, m) block divided by m so that every tensor counts per entry)."""
-        total = self.fixed.scaled.clone()
+    def residual_step(self, t: Transform) -> tuple[torch.Tensor, float]:
+        """The unit-touched tensors' part of the next Procrustes input, Σ X_A U(X_B)ᵀ / m over their residual-side
+        ones (U the unit maps of ``t``; each (d, m) block divided by m so that every tensor counts per entry; the
+        fixed tensors' part is ``fixed.scaled``), and ‖A − T(B)‖² at ``t``."""
         units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
+        parts = []
         for layer in self.layers:
-            total += self._part_cross(layer.heads, units)
-            perm = t.mlp[layer.index]
-            kept = layer.mlp_cross
-            if kept is None or perm is None or not torch.equal(kept[0], perm):
-                cross = self._part_cross(layer.mlp, units)
-                layer.mlp_cross = None if perm is None else (perm, cross)
-            else:
-                cross = kept[1]
-            total += cross
-        return total
+            parts.append(self._products(layer.heads, units))
+            perm, kept = t.mlp[layer.index], layer.mlp_products
+            if kept is not None and perm is not None and torch.equal(kept[0], perm):
+                parts.append(kept[1])
+                continue
+            parts.append(self._products(layer.mlp, units))
+            layer.mlp_products = None if perm is None else (perm, parts[-1])
+        scaled = torch.stack([part.scaled for part in parts]).sum(0)
+        distance = sum(part.distance(t.residual) for part in parts) + self.fixed_distance(t.residual)
+        return scaled, max(distance, 0.0)  # a distance; below the products' rounding it reads 0
 
-    def _part_cross(self, names: list[str], units: Transform) -> torch.Tensor:
+    def _products(self, names: list[str], units: Transform) -> Products:
         moved = apply(_sub(self.b, names), self.spec, units, self.heads)
-        return cross(_sub(self.a, names), moved, self.spec, self.depth, (RES,), scaled=True)
+        like = self.a[names[0]]
+        scaled = torch.zeros(self.width, self.width, dtype=like.dtype, device=like.device)
+        raw = torch.zeros(self.width, self.width, dtype=torch.float64, device=like.device)
+        norms, unaxed = 0.0, 0.0
+        for name, (_, template) in expand(self.spec, self.depth).items():
+            axes = self.spec[template]
+            if name not in moved:
+                continue
+            if RES not in axes:
+                unaxed += float(((self.a[name] - moved[name]).double() ** 2).sum())
+                continue
+            xa, xb = kind_first(self.a[name], axes, RES), kind_first(moved[name], axes, RES)
+            product = xa @ xb.T
+            scaled, raw = scaled + product / xa.shape[1], raw + product.double()
+            norms += self._norms(name)
+        return Products(scaled, raw, norms, unaxed)
+
+    @property
+    def resolution(self) -> float:
+        """The smallest ‖A − T(B)‖² that the search dtype's products resolve: 64 ulps of ‖A‖² + ‖B‖²."""
+        if self._resolution is None:
+            total = sum(float(torch.sum(x.square(), dtype=torch.float64)) for s in (self.a, self.b) for x in s.values())
+            self._resolution = 64 * torch.finfo(next(iter(self.a.values())).dtype).eps * total
+        return self._resolution
+
+    def _norms(self, name: str) -> float:
+        """‖A[name]‖² + ‖B[name]‖² in float64, once: unit maps and Q are orthogonal, so they keep B's."""
+        if name not in self._squares:
+            self._squares[name] = sum(float(torch.sum(s[name].square(), dtype=torch.float64)) for s in (self.a, self.b))
+        return self._squares[name]

@@ -71,8 +71,10 @@ def _rss_mb(field: str) -> float:
 
 
 def _match(method: str, a: State, b: State, cfg: ModelConfig, run: dict[str, Any]) -> MatchResult:
-    if method == "weight":
-        return weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, start=run["weight_start"])
+    """``weight`` starts where the config's ``weight_start`` says; ``weight-<start>`` from that start."""
+    if method.startswith("weight"):
+        start = method.removeprefix("weight").removeprefix("-") or run["weight_start"]
+        return weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, start=start)
     samples = run["activation_samples"][cfg.family]
     return activation_match(a, b, cfg, random_inputs(cfg, samples, seed=1), batch_size=max(1, samples // 2))
 
@@ -81,7 +83,7 @@ def measure(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[str
     """One (model, method) row: build the planted pair, reset the peak RSS, match, check the answer."""
     torch.set_num_threads(run["threads"])
     cfg = ModelConfig.from_dict(model["config"])
-    a, b, planted = planted_pair(cfg, tuple(run[f"{method}_classes"]), run["seed"])
+    a, b, planted = planted_pair(cfg, tuple(run[f"{method.split('-')[0]}_classes"]), run["seed"])
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     before, load = _rss_mb("VmRSS"), os.getloadavg()[0]
@@ -108,12 +110,14 @@ def fit(rows: list[dict[str, Any]], x: str, y: str) -> float | None:
     return float(np.polyfit([math.log(r[x]) for r in rows], [math.log(r[y]) for r in rows], 1)[0])
 
 
-def growth(rows: list[dict[str, Any]], models: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Exponents per (family, method) over the models in the growth series, against parameters and width."""
+def growth(rows: list[dict[str, Any]], models: list[dict[str, Any]], threads: int = 1) -> list[dict[str, Any]]:
+    """Exponents per (family, method) over the models in the growth series measured on ``threads`` threads,
+    against parameters and width."""
     series = {m["name"] for m in models if m.get("growth", True)}
+    rows = [r for r in rows if r.get("threads", 1) == threads and r["model"] in series]
     out = []
     for family, method in sorted({(r["family"], r["method"]) for r in rows}):
-        chosen = [r for r in rows if (r["family"], r["method"]) == (family, method) and r["model"] in series]
+        chosen = [r for r in rows if (r["family"], r["method"]) == (family, method)]
         out.append({"family": family, "method": method, "models": len(chosen),
                     **{f"{y}_vs_{x}": fit(chosen, x, y) for x in ("params", "width")
                        for y in ("wall_seconds", "cpu_seconds", "added_rss_mb")}})
@@ -134,14 +138,16 @@ def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]], runs: list[
              "Pairs: random init (seeded), B a planted transform of A. Peak RSS: the matching process's peak "
              "resident memory during the matching (both float32 states included); added: that peak minus the "
              "resident size just before. Recovered: ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖² and T̂ ∘ T = identity.", "",
-             "| model | d | layers | params (M) | method | wall s | CPU s | peak RSS MB | added MB | sweeps | "
-             "‖A − T̂(B)‖²/‖A‖² | recovered | load | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | d | layers | params (M) | method | threads | wall s | CPU s | peak RSS MB | added MB | sweeps "
+             "| ‖A − T̂(B)‖²/‖A‖² | recovered | load | run |", "|" + "---|" * 15]
     for r in rows:
         lines.append(f"| {r['model']} | {r['width']} | {r['depth']} | {r['params'] / 1e6:.1f} | {r['method']} | "
+                     f"{r.get('threads', 1)} | "
                      f"{r['wall_seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['peak_rss_mb']:.0f} | "
                      f"{r['added_rss_mb']:.0f} | {r['sweeps']} | {r['relative_distance']:.1e} | "
                      f"{'yes' if r['recovered'] else 'NO'} | {r['load_at_start']:.1f} | {r.get('run', 0)} |")
-    lines += ["", "Growth exponents (least-squares slope of log cost against log size, over the 12-layer series):",
+    lines += ["", "Growth exponents (least-squares slope of log cost against log size, over the 12-layer series on "
+              "the config's threads):",
               "", "| family | method | models | wall vs params | CPU vs params | CPU vs d | added memory vs params |",
               "|---|---|---|---|---|---|---|"]
     for f in fits:
@@ -151,10 +157,11 @@ def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]], runs: list[
     return "\n".join(lines) + "\n"
 
 
-def selected(config: dict[str, Any], names: list[str] | None) -> list[tuple[dict[str, Any], str]]:
-    """Every (model, method) to run, in the config's order."""
+def selected(config: dict[str, Any], names: list[str] | None, methods: list[str] | None = None,
+             ) -> list[tuple[dict[str, Any], str]]:
+    """Every (model, method) to run, in the config's order (``methods``: only those of the model's methods)."""
     return [(model, method) for model in config["models"] if not names or model["name"] in names
-            for method in model.get("methods", config["run"]["methods"])]
+            for method in model.get("methods", config["run"]["methods"]) if not methods or method in methods]
 
 
 def measured(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[str, Any]:
@@ -166,8 +173,9 @@ def measured(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[st
 def save(out: Path, config: dict[str, Any], runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
     """Write results.json and summary.md: the rows in the config's order, each run that made them, the fits."""
     order = {m["name"]: i for i, m in enumerate(config["models"])}
-    rows = sorted((r for r in rows if r["model"] in order), key=lambda r: (order[r["model"]], r["method"] != "weight"))
-    fits = growth(rows, config["models"])
+    rows = sorted((r for r in rows if r["model"] in order),
+                  key=lambda r: (order[r["model"]], r["method"] != "weight", r["method"], r.get("threads", 1)))
+    fits = growth(rows, config["models"], config["run"]["threads"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"runs": runs, "rows": rows, "growth": fits}, indent=1) + "\n")
     (out / "summary.md").write_text(markdown(rows, fits, runs))
@@ -181,23 +189,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="simulations/bench/configs/scaling.toml")
     parser.add_argument("--models", nargs="*", help="run only these models; the others' rows are kept")
+    parser.add_argument("--methods", nargs="*", help="run only these methods (weight, weight-relaxed, activation)")
+    parser.add_argument("--threads", type=int, help="torch threads instead of the config's (rows kept per count; "
+                        "growth is fitted on the config's)")
     args = parser.parse_args(argv)
     config = config_or_exit(parser, args.config)
+    threads = args.threads or config["run"]["threads"]
     known = [m["name"] for m in config["models"]]
     unknown = sorted(set(args.models or []) - set(known))
     if unknown:
         parser.exit(2, f"{parser.prog}: error: no model named {unknown[0]!r} in {args.config}; known: "
                        f"{', '.join(known)}\n")
     out, start = Path(config["run"]["results"]), time.perf_counter()
-    kept = json.loads((out / "results.json").read_text()) if args.models and (out / "results.json").is_file() else {}
-    todo = selected(config, args.models)
-    rows = [r for r in kept.get("rows", []) if (r["model"], r["method"]) not in {(m["name"], k) for m, k in todo}]
-    torch.set_num_threads(config["run"]["threads"])
+    partial = args.models or args.methods or args.threads
+    kept = json.loads((out / "results.json").read_text()) if partial and (out / "results.json").is_file() else {}
+    todo = selected(config, args.models, args.methods)
+    done = {(m["name"], k, threads) for m, k in todo}
+    rows = [r for r in kept.get("rows", []) if (r["model"], r["method"], r.get("threads", 1)) not in done]
+    torch.set_num_threads(threads)
     run = {"command": " ".join(["python -m simulations.bench.scaling", *(sys.argv[1:] if argv is None else argv)]),
            "config": args.config, "machine": machine(), "load_before": _load()}
     runs = [*kept.get("runs", []), run]
     for model, method in todo:  # saved after every row: a long run that is cut off keeps what it measured
-        rows.append(measured(model, method, config["run"]) | {"run": len(runs) - 1})
+        rows.append(measured(model, method, config["run"] | {"threads": threads}) | {"run": len(runs) - 1})
         print(f"{model['name']} {method}: {rows[-1]['wall_seconds']:.1f} s wall, {rows[-1]['cpu_seconds']:.1f} s "
               f"CPU, peak {rows[-1]['peak_rss_mb']:.0f} MB, recovered {rows[-1]['recovered']}", flush=True)
         run |= {"wall_minutes": (time.perf_counter() - start) / 60, "load_after": _load()}
