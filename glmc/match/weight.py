@@ -42,7 +42,7 @@ Stop = Literal["converged", "fixed"]
 # 12.8%, 13.0% and 12.6% of the vanilla barrier (identity: 15.0%); the bench's float32 search with 3 steps gives
 # 14.3% against the identity's 15.2% (simulations/results/weight-starts).
 RELAXED_STEPS = 3
-RELAXED_TOL = 1e-4  # Q moved by less than this (RMS entry, above float32 noise): the ascent has converged
+RELAXED_TOL = 1e-4  # Q moved by less than this (‖ΔQ‖/‖Q‖, above float32 noise): the ascent has converged
 
 
 @dataclass(frozen=True)
@@ -84,28 +84,31 @@ def embedding_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tens
     return groups.procrustes(cross, fix_ones)
 
 
+Block = tuple[torch.Tensor, torch.Tensor, float]  # (X_A, X_B, 1/m): views of the states, A's weight kept apart
+
+
 def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 ) -> tuple[torch.Tensor | None, list[list[tuple[torch.Tensor, torch.Tensor]]]]:
-    """The residual-side tensors as (d, m) pairs (A's scaled by 1/m, as in :func:`solve_residual`): the cross
+                 ) -> tuple[torch.Tensor | None, list[list[Block]]]:
+    """The residual-side tensors as (d, m) pairs, A's weighted by 1/m as in the sweeps' Procrustes: the cross
     matrix of those no unit map touches (None if none), and the others grouped by the unit map they share (per
     layer: q and k; v and the head outputs; the MLP), with the unit axis as columns."""
     linear: torch.Tensor | None = None
-    shared: defaultdict[tuple[int | None, str], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    shared: defaultdict[tuple[int | None, str], list[Block]] = defaultdict(list)
     for name, (layer, template) in expand(spec, depth).items():
         axes = spec[template]
         if RES not in axes or name not in a:
             continue
-        xb = kind_first(b[name], axes, RES)
-        xa = kind_first(a[name], axes, RES) / xb.shape[1]
+        xa, xb = kind_first(a[name], axes, RES), kind_first(b[name], axes, RES)
+        weight = 1 / xb.shape[1]
         unit = next((kind for kind in axes if kind not in (None, RES)), None)
         if unit is None:
-            linear = xa @ xb.T if linear is None else linear + xa @ xb.T
+            linear = (xa @ xb.T) * weight if linear is None else linear + (xa @ xb.T) * weight
         elif unit == QKV:  # the fused axis is (3, H, d_h): q and k share a map, v shares the head outputs'
             (qa, ka, va), (qb, kb, vb) = xa.chunk(3, 1), xb.chunk(3, 1)
-            shared[layer, "qk"] += [(qa, qb), (ka, kb)]
-            shared[layer, "vo"].append((va, vb))
+            shared[layer, "qk"] += [(qa, qb, weight), (ka, kb, weight)]
+            shared[layer, "vo"].append((va, vb, weight))
         else:
-            shared[layer, "vo" if unit == HEADS else "mlp"].append((xa, xb))
+            shared[layer, "vo" if unit == HEADS else "mlp"].append((xa, xb, weight))
     return linear, list(shared.values())
 
 
@@ -130,18 +133,19 @@ class _RelaxedGroup:
     core alone: L_A polar(L_Aᵀ Q L_B) L_Bᵀ, on the blocks' diagonal. The same gradient as the (n, n) polar factor
     (its part outside M's range meets only zeros), at an eighth of the SVD's cost."""
 
-    def __init__(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, blocks: list[Block]) -> None:
         self.blocks = blocks
         self.factors: tuple[torch.Tensor, torch.Tensor] | None = None
         width, units = blocks[0][0].shape
         if len(blocks) * width < units:
-            la, lb = (_factor(torch.cat([pair[side] for pair in blocks])) for side in (0, 1))
+            la = _factor(torch.cat([xa * weight for xa, _, weight in blocks]))
+            lb = _factor(torch.cat([xb for _, xb, _ in blocks]))
             self.factors = la.reshape(len(blocks), width, -1), lb.reshape(len(blocks), width, -1)
 
     def gradient(self, q: torch.Tensor) -> torch.Tensor:
         if self.factors is None:
-            p = groups.polar(torch.stack([xa.T @ q @ xb for xa, xb in self.blocks]).sum(0))
-            return torch.stack([xa @ p @ xb.T for xa, xb in self.blocks]).sum(0)
+            p = groups.polar(torch.stack([(xa.T @ q @ xb) * w for xa, xb, w in self.blocks]).sum(0))
+            return torch.stack([(xa @ p @ xb.T) * w for xa, xb, w in self.blocks]).sum(0)
         la, lb = self.factors
         w = groups.polar((la.mT @ q @ lb).sum(0))
         return (la @ w @ lb.mT).sum(0)
