@@ -6,12 +6,17 @@ the rmsnorm form has the whole O(d).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 from scipy.optimize import linear_sum_assignment
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def ones_complement(d: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -68,6 +73,17 @@ def one_thread(x: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def side_by_side(work: Callable[[T], R], items: Sequence[T], like: torch.Tensor) -> list[R]:
+    """``[work(item) for item in items]``, on the CPU as many at once as torch has threads, each on one thread:
+    independent pieces (a layer's assignments, a group's SVD) use the cores without the threaded SVD's cost under
+    load (:func:`one_thread`). ``work`` must not touch what another item's work writes."""
+    workers = min(torch.get_num_threads(), len(items)) if like.device.type == "cpu" else 1
+    if workers <= 1:
+        return [work(item) for item in items]
+    with one_thread(like), concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(work, items))
 
 
 def polar(m: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,29 @@ def test_relaxed_start_recovers_the_residual_map_of_a_transformed_copy(name, fix
     assert result.objective[0] < 1e-12  # the first sweep already ends at A
 
 
+def test_weight_matching_is_the_same_side_by_side_and_the_threads_come_back():
+    """On a multi-threaded CPU the relaxed start's polar factors and each sweep's layers run side by side (each on
+    one thread): the maps are those the sequential loops find, and torch's thread count is restored."""
+    cfg = CONFIGS["gpt2-odd"]
+    arch = get_arch(cfg.family)
+    a, b = (canonicalize(arch, random_native(cfg, seed), cfg.depth) for seed in (3, 4))
+    found = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            found.append((relaxed_residual(a, b, arch.spec, cfg.depth, True),
+                          weight_match(a, b, arch.spec, cfg.depth, cfg.heads, dtype=torch.float64)))
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    (start_1, match_1), (start_2, match_2) = found
+    assert torch.allclose(start_1, start_2, atol=1e-10)
+    assert match_1.objective == pytest.approx(match_2.objective, rel=1e-9)
+    assert all(torch.equal(x, y) for x, y in zip(match_1.transform.mlp + match_1.transform.heads,
+                                                  match_2.transform.mlp + match_2.transform.heads, strict=True))
+
+
 def test_weight_matching_refuses_an_unknown_start():
     cfg = CONFIGS["vit-odd"]
     arch, a, b = _transformed_copy(cfg, MATCHABLE)

@@ -15,6 +15,7 @@ Cost matrices are built where the states live (a GPU included); only (n, n) matr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -241,18 +242,22 @@ class Descent:
         ones (U the unit maps of ``t``; each (d, m) block divided by m so that every tensor counts per entry; the
         fixed tensors' part is ``fixed.scaled``), and ‖A − T(B)‖² at ``t``."""
         units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
-        parts = []
-        for layer in self.layers:
-            parts.append(self._products(layer.heads, units))
-            perm, kept = t.mlp[layer.index], layer.mlp_products
-            if kept is not None and perm is not None and torch.equal(kept[0], perm):
-                parts.append(kept[1])
-                continue
-            parts.append(self._products(layer.mlp, units))
-            layer.mlp_products = None if perm is None else (perm, parts[-1])
+        per_layer = groups.side_by_side(functools.partial(self._layer_products, units=units), self.layers,
+                                        next(iter(self.a.values())))
+        parts = [part for pair in per_layer for part in pair]
         scaled = torch.stack([part.scaled for part in parts]).sum(0)
         distance = sum(part.distance(t.residual) for part in parts) + self.fixed_distance(t.residual)
         return scaled, max(distance, 0.0)  # a distance; below the products' rounding it reads 0
+
+    def _layer_products(self, layer: Layer, units: Transform) -> tuple[Products, Products]:
+        """A layer's heads' and MLP's :class:`Products` at ``units``; the MLP's kept while its permutation stays."""
+        heads = self._products(layer.heads, units)
+        perm, kept = units.mlp[layer.index], layer.mlp_products
+        if kept is not None and perm is not None and torch.equal(kept[0], perm):
+            return heads, kept[1]
+        mlp = self._products(layer.mlp, units)
+        layer.mlp_products = None if perm is None else (perm, mlp)
+        return heads, mlp
 
     def _products(self, names: list[str], units: Transform) -> Products:
         moved = apply(_sub(self.b, names), self.spec, units, self.heads)

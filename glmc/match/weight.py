@@ -12,6 +12,7 @@ random transforms.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -26,7 +27,7 @@ from glmc import groups
 from glmc.archs.base import cast
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, gather, kind_first
-from glmc.match.descent import Descent
+from glmc.match.descent import Descent, Layer
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable, expand
 from glmc.transforms import Transform
 
@@ -164,9 +165,8 @@ def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor
     relaxed = [_RelaxedGroup(blocks) for blocks in shared]
     q = groups.procrustes(linear, fix_ones)
     for _ in range(steps):
-        grad = linear.clone()
-        for group in relaxed:
-            grad += group.gradient(q)
+        parts = groups.side_by_side(functools.partial(_RelaxedGroup.gradient, q=q), relaxed, q)
+        grad = linear + torch.stack(parts).sum(0)
         q, last = groups.procrustes(grad, fix_ones), q
         if float(torch.linalg.matrix_norm(q - last)) <= tol * q.shape[0] ** 0.5:
             break
@@ -238,15 +238,23 @@ def l1_mlp_permutation(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tens
     return groups.assignment(-torch.cdist(_unit_rows(a, spec, depth, layer), _unit_rows(b, spec, depth, layer), p=1))
 
 
+def _solve_layer(work: Descent, layer: Layer, residual: torch.Tensor | None, within: bool, options: WeightOptions,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Given the residual map, one layer's head permutation and within-head maps, and its MLP permutation."""
+    i = layer.index
+    heads = solve_heads(*work.rotated(layer.heads, residual), work.spec, work.depth, i, work.heads, within, options)
+    mlp = (work.mlp_permutation(layer, residual) if options.mlp_cost == "inner"
+           else l1_mlp_permutation(*work.rotated(layer.mlp, residual), work.spec, work.depth, i))
+    return (*heads, mlp)
+
+
 def _solve_units(work: Descent, residual: torch.Tensor | None, within: bool, options: WeightOptions) -> Transform:
-    """Given the residual map, every layer's heads and MLP units, each an independent LAP."""
+    """Given the residual map, every layer's heads and MLP units: independent LAPs, layers side by side."""
     t = Transform(work.depth, residual=residual)
-    for layer in work.layers:
-        i = layer.index
-        t.heads[i], t.qk[i], t.ov[i] = solve_heads(*work.rotated(layer.heads, residual), work.spec, work.depth, i,
-                                                   work.heads, within, options)
-        t.mlp[i] = (work.mlp_permutation(layer, residual) if options.mlp_cost == "inner"
-                    else l1_mlp_permutation(*work.rotated(layer.mlp, residual), work.spec, work.depth, i))
+    solve = functools.partial(_solve_layer, work, residual=residual, within=within, options=options)
+    solved = groups.side_by_side(solve, work.layers, next(iter(work.a.values())))
+    for layer, (heads, qk, ov, mlp) in zip(work.layers, solved, strict=True):
+        t.heads[layer.index], t.qk[layer.index], t.ov[layer.index], t.mlp[layer.index] = heads, qk, ov, mlp
     return t
 
 
