@@ -16,7 +16,7 @@ Cost matrices are built where the states live (a GPU included); only (n, n) matr
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -75,8 +75,9 @@ def _products(xa: torch.Tensor, xb: torch.Tensor, chunk: int = 8192) -> tuple[to
 
 
 def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-               names: list[str], width: int) -> Fixed:
-    """The :class:`Fixed` reduction of ``names`` (tensors without a unit axis), computed once per matching."""
+               names: list[str], width: int, squares: Callable[[str], float]) -> Fixed:
+    """The :class:`Fixed` reduction of ``names`` (tensors without a unit axis), computed once per matching;
+    ``squares(name)`` is ‖A[name]‖² + ‖B[name]‖²."""
     like = a[names[0]]
     cross_ab = torch.zeros(width, width, dtype=torch.float64, device=like.device)
     gram_b, scaled = torch.zeros_like(cross_ab), torch.zeros_like(cross_ab)
@@ -91,7 +92,7 @@ def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spe
         xa, xb = kind_first(a[name], axes, RES), kind_first(b[name], axes, RES)
         c, g = _products(xa, xb)
         cross_ab, gram_b, scaled = cross_ab + c, gram_b + g, scaled + c / xa.shape[1]
-        norms += float(torch.sum(xa.square(), dtype=torch.float64) + torch.sum(xb.square(), dtype=torch.float64))
+        norms += squares(name)
     return Fixed(scaled.to(like.dtype), cross_ab, gram_b, norms, unmoved)
 
 
@@ -200,13 +201,13 @@ class Descent:
                           if n in a and RES in spec[t])
         self._fixed: Fixed | None = None
         self._squares: dict[str, float] = {}
-        self._resolution: float | None = None
 
     @property
     def fixed(self) -> Fixed:
         """The fixed tensors' products, computed on first use (a permutation-only matching never needs them)."""
         if self._fixed is None:
-            self._fixed = fixed_part(self.a, self.b, self.spec, self.depth, self.fixed_names, self.width)
+            self._fixed = fixed_part(self.a, self.b, self.spec, self.depth, self.fixed_names, self.width,
+                                     self._norms)
         return self._fixed
 
     def fixed_distance(self, q: torch.Tensor | None) -> float:
@@ -278,16 +279,13 @@ class Descent:
             norms += self._norms(name)
         return Products(scaled, raw, norms, unaxed)
 
-    @property
+    @functools.cached_property
     def resolution(self) -> float:
         """The smallest ‖A − T(B)‖² that the search dtype's products resolve: 64 ulps of ‖A‖² + ‖B‖²."""
-        if self._resolution is None:
-            total = sum(float(torch.sum(x.square(), dtype=torch.float64)) for s in (self.a, self.b) for x in s.values())
-            self._resolution = 64 * torch.finfo(next(iter(self.a.values())).dtype).eps * total
-        return self._resolution
+        return 64 * torch.finfo(next(iter(self.a.values())).dtype).eps * sum(self._norms(name) for name in self.a)
 
     def _norms(self, name: str) -> float:
-        """‖A[name]‖² + ‖B[name]‖² in float64, once: unit maps and Q are orthogonal, so they keep B's."""
+        """‖A[name]‖² + ‖B[name]‖² in float64, once per tensor: unit maps and Q are orthogonal, so they keep B's."""
         if name not in self._squares:
             self._squares[name] = sum(float(torch.sum(s[name].square(), dtype=torch.float64)) for s in (self.a, self.b))
         return self._squares[name]
