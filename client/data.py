@@ -53,10 +53,19 @@ class ClientShare:
     description: dict[str, Any]
 
 
+PoolKey = tuple[str, str, str, int, int, int, tuple[Path, ...]]
+
+
+def pool_key(settings: RunSettings) -> PoolKey:
+    """What shapes a pool: the one cache key of :func:`pool` and of the label splits drawn from it (one load per
+    process)."""
+    return (settings.dataset, settings.model, settings.partitioner, settings.seed, settings.server_data,
+            settings.train_limit, tuple(settings.init_checkpoints))
+
+
 def pool(settings: RunSettings) -> Pool:
-    """The cached pool of ``settings``' dataset (keyed only by what shapes it)."""
-    return _pool(settings.dataset, settings.model, settings.partitioner, settings.seed, settings.server_data,
-                 settings.train_limit, tuple(settings.init_checkpoints))
+    """The cached pool of ``settings``' dataset."""
+    return _pool(*pool_key(settings))
 
 
 def base_config(dataset: str, model: str, checkpoints: tuple[Path, ...]) -> ModelConfig:
@@ -77,7 +86,7 @@ def base_config(dataset: str, model: str, checkpoints: tuple[Path, ...]) -> Mode
 
 @functools.lru_cache(maxsize=4)
 def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: int, train_limit: int,
-          checkpoints: tuple[Path, ...] = ()) -> Pool:
+          checkpoints: tuple[Path, ...]) -> Pool:
     task = load_task(dataset, base_config(dataset, model, checkpoints), seed=seed)
     if partitioner in NATURAL_SPLITS:
         return _text_pool(task, partitioner, seed, server_data)
@@ -136,15 +145,14 @@ def split_config(settings: RunSettings, num_partitions: int) -> Any:
 
 def _label_split(settings: RunSettings, num_partitions: int) -> list[np.ndarray]:
     """Row indices of every client, cached per process (the partitioners take about a second)."""
-    return _label_split_cached(split_config(settings, num_partitions), settings.dataset, settings.model,
-                               settings.server_data, settings.train_limit)
+    return _label_split_cached(split_config(settings, num_partitions), pool_key(settings))
 
 
 @functools.lru_cache(maxsize=4)
-def _label_split_cached(cfg: Any, dataset: str, model: str, server_data: int, train_limit: int) -> list[np.ndarray]:
+def _label_split_cached(cfg: Any, key: PoolKey) -> list[np.ndarray]:
     from glmc.data import partition_indices
 
-    data = _pool(dataset, model, cfg.scheme, cfg.seed, server_data, train_limit)
+    data = _pool(*key)
     rows = data.units[0]
     return [rows[part] for part in partition_indices(_images(data.task).labels[rows], cfg)]
 

@@ -119,3 +119,4 @@ def test_a_fetched_cifar10_copy_splits_by_label_across_clients(
     by_share = [np.bincount(np.concatenate([s.train.labels, s.val.labels]), minlength=10)  # type: ignore[attr-defined]
                 for s in shares]
     assert counts.tolist() == [c.tolist() for c in by_share]
+    assert client.data._pool.cache_info().misses == 1  # the label split reads the pool the process already loaded

@@ -145,9 +145,10 @@ def test_summary_marks_what_each_row_reads_and_its_delta_against_the_strongest_c
                                                                                       tmp_path: Path) -> None:
     """Every row says what it reads of the server-held data; each is compared, paired by seed, with the grid's
     stronger control (by mean accuracy), which is named; the JSON says the same."""
-    config = PROJECT / "simulations" / "configs" / "oneshot-smoke.toml"
+    config = PROJECT / "simulations" / "configs" / "oneshot.toml"
     exp = compare.Experiment.load(config)
-    final = {"fedavg": 0.2, "learned": 0.4, "fedavg-ft": 0.5, "server-only": 0.6, "weight-repair": 0.7}
+    final = {"fedavg": 0.2, "weight": 0.3, "learned": 0.4, "weight-norms": 0.35, "activation-unguarded": 0.45,
+             "fedavg-ft": 0.5, "server-only": 0.6}
     final[best] = 0.9
     (tmp_path / "cells").mkdir()
     for row in _finished_rows(exp):
@@ -158,8 +159,8 @@ def test_summary_marks_what_each_row_reads_and_its_delta_against_the_strongest_c
     head = _summary_line(summary, "aggregation")
     reads = head.index("server data read")
     against = head.index("Δ vs strongest control (pts)")
-    expect = {"fedavg": "no", "learned": "inputs + labels", "fedavg-ft": "inputs + labels",
-              "server-only": "inputs + labels", "weight-repair": "inputs"}
+    expect = {"fedavg": "no", "weight": "no", "learned": "inputs + labels", "weight-norms": "no",
+              "activation-unguarded": "inputs", "fedavg-ft": "inputs + labels", "server-only": "inputs + labels"}
     for agg, accuracy in final.items():
         cells = _summary_line(summary, agg)
         assert cells[reads] == expect[agg], agg

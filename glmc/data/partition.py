@@ -118,12 +118,14 @@ def _local_dataset(labels: np.ndarray, seed: int, natural_ids: np.ndarray | None
 
     Shuffling first matters: ``IidPartitioner`` takes contiguous blocks, and the other
     partitioners split each class's rows in table order, so the seed must decide that order.
+    Arrow format: the partitioners read whole columns, which the default format yields row by row
+    (a third of the Dirichlet split's time on 60,000 rows; the partitions are the same).
     """
     order = np.random.default_rng(seed).permutation(len(labels))
     columns = {"label": labels[order].astype(np.int64), "idx": order.astype(np.int64)}
     if natural_ids is not None:
         columns["id"] = np.asarray(natural_ids)[order]
-    return datasets.Dataset.from_dict(columns)
+    return datasets.Dataset.from_dict(columns).with_format("arrow")
 
 
 def _make_partitioner(cfg: SplitConfig) -> Partitioner:
