@@ -139,7 +139,7 @@ def train_fn(msg: Message, context: Context) -> Message:
         test = evaluate(model, arch, eval_subset(pool(settings).test, settings.eval_limit, settings.seed))
         model.cpu()
     values = {
-        protocol.WEIGHT_KEY: len(share.train),
+        protocol.WEIGHT_KEY: len(share.train),  # type: ignore[arg-type]  # every share is a sized dataset
         protocol.TIER_KEY: float(node.tier),
         "train-loss": float(fit["train_loss"]),
         "train-steps": int(fit["steps"]),

@@ -24,6 +24,7 @@ bit for bit what it was without them. Bound (mean, one attacker): the global mod
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
@@ -150,8 +151,8 @@ def unclipped(states: Sequence[State]) -> Clipping:
 def weighted_mean(states: Sequence[State], weights: Sequence[float]) -> State:
     """Σ w_i θ_i / Σ w_i in float64, each tensor back in its own dtype."""
     total = float(sum(weights))
-    return {k: (sum(w * s[k].double() for s, w in zip(states, weights, strict=True)) / total).to(v.dtype)
-            for k, v in states[0].items()}
+    return {k: (functools.reduce(torch.add, [w * s[k].double() for s, w in zip(states, weights, strict=True)])
+                / total).to(v.dtype) for k, v in states[0].items()}
 
 
 def coordinatewise(states: Sequence[State], average: str, beta: float) -> State:

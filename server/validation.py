@@ -160,7 +160,8 @@ def split_replies(replies: Iterable[Message], schema: ReplySchema, addressees: M
     """
     valid, dropped = [], []
     for msg in replies:
-        reason = check_reply(msg, schema, (tiers or {}).get(_sender(msg)))
+        sender = _sender(msg)
+        reason = check_reply(msg, schema, None if sender is None else (tiers or {}).get(sender))
         if reason is None:
             valid.append(msg)
         else:

@@ -186,7 +186,7 @@ def measure(config: dict[str, Any], device: torch.device, sections: list[str], o
     sections may be run one at a time; the wall time is summed over the runs."""
     set_threads(config["run"]["threads"] if device.type == "cpu" else 0)
     path = out / f"results-{device.type}.json"
-    earlier = json.loads(path.read_text()) if path.is_file() else {"rows": [], "wall_seconds": 0.0}
+    earlier: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"rows": [], "wall_seconds": 0.0}
     began, fresh = time.perf_counter(), []
     report: dict[str, Any] = {"device": device.type, "name": device_name(device), "torch": torch.__version__,
                               "python": platform.python_version()}

@@ -65,14 +65,14 @@ def table_main(argv: list[str] | None, table: str, prog: str, description: str,
     parser.add_argument("--config", default=config)
     parser.add_argument("--models", nargs="+", help=f"measure only these of the config's [{table}] models")
     args = parser.parse_args(argv)
-    config = config_or_exit(parser, args.config)
-    run, options = config["run"], config[table]
+    loaded = config_or_exit(parser, args.config)
+    run, options = loaded["run"], loaded[table]
     torch.set_num_threads(run["threads"])
     wanted = args.models or options["models"]
     if unknown := sorted(set(wanted) - set(options["models"])):
         raise SystemExit(f"not in [{table}] models of {args.config}: {', '.join(unknown)}")
     command = " ".join([f"python -m {prog}", *(argv if argv is not None else sys.argv[1:])])
-    for model in (m for m in config["models"] if label(m) in wanted):
+    for model in (m for m in loaded["models"] if label(m) in wanted):
         entry = measure(run, options, model, command)
         publish(Path(run["out"]), results, heading, markdown, label(model), entry, options["models"])
         if after is not None:

@@ -51,7 +51,8 @@ def _reply(state: State, examples: int, node: int) -> Message:
     values = {key: 0.5 for key in protocol.TRAIN_METRICS} | {protocol.TIER_KEY: 1.0, protocol.WEIGHT_KEY: examples}
     meta = Metadata(run_id=1, message_id=f"m{node}", src_node_id=0, dst_node_id=node, reply_to_message_id="",
                     group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
-    instruction = Message(RecordDict({protocol.CONFIG: ConfigRecord()}), metadata=meta)
+    # flwr's own constructor for a message as the SuperLink delivers it (metadata given), outside its typed overloads
+    instruction = Message(RecordDict({protocol.CONFIG: ConfigRecord()}), metadata=meta)  # type: ignore[call-overload]
     return Message(RecordDict({protocol.ARRAYS: ArrayRecord(state),  # type: ignore[arg-type]
                                protocol.METRICS: MetricRecord(values)}), reply_to=instruction)  # type: ignore[arg-type]
 
@@ -67,11 +68,11 @@ def _round(aggregation: str, robust: Robustness, attacker: State, examples: int)
     replies = [_reply(h, HONEST_EXAMPLES, i + 1) for i, h in enumerate(honest)] + [_reply(attacker, examples, 9)]
     arrays, _ = s.aggregate_train(1, replies)
     merged = arrays.to_torch_state_dict() if arrays is not None else g
-    honest_mean = {k: sum(h[k] for h in honest) / 3 for k in g}
+    honest_mean = {k: torch.stack([h[k] for h in honest]).mean(0) for k in g}
     record = s.current
     return {"kept_global_model": arrays is None, "failure": record.failure, "capped": record.capped,
             "clipped": record.clipped, "clipped_before": record.clipped_before,
-            "norm": distance(merged, {k: 0 * v for k, v in g.items()}),
+            "norm": distance(merged, {k: torch.zeros_like(v) for k, v in g.items()}),
             "max_abs": max(float(v.abs().max()) for v in merged.values()),
             "distance_from_honest_mean": distance(merged, honest_mean), "merged": merged}
 

@@ -98,14 +98,18 @@ def variants(weights: Sequence[float], counts: Sequence[Sequence[int]], cfg: Mod
         return restore_norms(m, a, cfg, weights)
 
     ref = max(range(len(weights)), key=weights.__getitem__)
+
+    def last_blocks(k: int) -> Variant:
+        return lambda m, a: partial(norms(m, a), a, k, cfg.depth, ref)
+
+    def toward_largest(t: float) -> Variant:
+        return lambda m, a: {k: (1 - t) * a[ref][k] + t * v for k, v in norms(m, a).items()}
+
     return {"": lambda m, a: m, " + norms": norms,
             " + class-weighted head": lambda m, a: class_weighted_head(m, a, counts),
             " + norms + class-weighted head": lambda m, a: class_weighted_head(norms(m, a), a, counts),
-            **{f", last {k} blocks and head of the largest client": (
-                lambda m, a, k=k: partial(norms(m, a), a, k, cfg.depth, ref)) for k in (1, 3)},
-            **{f" + norms, {t:g} of the way from the largest client": (
-                lambda m, a, t=t: {k: (1 - t) * a[ref][k] + t * v for k, v in norms(m, a).items()})
-               for t in (0.25, 0.5)}}
+            **{f", last {k} blocks and head of the largest client": last_blocks(k) for k in (1, 3)},
+            **{f" + norms, {t:g} of the way from the largest client": toward_largest(t) for t in (0.25, 0.5)}}
 
 
 def seed_rows(run: Path, iters: Sequence[int]) -> dict[str, float]:

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from glmc.canonical import canonicalize
 from glmc.check import random_inputs
 from glmc.match.activation import activation_match
 from glmc.match.common import MatchResult, sq_distance
-from glmc.match.weight import weight_match
+from glmc.match.weight import Start, weight_match
 from glmc.transforms import Transform, apply, compose, random_transform
 from simulations.bench.barriers import machine
 from simulations.tomlfile import config_or_exit
@@ -74,7 +75,7 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, run: dict[str, Any
     """``weight`` starts where the config's ``weight_start`` says; ``weight-<start>`` from that start."""
     if method.startswith("weight"):
         start = method.removeprefix("weight").removeprefix("-") or run["weight_start"]
-        return weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, start=start)
+        return weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, start=typing.cast(Start, start))
     samples = run["activation_samples"][cfg.family]
     return activation_match(a, b, cfg, random_inputs(cfg, samples, seed=1), batch_size=max(1, samples // 2))
 
