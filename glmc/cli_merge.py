@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from glmc.cli_export import add_format_argument, early_format, output_format
 from glmc.cli_learn import add_learn_arguments, count, learn_options, test_data, training_data
-from glmc.cli_weight import weight_flags_given
+from glmc.cli_weight import add_weight_arguments, weight_options, weight_start
 from glmc.errors import ConfigError, check_weights
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
                         "inputs); across widths, to the mean of the models that hold each output")
     add_learn_arguments(parser, f"training samples for activation (default 512) and learned (default {LEARN_SAMPLES}) "
                         "merging", epochs=1)
+    add_weight_arguments(parser)
     add_universe_arguments(parser)
 
 
@@ -115,7 +116,8 @@ def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointM
                                                            ("workers", "workers")) if hasattr(args, name)}
     return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, learn=learn,
                       restore_norms=getattr(args, "restore_norms", False), repair=repair, refit=refit, fill=args.fill,
-                      device=args.device, **universe)  # align has no universe options: MergeSetup's defaults
+                      device=args.device, weight_start=weight_start(args), weight=weight_options(args),
+                      **universe)  # align has no universe options: MergeSetup's defaults
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
@@ -179,7 +181,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
                                train={})
     write(args.out, fmt, native, meta)
     return result, {"out": str(args.out), "format": fmt, "method": setup.method, "restore_norms": setup.restore_norms,
-                    "repair": setup.repair, "refit": setup.refit,
+                    "repair": setup.repair, "refit": setup.refit, "matcher": setup.matcher(),
                     "target": setup.target.to_dict(),
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
 
@@ -232,11 +234,11 @@ def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[Chec
 
 
 def check_across_widths(args: argparse.Namespace, methods: list[str], flags: dict[str, Any]) -> None:
-    """Refuse, before any work, the methods and the given ``flags`` (plus --start) that only pairs of one width
-    support: a narrower B is embedded into A's width and aligned as ``glmc merge`` aligns an input."""
+    """Refuse, before any work, the methods and the given ``flags`` that only pairs of one width support: a narrower
+    B is embedded into A's width and aligned as ``glmc merge`` aligns an input (weight-matching flags included)."""
     from glmc.merge import MERGE_METHODS
 
-    for flag, given in (flags | weight_flags_given(args)).items():
+    for flag, given in flags.items():
         if given:
             raise ConfigError(f"{flag} applies to two models of one width, not to {args.a} and {args.b}")
     if unknown := [m for m in methods if m not in MERGE_METHODS]:

@@ -1,5 +1,5 @@
-"""Options of weight matching, declared once for ``glmc align`` and ``barrier`` (and refused across widths, where
-a narrower model is aligned as ``glmc merge`` aligns it): where it starts, its costs and when it stops."""
+"""Options of weight matching, declared once for ``glmc align``, ``barrier`` and ``merge``: where it starts, its
+costs and when it stops."""
 
 from __future__ import annotations
 
@@ -36,11 +36,6 @@ def _given(args: argparse.Namespace) -> dict[str, str | None]:
     return {flag: getattr(args, flag[2:].replace("-", "_")) for flag in ["--start", *WEIGHT_FLAGS]}
 
 
-def weight_flags_given(args: argparse.Namespace) -> dict[str, bool]:
-    """Which weight flags were given (for the checks that refuse them)."""
-    return {flag: value is not None for flag, value in _given(args).items()}
-
-
 def weight_start(args: argparse.Namespace) -> Start:
     """The residual start the flags give."""
     return typing.cast("Start", args.start or START_NAMES[0])
@@ -53,3 +48,11 @@ def weight_options(args: argparse.Namespace) -> WeightOptions:
     given = _given(args)
     return WeightOptions(**{field: given[flag] for flag, (field, _, _) in WEIGHT_FLAGS.items()  # type: ignore[arg-type]
                             if given[flag] is not None})
+
+
+def parse_weight_flags(flags: list[str]) -> tuple[Start, WeightOptions]:
+    """The start and options that a list of these flags names (a bench config's ``matcher``), for library calls."""
+    parser = argparse.ArgumentParser(prog="matcher")
+    add_weight_arguments(parser)
+    given = parser.parse_args(flags)
+    return weight_start(given), weight_options(given)

@@ -25,6 +25,7 @@ from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
 from glmc.device import device_of, resolve, to_device
 from glmc.errors import ConfigError
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.refit import refit
 from glmc.repair import repair
 from glmc.rescale import restore_norms
@@ -150,6 +151,12 @@ class MergeSetup:
     refit: int = 0  # refit the merged layers to the inputs' mean outputs on this many of ``train``'s inputs; 0: off
     fill: str = "zeros"  # how narrow inputs fill the target's extra heads and units (glmc.widths.FILLS)
     device: str = "cpu"  # where the merge is computed (glmc.device.resolve); the result stays there
+    weight_start: Start = DEFAULT_START  # where each weight matching (and learned's first matching) starts
+    weight: WeightOptions | None = None  # its costs and stopping rule (None: glmc's defaults)
+
+    def matcher(self) -> dict[str, str]:
+        """The weight matcher's start and options, for the report: a merge is reproducible only with them."""
+        return {"start": self.weight_start, **asdict(self.weight or WeightOptions())}
 
 
 def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
@@ -174,7 +181,8 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     result = universe_match(states, setup.target, pairwise, weights=setup.weights, configs=configs,
                             reference=_reference(configs, setup.target), max_iters=setup.max_iters, tol=setup.tol,
                             data=setup.train, batch=setup.batch, workers=setup.workers,
-                            refine=setup.method == "learned", learn=setup.learn, fill=setup.fill)
+                            refine=setup.method == "learned", learn=setup.learn, fill=setup.fill,
+                            weight_start=setup.weight_start, weight=setup.weight)
     if setup.restore_norms:
         result.merged = restore_norms(result.merged, result.aligned, setup.target, setup.weights)
     if setup.refit:
@@ -191,7 +199,8 @@ def align_to_wide(wide: State, native: Mapping[str, torch.Tensor], cfg: ModelCon
     aligned to it by ``setup.method``: one universe step anchored at ``wide``, so it computes the narrow function."""
     narrow = canonicalize(get_arch(cfg.family), to_device(native, device_of(wide)), cfg.depth, dtype=torch.float64)
     return universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
-                          data=setup.train, batch=setup.batch, learn=setup.learn, fill=setup.fill)
+                          data=setup.train, batch=setup.batch, learn=setup.learn, fill=setup.fill,
+                          weight_start=setup.weight_start, weight=setup.weight)
 
 
 def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import torch
 
 from glmc.archs import get_arch
 from glmc.canonical import canonicalize
+from glmc.cli_weight import parse_weight_flags
+from glmc.match.weight import WeightOptions
 from glmc.transforms import MATCHABLE, apply, random_transform
 from simulations.bench import (
     accelerator,
@@ -181,3 +184,11 @@ def test_the_accelerator_bench_measures_what_it_names_and_keeps_earlier_sections
     table = [line.split(" | ") for line in summary.splitlines() if line.startswith("| ") and "---" not in line]
     assert [cells[0].lstrip("| ") for cells in table[1:]] == [r["row"] for r in rows]
     assert {cells[-2] for cells in table[1:]} == {"–"}  # the speed-up column: one device, no ratio
+
+
+@pytest.mark.parametrize("config", ["barriers", "merging"])
+def test_a_bench_whose_published_rows_predate_the_matchers_defaults_pins_the_matcher_they_ran_with(config: str) -> None:
+    """The rows of these benches were measured with the identity start and the squared head cost; their configs
+    name that matcher, so that their one command reproduces them under today's defaults."""
+    run = tomllib.loads(Path(f"simulations/bench/configs/{config}.toml").read_text())["run"]
+    assert parse_weight_flags(run["matcher"]) == ("identity", WeightOptions(head_cost="squared", mlp_cost="inner"))

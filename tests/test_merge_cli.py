@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from glmc.archs import build_model, preset, scale_width
+from glmc.archs import build_model, get_arch, preset, scale_width
 from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.cli import main
 from glmc.data.fashion_mnist import find_fashion_mnist
-from glmc.merge import grid_steps, simplex_grid
+from glmc.formats import read
+from glmc.match.weight import DEFAULT_START, WeightOptions
+from glmc.merge import MergeSetup, grid_steps, merge_states, simplex_grid
 
 HAS_FASHION = find_fashion_mnist() is not None
 VIT = preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28, depth=1)
@@ -51,6 +54,25 @@ def test_merge_of_mixed_widths_writes_a_standard_checkpoint_and_a_report(trio, t
     assert len(full["inputs"]) == 3 and len(full["simplex"]["weights"]) == 10 and len(full["width_barriers"]) == 1
     assert 1 <= len(full["universe"]) <= 2 and headline["merged_accuracy"] == full["merged"]["accuracy"]
     assert full["simplex"]["barrier"] >= -1e-6  # the vertices are in the grid, where B = 0
+    assert full["matcher"] == {"start": DEFAULT_START, **dataclasses.asdict(WeightOptions())}
+
+
+def test_merge_takes_the_weight_matchers_flags_and_reports_them(trio, tmp_path, capsys):
+    """A merge is reproducible only with the matcher it ran: the flags reach the matching, and the report names
+    them (the same merge through the library, with the same options, gives the same bits)."""
+    out, report = tmp_path / "merged.safetensors", tmp_path / "merge.json"
+    flags = ["--start", "identity", "--head-cost", "squared", "--stop", "fixed"]
+    argv = ["merge", *map(str, trio[:2]), "--method", "weight", "--out", str(out), "--json", str(report),
+            "--limit", "16", "--iters", "1", "--quiet", *flags]
+    assert main(argv) == 0
+    assert json.loads(report.read_text())["matcher"] == {"start": "identity", "head_cost": "squared",
+                                                          "mlp_cost": "inner", "stop": "fixed"}
+    natives, metas = zip(*(read(p) for p in trio[:2]), strict=True)
+    setup = MergeSetup("weight", metas[0].config, max_iters=1, weight_start="identity",
+                       weight=WeightOptions(head_cost="squared", stop="fixed"))
+    expect = get_arch(VIT.family).to_native(merge_states(natives, [m.config for m in metas], setup).merged, VIT.depth)
+    state, _ = load_checkpoint(out)
+    assert all(torch.equal(state[k], v.float()) for k, v in expect.items())
 
 
 @needs_data
@@ -260,8 +282,6 @@ def test_align_across_widths_refuses_what_it_cannot_do_in_one_line(trio, tmp_pat
                          "the target is narrower than an input")
     _fails_with_one_line(["align", str(trio[0]), str(trio[2]), "--method", "dual", "--out", out], capsys,
                          "across widths the methods are none, weight, weight-perm, activation, learned; not dual")
-    _fails_with_one_line(["align", str(trio[0]), str(trio[2]), "--start", "relaxed", "--out", out], capsys,
-                         "--start applies to two models of one width")
     assert not (tmp_path / "aligned.safetensors").exists()
 
 
@@ -275,8 +295,4 @@ def test_barrier_across_widths_refuses_what_it_cannot_do_in_one_line(trio, tmp_p
                          "--form applies to two models of one width")
     _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--repair", "8", "--json", report], capsys,
                          "--repair applies to two models of one width")
-    _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--start", "relaxed", "--json", report], capsys,
-                         "--start applies to two models of one width")
-    _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--head-cost", "norm", "--json", report], capsys,
-                         "--head-cost applies to two models of one width")
     assert not (tmp_path / "b.json").exists()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from glmc.cli import main as glmc
+from glmc.cli_weight import parse_weight_flags
 from simulations.bench.barriers import results_lock
 from simulations.tomlfile import config_or_exit
 
@@ -45,7 +46,8 @@ def merge(run: dict[str, Any], spec: dict[str, Any], method: str) -> dict[str, A
     args = ["merge", *map(str, checkpoints(run, spec["models"])), "--method", method, "--out",
             f"{out}.safetensors", "--json", f"{out}.json", "--limit", str(spec["limit"]), "--simplex-points",
             str(spec["simplex_points"]), "--workers", str(run["workers"]), "--force", "--quiet"]
-    extra = [*spec.get("args", []), *(spec.get("learn", run["learn"]) if method == "learned" else [])]
+    extra = [*run.get("matcher", []), *spec.get("args", []),
+             *(spec.get("learn", run["learn"]) if method == "learned" else [])]
     if glmc(args + extra) != 0:
         raise SystemExit(f"glmc merge failed: {spec['name']} by {method}")
     return json.loads(Path(f"{out}.json").read_text())
@@ -58,7 +60,8 @@ def simplex(run: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     if run.get("resume") and Path(f"{out}.json").exists():
         return json.loads(Path(f"{out}.json").read_text())
     args = ["barrier", "--simplex", str(a), str(b), str(c), "--simplex-steps", str(spec["steps"]), "--limit",
-            str(spec["limit"]), "--json", f"{out}.json", "--plot", f"{out}.png", "--quiet", *run["learn"]]
+            str(spec["limit"]), "--json", f"{out}.json", "--plot", f"{out}.png", "--quiet", *run["learn"],
+            *run.get("matcher", [])]
     for method in spec["methods"]:
         args += ["--method", method]
     if glmc(args) != 0:
@@ -91,10 +94,12 @@ def time_universe(run: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, A
     if run.get("resume") and cached.exists():
         return json.loads(cached.read_text())
     states, cfg = timing_states(run, spec)
+    start, options = parse_weight_flags(run.get("matcher", []))
     rows = []
     for workers in spec["workers"]:
         wall, cpu, children = time.perf_counter(), time.process_time(), os.times()
-        result = universe_match(states, cfg, "weight", max_iters=spec["max_iters"], workers=workers)
+        result = universe_match(states, cfg, "weight", max_iters=spec["max_iters"], workers=workers,
+                                weight_start=start, weight=options)
         after = os.times()
         rows.append({"models": len(states), "workers": workers, "wall_seconds": time.perf_counter() - wall,
                      "cpu_seconds": time.process_time() - cpu + (after.children_user - children.children_user),

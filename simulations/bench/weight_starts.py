@@ -27,7 +27,8 @@ from glmc.archs import ModelConfig, State, get_arch
 from glmc.barrier import barrier_curve
 from glmc.canonical import canonicalize
 from glmc.checkpoint import load_checkpoint
-from glmc.match.weight import STARTS, weight_match
+from glmc.cli_weight import parse_weight_flags
+from glmc.match.weight import STARTS, WeightOptions, weight_match
 from glmc.tasks import held_out
 from glmc.transforms import apply
 from simulations.bench.barriers import machine, mean_se, seed_checkpoints, table_main
@@ -41,15 +42,16 @@ def barrier(a: State, b: State, cfg: ModelConfig, test: Dataset) -> float:
 
 
 def pair_starts(names: tuple[str, str], natives: tuple[State, State], cfg: ModelConfig, test: Dataset, count: int,
-                seed: int) -> dict[str, Any]:
-    """The vanilla barrier, then weight matching from ``count`` starts: each one's objective, sweeps and barrier."""
+                seed: int, options: WeightOptions | None = None) -> dict[str, Any]:
+    """The vanilla barrier, then weight matching (``options``) from ``count`` starts: each one's objective, sweeps
+    and barrier."""
     arch = get_arch(cfg.family)
     a, b = (canonicalize(arch, s, cfg.depth) for s in natives)
     generator = torch.Generator().manual_seed(seed)
     starts = []
     for index in range(count):
         q = STARTS[index] if index < len(STARTS) else groups.random_orthogonal(cfg.width, generator)
-        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=q)
+        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=q, options=options)
         value = barrier(a, apply(b, arch.spec, result.transform, cfg.heads), cfg, test)
         starts.append({"start": index, "objective": result.objective[-1], "sweeps": len(result.objective),
                        "barrier": value, "align_seconds": result.seconds})
@@ -104,7 +106,8 @@ def measure_model(run: dict[str, Any], starts: dict[str, Any], model: dict[str, 
     loaded = {p.stem: load_checkpoint(p) for p in seed_checkpoints(run, model)}  # each file and the test split once
     cfg = next(iter(loaded.values()))[1].config
     test = held_out(model["dataset"], cfg, limit=limit)
-    reports = [pair_starts((a, b), (loaded[a][0], loaded[b][0]), cfg, test, starts["count"], starts["seed"])
+    _, options = parse_weight_flags(run.get("matcher", []))  # the costs the run pins; the starts are this bench's
+    reports = [pair_starts((a, b), (loaded[a][0], loaded[b][0]), cfg, test, starts["count"], starts["seed"], options)
                for a, b in itertools.combinations(loaded, 2)]
     return {"reports": reports, "rows": [pair_row(r) for r in reports], "count": starts["count"],
             "seed": starts["seed"], "limit": limit, "command": command, "machine": machine(),
@@ -112,8 +115,8 @@ def measure_model(run: dict[str, Any], starts: dict[str, Any], model: dict[str, 
 
 
 HEADING = ["# Weight matching from several residual starts", "",
-           "Start 0 is the identity (what `glmc align --method weight` does); start 1 is the relaxed start "
-           "(`--start relaxed`: the residual solved first with every unit map relaxed to an orthogonal one, "
+           "Start 0 is the identity (`--start identity`); start 1 is the relaxed start (`--start relaxed`, "
+           "glmc's default: the residual solved first with every unit map relaxed to an orthogonal one, "
            "`glmc.match.weight.relaxed_residual`); the others are Haar-random residual maps Q with Q·1 = 1. "
            "Objective: ‖A − T(B)‖² at the end of the search.", ""]
 
