@@ -13,6 +13,7 @@ import torch
 from conftest import synthetic_images, synthetic_text
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from glmc import groups
 from glmc.align import align_pair
 from glmc.archs import Arch, ModelConfig, State, build_model, get_arch
 from glmc.barrier import interpolate
@@ -23,7 +24,18 @@ from glmc.cli_learn import learn_options
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.match.dual import dual_match, mixing_sampler, refine_universe
-from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Within, learned_match, pair_points, split, validate
+from glmc.match.learned import (
+    Endpoint,
+    Latents,
+    LearnConfig,
+    Path,
+    Within,
+    learned_match,
+    pair_points,
+    project,
+    split,
+    validate,
+)
 from glmc.match.soft import soft_match
 from glmc.match.weight import weight_match
 from glmc.train import TrainConfig, evaluate, seed_everything, token_loss, train
@@ -151,6 +163,30 @@ def test_gradient_reaches_every_latent(trained, residual_perm, soft, within):
     loss().backward()
     for name, p in latents.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_the_within_head_maps_of_every_model_in_one_batched_svd_are_the_bits_of_one_svd_each(trained):
+    """project() factors all models' and layers' latents at once; each map and each gradient is what the
+    per-latent polar factor gives, so the batching changes no result."""
+    cfg, arch, (a, b) = trained.cfg, trained.arch, trained.states
+    init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads).transform
+    models = [Latents(init, cfg, replace(FAST, within=within, noise=0.1), fix_ones=True, seed=seed)
+              for seed, within in enumerate(["orthogonal", "invertible", "orthogonal"])]
+    batched = project(models)
+    alone = [[groups.polar(z) for z in (*lat.qk, *lat.ov)] if lat.within == "orthogonal" else [] for lat in models]
+    assert [len(maps) for maps in batched] == [2 * cfg.depth, 0, 2 * cfg.depth]
+    assert all(torch.equal(x, y) for xs, ys in zip(batched, alone, strict=True) for x, y in zip(xs, ys, strict=True))
+    first, second = (_latent_grads(models, maps) for maps in (batched, alone))
+    assert len(first) == 4 * cfg.depth and all(torch.equal(x, y) for x, y in zip(first, second, strict=True))
+
+
+def _latent_grads(models: list[Latents], maps: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The within-head latents' gradients of a fixed linear function of ``maps``."""
+    for lat in models:
+        lat.zero_grad()
+    flat = torch.cat([m.reshape(-1) for ms in maps for m in ms])
+    (flat * torch.arange(1.0, 1.0 + flat.numel(), dtype=flat.dtype)).sum().backward()
+    return [p.grad.clone() for lat in models for p in (*lat.qk, *lat.ov) if p.grad is not None]
 
 
 @pytest.mark.parametrize(("residual_perm", "within"),

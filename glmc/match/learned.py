@@ -170,11 +170,16 @@ class Latents(nn.Module):
         self.qk = nn.ParameterList([maps(m) for m in init.qk] if maps else [])
         self.ov = nn.ParameterList([maps(m) for m in init.ov] if maps else [])
 
-    def _maps(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    def _maps(self, projected: list[torch.Tensor] | None = None,
+              ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """The within-head maps: the initial ones (fixed), copies of the latents (invertible; harden() keeps
+        them), or the latents' polar factors (orthogonal): ``projected`` when given (:func:`project`)."""
         if self.within == "fixed":
             return self.init.qk, self.init.ov
-        project = groups.polar if self.within == "orthogonal" else torch.clone  # a copy: harden() keeps it
-        return [project(z) for z in self.qk], [project(z) for z in self.ov]
+        if self.within == "invertible":
+            return [torch.clone(z) for z in self.qk], [torch.clone(z) for z in self.ov]
+        maps: list[torch.Tensor | None] = list(projected if projected is not None else project([self])[0])
+        return maps[:len(self.qk)], maps[len(self.qk):]
 
     def _residual(self) -> torch.Tensor:
         z = self.residual
@@ -183,9 +188,10 @@ class Latents(nn.Module):
     def _units(self, z: torch.Tensor) -> torch.Tensor:
         return sinkhorn(z, self.iters) if self.soft else straight_through(z)
 
-    def forward(self) -> Transform:
-        """The current transform, differentiable in the latents (dense reorderings, projected residual)."""
-        qk, ov = self._maps()
+    def forward(self, projected: list[torch.Tensor] | None = None) -> Transform:
+        """The current transform, differentiable in the latents (dense reorderings, projected residual);
+        ``projected``: its orthogonal within-head maps, when :func:`project` made them with other models'."""
+        qk, ov = self._maps(projected)
         return Transform(self.init.depth, residual=self._residual(), heads=[self._units(z) for z in self.heads],
                          qk=qk, ov=ov, mlp=[self._units(z) for z in self.mlp])
 
@@ -200,6 +206,19 @@ class Latents(nn.Module):
         qk, ov = self._maps()
         return Transform(self.init.depth, residual=self._residual().detach(), heads=[units(z) for z in self.heads],
                          qk=qk, ov=ov, mlp=[units(z) for z in self.mlp])
+
+
+def project(latents: Sequence[Latents]) -> list[list[torch.Tensor]]:
+    """The polar factors of the orthogonal within-head latents of every model, per model its qk then its ov maps:
+    one batched SVD per latent shape instead of two per layer and model (on a GPU each call is a launch and a
+    device sync). The same bits as one SVD per latent: a batched SVD factors each matrix on its own."""
+    latent = [[*lat.qk, *lat.ov] if lat.within == "orthogonal" else [] for lat in latents]
+    by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for z in (z for zs in latent for z in zs):
+        by_shape.setdefault(tuple(z.shape[1:]), []).append(z)
+    factors = {shape: iter(groups.polar(torch.cat(zs)).split([z.shape[0] for z in zs]))
+               for shape, zs in by_shape.items()}
+    return [[next(factors[tuple(z.shape[1:])]) for z in zs] for zs in latent]
 
 
 # The path: endpoints, their mixture, and its task loss through one model.
@@ -323,7 +342,9 @@ def _step(path: Path, latents: Sequence[Latents | None], weights: Weights, x: to
           optimizer: torch.optim.Optimizer) -> float:
     """One optimizer step on the latents; NaN (and no step) when the loss or a gradient is not finite."""
     path.check(x)
-    logits = path.logits(path.point([lat() if lat else None for lat in latents], weights), x)
+    moving = [lat for lat in latents if lat is not None]
+    projected = dict(zip(map(id, moving), project(moving), strict=True))
+    logits = path.logits(path.point([lat(projected[id(lat)]) if lat else None for lat in latents], weights), x)
     loss = token_loss(logits, y.to(path.device))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
