@@ -260,12 +260,14 @@ def test_barrier_across_widths_embeds_the_narrow_model_and_keeps_both_ends(trio,
 def test_align_across_widths_writes_a_checkpoint_of_the_wide_config_computing_the_narrow_model(trio, tmp_path, fill,
                                                                                               capsys):
     """`glmc align WIDE NARROW`: the narrow model embedded into the wide one's width and aligned to it, saved as a
-    checkpoint of the wide config that still computes the narrow function (float32 on disk)."""
+    checkpoint of the wide config that still computes the narrow function (float32 on disk), at the default matcher
+    and at a pinned one."""
     from glmc.checkpoint import load_model
 
     out = tmp_path / "aligned.safetensors"
+    matcher = ["--start", "identity", "--head-cost", "squared"] if fill == "copies" else []
     assert main(["align", str(trio[0]), str(trio[2]), "--method", "weight", "--fill", fill, "--out", str(out),
-                 "--quiet"]) == 0
+                 "--quiet", *matcher]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["method"] == "weight" and report["width"] == [VIT.width // 2, VIT.width]
     (narrow, _), (moved, meta) = load_model(trio[2]), load_model(out)
