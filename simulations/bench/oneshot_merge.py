@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ from client.data import VAL_FRACTION, eval_subset, pool
 from glmc.archs import ModelConfig, State, build_model, get_arch
 from glmc.canonical import canonicalize
 from glmc.checkpoint import load_checkpoint
+from glmc.cli_weight import add_weight_arguments, weight_options, weight_start
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.merge import ensemble_metrics
 from glmc.rescale import restore_norms
 from glmc.train import evaluate, set_threads
@@ -112,8 +115,10 @@ def variants(weights: Sequence[float], counts: Sequence[Sequence[int]], cfg: Mod
             **{f" + norms, {t:g} of the way from the largest client": toward_largest(t) for t in (0.25, 0.5)}}
 
 
-def seed_rows(run: Path, iters: Sequence[int]) -> dict[str, float]:
-    """Test accuracy (%) of the clients, their ensemble and every merge variant, for one seed's saved clients."""
+def seed_rows(run: Path, iters: Sequence[int], start: Start = DEFAULT_START,
+              options: WeightOptions | None = None) -> dict[str, float]:
+    """Test accuracy (%) of the clients, their ensemble and every merge variant, for one seed's saved clients; the
+    universe's weight matching from ``start`` with ``options``."""
     settings, natives, weights, counts = load_clients(run)
     cfg = pool(settings).task.config
     arch, test = get_arch(cfg.family), eval_subset(pool(settings).test, settings.eval_limit, settings.seed)
@@ -134,7 +139,8 @@ def seed_rows(run: Path, iters: Sequence[int]) -> dict[str, float]:
             arch.to_native(between, cfg.depth), cfg, test)
     for n in iters:
         result = universe_match(states, cfg, "weight", weights=weights, max_iters=n,
-                                reference=max(range(len(states)), key=weights.__getitem__))
+                                reference=max(range(len(states)), key=weights.__getitem__), weight_start=start,
+                                weight=options)
         for name, finish in variants(weights, counts, cfg).items():
             merged = finish(result.merged, result.aligned)
             rows[f"weight ({n} iters){name}"] = 100 * accuracy(arch.to_native(merged, cfg.depth), cfg, test)
@@ -160,23 +166,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iters", type=int, nargs="+", default=[5], help="universe iterations to try")
     parser.add_argument("--out", type=Path, default=Path("simulations/results/oneshot-data-free"))
+    add_weight_arguments(parser)
     args = parser.parse_args(argv)
+    matcher = {"start": weight_start(args), **asdict(weight_options(args))}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     set_threads(1)
     start = time.perf_counter()
-    per_seed = {s: seed_rows(args.runs / f"{args.cell}_dirichlet0.5_equal_s{s}", args.iters) for s in args.seeds}
+    per_seed = {s: seed_rows(args.runs / f"{args.cell}_dirichlet0.5_equal_s{s}", args.iters, weight_start(args),
+                             weight_options(args)) for s in args.seeds}
     minutes = (time.perf_counter() - start) / 60
     args.out.mkdir(parents=True, exist_ok=True)
     given = sys.argv[1:] if argv is None else list(argv)
     meta = {"command": " ".join(["python -m simulations.bench.oneshot_merge", *given]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-            "minutes": round(minutes, 1), "load": [round(x, 2) for x in os.getloadavg()]}
+            "minutes": round(minutes, 1), "load": [round(x, 2) for x in os.getloadavg()], "matcher": matcher}
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "accuracy": per_seed}, indent=1))
     table = markdown(per_seed)
     (args.out / "summary.md").write_text(
         f"# One-shot merging without server data\n\nCommand: `{meta['command']}`. Machine: {meta['machine']}; "
         f"{meta['minutes']} min, load average at the end {meta['load']}. Test accuracy (%) on the run's central test "
-        f"subset of the saved round-1 clients of each seed's cell, merged with no server data.\n\n{table}\n")
+        f"subset of the saved round-1 clients of each seed's cell, merged with no server data. Weight matching: "
+        f"{', '.join(f'{k} {v}' for k, v in matcher.items())}.\n\n{table}\n")
     print(table)
     return 0
 
