@@ -25,7 +25,7 @@ from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
 from glmc.device import device_of, resolve, to_device
 from glmc.errors import ConfigError
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
 from glmc.refit import refit
 from glmc.repair import repair
 from glmc.rescale import restore_norms
@@ -155,8 +155,8 @@ class MergeSetup:
     weight: WeightOptions | None = None  # its costs and stopping rule (None: glmc's defaults)
 
     def matcher(self) -> dict[str, str]:
-        """The weight matcher's start and options, for the report: a merge is reproducible only with them."""
-        return {"start": self.weight_start, **asdict(self.weight or WeightOptions())}
+        """The weight matcher's start and options, for the report."""
+        return matcher_record(self.weight_start, self.weight)
 
 
 def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:

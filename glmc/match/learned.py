@@ -342,9 +342,8 @@ def _step(path: Path, latents: Sequence[Latents | None], weights: Weights, x: to
           optimizer: torch.optim.Optimizer) -> float:
     """One optimizer step on the latents; NaN (and no step) when the loss or a gradient is not finite."""
     path.check(x)
-    moving = [lat for lat in latents if lat is not None]
-    projected = dict(zip(map(id, moving), project(moving), strict=True))
-    logits = path.logits(path.point([lat(projected[id(lat)]) if lat else None for lat in latents], weights), x)
+    projected = iter(project([lat for lat in latents if lat is not None]))
+    logits = path.logits(path.point([lat(next(projected)) if lat else None for lat in latents], weights), x)
     loss = token_loss(logits, y.to(path.device))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal, get_args
 
 import torch
@@ -70,6 +70,11 @@ class WeightOptions:
             if getattr(self, name) not in get_args(kind):
                 raise ConfigError(f"unknown weight-matching {name} {getattr(self, name)!r}; "
                                   f"known: {', '.join(get_args(kind))}")
+
+
+def matcher_record(start: Start, options: WeightOptions | None) -> dict[str, str]:
+    """A weight matcher's start and options as a report records them: a result is reproducible only with them."""
+    return {"start": start, **asdict(options or WeightOptions())}
 
 
 def embedding_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,

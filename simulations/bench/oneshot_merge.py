@@ -30,7 +30,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from glmc.archs import ModelConfig, State, build_model, get_arch
 from glmc.canonical import canonicalize
 from glmc.checkpoint import load_checkpoint
 from glmc.cli_weight import add_weight_arguments, weight_options, weight_start
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions
+from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
 from glmc.merge import ensemble_metrics
 from glmc.rescale import restore_norms
 from glmc.train import evaluate, set_threads
@@ -168,12 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("simulations/results/oneshot-data-free"))
     add_weight_arguments(parser)
     args = parser.parse_args(argv)
-    matcher = {"start": weight_start(args), **asdict(weight_options(args))}
+    residual_start, options = weight_start(args), weight_options(args)
+    matcher = matcher_record(residual_start, options)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     set_threads(1)
     start = time.perf_counter()
-    per_seed = {s: seed_rows(args.runs / f"{args.cell}_dirichlet0.5_equal_s{s}", args.iters, weight_start(args),
-                             weight_options(args)) for s in args.seeds}
+    per_seed = {s: seed_rows(args.runs / f"{args.cell}_dirichlet0.5_equal_s{s}", args.iters, residual_start, options)
+                for s in args.seeds}
     minutes = (time.perf_counter() - start) / 60
     args.out.mkdir(parents=True, exist_ok=True)
     given = sys.argv[1:] if argv is None else list(argv)
