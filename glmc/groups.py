@@ -64,8 +64,18 @@ def one_thread(x: torch.Tensor) -> Iterator[None]:
     """Run CPU work on ``x`` on one torch thread. MKL's threaded SVD of the matrices weight matching factors (up
     to d × d) gains little on an idle machine and is many times slower when other jobs share the cores (measured
     on 2 shared cores: a (2, 12, 64, 64) batch 0.02 s on one thread, 0.13-0.65 s on two)."""
+    if x.device.type != "cpu":
+        yield
+        return
+    with _one_torch_thread():
+        yield
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """One torch thread inside, the count before restored after."""
     before = torch.get_num_threads()
-    if x.device.type != "cpu" or before == 1:
+    if before == 1:
         yield
         return
     torch.set_num_threads(1)
@@ -75,19 +85,28 @@ def one_thread(x: torch.Tensor) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def side_by_side(work: Callable[[T], R], items: Sequence[T], like: torch.Tensor) -> list[R]:
-    """``[work(item) for item in items]``, on the CPU as many at once as torch has threads, each on one thread:
-    independent pieces (a layer's assignments, a group's SVD) use the cores without the threaded SVD's cost under
-    load (:func:`one_thread`). ``work`` must not touch what another item's work writes."""
-    workers = min(torch.get_num_threads(), len(items)) if like.device.type == "cpu" else 1
+def side_by_side(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[work(item) for item in items]``, as many at once as torch has threads, each on one thread: independent
+    pieces (a layer's assignments, a group's SVD) use the cores without the threaded SVD's cost under load
+    (:func:`one_thread`). With tensors on a GPU the CPU's share (scipy's assignments, :func:`polar`'s SVDs) still
+    runs side by side while the GPU queues the rest. ``work`` must not touch what another item's work writes."""
+    workers = min(torch.get_num_threads(), len(items))
     if workers <= 1:
         return [work(item) for item in items]
-    with one_thread(like), concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    with _one_torch_thread(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
         return list(pool.map(work, items))
 
 
+# On a GPU, matrices up to this size are factored on the CPU: cuSOLVER's SVD of one small matrix costs
+# milliseconds of launches and host syncs, LAPACK's less than one (measured on one H200, see accelerator.py).
+CPU_SVD_MAX = 512
+
+
 def polar(m: torch.Tensor) -> torch.Tensor:
-    """The orthogonal factor U Vᵀ of M's SVD: argmax_Q ⟨M, Q⟩ over O(n). Differentiable."""
+    """The orthogonal factor U Vᵀ of M's SVD: argmax_Q ⟨M, Q⟩ over O(n). Differentiable (through the copies
+    too, where a small matrix on a GPU is factored on the CPU: :data:`CPU_SVD_MAX`)."""
+    if m.device.type != "cpu" and m.shape[-1] <= CPU_SVD_MAX:
+        return polar(m.cpu()).to(m.device)
     with one_thread(m):
         u, _, vh = torch.linalg.svd(m)
     return u @ vh

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from glmc import groups
 from glmc.align import align_pair
 from glmc.archs import build_model, get_arch
 from glmc.barrier import barrier_curve
@@ -86,6 +87,20 @@ def test_weight_matching_on_the_device_undoes_a_planted_transform(name, device):
     assert sq_distance(aligned.a, aligned.b) < 1e-8  # the float32 search, to its precision
     curve = barrier_curve(aligned.a, aligned.b, cfg, dataset(cfg), points=3)
     assert abs(curve.barrier) < 1e-8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [12, groups.CPU_SVD_MAX + 1])  # a GPU's small matrices are factored on the CPU
+def test_polar_factor_stays_on_the_device_and_keeps_its_gradient(device, n):
+    m = torch.randn(3, n, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    moved = m.to(device).requires_grad_()
+    q = groups.polar(moved)
+    assert q.device.type == device
+    assert (q.detach().cpu() - groups.polar(m)).abs().max() < 1e-10
+    (q * torch.arange(n, dtype=q.dtype, device=q.device)).sum().backward()
+    grad = moved.grad
+    assert grad is not None and grad.device.type == device and bool(torch.isfinite(grad).all())
+    assert grad.abs().max() > 0  # the gradient came through the factor (and the copies, where there are some)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -243,8 +243,7 @@ class Descent:
         ones (U the unit maps of ``t``; each (d, m) block divided by m so that every tensor counts per entry; the
         fixed tensors' part is ``fixed.scaled``), and ‖A − T(B)‖² at ``t``."""
         units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
-        per_layer = groups.side_by_side(functools.partial(self._layer_products, units=units), self.layers,
-                                        next(iter(self.a.values())))
+        per_layer = groups.side_by_side(functools.partial(self._layer_products, units=units), self.layers)
         parts = [part for pair in per_layer for part in pair]
         scaled = torch.stack([part.scaled for part in parts]).sum(0)
         distance = sum(part.distance(t.residual) for part in parts) + self.fixed_distance(t.residual)

@@ -170,7 +170,7 @@ def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor
     relaxed = [_RelaxedGroup(blocks) for blocks in shared]
     q = groups.procrustes(linear, fix_ones)
     for _ in range(steps):
-        parts = groups.side_by_side(functools.partial(_RelaxedGroup.gradient, q=q), relaxed, q)
+        parts = groups.side_by_side(functools.partial(_RelaxedGroup.gradient, q=q), relaxed)
         grad = linear + torch.stack(parts).sum(0)
         q, last = groups.procrustes(grad, fix_ones), q
         if float(torch.linalg.matrix_norm(q - last)) <= tol * q.shape[0] ** 0.5:
@@ -257,7 +257,7 @@ def _solve_units(work: Descent, residual: torch.Tensor | None, within: bool, opt
     """Given the residual map, every layer's heads and MLP units: independent LAPs, layers side by side."""
     t = Transform(work.depth, residual=residual)
     solve = functools.partial(_solve_layer, work, residual=residual, within=within, options=options)
-    solved = groups.side_by_side(solve, work.layers, next(iter(work.a.values())))
+    solved = groups.side_by_side(solve, work.layers)
     for layer, (heads, qk, ov, mlp) in zip(work.layers, solved, strict=True):
         t.heads[layer.index], t.qk[layer.index], t.ov[layer.index], t.mlp[layer.index] = heads, qk, ov, mlp
     return t
