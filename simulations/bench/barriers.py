@@ -48,8 +48,9 @@ def seed_checkpoints(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:
 
 
 def machine() -> str:
-    """This machine and software, for a summary."""
-    return (f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
+    """This machine and software, for a summary: with its GPU where there is one (``glmc``'s default device)."""
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{platform.machine()}, {os.cpu_count()} cores{gpu}, python {platform.python_version()}, torch "
             f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
 
 
