@@ -97,8 +97,9 @@ def side_by_side(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
         return list(pool.map(work, items))
 
 
-# On a GPU, matrices up to this size are factored on the CPU: cuSOLVER's SVD of one small matrix costs
-# milliseconds of launches and host syncs, LAPACK's less than one (measured on one H200, see accelerator.py).
+# On a GPU, matrices up to this size are factored on the CPU, where LAPACK beats cuSOLVER's per-call cost. Chosen
+# before measuring: on one H200 (float64) LAPACK won only for single matrices up to ~128 (127²: 2.6 against 3.8 ms)
+# and lost on batches of small ones (12 × 32²: 2.4 against 0.5 ms); the accelerator rows ran with this value.
 CPU_SVD_MAX = 512
 
 
