@@ -11,10 +11,13 @@ any SuperLink connection; :mod:`deploy` uses it, and the process helpers, for de
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +35,25 @@ log = logging.getLogger(__name__)
 
 PROJECT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # flwr and flower-superlink live next to this interpreter
+
+
+@functools.cache
+def app_dir() -> Path:
+    """The folder `flwr run` bundles: a copy of the files git would commit (tracked and untracked, not ignored), made
+    once per process. Flower walks every file under the app's folder before it filters them, the .venv's 55k
+    included (about 13 of a simulation cell's 65 s on 2 cores); the copy gives it the same app to bundle, less any
+    git-excluded scratch. Outside a git checkout, the project folder itself."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=PROJECT,
+                            capture_output=True, check=False)
+    if listed.returncode != 0:
+        return PROJECT
+    root = Path(tempfile.mkdtemp(prefix="glmc-app-")) / "glmc-fl"
+    atexit.register(shutil.rmtree, root.parent, ignore_errors=True)
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (PROJECT / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(PROJECT / name, root / name)
+    return root
 
 
 @dataclass(frozen=True)
@@ -234,7 +256,7 @@ def run_app(run_config: Mapping[str, Any], env: Mapping[str, str], options: Sequ
     with tempfile.NamedTemporaryFile("w", suffix=".toml") as overrides:
         overrides.write("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
         overrides.flush()
-        command = ["run", str(PROJECT), *target, *(["--stream"] if wait else []), *options,
+        command = ["run", str(app_dir()), *target, *(["--stream"] if wait else []), *options,
                    "--run-config", overrides.name]
         started = flwr_json(command, env, timeout)
         if not started.get("run-id") and superlink is None and free_local_superlink(env):
