@@ -26,6 +26,10 @@ class SpecError(GlmcError):
     """A state dict that a symmetry spec does not cover exactly once, or two models that differ."""
 
 
+class NonFiniteError(GlmcError):
+    """A model whose weights hold NaN or inf: no symmetry maps it to a finite one, and every solver would fail."""
+
+
 class DeployError(GlmcError):
     """A SuperLink or SuperNode that would not start or join, or a flwr command that failed; quotes its log."""
 

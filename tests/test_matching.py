@@ -14,7 +14,7 @@ from glmc.archs import cast, get_arch
 from glmc.barrier import barrier_curve, interpolate
 from glmc.canonical import canonicalize, to_model
 from glmc.cli_weight import START_NAMES, WEIGHT_FLAGS
-from glmc.errors import ConfigError, SpecError
+from glmc.errors import ConfigError, NonFiniteError, SpecError
 from glmc.match.common import sq_distance
 from glmc.match.weight import (
     DEFAULT_START,
@@ -38,6 +38,19 @@ def _transformed_copy(cfg, classes, seed=7):
     g = torch.Generator().manual_seed(seed)
     t = random_transform(cfg, classes, g)
     return arch, a, apply(a, arch.spec, t, cfg.heads)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_weight_matching_names_the_tensor_that_is_not_finite(value):
+    """A NaN or inf in either model is one named error, not a LAPACK failure deep in the first SVD."""
+    cfg = CONFIGS["gpt2-odd"]
+    arch, a, b = _transformed_copy(cfg, MATCHABLE)
+    name = sorted(b)[len(b) // 2]
+    b = dict(b) | {name: b[name].clone().index_put_((torch.tensor([0]),), torch.tensor(value, dtype=b[name].dtype))}
+    with pytest.raises(NonFiniteError, match=rf"^model B: tensor '{name}' holds \d+ NaN or inf value\(s\) of \d+$"):
+        weight_match(a, b, arch.spec, cfg.depth, cfg.heads)
+    with pytest.raises(NonFiniteError, match=r"^model A: "):
+        weight_match(b, a, arch.spec, cfg.depth, cfg.heads)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

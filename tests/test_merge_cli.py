@@ -155,6 +155,19 @@ def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
 
 
 @needs_data
+def test_a_checkpoint_with_a_nan_fails_in_one_line_naming_the_tensor(trio, tmp_path, capsys):
+    """A diverged model reaches weight matching as an SVD that does not converge; it is refused first, by name."""
+    state, meta = load_checkpoint(trio[1])
+    state["blocks.0.mlp.fc1.weight"][3, 5] = float("nan")
+    bad = save_checkpoint(tmp_path / "nan.safetensors", state, meta)
+    out = tmp_path / "m.safetensors"
+    _fails_with_one_line(["barrier", str(trio[0]), str(bad), "--limit", "16", "--json", str(tmp_path / "b.json")],
+                         capsys, "tensor 'blocks.0.mlp.fc1.w' holds 1 NaN or inf value(s)")
+    _fails_with_one_line(["merge", str(trio[0]), str(bad), "--out", str(out)], capsys, "holds 1 NaN or inf")
+    assert not out.exists()
+
+
+@needs_data
 def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp_path):
     from glmc.archs import get_arch
     from glmc.canonical import canonicalize, to_model

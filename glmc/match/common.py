@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glmc.errors import NonFiniteError
 from glmc.spec import AxisKind, SpecTable, expand
 from glmc.transforms import Transform
 
@@ -57,6 +58,22 @@ def cross(
     if total is None:
         raise ValueError(f"no tensor has an axis of kind {kinds}")
     return total
+
+
+def require_finite(state: Mapping[str, torch.Tensor], model: str) -> None:
+    """NonFiniteError naming ``model``'s first tensor that holds NaN or inf (a diverged run, a bad cast), before a
+    solver meets it as an SVD that does not converge."""
+    for name, x in state.items():
+        bad = int((~torch.isfinite(x)).sum())
+        if bad:
+            raise NonFiniteError(f"model {model}: tensor {name!r} holds {bad} NaN or inf value(s) of {x.numel()}")
+
+
+def sq_norm(x: torch.Tensor, chunk: int = 1 << 22) -> float:
+    """‖x‖², squares of x's dtype summed in float64, over chunks of entries: no full-size temporary, which for a
+    50,257-row vocabulary would be as large as the embedding itself."""
+    flat = x.reshape(-1)
+    return sum(float(torch.sum(flat[i:i + chunk].square(), dtype=torch.float64)) for i in range(0, len(flat), chunk))
 
 
 def sq_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:

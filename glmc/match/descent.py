@@ -23,7 +23,7 @@ import torch
 
 from glmc import groups
 from glmc.archs.base import State
-from glmc.match.common import cross, kind_first, sq_distance
+from glmc.match.common import cross, kind_first, sq_distance, sq_norm
 from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, SpecTable, expand
 from glmc.transforms import Transform, apply
 
@@ -286,5 +286,5 @@ class Descent:
     def _norms(self, name: str) -> float:
         """‖A[name]‖² + ‖B[name]‖² in float64, once per tensor: unit maps and Q are orthogonal, so they keep B's."""
         if name not in self._squares:
-            self._squares[name] = sum(float(torch.sum(s[name].square(), dtype=torch.float64)) for s in (self.a, self.b))
+            self._squares[name] = sq_norm(self.a[name]) + sq_norm(self.b[name])
         return self._squares[name]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from glmc import groups
 from glmc.archs.base import cast
 from glmc.errors import ConfigError
-from glmc.match.common import MatchResult, gather, kind_first
+from glmc.match.common import MatchResult, gather, kind_first, require_finite
 from glmc.match.descent import Descent, Layer
 from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable, expand
 from glmc.transforms import Transform
@@ -319,6 +319,8 @@ def weight_match(
         raise ConfigError(f"unknown weight-matching start {start!r}; known: {', '.join(STARTS)}")
     if permutations_only and isinstance(start, torch.Tensor):
         raise ConfigError("permutation-only weight matching leaves the residual alone: it takes no start map")
+    require_finite(a, "A")
+    require_finite(b, "B")
     a, b = (cast(s, dtype) for s in (a, b))
     residual = None if permutations_only else _start_residual(a, b, spec, depth, fix_ones, start, dtype)
     work = Descent(a, b, spec, depth, heads)
