@@ -15,6 +15,7 @@ from glmc.barrier import barrier_curve, interpolate
 from glmc.canonical import canonicalize, to_model
 from glmc.cli_weight import START_NAMES, WEIGHT_FLAGS
 from glmc.errors import ConfigError, NonFiniteError, SpecError
+from glmc.match import weight as weight_module
 from glmc.match.common import sq_distance
 from glmc.match.weight import (
     DEFAULT_START,
@@ -240,3 +241,20 @@ def test_alignment_refuses_mismatched_models_and_missing_data():
         align_pair(random_native(cfg, 1), random_native(cfg, 2), cfg, "activation")
     with pytest.raises(ConfigError, match="unknown alignment method"):
         align_pair(random_native(cfg, 1), random_native(cfg, 2), cfg, "magic")
+
+
+@pytest.mark.parametrize("deficient", [False, True])
+def test_the_relaxed_groups_low_rank_core_gives_the_full_polar_gradient(deficient):
+    """An MLP-like group (2 blocks of d rows, n > 2d units): the gradient from the (2d, 2d) core and its stored
+    factors equals the one from the (n, n) polar factor, also when the stacked rows are rank-deficient."""
+    g = torch.Generator().manual_seed(3)
+    d, n = 5, 17
+    xa, xb = (torch.randn(2, d, n, generator=g, dtype=torch.float64) for _ in range(2))
+    if deficient:  # the second block of each model repeats its first: rank d of 2d
+        xa, xb = torch.stack([xa[0], 2 * xa[0]]), torch.stack([xb[0], -xb[0]])
+    blocks = [(xa[k], xb[k], 1 / n) for k in range(2)]
+    q = groups.random_orthogonal(d, g, fix_ones=False).double()
+    (core,) = weight_module._relaxed_groups([blocks])
+    full = weight_module._RelaxedGroup(blocks, None)
+    assert core.factors is not None and full.factors is None
+    torch.testing.assert_close(core.gradient(q), full.gradient(q), rtol=1e-9, atol=1e-9)

@@ -64,12 +64,14 @@ def require_finite(state: Mapping[str, torch.Tensor], model: str) -> None:
     """NonFiniteError naming ``model``'s first tensor that holds NaN or inf (a diverged run, a bad cast), before a
     solver meets it as an SVD that does not converge."""
     for name, x in state.items():
+        if bool(torch.isfinite(x.sum())):  # every entry finite (NaN and inf propagate); no tensor-size temporary
+            continue
         bad = int((~torch.isfinite(x)).sum())
         if bad:
             raise NonFiniteError(f"model {model}: tensor {name!r} holds {bad} NaN or inf value(s) of {x.numel()}")
 
 
-def sq_norm(x: torch.Tensor, chunk: int = 1 << 22) -> float:
+def sq_norm(x: torch.Tensor, chunk: int = 1 << 20) -> float:
     """‖x‖², squares of x's dtype summed in float64, over chunks of entries: no full-size temporary, which for a
     50,257-row vocabulary would be as large as the embedding itself."""
     flat = x.reshape(-1)

@@ -118,16 +118,24 @@ def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
     return linear, list(shared.values())
 
 
-def _factor(x: torch.Tensor) -> torch.Tensor:
-    """L with L Lᵀ = X Xᵀ for a (k, n) matrix X of rank r: (k, r); X = L Qᵀ for some orthonormal (n, r) Q. Cholesky
-    in float64, or, for a rank-deficient X, the eigenvectors of its nonzero eigenvalues."""
+def _factor(x: torch.Tensor, out: torch.Tensor) -> None:
+    """L with L Lᵀ = X Xᵀ for a (k, n) matrix X, written to ``out`` (k, k); X = L Qᵀ for some orthonormal (n, k) Q.
+    Cholesky in float64, or, for a rank-deficient X, the eigenvectors scaled by the root of their eigenvalues, those
+    at rounding level set to zero (zero columns of L: they meet nothing in the gradient)."""
     gram = (x @ x.T).double()
     factor, info = torch.linalg.cholesky_ex(gram)
     if int(info) != 0:
         values, vectors = torch.linalg.eigh(gram)
         keep = values > values.max() * gram.shape[0] * torch.finfo(x.dtype).eps
-        factor = vectors[:, keep] * values[keep].sqrt()
-    return factor.to(x.dtype)
+        factor = vectors * torch.where(keep, values.clamp_min(0).sqrt(), 0)
+    out.copy_(factor)
+
+
+def _low_rank(blocks: list[Block]) -> bool:
+    """Whether the K stacked (d, n) blocks have fewer rows than units, so the group's polar factor comes from a
+    (K·d)-square core (:class:`_RelaxedGroup`)."""
+    width, units = blocks[0][0].shape
+    return len(blocks) * width < units
 
 
 class _RelaxedGroup:
@@ -137,16 +145,17 @@ class _RelaxedGroup:
     When the K stacked blocks have fewer rows than n (an MLP: 2d against 4d units), M = Q_A (L_Aᵀ Q L_B) Q_Bᵀ with
     X = L Qᵀ (:func:`_factor`, once per matching), so the polar factor and the gradient come from the (2d, 2d)
     core alone: L_A polar(L_Aᵀ Q L_B) L_Bᵀ, on the blocks' diagonal. The same gradient as the (n, n) polar factor
-    (its part outside M's range meets only zeros), at an eighth of the SVD's cost."""
+    (its part outside M's range meets only zeros), at an eighth of the SVD's cost. ``store``: room (2, K·d, K·d)
+    for L_A and L_B, carved from one buffer shared by every group (:func:`_relaxed_groups`)."""
 
-    def __init__(self, blocks: list[Block]) -> None:
+    def __init__(self, blocks: list[Block], store: torch.Tensor | None) -> None:
         self.blocks = blocks
         self.factors: tuple[torch.Tensor, torch.Tensor] | None = None
-        width, units = blocks[0][0].shape
-        if len(blocks) * width < units:
-            la = _factor(torch.cat([xa * weight for xa, _, weight in blocks]))
-            lb = _factor(torch.cat([xb for _, xb, _ in blocks]))
-            self.factors = la.reshape(len(blocks), width, -1), lb.reshape(len(blocks), width, -1)
+        if store is not None:
+            _factor(torch.cat([xa * weight for xa, _, weight in blocks]), store[0])
+            _factor(torch.cat([xb for _, xb, _ in blocks]), store[1])
+            width = blocks[0][0].shape[0]
+            self.factors = store[0].reshape(len(blocks), width, -1), store[1].reshape(len(blocks), width, -1)
 
     def gradient(self, q: torch.Tensor) -> torch.Tensor:
         if self.factors is None:
@@ -155,6 +164,19 @@ class _RelaxedGroup:
         la, lb = self.factors
         w = groups.polar((la.mT @ q @ lb).sum(0))
         return (la @ w @ lb.mT).sum(0)
+
+
+def _relaxed_groups(shared: list[list[Block]]) -> list[_RelaxedGroup]:
+    """One :class:`_RelaxedGroup` per unit map, the low-rank groups' factors in one buffer: kept for the whole
+    ascent, they would otherwise sit between the temporaries that build them and leave the heap fragmented."""
+    sizes = [len(blocks) * blocks[0][0].shape[0] if _low_rank(blocks) else 0 for blocks in shared]
+    like = shared[0][0][0]
+    buffer = torch.empty(2 * sum(k * k for k in sizes), dtype=like.dtype, device=like.device)
+    out, start = [], 0
+    for blocks, k in zip(shared, sizes, strict=True):
+        out.append(_RelaxedGroup(blocks, buffer[start:start + 2 * k * k].view(2, k, k) if k else None))
+        start += 2 * k * k
+    return out
 
 
 def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
@@ -167,11 +189,11 @@ def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor
     linear, shared = _unit_blocks(a, b, spec, depth)
     if linear is None:
         raise ConfigError("the relaxed start needs a residual-side tensor that no unit map touches (an embedding)")
-    relaxed = [_RelaxedGroup(blocks) for blocks in shared]
+    relaxed = _relaxed_groups(shared)
     q = groups.procrustes(linear, fix_ones)
     for _ in range(steps):
-        parts = groups.side_by_side(functools.partial(_RelaxedGroup.gradient, q=q), relaxed)
-        grad = linear + torch.stack(parts).sum(0)
+        grad = functools.reduce(torch.add, groups.side_by_side(functools.partial(_RelaxedGroup.gradient, q=q),
+                                                               relaxed), linear)
         q, last = groups.procrustes(grad, fix_ones), q
         if float(torch.linalg.matrix_norm(q - last)) <= tol * q.shape[0] ** 0.5:
             break

@@ -6,16 +6,18 @@ random-init pairs where B is a planted symmetry transform of A, so that every ro
 
 Each (model, method) runs in a fresh process: A is the model's own (seeded) initialisation in float32, canonical,
 and B = T(A) for a T drawn by ``glmc.transforms.random_transform``. Once the pair is built, the process's peak
-resident memory is reset (Linux ``/proc/self/clear_refs``), so ``peak RSS`` is the whole process's peak during the
-matching (both states included) and ``added`` that peak minus the resident size just before it. ``recovered``
-asks for ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖² (float64) and T̂ ∘ T = identity: permutations equal, continuous maps within
-1e-3. With ``--models`` only those models run; the others' rows are kept from the results file.
+resident memory is reset (Linux ``/proc/self/clear_refs``, after glibc's ``malloc_trim`` hands back what building
+the pair freed), so ``peak RSS`` is the whole process's peak during the matching (both states included) and
+``added`` that peak minus the resident size just before it. ``recovered`` asks for ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖²
+(float64) and T̂ ∘ T = identity: permutations equal, continuous maps within 1e-3. With ``--models`` only those
+models run; the others' rows are kept from the results file.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import ctypes
 import gc
 import json
 import math
@@ -86,6 +88,7 @@ def measure(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[str
     cfg = ModelConfig.from_dict(model["config"])
     a, b, planted = planted_pair(cfg, tuple(run[f"{method.split('-')[0]}_classes"]), run["seed"])
     gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)  # building the pair's freed heap back to the OS: a checkpoint load leaves none
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     before, load = _rss_mb("VmRSS"), os.getloadavg()[0]
     wall, cpu = time.perf_counter(), time.process_time()
