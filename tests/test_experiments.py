@@ -182,7 +182,7 @@ def test_a_grid_without_controls_has_no_control_column() -> None:
 def test_a_table_rebuilt_from_rows_alone_takes_the_marks_it_is_given() -> None:
     """docs/results.md rebuilds a table from results.json rows, labels standing for aggregations: a variant's label
     is no aggregation, so its mark is unknown ("–") unless the JSON's server_data_read is passed."""
-    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "oneshot-smoke.toml")
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "apart.toml")
     rows = _finished_rows(exp)
     rebuilt = dataclasses.replace(exp, variants={a: {"aggregation": a} for a in exp.aggregations})
     marks = {r["aggregation"]: r["server data read"] for r in compare.summary_rows(rows, rebuilt)}
