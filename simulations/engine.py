@@ -43,8 +43,11 @@ def app_dir() -> Path:
     once per process. Flower walks every file under the app's folder before it filters them, the .venv's 55k
     included (about 13 of a simulation cell's 65 s on 2 cores); the copy gives it the same app to bundle, less any
     git-excluded scratch. Outside a git checkout, the project folder itself."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=PROJECT,
-                            capture_output=True, check=False)
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=PROJECT,
+                                capture_output=True, check=False)
+    except OSError:  # no git on this machine
+        return PROJECT
     if listed.returncode != 0:
         return PROJECT
     root = Path(tempfile.mkdtemp(prefix="glmc-app-")) / "glmc-fl"
