@@ -17,6 +17,7 @@ from glmc.cli_weight import START_NAMES, WEIGHT_FLAGS
 from glmc.errors import ConfigError, NonFiniteError, SpecError
 from glmc.match import weight as weight_module
 from glmc.match.common import sq_distance
+from glmc.match.descent import Descent
 from glmc.match.weight import (
     DEFAULT_START,
     STARTS,
@@ -188,6 +189,18 @@ def test_weight_matching_is_the_same_side_by_side_and_the_threads_come_back():
                                                   match_2.transform.mlp + match_2.transform.heads, strict=True))
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_relaxed_start_reads_the_descents_fixed_products(name):
+    """Weight matching hands the relaxed start the fixed tensors' products its sweeps compute anyway (a vocabulary
+    multiplied once): the same start as the one the relaxed start computes alone."""
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    a, b = (canonicalize(arch, random_native(cfg, seed), cfg.depth) for seed in (5, 6))
+    given = Descent(a, b, arch.spec, cfg.depth, cfg.heads).fixed.scaled
+    torch.testing.assert_close(relaxed_residual(a, b, arch.spec, cfg.depth, True, linear=given),
+                               relaxed_residual(a, b, arch.spec, cfg.depth, True), rtol=0, atol=1e-10)
+
+
 def test_weight_matching_refuses_an_unknown_start():
     cfg = CONFIGS["vit-odd"]
     arch, a, b = _transformed_copy(cfg, MATCHABLE)
@@ -252,7 +265,7 @@ def test_the_relaxed_groups_low_rank_core_gives_the_full_polar_gradient(deficien
     xa, xb = (torch.randn(2, d, n, generator=g, dtype=torch.float64) for _ in range(2))
     if deficient:  # the second block of each model repeats its first: rank d of 2d
         xa, xb = torch.stack([xa[0], 2 * xa[0]]), torch.stack([xb[0], -xb[0]])
-    blocks = [(xa[k], xb[k], 1 / n) for k in range(2)]
+    blocks = [(xa[k], xb[k], (1 + k) / n) for k in range(2)]  # blocks weighted unequally
     q = groups.random_orthogonal(d, g, fix_ones=False).double()
     (core,) = weight_module._relaxed_groups([blocks])
     full = weight_module._RelaxedGroup(blocks, None)

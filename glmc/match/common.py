@@ -43,9 +43,10 @@ def gather(
 
 def cross(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-    kinds: tuple[AxisKind, ...], layer: int | None = None, scaled: bool = False,
+    kinds: tuple[AxisKind, ...], layer: int | None = None,
 ) -> torch.Tensor:
-    """Σ_p X_A,p X_B,pᵀ over the tensors of ``kinds``, each with that axis first: (n, n), no concatenation."""
+    """Σ_p X_A,p X_B,pᵀ over the tensors of ``kinds``, each with that axis first: (n, n), no concatenation, summed
+    in place (an MLP's (f, f) sum would otherwise allocate and fault in a new matrix per tensor)."""
     total: torch.Tensor | None = None
     for name, (lay, template) in expand(spec, depth).items():
         axes = spec[template]
@@ -53,8 +54,7 @@ def cross(
             if kind not in axes or name not in a or (layer is not None and lay != layer):
                 continue
             xa, xb = kind_first(a[name], axes, kind), kind_first(b[name], axes, kind)
-            term = xa @ xb.T / (xa.shape[1] if scaled else 1)
-            total = term if total is None else total + term
+            total = xa @ xb.T if total is None else total.addmm_(xa, xb.T)
     if total is None:
         raise ValueError(f"no tensor has an axis of kind {kinds}")
     return total

@@ -13,6 +13,7 @@ random transforms.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections import defaultdict
@@ -94,11 +95,11 @@ Block = tuple[torch.Tensor, torch.Tensor, float]  # (X_A, X_B, 1/m): views of th
 
 
 def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 ) -> tuple[torch.Tensor | None, list[list[Block]]]:
-    """The residual-side tensors as (d, m) pairs, A's weighted by 1/m as in the sweeps' Procrustes: the cross
-    matrix of those no unit map touches (None if none), and the others grouped by the unit map they share (per
-    layer: q and k; v and the head outputs; the MLP), with the unit axis as columns."""
-    linear: torch.Tensor | None = None
+                 ) -> tuple[list[Block], list[list[Block]]]:
+    """The residual-side tensors as (d, m) pairs, A's weighted by 1/m as in the sweeps' Procrustes: those no unit
+    map touches, and the others grouped by the unit map they share (per layer: q and k; v and the head outputs;
+    the MLP), with the unit axis as columns."""
+    linear: list[Block] = []
     shared: defaultdict[tuple[int | None, str], list[Block]] = defaultdict(list)
     for name, (layer, template) in expand(spec, depth).items():
         axes = spec[template]
@@ -108,7 +109,7 @@ def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
         weight = 1 / xb.shape[1]
         unit = next((kind for kind in axes if kind not in (None, RES)), None)
         if unit is None:
-            linear = (xa @ xb.T) * weight if linear is None else linear + (xa @ xb.T) * weight
+            linear.append((xa, xb, weight))
         elif unit == QKV:  # the fused axis is (3, H, d_h): q and k share a map, v shares the head outputs'
             (qa, ka, va), (qb, kb, vb) = xa.chunk(3, 1), xb.chunk(3, 1)
             shared[layer, "qk"] += [(qa, qb, weight), (ka, kb, weight)]
@@ -118,15 +119,28 @@ def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
     return linear, list(shared.values())
 
 
-def _factor(x: torch.Tensor, out: torch.Tensor) -> None:
-    """L with L Lᵀ = X Xᵀ for a (k, n) matrix X, written to ``out`` (k, k); X = L Qᵀ for some orthonormal (n, k) Q.
-    Cholesky in float64, or, for a rank-deficient X, the eigenvectors scaled by the root of their eigenvalues, those
-    at rounding level set to zero (zero columns of L: they meet nothing in the gradient)."""
-    gram = (x @ x.T).double()
+def _gram(xs: list[torch.Tensor], scales: list[float]) -> torch.Tensor:
+    """X Xᵀ in float64 for X the (d, n) blocks ``xs`` stacked, block i scaled by ``scales[i]``: each pair of blocks
+    multiplied once (the Gram is symmetric) and nothing stacked."""
+    width = xs[0].shape[0]
+    gram = torch.empty(len(xs) * width, len(xs) * width, dtype=torch.float64, device=xs[0].device)
+    for i, j in itertools.combinations_with_replacement(range(len(xs)), 2):
+        block = (xs[i] @ xs[j].T).double() * (scales[i] * scales[j])
+        gram[i * width:(i + 1) * width, j * width:(j + 1) * width] = block
+        gram[j * width:(j + 1) * width, i * width:(i + 1) * width] = block.T
+    return gram
+
+
+def _factor(xs: list[torch.Tensor], scales: list[float], out: torch.Tensor) -> None:
+    """L with L Lᵀ = X Xᵀ for the stacked, scaled blocks X (k, n) of :func:`_gram`, written to ``out`` (k, k);
+    X = L Qᵀ for some orthonormal (n, k) Q. Cholesky in float64, or, for a rank-deficient X, the eigenvectors scaled
+    by the root of their eigenvalues, those at rounding level set to zero (zero columns of L: they meet nothing in
+    the gradient)."""
+    gram = _gram(xs, scales)
     factor, info = torch.linalg.cholesky_ex(gram)
     if int(info) != 0:
         values, vectors = torch.linalg.eigh(gram)
-        keep = values > values.max() * gram.shape[0] * torch.finfo(x.dtype).eps
+        keep = values > values.max() * gram.shape[0] * torch.finfo(xs[0].dtype).eps
         factor = vectors * torch.where(keep, values.clamp_min(0).sqrt(), 0)
     out.copy_(factor)
 
@@ -152,8 +166,8 @@ class _RelaxedGroup:
         self.blocks = blocks
         self.factors: tuple[torch.Tensor, torch.Tensor] | None = None
         if store is not None:
-            _factor(torch.cat([xa * weight for xa, _, weight in blocks]), store[0])
-            _factor(torch.cat([xb for _, xb, _ in blocks]), store[1])
+            _factor([xa for xa, _, _ in blocks], [weight for _, _, weight in blocks], store[0])
+            _factor([xb for _, xb, _ in blocks], [1.0] * len(blocks), store[1])
             width = blocks[0][0].shape[0]
             self.factors = store[0].reshape(len(blocks), width, -1), store[1].reshape(len(blocks), width, -1)
 
@@ -167,28 +181,32 @@ class _RelaxedGroup:
 
 
 def _relaxed_groups(shared: list[list[Block]]) -> list[_RelaxedGroup]:
-    """One :class:`_RelaxedGroup` per unit map, the low-rank groups' factors in one buffer: kept for the whole
-    ascent, they would otherwise sit between the temporaries that build them and leave the heap fragmented."""
+    """One :class:`_RelaxedGroup` per unit map, side by side, the low-rank groups' factors in one buffer: kept for
+    the whole ascent, they would otherwise sit between the temporaries that build them and leave the heap
+    fragmented."""
     sizes = [len(blocks) * blocks[0][0].shape[0] if _low_rank(blocks) else 0 for blocks in shared]
     like = shared[0][0][0]
     buffer = torch.empty(2 * sum(k * k for k in sizes), dtype=like.dtype, device=like.device)
-    out, start = [], 0
-    for blocks, k in zip(shared, sizes, strict=True):
-        out.append(_RelaxedGroup(blocks, buffer[start:start + 2 * k * k].view(2, k, k) if k else None))
-        start += 2 * k * k
-    return out
+    starts = list(itertools.accumulate((2 * k * k for k in sizes), initial=0))
+    stores = [buffer[start:start + 2 * k * k].view(2, k, k) if k else None
+              for start, k in zip(starts[:-1], sizes, strict=True)]
+    return groups.side_by_side(lambda group: _RelaxedGroup(*group), list(zip(shared, stores, strict=True)))
 
 
 def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                     fix_ones: bool, steps: int = RELAXED_STEPS, tol: float = RELAXED_TOL) -> torch.Tensor:
+                     fix_ones: bool, steps: int = RELAXED_STEPS, tol: float = RELAXED_TOL,
+                     linear: torch.Tensor | None = None) -> torch.Tensor:
     """A residual start that assumes nothing of B's basis: the residual objective with each unit map relaxed from
     (permutation × within-head maps) to the full orthogonal group of its axis, where it has a closed form (a polar
     factor). Block ascent from the Procrustes solution of the tensors no unit map touches, for ``steps`` at most:
     it ends early once Q moves by less than ``tol`` (relative Frobenius), as it does at once on a transformed copy
-    whose embeddings fix Q."""
-    linear, shared = _unit_blocks(a, b, spec, depth)
-    if linear is None:
+    whose embeddings fix Q. ``linear``: Σ X_A X_Bᵀ / m over the tensors that no unit map touches, where the caller
+    has it (weight matching's :attr:`Descent.fixed`: a vocabulary is multiplied once per matching)."""
+    fixed, shared = _unit_blocks(a, b, spec, depth)
+    if not fixed:
         raise ConfigError("the relaxed start needs a residual-side tensor that no unit map touches (an embedding)")
+    if linear is None:
+        linear = functools.reduce(torch.add, [(xa @ xb.T) * weight for xa, xb, weight in fixed])
     relaxed = _relaxed_groups(shared)
     q = groups.procrustes(linear, fix_ones)
     for _ in range(steps):
@@ -308,15 +326,16 @@ def _exact(t: Transform, fix_ones: bool) -> Transform:
     return Transform(t.depth, residual=residual, heads=t.heads, qk=qk, ov=ov, mlp=t.mlp)
 
 
-def _start_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                    fix_ones: bool, start: Start | torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def _start_residual(work: Descent, fix_ones: bool, start: Start | torch.Tensor, dtype: torch.dtype,
+                    ) -> torch.Tensor | None:
     """The residual map the first sweep assumes (None: the identity)."""
     if isinstance(start, torch.Tensor):
         return start.to(dtype)
     if start == "identity":
         return None
-    solve = relaxed_residual if start == "relaxed" else embedding_residual
-    return solve(a, b, spec, depth, fix_ones)
+    if start == "relaxed":
+        return relaxed_residual(work.a, work.b, work.spec, work.depth, fix_ones, linear=work.fixed.scaled)
+    return embedding_residual(work.a, work.b, work.spec, work.depth, fix_ones)
 
 
 def weight_match(
@@ -344,8 +363,8 @@ def weight_match(
     require_finite(a, "A")
     require_finite(b, "B")
     a, b = (cast(s, dtype) for s in (a, b))
-    residual = None if permutations_only else _start_residual(a, b, spec, depth, fix_ones, start, dtype)
     work = Descent(a, b, spec, depth, heads)
+    residual = None if permutations_only else _start_residual(work, fix_ones, start, dtype)
     t = _solve_units(work, residual, not permutations_only, options)
     step, value = work.residual_step(t)
     objective = [value]
