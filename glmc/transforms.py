@@ -64,11 +64,13 @@ def _reorder(x: torch.Tensor, p: torch.Tensor, axis: int = 0) -> torch.Tensor:
 
 
 def _inv_t(m: torch.Tensor) -> torch.Tensor:
-    """M⁻ᵀ; just M for the orthogonal maps that weight matching produces (orthogonal to this dtype's precision)."""
+    """M⁻ᵀ per map; M itself where M is orthogonal to this dtype's precision (weight matching's maps, exactly as
+    they are). Chosen on the device, not by a host-side test: on a GPU that would be a device sync per call, and a
+    learned path applies transforms at every step. A singular map gives non-finite weights."""
     eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
-    if torch.allclose(m @ m.mT, eye, rtol=0.0, atol=1e-12 if m.dtype == torch.float64 else 1e-5):
-        return m
-    return torch.linalg.inv(m).mT
+    deviation = (m @ m.mT - eye).abs().amax((-2, -1), keepdim=True)
+    orthogonal = deviation <= (1e-12 if m.dtype == torch.float64 else 1e-5)
+    return torch.where(orthogonal, m, torch.linalg.inv_ex(m).inverse.mT)
 
 
 def _apply_qkv(x: torch.Tensor, t: Transform, layer: int, heads: int) -> torch.Tensor:
@@ -126,23 +128,28 @@ def _apply_axis(
     return y.reshape(shape).movedim(0, axis)
 
 
-def _check_norm(name: str, x: torch.Tensor, t: Transform) -> None:
-    """A rotation of the stream commutes with LayerNorm only once its gain is folded to ones."""
-    if t.residual is not None and not torch.allclose(x, torch.ones_like(x)):
-        raise SpecError(f"{name} is not folded; canonicalise (fold LayerNorms) before rotating the residual")
+def require_folded(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int) -> None:
+    """SpecError unless every LayerNorm gain of ``state`` is folded to ones: a rotation of the stream commutes with
+    LayerNorm only then."""
+    for name, (_, template) in expand(spec, depth).items():
+        x = state.get(name)
+        if NORM in spec[template] and x is not None and not torch.allclose(x, torch.ones_like(x)):
+            raise SpecError(f"{name} is not folded; canonicalise (fold LayerNorms) before rotating the residual")
 
 
-def apply(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, heads: int) -> State:
-    """θ → T(θ) for a canonical state dict; the network function is unchanged."""
+def apply(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, heads: int, *,
+          folded: bool = False) -> State:
+    """θ → T(θ) for a canonical state dict; the network function is unchanged. ``folded``: the caller has checked
+    the gains (:func:`require_folded`) once, as a learned path does for its endpoints, instead of at every call."""
+    if t.residual is not None and not folded:
+        require_folded(state, spec, t.depth)
     out: State = {}
     for name, (layer, template) in expand(spec, t.depth).items():
         if name not in state:
             continue
         x = state[name]
         for axis, kind in enumerate(spec[template]):
-            if kind == NORM:
-                _check_norm(name, x, t)
-            elif kind is not None:
+            if kind not in (None, NORM):
                 x = _apply_axis(x, axis, kind, t, layer, heads)
         out[name] = x
     return out

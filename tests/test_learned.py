@@ -22,7 +22,7 @@ from glmc.checkpoint import load_model
 from glmc.cli import build_parser, main
 from glmc.cli_learn import learn_options
 from glmc.data.fashion_mnist import find_fashion_mnist
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, SpecError
 from glmc.match.dual import dual_match, mixing_sampler, refine_universe
 from glmc.match.learned import (
     Endpoint,
@@ -34,6 +34,7 @@ from glmc.match.learned import (
     pair_points,
     project,
     split,
+    straight_through,
     validate,
 )
 from glmc.match.soft import soft_match
@@ -163,6 +164,31 @@ def test_gradient_reaches_every_latent(trained, residual_perm, soft, within):
     loss().backward()
     for name, p in latents.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_straight_through_solves_every_latent_at_once_as_alone():
+    """The latents of a step go to the host together: each forward matrix is its own Hungarian permutation, and
+    each latent's gradient is the output's, as with one latent at a time."""
+    g = torch.Generator().manual_seed(0)
+    zs = [torch.randn(n, n, generator=g, dtype=torch.float64, requires_grad=True) for n in (3, 7, 5)]
+    hard = straight_through(zs)
+    for z, h in zip(zs, hard, strict=True):
+        expected = torch.eye(len(z), dtype=z.dtype)[groups.assignment(z.detach())]
+        torch.testing.assert_close(h.detach(), expected, rtol=0, atol=1e-12)  # hard + z − z: rounding of z
+    weights = [torch.randn(len(z), len(z), generator=g, dtype=torch.float64) for z in zs]
+    sum((h * w).sum() for h, w in zip(hard, weights, strict=True)).backward()
+    assert all(torch.equal(z.grad, w) for z, w in zip(zs, weights, strict=True))
+
+
+def test_a_path_refuses_to_move_an_unfolded_endpoint_once_not_at_every_step(trained):
+    """The path checks its moved endpoints' LayerNorm gains when it is built (then applies transforms without the
+    per-call check, a device sync on a GPU): an unfolded one is a one-line SpecError there."""
+    cfg, (a, b) = trained.cfg, trained.states
+    raw = trained.arch.to_canonical(random_native(cfg, 3), cfg.depth)
+    latents = Latents(Transform.identity(cfg.depth), cfg, LearnConfig(), fix_ones=True)
+    Path([Endpoint(raw), Endpoint(b)], cfg, "standard", torch.float64)  # A stays put: no check needed
+    with pytest.raises(SpecError, match="not folded"):
+        Path([Endpoint(a), Endpoint(raw, latents)], cfg, "standard", torch.float64)
 
 
 def test_the_within_head_maps_of_every_model_in_one_batched_svd_are_the_bits_of_one_svd_each(trained):

@@ -80,6 +80,23 @@ def test_rotating_an_unfolded_model_is_refused():
         apply(raw, arch.spec, _random(cfg, ("residual",), 4), cfg.heads)
 
 
+@pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
+def test_a_layer_mixing_orthogonal_and_invertible_head_maps_keeps_the_function(name):
+    """Each head's M⁻ᵀ is chosen on its own (M itself when orthogonal, the inverse otherwise): a layer whose heads
+    carry both kinds still computes the same function."""
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    native, x = random_native(cfg, 5), inputs(cfg)
+    state = canonicalize(arch, native, cfg.depth)
+    t = _random(cfg, ("within-head-invertible",), 6)
+    orthogonal = _random(cfg, ("within-head-orthogonal",), 7)
+    for maps, rotations in ((t.qk, orthogonal.qk), (t.ov, orthogonal.ov)):
+        for layer, rotation in zip(maps, rotations, strict=True):
+            layer[0] = rotation[0]  # head 0 orthogonal, the others invertible
+    moved = apply(state, arch.spec, t, cfg.heads)
+    assert (_run(moved, cfg, "standard", x) - logits_of(native, cfg, x)).abs().max() <= TOL
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_compose_and_invert(name):
     cfg = CONFIGS[name]

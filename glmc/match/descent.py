@@ -24,8 +24,8 @@ import torch
 from glmc import groups
 from glmc.archs.base import State
 from glmc.match.common import cross, kind_first, sq_distance, sq_norm
-from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, SpecTable, expand
-from glmc.transforms import Transform, apply
+from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, AxisKind, SpecTable, expand
+from glmc.transforms import Transform, apply, require_folded
 
 HEAD_KINDS: tuple[AxisKind, ...] = (QKV, HEADS)
 MLP_KINDS: tuple[AxisKind, ...] = (MLP, MLP_IN)
@@ -184,7 +184,6 @@ class Descent:
         self.a, self.b, self.spec, self.depth, self.heads = a, b, spec, depth, heads
         self.layers = [Layer(layer) for layer in range(depth)]
         self.fixed_names: list[str] = []
-        self.norm_names: list[str] = []
         for name, (layer, template) in expand(spec, depth).items():
             axes = spec[template]
             if name not in a:
@@ -195,8 +194,6 @@ class Descent:
                 self.layers[layer].mlp.append(name)
             else:
                 self.fixed_names.append(name)
-            if NORM in axes:
-                self.norm_names.append(name)
         self.width = next(kind_first(a[n], spec[t], RES).shape[0] for n, (_, t) in expand(spec, depth).items()
                           if n in a and RES in spec[t])
         self._fixed: Fixed | None = None
@@ -214,7 +211,7 @@ class Descent:
         """‖A − Q(B)‖² over the fixed tensors; rotating the stream needs every LayerNorm folded (SpecError)."""
         if q is None:
             return sq_distance(_sub(self.a, self.fixed_names), _sub(self.b, self.fixed_names))
-        apply(_sub(self.b, self.norm_names), self.spec, Transform(self.depth, residual=q), self.heads)
+        require_folded(self.b, self.spec, self.depth)
         return self.fixed.distance(q)
 
     def rotated(self, names: list[str], q: torch.Tensor | None) -> tuple[State, State]:

@@ -37,7 +37,7 @@ from glmc.errors import ConfigError, check_options
 from glmc.match.common import MatchResult
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.train import cosine_schedule, token_loss
-from glmc.transforms import Transform, apply
+from glmc.transforms import Transform, apply, require_folded
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +100,15 @@ class LearnConfig:
 
 # Projections (Eq. 5) and latent initialisations.
 
-def straight_through(z: torch.Tensor) -> torch.Tensor:
-    """Hungarian(Z) as a permutation matrix in the forward pass; the gradient reaches Z unchanged (STE)."""
-    hard = torch.eye(z.shape[0], dtype=z.dtype, device=z.device)[groups.assignment(z).to(z.device)]
-    return hard + z - z.detach()
+def straight_through(zs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Hungarian(Z) as a permutation matrix in the forward pass for each latent; the gradient reaches Z unchanged
+    (STE). The latents go to the host in one copy and their permutations come back in one: on a GPU each copy is a
+    device sync, and a step has one latent per layer and unit group."""
+    host = torch.cat([z.detach().reshape(-1) for z in zs]).cpu().split([z.numel() for z in zs])
+    perms = torch.cat([groups.assignment(x.view(z.shape)) for x, z in zip(host, zs, strict=True)])
+    moved = perms.to(zs[0].device).split([z.shape[0] for z in zs])
+    return [torch.eye(z.shape[0], dtype=z.dtype, device=z.device)[p] + z - z.detach()
+            for z, p in zip(zs, moved, strict=True)]
 
 
 def sinkhorn(z: torch.Tensor, iters: int) -> torch.Tensor:
@@ -183,17 +188,21 @@ class Latents(nn.Module):
 
     def _residual(self) -> torch.Tensor:
         z = self.residual
-        return straight_through(z) if self.residual_perm else groups.procrustes(z, self.fix_ones)
+        return straight_through([z])[0] if self.residual_perm else groups.procrustes(z, self.fix_ones)
 
-    def _units(self, z: torch.Tensor) -> torch.Tensor:
-        return sinkhorn(z, self.iters) if self.soft else straight_through(z)
+    def _units(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The head and MLP reorderings, differentiable: Sinkhorn's (soft) or the straight-through permutations."""
+        zs = [*self.heads, *self.mlp]
+        out = [sinkhorn(z, self.iters) for z in zs] if self.soft else straight_through(zs)
+        return out[:len(self.heads)], out[len(self.heads):]
 
     def forward(self, projected: list[torch.Tensor] | None = None) -> Transform:
         """The current transform, differentiable in the latents (dense reorderings, projected residual);
         ``projected``: its orthogonal within-head maps, when :func:`project` made them with other models'."""
         qk, ov = self._maps(projected)
-        return Transform(self.init.depth, residual=self._residual(), heads=[self._units(z) for z in self.heads],
-                         qk=qk, ov=ov, mlp=[self._units(z) for z in self.mlp])
+        heads, mlp = self._units()
+        return Transform(self.init.depth, residual=self._residual(), heads=list(heads), qk=qk, ov=ov,
+                         mlp=list(mlp))
 
     @torch.no_grad()
     def harden(self) -> Transform:
@@ -254,6 +263,10 @@ class Path:
         self.states = [cast(e.state, dtype) for e in endpoints]
         self.device = device_of(self.states[0])  # the path runs where its endpoints live
         self.still = [self._form(s)[0] for s in self.states]  # each endpoint as it stands, in the path's form
+        self.folded = [e.latents is not None for e in endpoints]  # moved ones: gains checked here, not every step
+        for state, moved in zip(self.states, self.folded, strict=True):
+            if moved:
+                require_folded(state, self.arch.spec, cfg.depth)
         self.module = _Logits(self.arch, to_model(*self._form(self.states[0]), form))
 
     def _form(self, state: State) -> tuple[State, ModelConfig]:
@@ -262,8 +275,8 @@ class Path:
 
     def point(self, transforms: Sequence[Transform | None], weights: Weights) -> State:
         """Σ_i w_i T_i(θ_i) in the path's form; an endpoint without a transform stays as it is."""
-        moved = [still if t is None else self._form(apply(s, self.arch.spec, t, self.cfg.heads))[0]
-                 for s, still, t in zip(self.states, self.still, transforms, strict=True)]
+        moved = [still if t is None else self._form(apply(s, self.arch.spec, t, self.cfg.heads, folded=folded))[0]
+                 for s, still, t, folded in zip(self.states, self.still, transforms, self.folded, strict=True)]
         return mix(moved, weights)
 
     def logits(self, state: State, x: torch.Tensor) -> torch.Tensor:
