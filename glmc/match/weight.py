@@ -55,7 +55,7 @@ class WeightOptions:
     ``head_cost``: the head LAP's cost, ‖ΔQK‖ + ‖ΔOV‖ (``norm``, the official's) or ‖ΔQK‖² + ‖ΔOV‖²
     (``squared``, this project's first). ``mlp_cost``: the MLP LAP's, the inner product ⟨W_A, P W_B⟩ of the units'
     fc1 rows, biases and fc2 columns (``inner``), or the L1 distance between those rows L2-normalised (``l1``, the
-    official's). From the relaxed start, norm and inner give 17.8% of the vanilla barrier on vit-bench and 30.8% on
+    official's). From the relaxed start, norm and inner give 17.1% of the vanilla barrier on vit-bench and 30.8% on
     gpt2-bench (identity start, squared, inner: 20.2% and 30.0%); l1 gains gpt2-bench 1.2 points but is no
     matrix product: one GPT-2-small layer's L1 cost takes 56 s of this CPU against 1 s for the inner product.
     ``stop``: sweeps end when the objective improves by less than the tolerance (``converged``), or run all
