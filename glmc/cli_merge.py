@@ -90,9 +90,13 @@ def _weights(text: str | None, n: int) -> list[float] | None:
 
 
 def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
+    """The checkpoints' native states and metadata; a NaN or inf is refused here, named as its file names it."""
     from glmc.formats import read
+    from glmc.match.common import require_finite
 
     loaded = [read(p) for p in paths]
+    for path, (state, _) in zip(paths, loaded, strict=True):
+        require_finite(state, str(path))
     return [s for s, _ in loaded], [m for _, m in loaded]
 
 

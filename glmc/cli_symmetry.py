@@ -94,14 +94,17 @@ def add_align_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
-    """Both checkpoints, refusing before any work different families or a B that does not fit inside A (only
-    widths may differ, and B is then embedded into A's width)."""
+    """Both checkpoints, refusing before any work a NaN or inf (named as the file names it), different families or a
+    B that does not fit inside A (only widths may differ, and B is then embedded into A's width)."""
     from glmc.formats import read
+    from glmc.match.common import require_finite
     from glmc.spec import check_same_shapes
     from glmc.widths import check_embeddable
 
     state_a, meta_a = read(a)
     state_b, meta_b = read(b)
+    require_finite(state_a, str(a))
+    require_finite(state_b, str(b))
     if meta_a.config.family != meta_b.config.family:
         raise ConfigError(f"{a} is a {meta_a.config.family} but {b} is a {meta_b.config.family}")
     if meta_a.config != meta_b.config:

@@ -156,14 +156,16 @@ def test_bad_weights_and_methods_fail_in_one_line(trio, tmp_path, capsys):
 
 @needs_data
 def test_a_checkpoint_with_a_nan_fails_in_one_line_naming_the_tensor(trio, tmp_path, capsys):
-    """A diverged model reaches weight matching as an SVD that does not converge; it is refused first, by name."""
+    """A diverged model reaches weight matching as an SVD that does not converge; it is refused when read, by the
+    file's path and its own tensor name."""
     state, meta = load_checkpoint(trio[1])
     state["blocks.0.mlp.fc1.weight"][3, 5] = float("nan")
     bad = save_checkpoint(tmp_path / "nan.safetensors", state, meta)
     out = tmp_path / "m.safetensors"
+    named = f"model {bad}: tensor 'blocks.0.mlp.fc1.weight' holds 1 NaN or inf value(s)"  # the file's own names
     _fails_with_one_line(["barrier", str(trio[0]), str(bad), "--limit", "16", "--json", str(tmp_path / "b.json")],
-                         capsys, "tensor 'blocks.0.mlp.fc1.w' holds 1 NaN or inf value(s)")
-    _fails_with_one_line(["merge", str(trio[0]), str(bad), "--out", str(out)], capsys, "holds 1 NaN or inf")
+                         capsys, named)
+    _fails_with_one_line(["merge", str(trio[0]), str(bad), "--out", str(out)], capsys, named)
     assert not out.exists()
 
 
