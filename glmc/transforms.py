@@ -155,6 +155,16 @@ def apply(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, head
     return out
 
 
+def maps_to(t: Transform, device: torch.device) -> Transform:
+    """``t`` with its continuous maps (and dense reorderings) on ``device``; index permutations stay where they
+    are, on the host where assignments make them, as weight matching leaves them on a GPU."""
+    def on(x: torch.Tensor | None) -> torch.Tensor | None:
+        return x if x is None or not x.is_floating_point() else x.to(device)
+
+    return Transform(t.depth, residual=on(t.residual), heads=[on(p) for p in t.heads], qk=[on(m) for m in t.qk],
+                     ov=[on(m) for m in t.ov], mlp=[on(p) for p in t.mlp], mlp_scale=[on(s) for s in t.mlp_scale])
+
+
 def _compose_perm(p2: torch.Tensor | None, p1: torch.Tensor | None) -> torch.Tensor | None:
     """Reordering by p1 then by p2 is reordering by p1[p2]."""
     if p1 is None or p2 is None:

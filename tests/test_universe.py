@@ -10,8 +10,8 @@ from glmc.archs import get_arch
 from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.match.common import sq_distance
-from glmc.transforms import MATCHABLE, apply, random_transform
-from glmc.universe import universe_match
+from glmc.transforms import MATCHABLE, apply, maps_to, random_transform
+from glmc.universe import HOST_MATCH_MAX_PARAMS, matching_device, universe_match
 from glmc.widths import FILLS, embed, embedding_config, place, widen
 from tests.symmetry_models import CONFIGS, inputs, logits_of, random_native
 
@@ -139,3 +139,29 @@ def test_the_weight_matchers_choices_reach_every_pairwise_matching():
         RunSettings(weight_start="nowhere")
     with pytest.raises(ConfigError, match="weight-mlp-cost: unknown weight-matching mlp_cost 'l2'"):
         RunSettings(weight_mlp_cost="l2")
+
+
+def test_small_weight_matchings_leave_the_gpu_for_the_cpu():
+    """Where an iteration's matchings run, decided from the anchor (on the meta device: no GPU needed to ask):
+    a small model's weight matching on the CPU, anything else where the anchor lives."""
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    small = {"w": torch.empty(HOST_MATCH_MAX_PARAMS, device=meta)}
+    large = {"w": torch.empty(HOST_MATCH_MAX_PARAMS + 1, device=meta)}
+    assert matching_device("weight", small) == cpu
+    assert matching_device("weight", large) == meta
+    assert matching_device("activation", small) == meta  # reads activations where the data and model run
+    assert matching_device("weight", {"w": torch.zeros(3)}) == cpu
+
+
+def test_maps_come_back_to_the_device_and_permutations_stay_on_the_host():
+    """A transform found on the CPU for a model on a GPU: its continuous maps move (meta stands in for the GPU),
+    its index permutations stay host tensors, as weight matching on a GPU leaves them."""
+    cfg = CONFIGS["gpt2-odd"]
+    t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(0))
+    moved = maps_to(t, torch.device("meta"))
+    assert moved.residual is not None and moved.residual.device.type == "meta"
+    assert all(m.device.type == "meta" for m in moved.qk + moved.ov if m is not None)
+    assert all(p.device.type == "cpu" and torch.equal(p, q) for p, q in zip(moved.heads + moved.mlp,
+                                                                            t.heads + t.mlp, strict=True)
+               if p is not None)
+    assert any(p is not None for p in moved.heads)
