@@ -201,6 +201,19 @@ def test_the_relaxed_start_reads_the_descents_fixed_products(name):
                                relaxed_residual(a, b, arch.spec, cfg.depth, True), rtol=0, atol=1e-10)
 
 
+def test_weight_matching_rotates_only_folded_models():
+    """A residual map needs every LayerNorm gain folded: an unfolded B is refused by name (checked once, when the
+    fixed products are first read); permutations alone never rotate the stream and match it."""
+    cfg = CONFIGS["vit-odd"]
+    arch = get_arch(cfg.family)
+    a = canonicalize(arch, random_native(cfg, 1), cfg.depth)
+    raw = arch.to_canonical(random_native(cfg, 2), cfg.depth)
+    for start in ("identity", "relaxed"):
+        with pytest.raises(SpecError, match="not folded"):
+            weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, start=start)
+    assert weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, permutations_only=True).transform.residual is None
+
+
 def test_weight_matching_refuses_an_unknown_start():
     cfg = CONFIGS["vit-odd"]
     arch, a, b = _transformed_copy(cfg, MATCHABLE)

@@ -201,8 +201,10 @@ class Descent:
 
     @property
     def fixed(self) -> Fixed:
-        """The fixed tensors' products, computed on first use (a permutation-only matching never needs them)."""
+        """The fixed tensors' products, computed on first use (a permutation-only matching never needs them); only
+        a residual map reads them, and rotating the stream needs every LayerNorm folded: checked here, once."""
         if self._fixed is None:
+            require_folded(self.b, self.spec, self.depth)
             self._fixed = fixed_part(self.a, self.b, self.spec, self.depth, self.fixed_names, self.width,
                                      self._norms)
         return self._fixed
@@ -211,7 +213,6 @@ class Descent:
         """‖A − Q(B)‖² over the fixed tensors; rotating the stream needs every LayerNorm folded (SpecError)."""
         if q is None:
             return sq_distance(_sub(self.a, self.fixed_names), _sub(self.b, self.fixed_names))
-        require_folded(self.b, self.spec, self.depth)
         return self.fixed.distance(q)
 
     def rotated(self, names: list[str], q: torch.Tensor | None) -> tuple[State, State]:
