@@ -57,6 +57,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--width-mult", type=float, default=1.0,
                         help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2)")
+    parser.add_argument("--dropout", type=float, help="dropout while training, in [0, 1) (embeddings, attention, "
+                        "residual writes); default: the preset's (0.1 for gpt2-paper, else 0)")
     parser.add_argument("--batch-size", type=int, help="default: the dataset's")
     parser.add_argument("--lr", type=positive, help="peak learning rate (> 0); default: the dataset's")
     parser.add_argument("--weight-decay", type=float, help="AdamW's, on matrices; default: the dataset's, else 0.05")
@@ -84,7 +86,10 @@ def run_train(args: argparse.Namespace) -> int:
     from glmc.train import evaluate, seed_everything, train
 
     check_out(args.out, args.force)
-    task = load_task(args.dataset, scale_width(preset(args.model), args.width_mult), args.data, args.seed)
+    shape = scale_width(preset(args.model), args.width_mult)
+    if args.dropout is not None:
+        shape = shape.replace(dropout=args.dropout)
+    task = load_task(args.dataset, shape, args.data, args.seed)
     cfg = _train_config(args, task.defaults)
     arch = get_arch(task.config.family)
     seed_everything(args.seed)  # the initial weights come from the seed too

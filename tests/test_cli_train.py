@@ -42,12 +42,15 @@ def test_train_vit_on_fashion_mnist_writes_the_same_checkpoint_twice(tmp_path, c
 @pytest.mark.skipif(not HAS_SHAKESPEARE, reason="Shakespeare not fetched (make setup fetches it)")
 def test_train_gpt2_on_shakespeare_stores_the_vocab(tmp_path, capsys):
     out = tmp_path / "gpt2.safetensors"
-    argv = ["train", "--model", "gpt2-tiny", "--dataset", "shakespeare", "--max-steps", "3", "--width-mult", "0.5"]
+    argv = ["train", "--model", "gpt2-tiny", "--dataset", "shakespeare", "--max-steps", "3", "--width-mult", "0.5",
+            "--dropout", "0.1"]
     assert main([*argv, "--out", str(out), "--quiet", "--threads", "1"]) == 0
     _, meta = load_checkpoint(out)
     vocab = json.loads(meta.vocab or "{}")
     assert meta.config.vocab_size == len(vocab["chars"]) and meta.width_mult == 0.5
     assert meta.config.heads == 1 and meta.config.width == 16
+    model, _ = load_model(out)
+    assert meta.config.dropout == 0.1 and model.transformer.drop.p == 0.1  # trained with it; eval mode ignores it
     assert set(_summary(capsys.readouterr().out)) >= {"test_loss", "test_accuracy", "train_loss", "out"}
 
 
@@ -88,6 +91,7 @@ def _fails_with_one_line(argv: list[str], capsys, expect: str) -> None:
         (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--epochs", "0", "--lr", "nan"],
          "argument --lr: must be a finite number > 0, got nan"),
         (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--epochs", "0"], "training: epochs=0 (must be ≥ 1)"),
+        (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--dropout", "1"], "dropout=1.0 (must be in [0, 1))"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(extra, expect, tmp_path, capsys):
