@@ -6,7 +6,7 @@ and how far apart their barriers are. Uses the barrier benchmark's checkpoints (
 
 Each model's entry is added to results.json when it ends, so models can run one per process, in parallel.
 
-Start 0 is the identity (what ``glmc align --method weight`` does), start 1 the relaxed start (``--start relaxed``);
+Start 0 is the identity (``--start identity``), start 1 the relaxed start (``--start relaxed``, glmc's default);
 the others are Haar-random Q with Q·1 = 1.
 """
 
