@@ -49,7 +49,7 @@ def positive(text: str) -> float:
 
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
     """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
-    --batch-size, --lam, --val-points, --patience, --within and --quiet."""
+    --batch-size, --weight-decay, --dropout, --lam, --val-points, --patience, --within and --quiet."""
     parser.add_argument("--data", help=DATA_HELP)
     add_data_file_arguments(parser)
     parser.add_argument("--batch", type=count, help=batch_help)
@@ -58,6 +58,10 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs")
     parser.add_argument("--lr", type=positive, help="learned methods: AdamW learning rate on the latents (> 0)")
     parser.add_argument("--batch-size", type=int, help="learned methods: samples per step (default 128)")
+    parser.add_argument("--weight-decay", type=float, help="learned methods: AdamW weight decay on the latents "
+                        "(default 0)")
+    parser.add_argument("--dropout", type=float, help="learned methods: dropout on the interpolated model while "
+                        "learning, in [0, 1) (default 0; the official GLMC merger keeps its models' 0.1)")
     parser.add_argument("--lam", type=float, nargs=2, metavar=("LO", "HI"),
                         help="learned methods on a pair: train at λ ~ U(LO, HI), the weight of A (default 0.4 0.6, "
                              "the paper's; a wide-to-narrow pair peaks nearer the narrow end, so widen it there)")
@@ -90,7 +94,8 @@ def learn_options(args: argparse.Namespace) -> LearnConfig:
 
     flags = {"lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size,
              "concentration": getattr(args, "concentration", None), "lam": tuple(args.lam) if args.lam else None,
-             "val_points": args.val_points, "within": args.within, "patience": args.patience}
+             "val_points": args.val_points, "within": args.within, "patience": args.patience,
+             "weight_decay": args.weight_decay, "dropout": args.dropout}
     given = {k: v for k, v in flags.items() if v is not None}
     return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
 

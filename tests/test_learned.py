@@ -252,6 +252,14 @@ def test_a_few_steps_lower_the_held_out_midpoint_loss(trained):
     assert midpoint(learned.transform) < midpoint(weight.transform)
 
 
+def test_dropout_acts_on_the_steps_alone_and_a_run_repeats(trained):
+    cfg, (a, b) = trained.cfg, trained.states
+    runs = [learned_match(a, b, cfg, trained.data, options=replace(FAST, dropout=p)) for p in (0.5, 0.5, 0.0)]
+    assert [r.info["val_loss_init"] for r in runs[1:]] == [runs[0].info["val_loss_init"]] * 2  # validation: none
+    assert runs[0].objective == runs[1].objective  # the masks come from the run's seed
+    assert runs[0].objective[1:] != runs[2].objective[1:]  # the steps ran with dropout
+
+
 def test_zero_learning_rate_returns_weight_matching():
     cfg = CONFIGS["vit-odd"]
     arch, _, (a, b) = _pair(cfg)
@@ -306,12 +314,13 @@ def test_refinement_weights_centre_on_the_weighted_mean_by_default():
 def test_learned_flags_reach_learn_config_in_every_command():
     parser = build_parser()
     flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--lam", "0.1", "0.9", "--val-points", "5",
-             "--within", "invertible", "--patience", "0", "--quiet"]
+             "--within", "invertible", "--patience", "0", "--weight-decay", "0.01", "--dropout", "0.1", "--quiet"]
     commands = {"align": ["a", "b", "--out", "o"], "barrier": ["a", "b", "--json", "o"], "merge": ["a", "--out", "o"]}
     for command, rest in commands.items():
         learn = learn_options(parser.parse_args([command, *rest, *flags]))
         assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.val_points, learn.within, learn.patience,
-                learn.progress) == (0.01, 32, 7, (0.1, 0.9), 5, "invertible", 0, False), command
+                learn.weight_decay, learn.dropout, learn.progress) == (
+            0.01, 32, 7, (0.1, 0.9), 5, "invertible", 0, 0.01, 0.1, False), command
     default = learn_options(parser.parse_args(["align", "a", "b", "--out", "o"]))
     assert (default.epochs, default.lam, default.val_points, default.within, default.patience) == (
         LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal", LearnConfig().patience)

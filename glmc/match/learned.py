@@ -57,6 +57,9 @@ class LearnConfig:
     lr: float = 3e-3
     cosine: bool = True  # decay the learning rate to zero over the run (glmc.train.cosine_schedule)
     weight_decay: float = 0.0  # the projections are scale-invariant, so decay would only raise the step size
+    # Dropout on the interpolated model's embeddings, attention and residual writes while learning (validation runs
+    # without it). The official GLMC merger learns with its models' dropout 0.1 on.
+    dropout: float = 0.0
     batch_size: int = 128
     lam: tuple[float, float] = (0.4, 0.6)  # a pair's λ ~ U(lo, hi), the weight of A (paper App. C.1.1)
     # Several models' weights ~ Dirichlet(c·N·w), w the normalised weights: c = 10 samples near the weighted mean,
@@ -95,6 +98,7 @@ class LearnConfig:
             ("> 0", lambda v: v > 0, {"noise": self.noise, "soft_gain": self.soft_gain,
                                       "concentration": self.concentration}),
             ("in (0, 1)", lambda v: 0 < v < 1, {"val_fraction": self.val_fraction}),
+            ("in [0, 1)", lambda v: 0 <= v < 1, {"dropout": self.dropout}),
             ("in [0, 1], lo ≤ hi", lambda v: 0 <= v <= 1 and lo <= hi, {"λ range lo": lo, "λ range hi": hi})])
 
 
@@ -258,7 +262,8 @@ class Path:
     multiplied out into its circuits before mixing, so the path interpolates circuits (paper §3.2.2).
     """
 
-    def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype) -> None:
+    def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype,
+                 dropout: float = 0.0) -> None:
         self.arch, self.cfg, self.dtype, self.circuit = get_arch(cfg.family), cfg, dtype, form in CIRCUITS
         self.states = [cast(e.state, dtype) for e in endpoints]
         self.device = device_of(self.states[0])  # the path runs where its endpoints live
@@ -267,7 +272,9 @@ class Path:
         for state, moved in zip(self.states, self.folded, strict=True):
             if moved:
                 require_folded(state, self.arch.spec, cfg.depth)
-        self.module = _Logits(self.arch, to_model(*self._form(self.states[0]), form))
+        self.dropout = dropout
+        state, run = self._form(self.states[0])
+        self.module = _Logits(self.arch, to_model(state, run.replace(dropout=dropout), form))
 
     def _form(self, state: State) -> tuple[State, ModelConfig]:
         """A standard state in the path's form, with the config of the model that runs it."""
@@ -342,6 +349,7 @@ def validate(path: Path, transforms: Sequence[Transform | None], points: Sequenc
              ) -> float:
     """Mean task loss of the path at each of ``points`` over the validation batches."""
     states = [path.point(transforms, w) for w in points]
+    path.module.eval()
     total, count = 0.0, 0
     for x, y in loader:
         path.check(x)
@@ -355,6 +363,7 @@ def _step(path: Path, latents: Sequence[Latents | None], weights: Weights, x: to
           optimizer: torch.optim.Optimizer) -> float:
     """One optimizer step on the latents; NaN (and no step) when the loss or a gradient is not finite."""
     path.check(x)
+    path.module.train(path.dropout > 0)  # dropout while learning, if asked for; nothing else differs in train mode
     projected = iter(project([lat for lat in latents if lat is not None]))
     logits = path.logits(path.point([lat(next(projected)) if lat else None for lat in latents], weights), x)
     loss = token_loss(logits, y.to(path.device))
@@ -399,7 +408,7 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     """
     start = time.perf_counter()
     train, val = split(data, options, validation)
-    path = Path(endpoints, cfg, form, options.dtype)
+    path = Path(endpoints, cfg, form, options.dtype, options.dropout)
     latents = [e.latents.to(path.device) if e.latents else None for e in endpoints]
     params = [p for lat in latents if lat is not None for p in lat.parameters()]
     val_loader = DataLoader(val, batch_size=256)
@@ -411,7 +420,9 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     total = options.steps or options.epochs * len(loader)
     optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
     schedule = cosine_schedule(optimizer, total, 0.0) if options.cosine else LambdaLR(optimizer, lambda _: 1.0)
-    stopped = _loop(path, latents, loader, total, sampler, points, val_loader, schedule, best, options)
+    with torch.random.fork_rng(devices=[path.device] if path.device.type == "cuda" else []):
+        torch.manual_seed(options.seed)  # dropout's masks: the same run twice, the caller's generator untouched
+        stopped = _loop(path, latents, loader, total, sampler, points, val_loader, schedule, best, options)
     info = {"val_loss_init": best.history[0], "val_loss": best.loss, "best_step": best.step, "stopped": stopped,
             "val_points": [list(w) for w in points], "learn_seconds": round(time.perf_counter() - start, 3)}
     log.info("learned matching: validation loss %.5f → %.5f (step %d); %s", best.history[0], best.loss,
