@@ -93,15 +93,19 @@ def test_a_budget_run_whose_cache_is_gone_is_kept_from_the_published_results(tmp
     monkeypatch.setattr(learning_budget, "RESULTS", tmp_path / "results")
     model, pair = {"preset": "m", "learn": ["--epochs", "1"]}, (Path("seed0.st"), Path("seed1.st"))
     name = learning_budget.setting_label("learned", ["--lr", "1e-2"])
-    entry = {"learn": ["--epochs", "1"], "pairs": [["seed0", "seed1"]], "curves": [[curve(name, 0.15)]]}
+    plain = curve("none", 2.0) | {"losses": [1.6, 3.5, 1.6]}
+    entry = {"learn": ["--epochs", "1"], "pairs": [["seed0", "seed1"]], "curves": [[plain, curve(name, 0.15)]]}
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "results.json").write_text(json.dumps({"m": entry}))
     run = {"out": str(tmp_path / "out")}
-    assert learning_budget.setting_curve(run, model, pair, "learned", ["--lr", "1e-2"])["barrier"] == 0.15
-    # Other learning flags, another setting or another pair would need a run: none of them is taken from there.
-    assert learning_budget.published_curve(model | {"learn": []}, pair, name) is None
-    assert learning_budget.published_curve(model, pair, learning_budget.setting_label("learned", [])) is None
-    assert learning_budget.published_curve(model, (pair[1], pair[0]), name) is None
+    assert learning_budget.setting_curve(run, model, pair, "learned", ["--lr", "1e-2"], plain)["barrier"] == 0.15
+    # Other learning flags, another setting, another pair or other checkpoints (a retrained seed: another plain
+    # curve) would need a run: none of them is taken from there.
+    assert learning_budget.published_curve(model | {"learn": []}, pair, name, plain) is None
+    assert learning_budget.published_curve(model, pair, learning_budget.setting_label("learned", []), plain) is None
+    assert learning_budget.published_curve(model, (pair[1], pair[0]), name, plain) is None
+    retrained = plain | {"losses": [1.6, 3.5, 1.6000001]}
+    assert learning_budget.published_curve(model, pair, name, retrained) is None
 
 
 def test_a_budget_setting_that_names_models_runs_on_those_only() -> None:

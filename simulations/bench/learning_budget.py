@@ -9,8 +9,9 @@ method instead of the table's.
 Each setting's flags are added after the model's own learning flags (``learn``; glmc's defaults without it), so
 they override them; a setting runs on the first ``pairs`` seed pairs. Every run is one cached ``glmc barrier``
 call, so an interrupted bench resumes, and each pair's vanilla barrier comes from a plain ``none`` run on the same
-files. A learned run whose cache is gone (checkpoints retrained on a new machine) but whose curve is published,
-for the same pair and learning flags, is kept from the published results rather than learned again.
+files. A learned run whose cache is gone but whose curve is published, for the same pair, learning flags and
+checkpoints (the published plain curve is this run's, loss for loss), is kept from the published results rather
+than learned again; seeds retrained on another machine can differ in their last bits, and are learned anew.
 """
 
 from __future__ import annotations
@@ -55,30 +56,36 @@ def method_of(budget: dict[str, Any], setting: dict[str, Any]) -> str:
     return setting.get("method", budget["method"])
 
 
-def published_curve(model: dict[str, Any], pair: tuple[Path, Path], name: str) -> dict[str, Any] | None:
-    """The curve ``name`` of ``pair`` in the published results, if they have it with the model's learning flags."""
+def published_curve(model: dict[str, Any], pair: tuple[Path, Path], name: str, plain: dict[str, Any],
+                    ) -> dict[str, Any] | None:
+    """The curve ``name`` of ``pair`` in the published results, if they have it with the model's learning flags and
+    were measured on these checkpoints: their plain curve is ``plain`` (seeds retrained elsewhere differ)."""
     entry = previous_results(RESULTS).get(label(model))
     if entry is None or entry["learn"] != model.get("learn", []):
         return None
     curves = dict(zip(map(tuple, entry["pairs"]), entry["curves"], strict=True)).get(tuple(p.stem for p in pair), [])
+    if not any(c["method"] == "none" and c["losses"] == plain["losses"] for c in curves):
+        return None
     return next((c for c in curves if c["method"] == name), None)
 
 
 def setting_curve(run: dict[str, Any], model: dict[str, Any], pair: tuple[Path, Path], method: str,
-                  args: list[str]) -> dict[str, Any]:
-    """One setting's curve on one pair, named by :func:`setting_label`: cached, published, or measured now."""
+                  args: list[str], plain: dict[str, Any]) -> dict[str, Any]:
+    """One setting's curve on one pair, named by :func:`setting_label`: cached, published (same checkpoints: the
+    pair's ``plain`` curve), or measured now."""
     name, tag = setting_label(method, args), setting_tag(method, args)
-    if not report_path(run, model, *pair, tag).exists() and (curve := published_curve(model, pair, name)) is not None:
-        return curve
+    if not report_path(run, model, *pair, tag).exists() and (
+            published := published_curve(model, pair, name, plain)) is not None:
+        return published
     extra = [*model.get("learn", []), *args]
     return pair_barriers(run, model, *pair, [method], extra, tag)["curves"][0] | {"method": name}
 
 
 def setting_curves(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], setting: dict[str, Any],
-                   pairs: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
-    """One setting's curve on each of its pairs."""
-    return [setting_curve(run, model, pair, method_of(budget, setting), setting["args"])
-            for pair in pairs[:setting["pairs"]]]
+                   pairs: list[tuple[Path, Path]], plains: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One setting's curve on each of its pairs (``plains``: each pair's plain curve)."""
+    return [setting_curve(run, model, pair, method_of(budget, setting), setting["args"], plain)
+            for pair, plain in zip(pairs[:setting["pairs"]], plains, strict=False)]
 
 
 def measure_model(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], command: str
@@ -93,7 +100,8 @@ def measure_model(run: dict[str, Any], budget: dict[str, Any], model: dict[str, 
     labels = []
     for setting in own:
         labels.append(setting_label(method_of(budget, setting), setting["args"]))
-        for pair, curve in zip(curves, setting_curves(settings, budget, model, setting, used), strict=False):
+        plains = [pair[0] for pair in curves]
+        for pair, curve in zip(curves, setting_curves(settings, budget, model, setting, used, plains), strict=False):
             pair.append(curve)
     return {"pairs": [[p.stem for p in pair] for pair in used], "curves": curves,
             "rows": summarise(model, [{"curves": c} for c in curves], ["none", *labels]),
