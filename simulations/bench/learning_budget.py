@@ -97,10 +97,9 @@ def measure_model(run: dict[str, Any], budget: dict[str, Any], model: dict[str, 
     own = settings_of(budget, model)
     used = pairs[:max(s["pairs"] for s in own)]
     curves = [pair_barriers(settings, model, a, b, ["none"], [], "_budget-plain")["curves"] for a, b in used]
-    labels = []
+    labels, plains = [], [pair[0] for pair in curves]
     for setting in own:
         labels.append(setting_label(method_of(budget, setting), setting["args"]))
-        plains = [pair[0] for pair in curves]
         for pair, curve in zip(curves, setting_curves(settings, budget, model, setting, used, plains), strict=False):
             pair.append(curve)
     return {"pairs": [[p.stem for p in pair] for pair in used], "curves": curves,
