@@ -53,14 +53,14 @@ class ClientShare:
     description: dict[str, Any]
 
 
-PoolKey = tuple[str, str, str, int, int, int, tuple[Path, ...]]
+PoolKey = tuple[str, str, str, int, int, int, tuple[Path, ...], float]
 
 
 def pool_key(settings: RunSettings) -> PoolKey:
     """What shapes a pool: the one cache key of :func:`pool` and of the label splits drawn from it (one load per
     process)."""
     return (settings.dataset, settings.model, settings.partitioner, settings.seed, settings.server_data,
-            settings.train_limit, tuple(settings.init_checkpoints))
+            settings.train_limit, tuple(settings.init_checkpoints), settings.dropout)
 
 
 def pool(settings: RunSettings) -> Pool:
@@ -68,9 +68,16 @@ def pool(settings: RunSettings) -> Pool:
     return _pool(*pool_key(settings))
 
 
-def base_config(dataset: str, model: str, checkpoints: tuple[Path, ...]) -> ModelConfig:
+def base_config(dataset: str, model: str, checkpoints: tuple[Path, ...], dropout: float = -1.0) -> ModelConfig:
     """The model preset, or the config of the first ``init`` checkpoint, whose data-dependent sizes must be the
-    dataset's (a run cannot retrain a 1000-class head on 10 classes without saying so)."""
+    dataset's (a run cannot retrain a 1000-class head on 10 classes without saying so); ``dropout`` ≥ 0 replaces
+    its training dropout."""
+    cfg = _start_config(dataset, model, checkpoints)
+    return cfg if dropout < 0 else cfg.replace(dropout=dropout)
+
+
+def _start_config(dataset: str, model: str, checkpoints: tuple[Path, ...]) -> ModelConfig:
+    """The model preset, or the first ``init`` checkpoint's config checked against the dataset."""
     if not checkpoints:
         return preset(model)
     from glmc.formats import read
@@ -86,8 +93,8 @@ def base_config(dataset: str, model: str, checkpoints: tuple[Path, ...]) -> Mode
 
 @functools.lru_cache(maxsize=4)
 def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: int, train_limit: int,
-          checkpoints: tuple[Path, ...]) -> Pool:
-    task = load_task(dataset, base_config(dataset, model, checkpoints), seed=seed)
+          checkpoints: tuple[Path, ...], dropout: float) -> Pool:
+    task = load_task(dataset, base_config(dataset, model, checkpoints, dropout), seed=seed)
     if partitioner in NATURAL_SPLITS:
         return _text_pool(task, partitioner, seed, server_data)
     train = task.train

@@ -80,6 +80,10 @@ class RunSettings:
     resume: bool = False  # continue outputs/<run-name>/ from its last checkpoint
     batch_size: int = 0  # 0 = the dataset's measured default
     lr: float = 0.0  # 0 = the dataset's measured default
+    # training dropout (embeddings, attention weights, residual writes) of the clients and of the server's own
+    # training in fedavg-ft and server-only; -1 = the model's own (the preset's or the init checkpoint's). Seeds
+    # trained with it match better (docs/methods.md, dropout and connectivity)
+    dropout: float = -1.0
     server_data: int = 0  # training samples held back from every client, for activation/learned alignment
     train_limit: int = 0  # training images the clients share between them, a seeded subset (0 = all); vision only
     eval_limit: int = 0  # central test samples per evaluation (0 = the whole test set)
@@ -161,6 +165,7 @@ class RunSettings:
         check_options("run config", [
             ("finite and > 0", lambda v: math.isfinite(v) and v > 0, {"alpha": self.alpha}),
             ("finite and ≥ 0 (0: the dataset's default)", lambda v: math.isfinite(v) and v >= 0, {"lr": self.lr}),
+            ("in [0, 1), or -1 (the model's own)", lambda v: v == -1 or 0 <= v < 1, {"dropout": self.dropout}),
             ("≥ 1", lambda v: v >= 1, {"classes-per-client": self.classes_per_client}),
             ("≥ 0", lambda v: v >= 0, {"seed": self.seed})])
         _require(self.round_timeout > 0 and self.node_wait_timeout > 0,

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import fake_hub_copy
 
 import client.data
 from client.app import Node
 from client.data import client_share, eval_subset, label_counts, pool
+from glmc.archs import build_model, preset
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from server.settings import RunSettings
@@ -85,6 +87,19 @@ def test_width_tier_from_node_config_or_the_run_config() -> None:
                              settings).tier == 0.25
     with pytest.raises(ConfigError, match="partition-id"):
         Node.from_context(Ctx({}), settings)  # type: ignore[arg-type]
+
+
+@needs_fashion
+def test_the_dropout_key_reaches_the_model_clients_train_and_leaves_their_data_alone() -> None:
+    own, dropped = RunSettings(), RunSettings(dropout=0.5)
+    assert pool(own).task.config == preset(own.model)  # -1: the preset's own dropout (0 for vit-tiny)
+    cfg = pool(dropped).task.config
+    assert cfg == preset(own.model).replace(dropout=0.5)
+    model = build_model(cfg).train()
+    x = torch.stack([pool(dropped).test[i][0] for i in range(4)])
+    assert not torch.equal(model(x), model(x))  # masks differ from pass to pass: dropout is on
+    assert torch.equal(model.eval()(x), model(x))
+    assert rows_of(client_share(own, 1, 3).train) == rows_of(client_share(dropped, 1, 3).train)
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ def test_sigterm_runs_the_cleanup_that_stops_the_superlink(tmp_path: Path) -> No
 def test_two_rounds_with_a_faulty_client(tmp_path: Path) -> None:
     config = {"model": "vit-tiny", "num-server-rounds": 2, "local-steps": 3, "eval-limit": 200,
               "aggregation": "weight", "align-iters": 1, "fault-partition": 2, "fraction-evaluate": 1.0,
-              "width-tiers": "1,0.5",
+              "width-tiers": "1,0.5", "dropout": 0.1,
               "output-dir": str(tmp_path), "run-name": "sim"}
     result = run_simulation(config, num_supernodes=3)
     assert result.ok, f"{result.status}: {result.details}"
@@ -93,6 +93,7 @@ def test_two_rounds_with_a_faulty_client(tmp_path: Path) -> None:
     assert metrics["split"]["scheme"] == "dirichlet" and len(metrics["split"]["label_counts"]) == 3
     state, meta = load_checkpoint(tmp_path / "sim" / "checkpoints" / "round-002.safetensors")
     assert meta.metrics["round"] == 2 and all(v.isfinite().all() for v in state.values())
+    assert meta.config.dropout == 0.1  # the run's dropout, through the engine's run config, into the checkpoint
     assert (tmp_path / "sim" / "accuracy.png").is_file() and (tmp_path / "sim" / "metrics.csv").is_file()
 
 
