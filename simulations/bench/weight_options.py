@@ -1,5 +1,5 @@
 """Weight matching's choices, one at a time, against the official GLMC matcher's: pairwise barriers through
-``glmc barrier`` with each variant's flags, on disjoint seed pairs (no seed in two pairs).
+``glmc barrier`` with each variant's flags, on the config's seed pairs (disjoint where a model has the seeds).
 
     .venv/bin/python -m simulations.bench.weight_options [--config simulations/bench/configs/matcher.toml]
         [--models NAME ...]
