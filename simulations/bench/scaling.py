@@ -134,11 +134,13 @@ def _exponent(value: float | None) -> str:
 
 def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
     """The committed summary: the runs, one row per (model, method), then the growth exponents."""
+    kept = {row["run"] for row in rows}
     lines = ["# Matching cost against model size", "", "Runs (a row's `run` column; a shared CPU, so CPU time is the "
              "steadier figure and the load average is noted):", "",
              *(f"{i}. `{r['command']}`, config `{r['config']}`; machine: {r['machine']}; wall time "
                f"{r.get('wall_minutes', 0):.1f} min; load average {r['load_before']} before, "
-               f"{r.get('load_after', '–')} after." for i, r in enumerate(runs)), "",
+               f"{r.get('load_after', '–')} after." + ("" if i in kept else " No row of it is kept: a later run "
+                                                        "measured them again.") for i, r in enumerate(runs)), "",
              "Pairs: random init (seeded), B a planted transform of A. Peak RSS: the matching process's peak "
              "resident memory during the matching (both float32 states included); added: that peak minus the "
              "resident size just before. Recovered: ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖² and T̂ ∘ T = identity.", "",
