@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from glmc.archs import ModelConfig, get_arch
@@ -46,3 +49,15 @@ def test_the_growth_exponent_is_the_log_log_slope():
     assert fits[0]["added_rss_mb_vs_params"] == pytest.approx(1.0)
     assert scaling.growth(rows, [{"name": "m64", "growth": False}, {"name": "m128"}])[0]["models"] == 1
     assert scaling.growth([r | {"threads": 2} for r in rows], [{"name": r["model"]} for r in rows]) == []
+
+
+def test_the_committed_summary_is_its_results_and_marks_the_runs_no_row_keeps():
+    out = Path(__file__).parents[1] / "simulations" / "results" / "scaling"
+    data = json.loads((out / "results.json").read_text())
+    text = (out / "summary.md").read_text()
+    assert text == scaling.markdown(data["rows"], data["growth"], data["runs"])
+    kept = {row["run"] for row in data["rows"]}
+    runs = [line for line in text.splitlines() if line[:1].isdigit() and ". `python" in line]
+    assert len(runs) == len(data["runs"]) and set(range(len(runs))) - kept  # some run was measured again
+    for i, line in enumerate(runs):
+        assert ("No row of it is kept" in line) == (i not in kept)
