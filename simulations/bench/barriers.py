@@ -300,7 +300,8 @@ def summarise_run(config: dict[str, Any], config_path: str, learned: dict[str, A
     rows = [row for name in names for row in every[name][0]]  # the config's order, measured or kept
     reports_by_model = {name: every[name][1] for name in names}
     kept_timing = previous.get("timing", {}) if timing is None else {}
-    learn = "; ".join(f"{label(m)}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"])
+    learn = "; ".join(f"{label(m)}: {' '.join(m.get('learn', learned['args']))}" for m in config["models"]
+                      if learned_methods(learned, m))
     kept = [*kept_rows, *(["timing"] if kept_timing else [])]
     write_results(run, learn, config_path, rows, timing or kept_timing, reports_by_model,
                   time.perf_counter() - start, kept, command)
