@@ -96,15 +96,18 @@ def publish(out: Path, results: Path, heading: list[str], markdown: Callable[[st
     print("\n".join(markdown(name, entry)))
 
 
+def train_args(model: dict[str, Any], seed: int) -> list[str]:
+    """The ``glmc`` arguments that train one seed of a model entry (its ``train`` flags), before ``--out``."""
+    return ["train", "--model", model["preset"], "--dataset", model["dataset"], "--seed", str(seed), *model["train"]]
+
+
 def train_missing(run: dict[str, Any], model: dict[str, Any]) -> list[Path]:
     """Train every configured seed that has no checkpoint yet; return all checkpoint paths."""
     paths = []
     for seed in model["seeds"]:
         path = checkpoint(Path(run["out"]), label(model), seed)
-        if not path.exists():
-            args = ["train", "--model", model["preset"], "--dataset", model["dataset"], "--seed", str(seed)]
-            if glmc([*args, *model["train"], "--out", str(path), "--quiet"]) != 0:
-                raise SystemExit(f"training {path} failed")
+        if not path.exists() and glmc([*train_args(model, seed), "--out", str(path), "--quiet"]) != 0:
+            raise SystemExit(f"training {path} failed")
         paths.append(path)
     return paths
 

@@ -1,0 +1,216 @@
+"""One command for a session lent a GPU machine: the CUDA tests, the gpt2-paper seeds and their barrier tables,
+then the accelerator benchmark, each under its share of one deadline, with every log and result packed into one
+archive (that machine gives back at most eight files).
+
+    python3 -m simulations.bench.gpu_session --out "$OUT"                     # there (docs/accelerators.md)
+    .venv/bin/python -m simulations.bench.gpu_session --out /tmp/gpu --tiny   # here: every step at toy sizes
+
+Steps run in order; a failed or timed-out step is recorded and the next one starts. The seeds of every config
+are trained side by side (a seed two configs train with one command is trained once and copied), and each bench
+caches its pair reports, so a step cut short still returns what it finished. Unpack ``results.tar.gz`` at the
+repository root, then run ``python -m simulations.docs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glmc.archs import preset
+from simulations.bench.barriers import checkpoint, label, train_args
+
+CONFIGS = {"barriers": Path("simulations/bench/configs/barriers.toml"),
+           "matcher": Path("simulations/bench/configs/matcher.toml"),
+           "accelerator": Path("simulations/bench/configs/accelerator.toml")}
+PY = [sys.executable]
+LOGS = Path("outputs/gpu-session")  # git-ignored; packed, not returned file by file (eight files come back at most)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Commands run side by side under one time limit; ``then`` are file copies made once all succeeded."""
+
+    name: str
+    seconds: float
+    commands: list[list[str]]
+    then: list[tuple[Path, Path]] = field(default_factory=list)
+    ok: tuple[int, ...] = (0,)
+
+
+def seed_training(configs: dict[str, Path], models: list[str]) -> Step:
+    """Every missing seed checkpoint of ``models`` in the configs, one ``glmc train`` each, side by side; a seed
+    trained by the same command in two configs is trained once and copied."""
+    first: dict[tuple[str, ...], Path] = {}
+    copies: list[tuple[Path, Path]] = []
+    for name in ("matcher", "barriers"):
+        config = tomllib.loads(configs[name].read_text())
+        for model in (m for m in config["models"] if label(m) in models):
+            for seed in model["seeds"]:
+                path = checkpoint(Path(config["run"]["out"]), label(model), seed)
+                key = tuple(train_args(model, seed))
+                if path.exists():
+                    continue
+                if key in first:
+                    copies.append((first[key], path))
+                else:
+                    first[key] = path
+    commands = [[*PY, "-m", "glmc.cli", *key, "--out", str(path), "--quiet"] for key, path in first.items()]
+    return Step("train seeds", 300, commands, copies)
+
+
+def plan(configs: dict[str, Path], models: list[str], device: str) -> list[Step]:
+    """The session's steps, most wanted first."""
+    chosen = ["--models", *models]
+    return [
+        Step("environment", 60, [[*PY, "-c", "import torch, platform; print(platform.python_version(), "
+                                  "torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"]]),
+        Step("cuda tests", 180, [[*PY, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                                  "tests/test_device.py"]], ok=(0, 5)),  # 5: none collected (no GPU)
+        Step("bpe tokenizer", 60, [[*PY, "-c", "from glmc.data.bpe import load_shakespeare_bpe; "
+                                    "load_shakespeare_bpe()"]]),  # cached once, before the seeds read it
+        seed_training(configs, models),
+        Step("weight options", 240, [[*PY, "-m", "simulations.bench.weight_options", "--config",
+                                      str(configs["matcher"]), *chosen]]),
+        Step("barriers", 300, [[*PY, "-m", "simulations.bench.barriers", "--config", str(configs["barriers"]),
+                                *chosen, "--no-timing"]]),
+        Step("accelerator", 240, [[*PY, "-m", "simulations.bench.accelerator", "--config",
+                                   str(configs["accelerator"]), "--device", device]]),
+    ]
+
+
+def run_step(step: Step, seconds: float, logs: Path) -> dict[str, Any]:
+    """Run one step within ``seconds``; its commands' output goes to ``logs``/<step>-<i>.log. Kills what
+    overruns (whole process groups) and returns the step's record."""
+    began, procs = time.monotonic(), []
+    for i, command in enumerate(step.commands):
+        with (logs / f"{step.name.replace(' ', '-')}-{i}.log").open("w") as log:  # the child keeps its own copy
+            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                          env=os.environ | {"PYTHONUNBUFFERED": "1"}))
+    timed_out = False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, began + seconds - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    codes = [proc.returncode for proc in procs]
+    ok = not timed_out and all(code in step.ok for code in codes)
+    if ok:
+        for source, target in step.then:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+    return {"step": step.name, "ok": ok, "timed_out": timed_out, "codes": codes,
+            "seconds": round(time.monotonic() - began, 1), "commands": [" ".join(c) for c in step.commands]}
+
+
+def run_steps(steps: list[Step], deadline: float, logs: Path) -> list[dict[str, Any]]:
+    """Every step in order, each within its own limit and what is left of ``deadline`` seconds; a step with under
+    ten seconds left is skipped."""
+    end, records = time.monotonic() + deadline, []
+    for step in steps:
+        left = end - time.monotonic()
+        if left < 10:
+            records.append({"step": step.name, "ok": False, "skipped": "deadline"})
+            continue
+        records.append(run_step(step, min(step.seconds, left), logs))
+        print(f"{step.name}: {'ok' if records[-1]['ok'] else 'FAILED'} in {records[-1]['seconds']} s, exit codes "
+              f"{records[-1]['codes']}{' (timed out)' if records[-1]['timed_out'] else ''}", flush=True)
+    return records
+
+
+def results_of(configs: dict[str, Path], models: list[str]) -> list[Path]:
+    """What the steps write that should come back: each bench's results folder, and the pair reports of
+    ``models`` in each bench's cache."""
+    paths = []
+    for path in configs.values():
+        run = tomllib.loads(path.read_text())["run"]
+        paths.append(Path(run["results"]))
+        if "out" in run:
+            paths += [p for m in models for p in sorted((Path(run["out"]) / "barriers").glob(f"{m}_*.json"))]
+    return [p for p in paths if p.exists()]
+
+
+def pack(out: Path, paths: list[Path]) -> Path:
+    """One gzipped archive of ``paths``, relative to the repository root."""
+    archive = out / "results.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in paths:
+            tar.add(path)
+    return archive
+
+
+def failures(records: list[dict[str, Any]], logs: Path, lines: int = 15) -> str:
+    """The last lines of every failed step's logs, for the reply's output tail."""
+    tails = []
+    for record in (r for r in records if not r["ok"] and "skipped" not in r):
+        for log in sorted(logs.glob(f"{record['step'].replace(' ', '-')}-*.log")):
+            tails += [f"--- {log.name}", *log.read_text(errors="replace").splitlines()[-lines:]]
+    return "\n".join(tails)
+
+
+def tiny_model(model: dict[str, Any]) -> dict[str, Any]:
+    """A bench model entry at toy size, under its own name: its family's tiny preset, one training step a seed, a
+    few test samples, one learned step."""
+    return model | {"name": label(model), "preset": f"{preset(model['preset']).family}-tiny", "run": {"limit": 4},
+                    "train": [*model["train"], "--max-steps", "1"], "learn": ["--steps", "1", "--batch-size", "2"]}
+
+
+def tiny_configs(folder: Path, models: list[str]) -> dict[str, Path]:
+    """Copies of the bench configs with ``models`` at toy sizes (:func:`tiny_model`) and outputs under ``folder``:
+    to try every step of the session on a CPU before spending GPU time on it."""
+    import tomli_w  # here only: the GPU machine's image lacks it, and never runs this
+
+    folder.mkdir(parents=True, exist_ok=True)
+    configs = {name: tomllib.loads(path.read_text()) for name, path in CONFIGS.items()}
+    for name in ("matcher", "barriers"):
+        config = configs[name]
+        config["run"] |= {"out": str(folder / name), "results": str(folder / "results" / name), "limit": 4,
+                          "points": 3, "batch": 8}
+        config["models"] = [tiny_model(m) for m in config["models"] if label(m) in models]
+    configs["matcher"]["options"] |= {"models": models, "variants": configs["matcher"]["options"]["variants"][:2]}
+    accel = configs["accelerator"]
+    accel["run"]["results"] = str(folder / "results" / "accelerator")
+    accel["train"] |= {"presets": ["gpt2-bench"], "warmup": 0, "steps": {"cpu": 1, "cuda": 1}}
+    accel["pair"] |= {"steps": 2, "samples": 64, "batch-size": 8, "eval-every": 1}
+    accel["round"] |= {"clients": 2, "steps": 1, "batch-size": 8, "server-data": 64}
+    paths = {name: folder / f"{name}.toml" for name in configs}
+    for name, config in configs.items():
+        paths[name].write_text(tomli_w.dumps(config))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where steps.json and results.tar.gz go")
+    parser.add_argument("--models", nargs="+", default=["gpt2-paper"], help="the bench models to train and measure")
+    parser.add_argument("--deadline", type=float, default=540, help="seconds for every step together")
+    parser.add_argument("--device", default="auto", help="the accelerator bench's device")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes, outputs under --out: to try it on a CPU")
+    args = parser.parse_args(argv)
+    shutil.rmtree(LOGS, ignore_errors=True)
+    LOGS.mkdir(parents=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    configs = tiny_configs(args.out / "tiny", args.models) if args.tiny else CONFIGS
+    records = run_steps(plan(configs, args.models, args.device), args.deadline, LOGS)
+    (LOGS / "steps.json").write_text(json.dumps(records, indent=1))
+    shutil.copyfile(LOGS / "steps.json", args.out / "steps.json")
+    archive = pack(args.out, [*results_of(configs, args.models), LOGS])
+    print(failures(records, LOGS))
+    print(f"{sum(r['ok'] for r in records)} of {len(records)} steps ok; {archive}")
+    return 0 if all(r["ok"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The GPU session's runner (simulations.bench.gpu_session): a step that fails or overruns is recorded and the
+next one runs; the plan trains a seed two bench configs share once; what it packs comes back."""
+
+from __future__ import annotations
+
+import sys
+import tarfile
+from pathlib import Path
+
+from simulations.bench.gpu_session import Step, pack, results_of, run_steps, seed_training, tiny_configs
+
+PY = [sys.executable, "-c"]
+
+
+def test_a_failed_or_overrunning_step_is_recorded_and_the_next_still_runs(tmp_path):
+    made, copy = tmp_path / "made.txt", tmp_path / "copy" / "made.txt"
+    steps = [Step("fails", 30, [[*PY, "raise SystemExit(3)"], [*PY, "pass"]]),
+             Step("overruns", 1, [[*PY, "import time; time.sleep(60)"]]),
+             Step("writes", 30, [[*PY, f"open({str(made)!r}, 'w').write('x')"]], then=[(made, copy)])]
+    failed, overran, wrote = run_steps(steps, 60, tmp_path)
+    assert (failed["ok"], failed["codes"], failed["timed_out"]) == (False, [3, 0], False)
+    assert overran["ok"] is False and overran["timed_out"] and overran["seconds"] < 30
+    assert wrote["ok"] and copy.read_text() == "x"
+    assert (tmp_path / "fails-0.log").exists() and (tmp_path / "fails-1.log").exists()
+
+
+def test_steps_past_the_deadline_are_skipped(tmp_path):
+    records = run_steps([Step("late", 30, [[*PY, "pass"]])], 5, tmp_path)
+    assert records == [{"step": "late", "ok": False, "skipped": "deadline"}]
+
+
+def test_a_seed_both_configs_train_alike_is_trained_once_and_copied(tmp_path):
+    configs = tiny_configs(tmp_path, ["gpt2-paper"])
+    step = seed_training(configs, ["gpt2-paper"])
+    outs = [Path(c[c.index("--out") + 1]) for c in step.commands]
+    assert sorted(p.name for p in outs) == [f"seed{s}.safetensors" for s in range(6)]  # matcher.toml's seeds
+    assert all("--max-steps" in c for c in step.commands)
+    assert [(a.name, b.name) for a, b in step.then] == [(f"seed{s}.safetensors",) * 2 for s in range(3)]
+    assert all(a in outs and b.parent == tmp_path / "barriers" / "gpt2-paper" for a, b in step.then)
+
+
+def test_the_archive_holds_the_results_and_pair_reports_of_the_chosen_models(tmp_path):
+    configs = tiny_configs(tmp_path / "tiny", ["gpt2-paper"])
+    for name in ("matcher", "barriers"):
+        (tmp_path / "tiny/results" / name).mkdir(parents=True)
+        (tmp_path / "tiny/results" / name / "summary.md").write_text(name)
+    (tmp_path / "tiny/matcher/barriers").mkdir(parents=True)
+    for report in ("gpt2-paper_seed0_seed1.json", "vit-bench_seed0_seed1.json"):
+        (tmp_path / "tiny/matcher/barriers" / report).write_text("{}")
+    with tarfile.open(pack(tmp_path, results_of(configs, ["gpt2-paper"]))) as tar:
+        names = {name.split("/tiny/", 1)[1] for name in tar.getnames() if "/tiny/" in name}
+    assert names >= {"matcher/barriers/gpt2-paper_seed0_seed1.json", "results/matcher/summary.md",
+                     "results/barriers/summary.md"}
+    assert "matcher/barriers/vit-bench_seed0_seed1.json" not in names
