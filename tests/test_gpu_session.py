@@ -14,13 +14,15 @@ PY = [sys.executable, "-c"]
 
 def test_a_failed_or_overrunning_step_is_recorded_and_the_next_still_runs(tmp_path):
     made, copy = tmp_path / "made.txt", tmp_path / "copy" / "made.txt"
+    never, no_copy = tmp_path / "never.txt", tmp_path / "copy" / "never.txt"
     steps = [Step("fails", 30, [[*PY, "raise SystemExit(3)"], [*PY, "pass"]]),
              Step("overruns", 1, [[*PY, "import time; time.sleep(60)"]]),
-             Step("writes", 30, [[*PY, f"open({str(made)!r}, 'w').write('x')"]], then=[(made, copy)])]
+             Step("writes", 30, [[*PY, f"open({str(made)!r}, 'w').write('x')"], [*PY, "raise SystemExit(1)"]],
+                  then=[(made, copy), (never, no_copy)])]
     failed, overran, wrote = run_steps(steps, 60, tmp_path)
     assert (failed["ok"], failed["codes"], failed["timed_out"]) == (False, [3, 0], False)
     assert overran["ok"] is False and overran["timed_out"] and overran["seconds"] < 30
-    assert wrote["ok"] and copy.read_text() == "x"
+    assert not wrote["ok"] and copy.read_text() == "x" and not no_copy.exists()  # what was made is kept
     assert (tmp_path / "fails-0.log").exists() and (tmp_path / "fails-1.log").exists()
 
 
@@ -31,12 +33,12 @@ def test_steps_past_the_deadline_are_skipped(tmp_path):
 
 def test_a_seed_both_configs_train_alike_is_trained_once_and_copied(tmp_path):
     configs = tiny_configs(tmp_path, ["gpt2-paper"])
-    step = seed_training(configs, ["gpt2-paper"])
-    outs = [Path(c[c.index("--out") + 1]) for c in step.commands]
+    commands, copies = seed_training(configs, ["gpt2-paper"])
+    outs = [Path(c[c.index("--out") + 1]) for c in commands]
     assert sorted(p.name for p in outs) == [f"seed{s}.safetensors" for s in range(6)]  # matcher.toml's seeds
-    assert all("--max-steps" in c for c in step.commands)
-    assert [(a.name, b.name) for a, b in step.then] == [(f"seed{s}.safetensors",) * 2 for s in range(3)]
-    assert all(a in outs and b.parent == tmp_path / "barriers" / "gpt2-paper" for a, b in step.then)
+    assert all("--max-steps" in c for c in commands)
+    assert [(a.name, b.name) for a, b in copies] == [(f"seed{s}.safetensors",) * 2 for s in range(3)]
+    assert all(a in outs and b.parent == tmp_path / "barriers" / "gpt2-paper" for a, b in copies)
 
 
 def test_the_archive_holds_the_results_and_pair_reports_of_the_chosen_models(tmp_path):

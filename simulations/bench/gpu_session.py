@@ -39,7 +39,8 @@ LOGS = Path("outputs/gpu-session")  # git-ignored; packed, not returned file by 
 
 @dataclass(frozen=True)
 class Step:
-    """Commands run side by side under one time limit; ``then`` are file copies made once all succeeded."""
+    """Commands run side by side under one time limit; ``then`` are file copies made after them, of each source
+    that exists (a command that failed leaves its own missing)."""
 
     name: str
     seconds: float
@@ -48,9 +49,9 @@ class Step:
     ok: tuple[int, ...] = (0,)
 
 
-def seed_training(configs: dict[str, Path], models: list[str]) -> Step:
-    """Every missing seed checkpoint of ``models`` in the configs, one ``glmc train`` each, side by side; a seed
-    trained by the same command in two configs is trained once and copied."""
+def seed_training(configs: dict[str, Path], models: list[str]) -> tuple[list[list[str]], list[tuple[Path, Path]]]:
+    """One ``glmc train`` command for every missing seed checkpoint of ``models`` in the configs, and the copies
+    to make after: a seed trained by the same command in two configs is trained once."""
     first: dict[tuple[str, ...], Path] = {}
     copies: list[tuple[Path, Path]] = []
     for name in ("matcher", "barriers"):
@@ -65,27 +66,27 @@ def seed_training(configs: dict[str, Path], models: list[str]) -> Step:
                     copies.append((first[key], path))
                 else:
                     first[key] = path
-    commands = [[*PY, "-m", "glmc.cli", *key, "--out", str(path), "--quiet"] for key, path in first.items()]
-    return Step("train seeds", 300, commands, copies)
+    return [[*PY, "-m", "glmc.cli", *key, "--out", str(path), "--quiet"] for key, path in first.items()], copies
 
 
 def plan(configs: dict[str, Path], models: list[str], device: str) -> list[Step]:
-    """The session's steps, most wanted first."""
+    """The session's steps, most wanted first. The CUDA tests and the seeds' training share the machine, and so do
+    the two benches (each reads the seeds, neither is timed); the accelerator bench, which is timed, runs alone:
+    the round first, the one row whose code changed since the GPU last measured it."""
     chosen = ["--models", *models]
+    seeds, copies = seed_training(configs, models)
+    tests = [*PY, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/test_device.py"]
     return [
         Step("environment", 60, [[*PY, "-c", "import torch, platform; print(platform.python_version(), "
                                   "torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"]]),
-        Step("cuda tests", 180, [[*PY, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                                  "tests/test_device.py"]], ok=(0, 5)),  # 5: none collected (no GPU)
         Step("bpe tokenizer", 60, [[*PY, "-c", "from glmc.data.bpe import load_shakespeare_bpe; "
                                     "load_shakespeare_bpe()"]]),  # cached once, before the seeds read it
-        seed_training(configs, models),
-        Step("weight options", 240, [[*PY, "-m", "simulations.bench.weight_options", "--config",
-                                      str(configs["matcher"]), *chosen]]),
-        Step("barriers", 300, [[*PY, "-m", "simulations.bench.barriers", "--config", str(configs["barriers"]),
-                                *chosen, "--no-timing"]]),
-        Step("accelerator", 240, [[*PY, "-m", "simulations.bench.accelerator", "--config",
-                                   str(configs["accelerator"]), "--device", device]]),
+        Step("cuda tests and seeds", 300, [tests, *seeds], copies, ok=(0, 5)),  # pytest's 5: none collected
+        Step("paper tables", 420, [
+            [*PY, "-m", "simulations.bench.weight_options", "--config", str(configs["matcher"]), *chosen],
+            [*PY, "-m", "simulations.bench.barriers", "--config", str(configs["barriers"]), *chosen, "--no-timing"]]),
+        Step("accelerator", 240, [[*PY, "-m", "simulations.bench.accelerator", "--config", str(configs["accelerator"]),
+                                   "--device", device, "--sections", "round,pair,train,big"]]),
     ]
 
 
@@ -106,11 +107,10 @@ def run_step(step: Step, seconds: float, logs: Path) -> dict[str, Any]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     codes = [proc.returncode for proc in procs]
+    for source, target in (pair for pair in step.then if pair[0].exists()):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
     ok = not timed_out and all(code in step.ok for code in codes)
-    if ok:
-        for source, target in step.then:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, target)
     return {"step": step.name, "ok": ok, "timed_out": timed_out, "codes": codes,
             "seconds": round(time.monotonic() - began, 1), "commands": [" ".join(c) for c in step.commands]}
 
