@@ -25,8 +25,6 @@ from simulations.bench.barriers import (
     train_missing,
 )
 
-RESULTS = Path("simulations/results/weight-options")
-
 
 def model_pairs(run: dict[str, Any], model: dict[str, Any]) -> list[tuple[Path, Path]]:
     """The model's configured seed pairs as checkpoint paths, training the seeds that have none."""
@@ -90,7 +88,7 @@ HEADING = ["# Weight matching: this project's choices against the official GLMC 
 
 def main(argv: list[str] | None = None) -> int:
     return table_main(argv, "options", "simulations.bench.weight_options", __doc__.splitlines()[0], measure_model,
-                      RESULTS, HEADING, markdown, config="simulations/bench/configs/matcher.toml")
+                      None, HEADING, markdown, config="simulations/bench/configs/matcher.toml")
 
 
 if __name__ == "__main__":
