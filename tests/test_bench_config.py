@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from glmc import groups
 from glmc.archs import get_arch
 from glmc.canonical import canonicalize
 from glmc.cli_weight import parse_weight_flags
@@ -169,6 +170,10 @@ heads = 3
 mlp = 37
 vocab = 41
 context = 8
+[svd]
+devices = ["cpu", "cuda"]
+presets = ["gpt2-tiny"]
+cpu-svd-max = [0, 4096]
 """
 
 
@@ -177,13 +182,17 @@ def test_the_accelerator_bench_measures_what_it_names_and_keeps_earlier_sections
     row with no speed-up while only one device was measured."""
     config = tmp_path / "accelerator.toml"
     config.write_text(TINY_ACCELERATOR)
-    for section in ("train", "big"):
+    threshold = groups.CPU_SVD_MAX
+    for section in ("train", "big", "svd"):
         assert accelerator.main(["--config", str(config), "--device", "cpu", "--sections", section,
                                  "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results-cpu.json").read_text())["rows"]
     assert [r["row"].split(" (")[0] for r in rows] == ["train step vit-tiny", "train step gpt2-tiny",
-                                                       "weight matching, GPT-2 d30 × 2 layers, vocabulary 41"]
-    assert all(r["value"] > 0 for r in rows) and rows[-1]["relative_distance_left"] < 1e-10
+                                                       "weight matching, GPT-2 d30 × 2 layers, vocabulary 41",
+                                                       "weight matching, gpt2-tiny pair, CPU_SVD_MAX 0",
+                                                       "weight matching, gpt2-tiny pair, CPU_SVD_MAX 4096"]
+    assert threshold == groups.CPU_SVD_MAX  # restored after the svd section's settings
+    assert all(r["value"] > 0 for r in rows) and rows[2]["relative_distance_left"] < 1e-10
     summary = (tmp_path / "summary.md").read_text()
     table = [line.split(" | ") for line in summary.splitlines() if line.startswith("| ") and "---" not in line]
     assert [cells[0].lstrip("| ") for cells in table[1:]] == [r["row"] for r in rows]

@@ -13,12 +13,13 @@ counts from the config), so a speed-up is a ratio of two times of one workload.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from glmc import groups
 from glmc.archs import Arch, ModelConfig, build_model, get_arch, preset
 from glmc.canonical import canonicalize
 from glmc.device import peak_memory_mb, reset_peak_memory, resolve
@@ -168,7 +170,36 @@ def big_rows(section: dict[str, Any], device: torch.device) -> list[dict[str, An
              "relative_distance_left": left, "sweeps": len(result.objective), "peak_gpu_mb": peak_memory_mb(device)}]
 
 
-SECTIONS = {"train": train_rows, "pair": pair_rows, "round": round_rows, "big": big_rows}
+@contextlib.contextmanager
+def cpu_svd_max(size: int) -> Iterator[None]:
+    """``glmc.groups.CPU_SVD_MAX`` set to ``size`` inside the block, restored after."""
+    before, groups.CPU_SVD_MAX = groups.CPU_SVD_MAX, size
+    try:
+        yield
+    finally:
+        groups.CPU_SVD_MAX = before
+
+
+def svd_rows(section: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    """Weight matching of two independent inits of each preset at each ``CPU_SVD_MAX`` (on a GPU, the largest
+    matrix factored on the CPU): the threshold was chosen before it was measured."""
+    if device.type not in section["devices"]:
+        return []
+    rows = []
+    for name in section["presets"]:
+        cfg = task_config(name)
+        arch, (a, b) = get_arch(cfg.family), _canonical_pair(cfg, device)
+        work = partial(weight_match, a, b, arch.spec, cfg.depth, cfg.heads)
+        work()  # warm-up: the solver libraries load on first use
+        for size in section["cpu-svd-max"]:
+            with cpu_svd_max(size):
+                seconds, result = timed(device, work)
+            rows.append({"row": f"weight matching, {name} pair, CPU_SVD_MAX {size}", "unit": "s", "value": seconds,
+                         "sweeps": len(result.objective)})
+    return rows
+
+
+SECTIONS = {"train": train_rows, "pair": pair_rows, "round": round_rows, "big": big_rows, "svd": svd_rows}
 
 
 def device_name(device: torch.device) -> str:

@@ -72,7 +72,7 @@ def seed_training(configs: dict[str, Path], models: list[str]) -> tuple[list[lis
 def plan(configs: dict[str, Path], models: list[str], device: str) -> list[Step]:
     """The session's steps, most wanted first. The CUDA tests and the seeds' training share the machine, and so do
     the two benches (each reads the seeds, neither is timed); the accelerator bench, which is timed, runs alone:
-    the round first, the one row whose code changed since the GPU last measured it."""
+    first the round, whose code changed since the GPU last measured it, and the CPU_SVD_MAX rows, never measured."""
     chosen = ["--models", *models]
     seeds, copies = seed_training(configs, models)
     tests = [*PY, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/test_device.py"]
@@ -86,7 +86,7 @@ def plan(configs: dict[str, Path], models: list[str], device: str) -> list[Step]
             [*PY, "-m", "simulations.bench.weight_options", "--config", str(configs["matcher"]), *chosen],
             [*PY, "-m", "simulations.bench.barriers", "--config", str(configs["barriers"]), *chosen, "--no-timing"]]),
         Step("accelerator", 240, [[*PY, "-m", "simulations.bench.accelerator", "--config", str(configs["accelerator"]),
-                                   "--device", device, "--sections", "round,pair,train,big"]]),
+                                   "--device", device, "--sections", "round,svd,pair,train,big"]]),
     ]
 
 
@@ -185,6 +185,7 @@ def tiny_configs(folder: Path, models: list[str]) -> dict[str, Path]:
     accel["train"] |= {"presets": ["gpt2-bench"], "warmup": 0, "steps": {"cpu": 1, "cuda": 1}}
     accel["pair"] |= {"steps": 2, "samples": 64, "batch-size": 8, "eval-every": 1}
     accel["round"] |= {"clients": 2, "steps": 1, "batch-size": 8, "server-data": 64}
+    accel["svd"] |= {"devices": ["cpu", "cuda"], "presets": ["gpt2-bench"], "cpu-svd-max": [0, 512]}
     paths = {name: folder / f"{name}.toml" for name in configs}
     for name, config in configs.items():
         paths[name].write_text(tomli_w.dumps(config))
