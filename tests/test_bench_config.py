@@ -89,9 +89,8 @@ def test_budget_settings_cache_under_names_of_their_own_flags() -> None:
     assert len(tags) == 4 and "_learned_steps_600_lr_1e-2" in tags  # a reordered config finds the same caches
 
 
-def test_a_budget_run_whose_cache_is_gone_is_kept_from_the_published_results(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(learning_budget, "RESULTS", tmp_path / "results")
+def test_a_budget_run_whose_cache_is_gone_is_kept_from_the_published_results(tmp_path: Path) -> None:
+    results, budget = tmp_path / "results", {"results": str(tmp_path / "results")}
     model, pair = {"preset": "m", "learn": ["--epochs", "1"]}, (Path("seed0.st"), Path("seed1.st"))
     name = learning_budget.setting_label("learned", ["--lr", "1e-2"])
     plain = curve("none", 2.0) | {"losses": [1.6, 3.5, 1.6]}
@@ -99,14 +98,16 @@ def test_a_budget_run_whose_cache_is_gone_is_kept_from_the_published_results(tmp
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "results.json").write_text(json.dumps({"m": entry}))
     run = {"out": str(tmp_path / "out")}
-    assert learning_budget.setting_curve(run, model, pair, "learned", ["--lr", "1e-2"], plain)["barrier"] == 0.15
+    assert learning_budget.setting_curve(run, budget, model, pair, "learned", ["--lr", "1e-2"],
+                                         plain)["barrier"] == 0.15
     # Other learning flags, another setting, another pair or other checkpoints (a retrained seed: another plain
     # curve) would need a run: none of them is taken from there.
-    assert learning_budget.published_curve(model | {"learn": []}, pair, name, plain) is None
-    assert learning_budget.published_curve(model, pair, learning_budget.setting_label("learned", []), plain) is None
-    assert learning_budget.published_curve(model, (pair[1], pair[0]), name, plain) is None
+    assert learning_budget.published_curve(results, model | {"learn": []}, pair, name, plain) is None
+    assert learning_budget.published_curve(results, model, pair, learning_budget.setting_label("learned", []),
+                                           plain) is None
+    assert learning_budget.published_curve(results, model, (pair[1], pair[0]), name, plain) is None
     retrained = plain | {"losses": [1.6, 3.5, 1.6000001]}
-    assert learning_budget.published_curve(model, pair, name, retrained) is None
+    assert learning_budget.published_curve(results, model, pair, name, retrained) is None
 
 
 def test_a_budget_setting_that_names_models_runs_on_those_only() -> None:

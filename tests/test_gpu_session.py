@@ -7,7 +7,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-from simulations.bench import weight_options
+import pytest
+
+from simulations.bench import learning_budget, weight_options
 from simulations.bench.barriers import label
 from simulations.bench.gpu_session import Step, pack, results_of, run_steps, seed_training, tiny_configs
 
@@ -58,10 +60,12 @@ def test_the_archive_holds_the_results_and_pair_reports_of_the_chosen_models(tmp
     assert "matcher/barriers/vit-bench_seed0_seed1.json" not in names
 
 
-def test_the_tiny_weight_options_bench_publishes_under_its_own_folder(tmp_path, monkeypatch):
-    """A tiny session must not touch the committed tables: the bench publishes where its config says."""
+@pytest.mark.parametrize(("bench", "config", "folder"), [(weight_options, "matcher", "matcher"),
+                                                        (learning_budget, "barriers", "budget")])
+def test_a_tiny_session_bench_publishes_under_its_own_folder(bench, config, folder, tmp_path, monkeypatch):
+    """A tiny session must not touch the committed tables: each bench publishes where its config says."""
     configs = tiny_configs(tmp_path, ["gpt2-paper"])
-    monkeypatch.setattr(weight_options, "measure_model", lambda run, table, model, command: {"model": label(model)})
-    monkeypatch.setattr(weight_options, "markdown", lambda name, entry: [f"{name}: {entry['model']}"])
-    assert weight_options.main(["--config", str(configs["matcher"]), "--models", "gpt2-paper"]) == 0
-    assert "gpt2-paper: gpt2-paper" in (tmp_path / "results" / "matcher" / "summary.md").read_text()
+    monkeypatch.setattr(bench, "measure_model", lambda run, table, model, command: {"model": label(model)})
+    monkeypatch.setattr(bench, "markdown", lambda name, entry: [f"{name}: {entry['model']}"])
+    assert bench.main(["--config", str(configs[config]), "--models", "gpt2-paper"]) == 0
+    assert "gpt2-paper: gpt2-paper" in (tmp_path / "results" / folder / "summary.md").read_text()

@@ -61,15 +61,15 @@ def table_main(argv: list[str] | None, table: str, prog: str, description: str,
                config: str = "simulations/bench/configs/barriers.toml") -> int:
     """The entry point of a bench over this bench's seeds, driven by its config's ``[table]``: for each of the
     table's models (or of ``--models``), in config order, ``entry = measure(run, table, model, command)``, then
-    :func:`publish` of the entry in ``results`` (None: the config's ``run.results``) and ``after(name, entry)``
-    (e.g. a plot)."""
+    :func:`publish` of the entry in the table's own ``results`` folder, else ``results``, else the config's
+    ``run.results``, and ``after(name, entry)`` (e.g. a plot)."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
     parser.add_argument("--config", default=config)
     parser.add_argument("--models", nargs="+", help=f"measure only these of the config's [{table}] models")
     args = parser.parse_args(argv)
     loaded = config_or_exit(parser, args.config)
     run, options = loaded["run"], loaded[table]
-    results = results or Path(run["results"])
+    results = Path(options["results"]) if "results" in options else results or Path(run["results"])
     torch.set_num_threads(run["threads"])
     wanted = args.models or options["models"]
     if unknown := sorted(set(wanted) - set(options["models"])):

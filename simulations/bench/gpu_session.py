@@ -71,7 +71,7 @@ def seed_training(configs: dict[str, Path], models: list[str]) -> tuple[list[lis
 
 def plan(configs: dict[str, Path], models: list[str], device: str) -> list[Step]:
     """The session's steps, most wanted first. The CUDA tests and the seeds' training share the machine, and so do
-    the two benches (each reads the seeds, neither is timed); the accelerator bench, which is timed, runs alone:
+    the three benches (each reads the seeds, none is timed); the accelerator bench, which is timed, runs alone:
     first the round, whose code changed since the GPU last measured it, and the CPU_SVD_MAX rows, never measured."""
     chosen = ["--models", *models]
     seeds, copies = seed_training(configs, models)
@@ -84,7 +84,8 @@ def plan(configs: dict[str, Path], models: list[str], device: str) -> list[Step]
         Step("cuda tests and seeds", 300, [tests, *seeds], copies, ok=(0, 5)),  # pytest's 5: none collected
         Step("paper tables", 420, [
             [*PY, "-m", "simulations.bench.weight_options", "--config", str(configs["matcher"]), *chosen],
-            [*PY, "-m", "simulations.bench.barriers", "--config", str(configs["barriers"]), *chosen, "--no-timing"]]),
+            [*PY, "-m", "simulations.bench.barriers", "--config", str(configs["barriers"]), *chosen, "--no-timing"],
+            [*PY, "-m", "simulations.bench.learning_budget", "--config", str(configs["barriers"]), *chosen]]),
         Step("accelerator", 240, [[*PY, "-m", "simulations.bench.accelerator", "--config", str(configs["accelerator"]),
                                    "--device", device, "--sections", "round,svd,pair,train,big"]]),
     ]
@@ -131,12 +132,14 @@ def run_steps(steps: list[Step], deadline: float, logs: Path) -> list[dict[str, 
 
 
 def results_of(configs: dict[str, Path], models: list[str]) -> list[Path]:
-    """What the steps write that should come back: each bench's results folder, and the pair reports of
-    ``models`` in each bench's cache."""
+    """What the steps write that should come back: each bench's results folders (its run's and its tables' own),
+    and the pair reports of ``models`` in each bench's cache."""
     paths = []
     for path in configs.values():
-        run = tomllib.loads(path.read_text())["run"]
-        paths.append(Path(run["results"]))
+        config = tomllib.loads(path.read_text())
+        run = config["run"]
+        paths += [Path(run["results"]), *(Path(t["results"]) for t in config.values()
+                                          if isinstance(t, dict) and t is not run and "results" in t)]
         if "out" in run:
             paths += [p for m in models for p in sorted((Path(run["out"]) / "barriers").glob(f"{m}_*.json"))]
     return [p for p in paths if p.exists()]
@@ -180,6 +183,10 @@ def tiny_configs(folder: Path, models: list[str]) -> dict[str, Path]:
                           "points": 3, "batch": 8}
         config["models"] = [tiny_model(m) for m in config["models"] if label(m) in models]
     configs["matcher"]["options"] |= {"models": models, "variants": configs["matcher"]["options"]["variants"][:2]}
+    budget = configs["barriers"]["budget"]
+    budget |= {"results": str(folder / "results" / "budget"), "models": models,
+               "settings": [s | {"args": [*s["args"], "--steps", "1"]} for s in budget["settings"]
+                            if set(s.get("models", budget["models"])) & set(models)]}
     accel = configs["accelerator"]
     accel["run"]["results"] = str(folder / "results" / "accelerator")
     accel["train"] |= {"presets": ["gpt2-bench"], "warmup": 0, "steps": {"cpu": 1, "cuda": 1}}

@@ -33,8 +33,6 @@ from simulations.bench.barriers import (
     table_main,
 )
 
-RESULTS = Path("simulations/results/learning-budget")
-
 
 def setting_label(method: str, args: list[str]) -> str:
     """A setting's curve name: the method and the flags it adds."""
@@ -56,11 +54,12 @@ def method_of(budget: dict[str, Any], setting: dict[str, Any]) -> str:
     return setting.get("method", budget["method"])
 
 
-def published_curve(model: dict[str, Any], pair: tuple[Path, Path], name: str, plain: dict[str, Any],
-                    ) -> dict[str, Any] | None:
-    """The curve ``name`` of ``pair`` in the published results, if they have it with the model's learning flags and
-    were measured on these checkpoints: their plain curve is ``plain`` (seeds retrained elsewhere differ)."""
-    entry = previous_results(RESULTS).get(label(model))
+def published_curve(results: Path, model: dict[str, Any], pair: tuple[Path, Path], name: str,
+                    plain: dict[str, Any]) -> dict[str, Any] | None:
+    """The curve ``name`` of ``pair`` in the results published in ``results``, if they have it with the model's
+    learning flags and were measured on these checkpoints: their plain curve is ``plain`` (seeds retrained
+    elsewhere differ)."""
+    entry = previous_results(results).get(label(model))
     if entry is None or entry["learn"] != model.get("learn", []):
         return None
     curves = dict(zip(map(tuple, entry["pairs"]), entry["curves"], strict=True)).get(tuple(p.stem for p in pair), [])
@@ -69,13 +68,13 @@ def published_curve(model: dict[str, Any], pair: tuple[Path, Path], name: str, p
     return next((c for c in curves if c["method"] == name), None)
 
 
-def setting_curve(run: dict[str, Any], model: dict[str, Any], pair: tuple[Path, Path], method: str,
-                  args: list[str], plain: dict[str, Any]) -> dict[str, Any]:
-    """One setting's curve on one pair, named by :func:`setting_label`: cached, published (same checkpoints: the
-    pair's ``plain`` curve), or measured now."""
+def setting_curve(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], pair: tuple[Path, Path],
+                  method: str, args: list[str], plain: dict[str, Any]) -> dict[str, Any]:
+    """One setting's curve on one pair, named by :func:`setting_label`: cached, published in the ``budget``
+    table's results (same checkpoints: the pair's ``plain`` curve), or measured now."""
     name, tag = setting_label(method, args), setting_tag(method, args)
     if not report_path(run, model, *pair, tag).exists() and (
-            published := published_curve(model, pair, name, plain)) is not None:
+            published := published_curve(Path(budget["results"]), model, pair, name, plain)) is not None:
         return published
     extra = [*model.get("learn", []), *args]
     return pair_barriers(run, model, *pair, [method], extra, tag)["curves"][0] | {"method": name}
@@ -84,7 +83,7 @@ def setting_curve(run: dict[str, Any], model: dict[str, Any], pair: tuple[Path, 
 def setting_curves(run: dict[str, Any], budget: dict[str, Any], model: dict[str, Any], setting: dict[str, Any],
                    pairs: list[tuple[Path, Path]], plains: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One setting's curve on each of its pairs (``plains``: each pair's plain curve)."""
-    return [setting_curve(run, model, pair, method_of(budget, setting), setting["args"], plain)
+    return [setting_curve(run, budget, model, pair, method_of(budget, setting), setting["args"], plain)
             for pair, plain in zip(pairs[:setting["pairs"]], plains, strict=False)]
 
 
@@ -144,7 +143,7 @@ HEADING = ["# Learned matching with more learning", "",
 
 def main(argv: list[str] | None = None) -> int:
     return table_main(argv, "budget", "simulations.bench.learning_budget", __doc__.splitlines()[0], measure_model,
-                      RESULTS, HEADING, markdown)
+                      None, HEADING, markdown)
 
 
 if __name__ == "__main__":
