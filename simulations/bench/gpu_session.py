@@ -59,9 +59,9 @@ def seed_training(configs: dict[str, Path], models: list[str]) -> tuple[list[lis
         for model in (m for m in config["models"] if label(m) in models):
             for seed in model["seeds"]:
                 path = checkpoint(Path(config["run"]["out"]), label(model), seed)
-                key = tuple(train_args(model, seed))
                 if path.exists():
                     continue
+                key = tuple(train_args(model, seed))
                 if key in first:
                     copies.append((first[key], path))
                 else:
@@ -91,12 +91,17 @@ def plan(configs: dict[str, Path], models: list[str], device: str) -> list[Step]
     ]
 
 
+def log_stem(step: str) -> str:
+    """The file-name stem of a step's logs: ``<stem>-<i>.log``, one per command."""
+    return step.replace(" ", "-")
+
+
 def run_step(step: Step, seconds: float, logs: Path) -> dict[str, Any]:
     """Run one step within ``seconds``; its commands' output goes to ``logs``/<step>-<i>.log. Kills what
     overruns (whole process groups) and returns the step's record."""
     began, procs = time.monotonic(), []
     for i, command in enumerate(step.commands):
-        with (logs / f"{step.name.replace(' ', '-')}-{i}.log").open("w") as log:  # the child keeps its own copy
+        with (logs / f"{log_stem(step.name)}-{i}.log").open("w") as log:  # the child keeps its own copy
             procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                           env=os.environ | {"PYTHONUNBUFFERED": "1"}))
     timed_out = False
@@ -158,7 +163,7 @@ def failures(records: list[dict[str, Any]], logs: Path, lines: int = 15) -> str:
     """The last lines of every failed step's logs, for the reply's output tail."""
     tails = []
     for record in (r for r in records if not r["ok"] and "skipped" not in r):
-        for log in sorted(logs.glob(f"{record['step'].replace(' ', '-')}-*.log")):
+        for log in sorted(logs.glob(f"{log_stem(record['step'])}-*.log")):
             tails += [f"--- {log.name}", *log.read_text(errors="replace").splitlines()[-lines:]]
     return "\n".join(tails)
 
