@@ -21,6 +21,7 @@ from simulations.bench import (
     barrier_sites,
     barriers,
     forms,
+    learned_gap,
     learning_budget,
     matching_time,
     merging,
@@ -33,8 +34,8 @@ from tests.symmetry_models import CONFIGS, dataset, random_native
 BENCHES: dict[str, Callable[[list[str]], int]] = {
     "barriers": barriers.main, "matching_time": matching_time.main, "merging": merging.main,
     "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main,
-    "learning_budget": learning_budget.main, "forms": forms.main, "barrier_sites": barrier_sites.main,
-    "accelerator": accelerator.main, "scaling": scaling.main}
+    "learning_budget": learning_budget.main, "learned_gap": learned_gap.main, "forms": forms.main,
+    "barrier_sites": barrier_sites.main, "accelerator": accelerator.main, "scaling": scaling.main}
 
 
 @pytest.mark.parametrize("name", BENCHES)

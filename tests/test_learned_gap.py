@@ -1,0 +1,66 @@
+"""The learned-gap bench's crossings of two matchings are symmetries, and its angles and unit counts are right."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from glmc.archs import get_arch
+from glmc.transforms import MATCHABLE, Transform, apply, random_transform
+from simulations.bench.learned_gap import angles, changed_units, crossed, learn_flags
+from tests.symmetry_models import CONFIGS, canonical, inputs, logits_of
+
+
+@pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
+def test_every_crossing_of_two_transforms_computes_the_same_function(name: str) -> None:
+    cfg = CONFIGS[name]
+    arch = get_arch(cfg.family)
+    state = canonical(cfg, 3)
+    g = torch.Generator().manual_seed(3)
+    weight = random_transform(cfg, MATCHABLE, g)  # orthogonal within-head maps, as weight matching's
+    learned = random_transform(cfg, (*MATCHABLE, "within-head-invertible"), g)  # learned --within invertible
+    x = inputs(cfg, 4, 3)
+    expected = logits_of(arch.to_native(state, cfg.depth), cfg, x)
+    for label, t in crossed(weight, learned).items():
+        moved = apply(state, arch.spec, t, cfg.heads)
+        assert any(not torch.allclose(moved[k], state[k]) for k in state), label  # the weights did move
+        got = logits_of(arch.to_native(moved, cfg.depth), cfg, x)
+        assert (got - expected).abs().max().item() <= 1e-5, label
+
+
+def test_the_crossings_swap_only_the_residual_map() -> None:
+    g = torch.Generator().manual_seed(0)
+    cfg = CONFIGS["gpt2-odd"]
+    weight, learned = (random_transform(cfg, MATCHABLE, g) for _ in range(2))
+    mixed = crossed(weight, learned)
+    assert mixed["weight, learned Q"].residual is learned.residual and mixed["weight, learned Q"].mlp is weight.mlp
+    assert mixed["learned, weight Q"].residual is weight.residual and mixed["learned, weight Q"].qk is learned.qk
+
+
+def test_the_angles_of_a_rotation_are_the_angles_it_turns_its_planes_by() -> None:
+    turns = [10.0, 45.0, 170.0]
+    q = torch.eye(7, dtype=torch.float64)
+    for i, degrees in enumerate(turns):
+        c, s = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
+        q[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[c, -s], [s, c]])
+    basis, _ = torch.linalg.qr(torch.randn(7, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    got = sorted(angles(basis @ q @ basis.T).tolist())  # the same rotation in another basis
+    assert got == pytest.approx(sorted([0.0, *turns, *turns]), abs=1e-6)
+
+
+def test_changed_units_counts_the_heads_and_units_assigned_elsewhere() -> None:
+    weight = Transform(2, heads=[torch.tensor([0, 1, 2]), torch.tensor([2, 0, 1])],
+                       mlp=[torch.tensor([0, 1, 2, 3]), None])
+    learned = Transform(2, heads=[torch.tensor([1, 0, 2]), torch.tensor([2, 0, 1])],
+                        mlp=[torch.tensor([0, 1, 3, 2]), None])
+    assert changed_units(weight, learned) == (4, 10)
+
+
+def test_learning_flags_read_as_glmc_barrier_reads_them() -> None:
+    options, batch = learn_flags(["--batch", "20000", "--epochs", "1", "--within", "invertible", "--lr", "6e-3"])
+    assert (batch, options.epochs, options.within, options.lr, options.progress) == (20000, 1, "invertible", 6e-3,
+                                                                                      False)
+    defaults, none = learn_flags([])
+    assert none is None and defaults.epochs == 2
