@@ -36,7 +36,7 @@ CURVES = ("vanilla", "weight", "weight, learned Q", "learned, weight Q", "learne
 
 def learn_flags(flags: list[str]) -> tuple[LearnConfig, int | None]:
     """The learning options and training-sample count that ``glmc barrier`` would take from ``flags``."""
-    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser = argparse.ArgumentParser(prog="learning flags")
     add_learn_arguments(parser, "training samples")
     args = parser.parse_args([*flags, "--quiet"])
     return learn_options(args), args.batch
