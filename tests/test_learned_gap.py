@@ -9,8 +9,17 @@ import torch
 
 from glmc.archs import get_arch
 from glmc.transforms import MATCHABLE, Transform, apply, random_transform
-from simulations.bench.learned_gap import angles, changed_units, crossed, learn_flags
-from tests.symmetry_models import CONFIGS, canonical, inputs, logits_of
+from simulations.bench.learned_gap import (
+    angles,
+    changed_units,
+    correction_planes,
+    crossed,
+    in_planes,
+    learn_flags,
+    stream_moment,
+    variance_share,
+)
+from tests.symmetry_models import CONFIGS, canonical, dataset, inputs, logits_of
 
 
 @pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
@@ -39,15 +48,49 @@ def test_the_crossings_swap_only_the_residual_map() -> None:
     assert mixed["learned, weight Q"].residual is weight.residual and mixed["learned, weight Q"].qk is learned.qk
 
 
-def test_the_angles_of_a_rotation_are_the_angles_it_turns_its_planes_by() -> None:
-    turns = [10.0, 45.0, 170.0]
-    q = torch.eye(7, dtype=torch.float64)
+def planted(turns: list[float], width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotation by ``turns`` (degrees) in the first planes of a random orthonormal basis, and that basis."""
+    q = torch.eye(width, dtype=torch.float64)
     for i, degrees in enumerate(turns):
         c, s = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
         q[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[c, -s], [s, c]])
-    basis, _ = torch.linalg.qr(torch.randn(7, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
-    got = sorted(angles(basis @ q @ basis.T).tolist())  # the same rotation in another basis
-    assert got == pytest.approx(sorted([0.0, *turns, *turns]), abs=1e-6)
+    basis, _ = torch.linalg.qr(torch.randn(width, width, generator=torch.Generator().manual_seed(seed),
+                                           dtype=torch.float64))
+    return basis @ q @ basis.T, basis
+
+
+def test_the_angles_of_a_rotation_are_the_angles_it_turns_its_planes_by() -> None:
+    turns = [10.0, 45.0, 170.0]
+    rotation, _ = planted(turns, 7, 1)
+    assert sorted(angles(rotation).tolist()) == pytest.approx(sorted([0.0, *turns, *turns]), abs=1e-6)
+
+
+def test_the_correction_applied_in_its_top_planes_turns_only_those() -> None:
+    q_w, _ = planted([30.0, 80.0], 8, 2)  # any orthogonal Q_w: the correction is Q_wᵀ Q_l
+    r, basis = planted([10.0, 45.0, 170.0], 8, 3)
+    q_l = q_w @ r
+    _, planes, turns = correction_planes(q_w, q_l)
+    assert turns[:3] == pytest.approx([170.0, 45.0, 10.0], abs=1e-6) and max(turns[3:]) == pytest.approx(0, abs=1e-6)
+    assert all(len(plane) == 2 for plane in planes[:3])
+    top, span = in_planes(q_w, q_l, 1)
+    assert sorted(angles(q_w.T @ top).tolist())[-2:] == pytest.approx([170.0, 170.0], abs=1e-6)
+    plane = q_w @ basis[:, 4:6]  # the 170° plane, in A's coordinates
+    assert torch.allclose(span @ span.T, plane @ plane.T, atol=1e-9)
+    assert torch.allclose(in_planes(q_w, q_l, len(planes))[0], q_l, atol=1e-12)
+
+
+def test_the_stream_variance_share_of_a_subspace() -> None:
+    moment = torch.diag(torch.tensor([5.0, 1.0, 1.0, 1.0], dtype=torch.float64))
+    assert variance_share(moment, torch.eye(4, dtype=torch.float64)[:, :1]) == pytest.approx(2.5)
+    assert variance_share(moment, torch.eye(4, dtype=torch.float64)) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
+def test_the_stream_moment_is_of_the_normalised_stream(name: str) -> None:
+    cfg = CONFIGS[name]
+    moment = stream_moment(canonical(cfg, 1), cfg, dataset(cfg, 4))
+    assert torch.allclose(moment, moment.T)
+    assert torch.trace(moment).item() == pytest.approx(cfg.width, rel=1e-3)  # each token's ‖x̂‖² = d: a LayerNorm's
 
 
 def test_changed_units_counts_the_heads_and_units_assigned_elsewhere() -> None:

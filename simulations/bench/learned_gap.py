@@ -7,7 +7,10 @@ learned Q, and learned matching with weight matching's Q. Uses the barrier bench
         [--models NAME ...]
 
 Both matchings run with glmc's defaults (the learned one after the model's ``learn`` flags, then the table's
-``args``), so the learned one starts from the same weight matching as the other.
+``args``), so the learned one starts from the same weight matching as the other. The learned correction
+R = Q_wᵀ Q_l turns a set of invariant planes (its real Schur form); the bench applies it in the planes that turn
+most alone, and measures how much of A's stream variance those planes carry: a data-free Q would have to find them.
+Both maps are saved, ``q_weight`` and ``q_learned`` in ``<out>/gap/<model>/<A>-<B>.safetensors``.
 """
 
 from __future__ import annotations
@@ -15,23 +18,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import scipy.linalg
 import torch
+from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
+from glmc.activations import Hook, Site, hooked_passes
 from glmc.align import align_pair
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.canonical import canonicalize
+from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import load_checkpoint
 from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
 from glmc.match.learned import LearnConfig
-from glmc.tasks import held_out
+from glmc.tasks import held_out, inputs_of
 from glmc.transforms import Transform, apply
-from simulations.bench.barriers import machine, mean_se, seed_checkpoints, table_main
+from simulations.bench.barriers import label, machine, mean_se, seed_checkpoints, table_main
 from simulations.bench.weight_starts import barrier
 
 CURVES = ("vanilla", "weight", "weight, learned Q", "learned, weight Q", "learned")
+PLANE_SHARES = {"top plane": 0.0, "top eighth of planes": 1 / 8, "top quarter of planes": 1 / 4}  # 0: just one
+STREAM_SAMPLES = 64  # test inputs whose every token measures the stream's second moment
 
 
 def learn_flags(flags: list[str]) -> tuple[LearnConfig, int | None]:
@@ -53,6 +63,53 @@ def angles(q: torch.Tensor) -> torch.Tensor:
     return torch.linalg.eigvals(q.double()).angle().abs().rad2deg()
 
 
+def correction_planes(q_w: torch.Tensor, q_l: torch.Tensor) -> tuple[torch.Tensor, list[list[int]], list[float]]:
+    """The invariant planes of the learned correction R = Q_wᵀ Q_l, from its real Schur form R = Z T Zᵀ (block
+    diagonal, R being orthogonal: a 2×2 block per plane, a 1×1 block at ±1): the basis Z (float64, B's side),
+    each plane's columns of Z and its angle in degrees, the planes that turn most first."""
+    schur, basis = scipy.linalg.schur((q_w.T @ q_l.to(q_w)).double().cpu().numpy(), output="real")
+    planes, turns, k = [], [], 0
+    while k < len(schur):
+        size = 2 if k + 1 < len(schur) and schur[k + 1, k] != 0 else 1
+        planes.append(list(range(k, k + size)))
+        turns.append(float(np.degrees(np.arctan2(abs(schur[k + 1, k]), schur[k, k]))) if size == 2
+                     else 180.0 * float(schur[k, k] < 0))
+        k += size
+    order = sorted(range(len(planes)), key=lambda i: -turns[i])
+    return torch.from_numpy(basis), [planes[i] for i in order], [turns[i] for i in order]
+
+
+def in_planes(q_w: torch.Tensor, q_l: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q_w with the learned correction applied only in its ``count`` planes that turn most (the identity in the
+    others), and an orthonormal basis of those planes in A's coordinates (columns)."""
+    basis, planes, _ = correction_planes(q_w, q_l)
+    span = basis[:, [i for plane in planes[:count] for i in plane]]
+    q_w, r = q_w.double().cpu(), (q_w.T @ q_l.to(q_w)).double().cpu()
+    eye = torch.eye(span.shape[1], dtype=torch.float64)
+    return q_w @ (torch.eye(len(r), dtype=torch.float64) + span @ (span.T @ r @ span - eye) @ span.T), q_w @ span
+
+
+def stream_moment(state: State, cfg: ModelConfig, data: Dataset) -> torch.Tensor:
+    """E[x xᵀ] of the normalised stream that each block's attention reads, over every token of the first
+    :data:`STREAM_SAMPLES` inputs of ``data`` and every block: the directions in which a model's stream varies."""
+    moment = torch.zeros(cfg.width, cfg.width, dtype=torch.float64)
+    count = 0
+
+    def record(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        nonlocal moment, count
+        x = args[0].reshape(-1, cfg.width).double()
+        moment, count = moment + x.T @ x, count + len(x)
+
+    hooks: dict[Site, Hook] = {("blocks.{l}.attn.qkv", layer): record for layer in range(cfg.depth)}
+    hooked_passes(get_arch(cfg.family), to_model(state, cfg), hooks, [inputs_of(data, STREAM_SAMPLES)])
+    return moment / count
+
+
+def variance_share(moment: torch.Tensor, span: torch.Tensor) -> float:
+    """The stream variance in the columns of ``span`` per dimension, over its mean per dimension (1: average)."""
+    return float(torch.trace(span.T @ moment @ span) / span.shape[1] / (torch.trace(moment) / len(moment)))
+
+
 def changed_units(weight: Transform, learned: Transform) -> tuple[int, int]:
     """How many heads and MLP units the learned matching assigns elsewhere than weight matching did, and of how
     many."""
@@ -62,10 +119,27 @@ def changed_units(weight: Transform, learned: Transform) -> tuple[int, int]:
     return int(sum(moved)), int(sum(total))
 
 
+def plane_rows(a: State, b: State, cfg: ModelConfig, test: Dataset, weight: Transform, q_l: torch.Tensor,
+               ) -> dict[str, dict[str, float]]:
+    """For each of :data:`PLANE_SHARES`: weight matching with the learned correction in only that many of its
+    planes (those that turn most), the barrier, and how much of A's stream variance the planes carry."""
+    assert weight.residual is not None
+    arch, moment = get_arch(cfg.family), stream_moment(a, cfg, test)
+    rows = {}
+    for row, share in PLANE_SHARES.items():
+        count = max(1, int(share * (cfg.width // 2)))
+        q, span = in_planes(weight.residual, q_l, count)
+        moved = apply(b, arch.spec, dataclasses.replace(weight, residual=q.to(weight.residual)), cfg.heads)
+        rows[row] = {"planes": count, "barrier": barrier(a, moved, cfg, test),
+                       "variance": variance_share(moment, span)}
+    return rows
+
+
 def pair_gap(names: tuple[str, str], natives: tuple[State, State], cfg: ModelConfig, test: Dataset,
-             train: Dataset, options: LearnConfig) -> dict[str, Any]:
-    """One pair's barrier under each of :data:`CURVES`, the eigen-angles of Q and of the learned correction
-    Q_wᵀ Q_l, and the units whose assignment learning changed."""
+             train: Dataset, options: LearnConfig, maps: Path) -> dict[str, Any]:
+    """One pair's barrier under each of :data:`CURVES` and with the correction in its top planes
+    (:func:`plane_rows`), the eigen-angles of Q and of the learned correction Q_wᵀ Q_l, and the units whose
+    assignment learning changed; Q_w and Q_l saved in ``maps``."""
     arch = get_arch(cfg.family)
     a, b = (canonicalize(arch, s, cfg.depth, dtype=torch.float64) for s in natives)  # as align_pair matches them
     weight = align_pair(*natives, cfg, "weight").result
@@ -76,9 +150,12 @@ def pair_gap(names: tuple[str, str], natives: tuple[State, State], cfg: ModelCon
     barriers["vanilla"] = barrier(plain.a, plain.b, cfg, test)
     q_w, q_l = weight.transform.residual, learned.transform.residual
     assert q_w is not None and q_l is not None
+    maps.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"q_weight": q_w.contiguous().cpu(), "q_learned": q_l.contiguous().cpu()}, str(maps))
     moved, units = changed_units(weight.transform, learned.transform)
     correction, turn = angles(q_w.T @ q_l.to(q_w)), angles(q_w)
     return {"pair": list(names), "barriers": {c: barriers[c] for c in CURVES}, "moved_units": moved, "units": units,
+            "planes": plane_rows(a, b, cfg, test, weight.transform, q_l),
             "q_angle_median": turn.median().item(), "correction_angle_median": correction.median().item(),
             "correction_angle_max": correction.max().item(), "learn_seconds": learned.seconds,
             "correction_norm": (q_l.to(q_w) - q_w).norm().item() / q_w.norm().item()}
@@ -94,8 +171,9 @@ def measure_model(run: dict[str, Any], gap: dict[str, Any], model: dict[str, Any
     loaded = {p: load_checkpoint(p) for p in {q for pair in pairs for q in pair}}
     meta = loaded[paths[0]][1]
     test, train = held_out(model["dataset"], meta.config, limit=limit), train_subset(meta, None, batch)
-    reports = [pair_gap((a.stem, b.stem), (loaded[a][0], loaded[b][0]), meta.config, test, train, options)
-               for a, b in pairs]
+    maps = Path(run["out"]) / "gap" / label(model)
+    reports = [pair_gap((a.stem, b.stem), (loaded[a][0], loaded[b][0]), meta.config, test, train, options,
+                        maps / f"{a.stem}-{b.stem}.safetensors") for a, b in pairs]
     return {"reports": reports, "flags": flags, "limit": limit, "command": command, "machine": machine(),
             "seconds": time.perf_counter() - began}
 
@@ -120,9 +198,27 @@ def markdown(name: str, entry: dict[str, Any]) -> list[str]:
                      f"{r['correction_norm']:.3f}); units moved {r['moved_units']} of {r['units']}; learned Q alone "
                      f"{100 * share:.0f}% of the gain; learning {r['learn_seconds'] / 60:.1f} min")
     flags = " ".join(entry["flags"]) or "none (glmc's defaults)"
-    return [*lines, "", f"Learning flags: {flags}. Barriers on the first {entry['limit']} test samples, 21 λ values. "
+    return [*lines, *plane_lines(reports), "", f"Learning flags: {flags}. Barriers on the first {entry['limit']} "
+            "test samples, 21 λ values. "
             f"Command: `{entry['command']}`. Machine: {entry['machine']}; wall time {entry['seconds'] / 60:.1f} min.",
             ""]
+
+
+def plane_lines(reports: list[dict[str, Any]]) -> list[str]:
+    """Weight matching with the learned correction in its top planes only, and the stream variance they carry."""
+    if not all("planes" in r for r in reports):
+        return []
+    lines = ["", "Weight matching with the learned correction in only the planes it turns most (the identity in the "
+             "others): barrier ÷ vanilla, and the variance of A's stream (what its attention blocks read, over "
+             f"every token of {STREAM_SAMPLES} test inputs) per dimension of those planes, ÷ the mean per dimension.",
+             "", "| correction in | planes | barrier ÷ vanilla | " + " | ".join(" / ".join(r["pair"]) for r in reports)
+             + " | stream variance |", "|---|---|---|" + "---|" * len(reports) + "---|"]
+    for row in PLANE_SHARES:
+        ratio, se = mean_se([r["planes"][row]["barrier"] / r["barriers"]["vanilla"] for r in reports])
+        variance, _ = mean_se([r["planes"][row]["variance"] for r in reports])
+        lines.append(f"| {row} | {reports[0]['planes'][row]['planes']} | {100 * ratio:.1f}% ± {100 * se:.1f} | "
+                     + " | ".join(f"{r['planes'][row]['barrier']:.3f}" for r in reports) + f" | {variance:.2f}× |")
+    return lines
 
 
 HEADING = ["# Where learned matching's gain lies: the residual map or the unit maps", "",
