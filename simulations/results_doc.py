@@ -18,7 +18,8 @@ COMPARE_COLUMNS = ("split", "widths", "aggregation", "server data read", "runs",
                    "Δ, all rounds", "Δ vs strongest control (pts)", compare.SET_ASIDE)
 # Benches that publish one entry per model: folder → the module whose HEADING and markdown(name, entry) render it.
 PER_MODEL = {"barrier-sites": "barrier_sites", "barriers-repair": "repair_barriers", "forms": "forms",
-             "learning-budget": "learning_budget", "learned-gap": "learned_gap", "weight-starts": "weight_starts"}
+             "learning-budget": "learning_budget", "learned-gap": "learned_gap", "q-candidates": "q_candidates",
+             "weight-starts": "weight_starts"}
 # What each experiment asks, in the order the page gives them, and the page that discusses it.
 ABOUT: dict[str, tuple[str, str]] = {
     "accelerator": ("The same workloads on an NVIDIA H200 and on this project's CPU.", "accelerators.md"),
@@ -38,6 +39,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "learning-budget": ("Learned matching with more learning.", "methods.md"),
     "learned-gap": ("Where learned matching's gain over weight matching lies: the residual map or the unit maps.",
                     "methods.md"),
+    "q-candidates": ("Candidates for weight matching's residual map, scored against the learned one.", "methods.md"),
     "barrier-sites": ("Where the remaining midpoint loss comes from.", "methods.md"),
     "matching-time": ("Weight-matching time.", "methods.md"),
     "merging": ("Merging N models, of one width and across widths.", "methods.md"),

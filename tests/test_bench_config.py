@@ -25,6 +25,7 @@ from simulations.bench import (
     learning_budget,
     matching_time,
     merging,
+    q_candidates,
     repair_barriers,
     scaling,
     weight_starts,
@@ -35,6 +36,7 @@ BENCHES: dict[str, Callable[[list[str]], int]] = {
     "barriers": barriers.main, "matching_time": matching_time.main, "merging": merging.main,
     "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main,
     "learning_budget": learning_budget.main, "learned_gap": learned_gap.main, "forms": forms.main,
+    "q_candidates": q_candidates.main,
     "barrier_sites": barrier_sites.main, "accelerator": accelerator.main, "scaling": scaling.main}
 
 

@@ -53,7 +53,7 @@ def planted(turns: list[float], width: int, seed: int) -> tuple[torch.Tensor, to
     q = torch.eye(width, dtype=torch.float64)
     for i, degrees in enumerate(turns):
         c, s = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
-        q[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[c, -s], [s, c]])
+        q[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
     basis, _ = torch.linalg.qr(torch.randn(width, width, generator=torch.Generator().manual_seed(seed),
                                            dtype=torch.float64))
     return basis @ q @ basis.T, basis

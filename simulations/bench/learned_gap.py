@@ -63,18 +63,24 @@ def angles(q: torch.Tensor) -> torch.Tensor:
     return torch.linalg.eigvals(q.double()).angle().abs().rad2deg()
 
 
-def correction_planes(q_w: torch.Tensor, q_l: torch.Tensor) -> tuple[torch.Tensor, list[list[int]], list[float]]:
-    """The invariant planes of the learned correction R = Q_wᵀ Q_l, from its real Schur form R = Z T Zᵀ (block
-    diagonal, R being orthogonal: a 2×2 block per plane, a 1×1 block at ±1): the basis Z (float64, B's side),
-    each plane's columns of Z and its angle in degrees, the planes that turn most first."""
-    schur, basis = scipy.linalg.schur((q_w.T @ q_l.to(q_w)).double().cpu().numpy(), output="real")
-    planes, turns, k = [], [], 0
+def real_schur(r: torch.Tensor) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """The real Schur form R = Z T Zᵀ of an orthogonal R (block diagonal, R being normal: a 2×2 rotation block per
+    invariant plane, a 1×1 block at ±1): T, Z and each block's indices, in float64."""
+    schur, basis = scipy.linalg.schur(r.double().cpu().numpy(), output="real")
+    blocks, k = [], 0
     while k < len(schur):
         size = 2 if k + 1 < len(schur) and schur[k + 1, k] != 0 else 1
-        planes.append(list(range(k, k + size)))
-        turns.append(float(np.degrees(np.arctan2(abs(schur[k + 1, k]), schur[k, k]))) if size == 2
-                     else 180.0 * float(schur[k, k] < 0))
+        blocks.append(list(range(k, k + size)))
         k += size
+    return schur, basis, blocks
+
+
+def correction_planes(q_w: torch.Tensor, q_l: torch.Tensor) -> tuple[torch.Tensor, list[list[int]], list[float]]:
+    """The invariant planes of the learned correction R = Q_wᵀ Q_l (:func:`real_schur`): the basis Z (float64,
+    B's side), each plane's columns of Z and its angle in degrees, the planes that turn most first."""
+    schur, basis, planes = real_schur(q_w.T @ q_l.to(q_w))
+    turns = [float(np.degrees(np.arctan2(abs(schur[k[1], k[0]]), schur[k[0], k[0]]))) if len(k) == 2
+             else 180.0 * float(schur[k[0], k[0]] < 0) for k in planes]
     order = sorted(range(len(planes)), key=lambda i: -turns[i])
     return torch.from_numpy(basis), [planes[i] for i in order], [turns[i] for i in order]
 
@@ -89,20 +95,24 @@ def in_planes(q_w: torch.Tensor, q_l: torch.Tensor, count: int) -> tuple[torch.T
     return q_w @ (torch.eye(len(r), dtype=torch.float64) + span @ (span.T @ r @ span - eye) @ span.T), q_w @ span
 
 
-def stream_moment(state: State, cfg: ModelConfig, data: Dataset) -> torch.Tensor:
-    """E[x xᵀ] of the normalised stream that each block's attention reads, over every token of the first
-    :data:`STREAM_SAMPLES` inputs of ``data`` and every block: the directions in which a model's stream varies."""
-    moment = torch.zeros(cfg.width, cfg.width, dtype=torch.float64)
-    count = 0
+def stream_tokens(state: State, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """The normalised stream that each block's attention reads, for every token of the inputs ``x`` and every
+    block, in forward order (so two models' rows correspond): (blocks × tokens, d), float64."""
+    rows: list[torch.Tensor] = []
 
     def record(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        nonlocal moment, count
-        x = args[0].reshape(-1, cfg.width).double()
-        moment, count = moment + x.T @ x, count + len(x)
+        rows.append(args[0].reshape(-1, cfg.width).double())
 
     hooks: dict[Site, Hook] = {("blocks.{l}.attn.qkv", layer): record for layer in range(cfg.depth)}
-    hooked_passes(get_arch(cfg.family), to_model(state, cfg), hooks, [inputs_of(data, STREAM_SAMPLES)])
-    return moment / count
+    hooked_passes(get_arch(cfg.family), to_model(state, cfg), hooks, [x])
+    return torch.cat(rows)
+
+
+def stream_moment(state: State, cfg: ModelConfig, data: Dataset) -> torch.Tensor:
+    """E[x xᵀ] of :func:`stream_tokens` over the first :data:`STREAM_SAMPLES` inputs of ``data``: the directions in
+    which a model's stream varies."""
+    x = stream_tokens(state, cfg, inputs_of(data, STREAM_SAMPLES))
+    return x.T @ x / len(x)
 
 
 def variance_share(moment: torch.Tensor, span: torch.Tensor) -> float:
