@@ -141,7 +141,7 @@ def plane_rows(a: State, b: State, cfg: ModelConfig, test: Dataset, weight: Tran
         q, span = in_planes(weight.residual, q_l, count)
         moved = apply(b, arch.spec, dataclasses.replace(weight, residual=q.to(weight.residual)), cfg.heads)
         rows[row] = {"planes": count, "barrier": barrier(a, moved, cfg, test),
-                       "variance": variance_share(moment, span)}
+                     "variance": variance_share(moment, span)}
     return rows
 
 
