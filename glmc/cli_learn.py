@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 from glmc.errors import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from torch import Tensor
     from torch.utils.data import Dataset
 
     from glmc.archs import ModelConfig
@@ -48,10 +51,14 @@ def positive(text: str) -> float:
 
 
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
-    """--data, --batch (``batch_help``), --epochs (default ``epochs``, else LearnConfig's 2), --steps, --lr,
-    --batch-size, --weight-decay, --dropout, --lam, --val-points, --patience, --within and --quiet."""
+    """--data, --data-file, --train-file, --generated, --batch (``batch_help``), --epochs (default ``epochs``, else
+    LearnConfig's 2), --steps, --lr, --batch-size, --weight-decay, --dropout, --lam, --val-points, --patience,
+    --within and --quiet."""
     parser.add_argument("--data", help=DATA_HELP)
     add_data_file_arguments(parser)
+    parser.add_argument("--generated", action="store_true",
+                        help="data-driven methods: train on text the models sample themselves (GPT-2; --batch "
+                             "windows, default 20000) instead of training data, so that alignment reads no dataset")
     parser.add_argument("--batch", type=count, help=batch_help)
     parser.add_argument("--epochs", type=int, default=epochs,
                         help=f"learned methods: passes over the training samples (default {epochs or 2})")
@@ -121,18 +128,26 @@ def _needs_file(meta: CheckpointMeta, flag: str) -> None:
                           "or a .npz of images and labels)")
 
 
-def training_data(meta: CheckpointMeta, args: argparse.Namespace, n: int | None) -> Dataset:
-    """``n`` training samples (all for None): from --train-file, the checkpoint's training split, or --data-file."""
+def training_data(meta: CheckpointMeta, args: argparse.Namespace, n: int | None,
+                  writers: tuple[Sequence[Mapping[str, Tensor]], Sequence[ModelConfig]]) -> Dataset:
+    """``n`` training samples (all for None): text the ``writers`` (native states, configs) sample themselves
+    (--generated), else from --train-file, the checkpoint's training split, or --data-file."""
     from torch.utils.data import Subset
 
     from glmc.userdata import load_data_file
 
     given = getattr(args, "train_file", None)
+    if getattr(args, "generated", False):
+        if given is not None:
+            raise ConfigError("--generated and --train-file both name the training data: pass one of them")
+        from glmc.generated import GENERATED_SAMPLES, generated_text
+
+        return generated_text(*writers, n or GENERATED_SAMPLES, device=getattr(args, "device", None))
     if given is None and not meta.dataset and getattr(args, "data_file", None) is not None:
         log.warning("no --train-file: the data-driven method fits on --data-file, the data it is measured on")
         given = args.data_file
     if given is None:
-        _needs_file(meta, "--train-file or --data-file")
+        _needs_file(meta, "--train-file, --generated or --data-file")
         return train_subset(meta, args.data, n)
     data = load_data_file(given, meta.config)
     return data if n is None else Subset(data, range(min(n, len(data))))

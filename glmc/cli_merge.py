@@ -100,25 +100,28 @@ def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
     return [s for s, _ in loaded], [m for _, m in loaded]
 
 
-def _setup(args: argparse.Namespace, method: str, target: Any, meta: CheckpointMeta, n: int,
+def _setup(args: argparse.Namespace, method: str, target: Any, natives: list[dict], metas: list[CheckpointMeta],
            learn_samples: int | None = LEARN_SAMPLES) -> MergeSetup:
-    """The MergeSetup of one method: training samples only for the data-driven ones and REPAIR (never the test
-    split); ``learn_samples`` is learned's default (None: the whole training split)."""
+    """The MergeSetup of one method for the models ``natives``: training samples only for the data-driven ones and
+    REPAIR (never the test split; with --generated, text the models write); ``learn_samples`` is learned's default
+    (None: the whole training split)."""
     from glmc.merge import DATA_METHODS, MergeSetup
 
     samples = args.batch or (learn_samples if method == "learned" else 512)
     repair, refit = getattr(args, "repair", None) or 0, getattr(args, "refit", None) or 0
     train: Dataset | None
+    meta, writers = dataclasses.replace(metas[0], config=target), (natives, [m.config for m in metas])
     if samples is None:  # the whole split, which covers REPAIR's and the refit's samples too
-        train = training_data(dataclasses.replace(meta, config=target), args, None)
+        train = training_data(meta, args, None, writers)
         samples = len(train)  # type: ignore[arg-type]
     else:
         wanted = max(samples, repair, refit) if method in DATA_METHODS else max(repair, refit)  # first `samples` stay
-        train = training_data(dataclasses.replace(meta, config=target), args, wanted) if wanted else None
+        train = training_data(meta, args, wanted, writers) if wanted else None
     learn = learn_options(args)
     universe = {key: getattr(args, name) for key, name in (("max_iters", "iters"), ("tol", "tol"),
                                                            ("workers", "workers")) if hasattr(args, name)}
-    return MergeSetup(method, target, _weights(getattr(args, "weights", None), n), train, samples, learn=learn,
+    weights = _weights(getattr(args, "weights", None), len(natives))
+    return MergeSetup(method, target, weights, train, samples, learn=learn,
                       restore_norms=getattr(args, "restore_norms", False), repair=repair, refit=refit, fill=args.fill,
                       device=args.device, weight_start=weight_start(args), weight=weight_options(args),
                       **universe)  # align has no universe options: MergeSetup's defaults
@@ -152,7 +155,7 @@ def run_merge(args: argparse.Namespace) -> int:
     check_output(args.out, early_format(args), args.force)
     natives, metas, target, mult = _prepare(args, args.checkpoints)
     fmt = output_format(args, metas[0])
-    setup = _setup(args, args.method, target, metas[0], len(natives))
+    setup = _setup(args, args.method, target, natives, metas)
     configs = [m.config for m in metas]
     # Before the merge: a bad --limit or missing data costs nothing. Outside models with no --data-file are merged
     # and written, not evaluated.
@@ -230,7 +233,7 @@ def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[Chec
     test = _test_split(metas[0], target, args)
     curves = []
     for method in methods:
-        setup = _setup(args, method, target, metas[0], 2, learn_samples=None)  # learned: the whole split
+        setup = _setup(args, method, target, natives, metas, learn_samples=None)  # learned: the whole split
         (row,) = width_barriers(natives, [m.config for m in metas], setup, test, args.points)
         curves.append(row["curve"] | {"align_seconds": row["align_seconds"]})
         print(f"{method:12s} barrier {row['barrier']:.4f}  align {row['align_seconds']:.2f} s", file=sys.stderr)
@@ -263,7 +266,7 @@ def align_across_widths(args: argparse.Namespace, natives: list[dict], metas: li
     check_across_widths(args, [args.method], {})
     target = metas[0].config
     wide = canonicalize(get_arch(target.family), natives[0], target.depth, dtype=torch.float64)
-    pair = align_to_wide(wide, natives[1], metas[1].config, _setup(args, args.method, target, metas[0], 2,
+    pair = align_to_wide(wide, natives[1], metas[1].config, _setup(args, args.method, target, natives, metas,
                                                                    learn_samples=None))
     return pair.aligned[0], embedding_config(pair.placements[0]), pair.seconds
 
@@ -289,7 +292,7 @@ def run_simplex(args: argparse.Namespace) -> int:
     test = _test_split(metas[0], target, args)
     panels = []
     for method in args.method or ["none", "weight"]:
-        setup = _setup(args, method, target, metas[0], 3)
+        setup = _setup(args, method, target, natives, metas)
         result = merge_states(natives, [m.config for m in metas], setup)
         panel = simplex_barrier(result.aligned, target, test, args.simplex_steps, method=method,
                                 dtype=torch.float32).to_dict()

@@ -119,7 +119,8 @@ def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, 
     from glmc.align import DATA_METHODS, LEARNED_METHODS, align_pair
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
-    data = training_data(meta, args, samples) if method in DATA_METHODS else None
+    writers = ([state_a, state_b], [meta.config] * 2)
+    data = training_data(meta, args, samples, writers) if method in DATA_METHODS else None
     learn = learn_options(args) if method in LEARNED_METHODS else None
     return align_pair(state_a, state_b, meta.config, method, form=form, data=data,
                       batch=samples or ACTIVATION_SAMPLES, learn=learn, start=weight_start(args),
@@ -194,7 +195,7 @@ def run_barrier(args: argparse.Namespace) -> int:
         _write_barrier_outputs(args, cli_merge.width_curves(args, [state_a, state_b], [meta, meta_b]))
         return 0
     test = test_data(meta, meta.config, args)
-    repair = training_data(meta, args, args.repair) if args.repair else None
+    repair = training_data(meta, args, args.repair, ([state_a, state_b], [meta.config] * 2)) if args.repair else None
     curves = []
     for method in args.method or ["weight"]:
         aligned = _align(args, method, state_a, state_b, meta, args.form)  # learned methods learn the form's path
