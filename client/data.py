@@ -59,7 +59,7 @@ PoolKey = tuple[str, str, str, int, int, int, tuple[Path, ...], float]
 def pool_key(settings: RunSettings) -> PoolKey:
     """What shapes a pool: the one cache key of :func:`pool` and of the label splits drawn from it (one load per
     process)."""
-    return (settings.dataset, settings.model, settings.partitioner, settings.seed, settings.server_data,
+    return (settings.dataset, settings.model, settings.partitioner, settings.seed, settings.held_back,
             settings.train_limit, tuple(settings.init_checkpoints), settings.dropout)
 
 

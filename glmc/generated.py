@@ -36,14 +36,20 @@ def shares(n: int, models: int) -> list[int]:
     return [n // models + (i < n % models) for i in range(models)]
 
 
-def writer(native: Mapping[str, torch.Tensor], cfg: ModelConfig, device: torch.device) -> nn.Module:
-    """The model holding ``native``, in float32 on ``device`` and in eval mode; ConfigError if it cannot sample."""
+def text_writer(cfg: ModelConfig) -> nn.Module:
+    """A new model of ``cfg`` that can sample text; ConfigError if its family cannot (a ViT)."""
     from transformers import GenerationMixin
 
     model = build_model(cfg)
     if not isinstance(model, GenerationMixin):
         raise ConfigError(f"a {cfg.family} model cannot write its own inputs: generated training data needs "
                           "language models (gpt2); pass training data instead")
+    return model
+
+
+def writer(native: Mapping[str, torch.Tensor], cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """The model holding ``native``, in float32 on ``device`` and in eval mode, ready to sample."""
+    model = text_writer(cfg)
     model.load_state_dict(cast_state(native, torch.float32), strict=True)
     return model.to(device).eval()
 

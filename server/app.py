@@ -20,6 +20,7 @@ from client.data import eval_subset, label_counts, pool, split_config
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.device import resolve
+from glmc.generated import text_writer
 from glmc.match.learned import LearnConfig, Within
 from glmc.match.weight import Start
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
@@ -149,6 +150,8 @@ def main(grid: Grid, context: Context) -> None:
     # makes the many small ops of alignment many times slower; align-workers adds processes instead.
     set_threads(1)
     cfg = pool(settings).task.config
+    if settings.server_data_source == "generated":
+        text_writer(cfg)  # a model that cannot write its own inputs is refused before round 1
     done, initial = initial_model(settings, run_dir, cfg)
     if done >= settings.num_server_rounds:
         log.info("%s already has %d of %d rounds; nothing to do", run_dir, done, settings.num_server_rounds)
@@ -157,6 +160,7 @@ def main(grid: Grid, context: Context) -> None:
     learn = LearnConfig(concentration=settings.refine_concentration, within=typing.cast(Within, settings.refine_within))
     strategy = SymmetryAwareFedAvg(
         settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
+        generate=settings.server_data - settings.held_back,
         align_iters=settings.align_iters, align_workers=settings.align_workers,
         learn=learn, tune=server_tuning(settings, learn), restore_norms=settings.restore_norms,
         repair=settings.repair, refit=settings.refit, narrow_placement=settings.narrow_placement,

@@ -34,6 +34,7 @@ SLICED = ("fedavg", *CONTROLS)
 # Aggregations whose alignment min-alignment-gain may set aside for a round (matching only, no refinement).
 GUARDED = ("weight", "activation")
 INITS = ("shared", "independent")
+SERVER_DATA_SOURCES = ("split", "generated")
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
 ATTACKS = ("none", "inflate", "scale", "signflip", "replace", "constant")  # client.attacks (a test hook)
@@ -85,6 +86,10 @@ class RunSettings:
     # trained with it match better (docs/methods.md, dropout and connectivity)
     dropout: float = -1.0
     server_data: int = 0  # training samples held back from every client, for activation/learned alignment
+    # where the server-held data comes from: "split" = held back from every client's share (above); "generated" =
+    # each round, server-data windows of text the round's client models write themselves (glmc.generated; language
+    # models only), so that the server holds no data at all and no client gives any up
+    server_data_source: str = "split"
     train_limit: int = 0  # training images the clients share between them, a seeded subset (0 = all); vision only
     eval_limit: int = 0  # central test samples per evaluation (0 = the whole test set)
     align_iters: int = 1  # universe iterations: 1 = align to the previous global model, more iterate U = mean
@@ -209,6 +214,8 @@ class RunSettings:
             self.weight_options  # noqa: B018  (checks weight-head-cost and weight-mlp-cost)
         except ConfigError as err:
             raise ConfigError(f"weight-head-cost / weight-mlp-cost: {err}") from None
+        _require(self.server_data_source in SERVER_DATA_SOURCES, f"server-data-source must be one of "
+                 f"{SERVER_DATA_SOURCES}, got {self.server_data_source!r}")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
 
@@ -238,10 +245,17 @@ class RunSettings:
         return out
 
     def server_data_read(self) -> str:
-        """What the aggregation reads of the server-held data: "labels" (and inputs), "inputs" only, or "none"."""
-        if self.aggregation in LABEL_AGGREGATIONS:
-            return "labels"
-        return "inputs" if self.aggregation in DATA_AGGREGATIONS or self.refit or self.repair else "none"
+        """What the aggregation reads of the server-held data: "labels" (and inputs), "inputs" only, "generated"
+        (text the clients' models wrote: no data), or "none"."""
+        reads = "inputs" if self.aggregation in DATA_AGGREGATIONS or self.refit or self.repair else "none"
+        if reads != "none" and self.server_data_source == "generated":
+            return "generated"
+        return "labels" if self.aggregation in LABEL_AGGREGATIONS else reads
+
+    @property
+    def held_back(self) -> int:
+        """Training samples held back from the clients for the server: none when it generates its data."""
+        return self.server_data if self.server_data_source == "split" else 0
 
     @property
     def init_checkpoints(self) -> list[Path]:

@@ -30,9 +30,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State
+from glmc.archs import ModelConfig, State, scale_width
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
+from glmc.generated import generated_text
 from glmc.match.learned import LearnConfig
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.train import TrainConfig
@@ -110,7 +111,7 @@ class SymmetryAwareFedAvg(FedAvg):
     """FedAvg with validated replies, symmetry-aware merging, per-round records and hooks."""
 
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
-                 server_data: Dataset | None = None, align_iters: int = 1, align_workers: int = 1,
+                 server_data: Dataset | None = None, generate: int = 0, align_iters: int = 1, align_workers: int = 1,
                  learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
                  repair: bool = False, refit: bool = False, narrow_placement: str = RunSettings.narrow_placement,
                  min_alignment_gain: float = RunSettings.min_alignment_gain, independent_init: bool = False,
@@ -127,6 +128,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.schema = schema
         self.model_config = model_config
         self.server_data = server_data
+        self.generate = generate  # > 0: each round's server data is this many windows the clients' models write
         self.align_iters = align_iters
         self.align_workers = align_workers
         self.learn = learn  # options of the learned refinement (LearnConfig's defaults if None)
@@ -351,11 +353,23 @@ class SymmetryAwareFedAvg(FedAvg):
         fresh = self.independent_init and global_round == 1 and self.aggregation not in ("fedavg", "server-only")
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
         tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
-        return merge(clients, self.model_config, self.aggregation, anchor=anchor, data=self.server_data,
+        data, seconds = self._round_data(global_round, clients)
+        result = merge(clients, self.model_config, self.aggregation, anchor=anchor, data=data,
                      iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
                      restore=self.restore_norms, repair=self.repair, refit=self.refit,
                      min_gain=self.min_alignment_gain, robust=self.robust, device=str(self.device),
                      weight_start=self.weight_start, weight=self.weight)
+        return dataclasses.replace(result, align_seconds=result.align_seconds + seconds)
+
+    def _round_data(self, global_round: int, clients: list[Client]) -> tuple[Dataset | None, float]:
+        """The server data of this round and the seconds it took: the held-back split, or text the clients' models
+        write in equal shares (seeded by the round)."""
+        if not self.generate:
+            return self.server_data, 0.0
+        began = time.perf_counter()
+        data = generated_text([c.state for c in clients], [scale_width(self.model_config, c.tier) for c in clients],
+                              self.generate, seed=global_round, device=self.device)
+        return data, time.perf_counter() - began
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(

@@ -116,9 +116,10 @@ def _variant(entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def server_data_read(exp: Experiment, label: str) -> str:
-    """What aggregation ``label`` reads of the server-held data: "none", "inputs" or "labels" (and inputs); "unknown"
-    where its keys do not parse: an Experiment rebuilt from results.json rows alone, a variant's label standing for
-    its aggregation (such a results.json says it in ``server_data_read``)."""
+    """What aggregation ``label`` reads of the server-held data: "none", "inputs", "labels" (and inputs) or
+    "generated" (no data: the clients' models write it); "unknown" where its keys do not parse: an Experiment
+    rebuilt from results.json rows alone, a variant's label standing for its aggregation (such a results.json says
+    it in ``server_data_read``)."""
     keys = {**exp.run, **_keys(exp.splits[0]), **_keys(exp.widths[0]), **exp.variants[label]}
     try:
         return RunSettings.from_run_config(keys).server_data_read()
@@ -304,7 +305,8 @@ def select(rows: list[dict[str, Any]], split: str, widths: str, aggregation: str
 
 
 # How the summary names what a row reads of the server-held data.
-READS = {"none": "no", "inputs": "inputs", "labels": "inputs + labels", "unknown": "–"}
+READS = {"none": "no", "inputs": "inputs", "labels": "inputs + labels", "generated": "text the clients wrote",
+         "unknown": "–"}
 
 
 def finished(rows: list[dict[str, Any]], split: str, widths: str, aggregation: str) -> list[dict[str, Any]]:

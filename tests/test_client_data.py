@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,15 @@ def test_server_data_is_held_by_no_client() -> None:
                          for p in range(4)))
     assert not rows_of(server) & held
     assert len(held) + 500 >= 59_000  # every other training image goes to some client (a few duplicates aside)
+
+
+@needs_fashion
+def test_generated_server_data_holds_nothing_back_from_the_clients() -> None:
+    split = RunSettings(server_data=500, partitioner="iid", seed=1)
+    generated = dataclasses.replace(split, server_data_source="generated")
+    assert pool(generated).server is None and pool(split).server is not None
+    assert sum(len(client_share(generated, p, 4).train) + len(client_share(generated, p, 4).val) for p in range(4)) \
+        == sum(len(client_share(split, p, 4).train) + len(client_share(split, p, 4).val) for p in range(4)) + 500
 
 
 @needs_fashion

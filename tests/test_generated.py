@@ -68,7 +68,7 @@ def test_sampling_reaches_the_whole_vocabulary():
     cfg = CYCLE.replace(vocab_size=120)
     native = _native(build_model(cfg))
     native["lm_head.weight"].zero_()
-    x, y = generated_text([native], [cfg], 200).tensors
+    _, y = generated_text([native], [cfg], 200).tensors
     assert set(y.unique().tolist()) == set(range(120))
 
 

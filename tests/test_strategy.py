@@ -23,10 +23,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
-from glmc.archs import ModelConfig, build_model, get_arch, scale_width
+from glmc.archs import ModelConfig, build_model, get_arch, preset, scale_width
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.errors import ConfigError
+from glmc.generated import generated_text
 from glmc.match.learned import LearnConfig
 from glmc.refit import RIDGE, layer_rows
 from glmc.repair import channel_stats
@@ -266,6 +267,35 @@ def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data() -> None:
     assert s.current.align_seconds > 0
 
 
+def test_fedavg_ft_on_generated_text_trains_the_mean_on_what_the_clients_models_write() -> None:
+    """server-data-source = generated: the round's server data is text the clients' GPT-2s sample (seeded by the
+    round), and no client gives any data up."""
+    cfg = preset("gpt2-tiny").replace(vocab_size=7, context=12)
+    states = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        states.append({k: v.detach().clone() for k, v in build_model(cfg).state_dict().items()})
+    tune = TrainConfig(epochs=1, batch_size=8, lr=1e-2, seed=5, threads=1)
+    s = SymmetryAwareFedAvg("fedavg-ft", ReplySchema({1.0: {k: tuple(v.shape) for k, v in states[0].items()}}), cfg,
+                            generate=24, tune=tune, min_train_nodes=2)
+    s.current = RoundRecord(3)
+    replies = [reply(st, metrics(examples=10), node=i + 1) for i, st in enumerate(states)]
+    arrays, _ = s.aggregate_train(3, replies)
+    assert arrays is not None
+    ordered = [r.content[protocol.ARRAYS].to_torch_state_dict() for r in split_replies(replies, s.schema)[0]]
+    model = build_model(cfg)
+    model.load_state_dict(heterofl.merge(ordered, [cfg] * 3, [10.0] * 3, cfg, ordered[0]))
+    written = generated_text(ordered, [cfg] * 3, 24, seed=3)  # each client's share, in the replies' canonical order
+    fit = train(model, get_arch(cfg.family), written, dataclasses.replace(tune, seed=tune.seed + 3), progress=False)
+    assert fit["steps"] == 3
+    ours = as_numpy(arrays)
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(ours[key], value.numpy())
+    assert RunSettings(server_data=24, server_data_source="generated").held_back == 0
+    with pytest.raises(ConfigError, match="server-data-source"):
+        RunSettings(server_data_source="hub")
+
+
 @pytest.mark.parametrize("independent", [False, True])
 def test_server_only_trains_the_global_model_on_the_server_data_and_ignores_the_clients(independent: bool) -> None:
     """The second control: the previous global model (round 1: the initial one, so from scratch, independent inits
@@ -294,7 +324,10 @@ def test_server_only_trains_the_global_model_on_the_server_data_and_ignores_the_
     ({"aggregation": "fedavg"}, "none"), ({"aggregation": "weight", "restore_norms": True}, "none"),
     ({"aggregation": "weight", "refit": True}, "inputs"), ({"aggregation": "canonical", "repair": True}, "inputs"),
     ({"aggregation": "activation"}, "inputs"), ({"aggregation": "learned"}, "labels"),
-    ({"aggregation": "fedavg-ft"}, "labels"), ({"aggregation": "server-only"}, "labels")])
+    ({"aggregation": "fedavg-ft"}, "labels"), ({"aggregation": "server-only"}, "labels"),
+    ({"aggregation": "learned", "server_data_source": "generated"}, "generated"),
+    ({"aggregation": "fedavg-ft", "server_data_source": "generated"}, "generated"),
+    ({"aggregation": "fedavg", "server_data_source": "generated"}, "none")])
 def test_each_aggregation_says_what_it_reads_of_the_server_data(changes: dict[str, object], reads: str) -> None:
     assert RunSettings(server_data=8, **changes).server_data_read() == reads  # type: ignore[arg-type]
 
