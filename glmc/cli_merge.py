@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -155,12 +156,15 @@ def run_merge(args: argparse.Namespace) -> int:
     check_output(args.out, early_format(args), args.force)
     natives, metas, target, mult = _prepare(args, args.checkpoints)
     fmt = output_format(args, metas[0])
+    began = time.perf_counter()
     setup = _setup(args, args.method, target, natives, metas)
+    written = {"generate_seconds": round(time.perf_counter() - began, 3)} if args.generated else {}
     configs = [m.config for m in metas]
     # Before the merge: a bad --limit or missing data costs nothing. Outside models with no --data-file are merged
     # and written, not evaluated.
     test = _test_split(metas[0], target, args) if args.data_file or metas[0].dataset else None
     result, report = _merge_and_save(args, natives, metas, setup, mult, fmt)
+    report |= written  # the time the inputs took to write the training text, beside universe_seconds
     if test is None:
         print("no held-out data (these models name no glmc dataset): the merge is written but not evaluated; pass "
               "--data-file to measure it", file=sys.stderr)

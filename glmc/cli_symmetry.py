@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -119,12 +120,18 @@ def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, 
     from glmc.align import DATA_METHODS, LEARNED_METHODS, align_pair
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
-    writers = ([state_a, state_b], [meta.config] * 2)
-    data = training_data(meta, args, samples, writers) if method in DATA_METHODS else None
+    began = time.perf_counter()
+    data = training_data(meta, args, samples, ([state_a, state_b], [meta.config] * 2)) \
+        if method in DATA_METHODS else None
+    written = time.perf_counter() - began if data is not None and args.generated else 0.0
     learn = learn_options(args) if method in LEARNED_METHODS else None
-    return align_pair(state_a, state_b, meta.config, method, form=form, data=data,
-                      batch=samples or ACTIVATION_SAMPLES, learn=learn, start=weight_start(args),
-                      device=args.device, weight=weight_options(args))
+    aligned = align_pair(state_a, state_b, meta.config, method, form=form, data=data,
+                         batch=samples or ACTIVATION_SAMPLES, learn=learn, start=weight_start(args),
+                         device=args.device, weight=weight_options(args))
+    if written:  # sampling the text is part of the method's cost
+        aligned.result.seconds += written
+        aligned.result.info["generate_seconds"] = round(written, 3)
+    return aligned
 
 
 def run_align(args: argparse.Namespace) -> int:

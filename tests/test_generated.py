@@ -118,6 +118,7 @@ def test_barrier_learns_on_generated_text_without_any_training_data(hf_pair, tmp
     assert main([*common, "--generated", "--batch", "40"]) == 0 and "fits on --data-file" not in caplog.text
     (curve,) = json.loads(report.read_text())["curves"]
     assert curve["align_info"]["stopped"] == "completed 4 steps"
+    assert 0 < curve["align_info"]["generate_seconds"] < curve["align_seconds"]  # sampling counts as alignment
     assert "generated 40 windows of 11 tokens" in caplog.text
     assert main([*common, "--generated", "--train-file", str(test)]) == 2
     assert "pass one of them" in capsys.readouterr().err
@@ -125,7 +126,9 @@ def test_barrier_learns_on_generated_text_without_any_training_data(hf_pair, tmp
 
 def test_merge_learns_on_text_all_its_inputs_write(hf_pair, tmp_path, capsys):
     (a, b), test = hf_pair
-    out = tmp_path / "m.safetensors"
+    out, report = tmp_path / "m.safetensors", tmp_path / "m.json"
     assert main(["merge", str(a), str(b), str(a), "--method", "learned", "--generated", "--batch", "30",
-                 "--steps", "2", "--batch-size", "8", "--data-file", str(test), "--out", str(out), "--quiet"]) == 0
+                 "--steps", "2", "--batch-size", "8", "--data-file", str(test), "--out", str(out),
+                 "--json", str(report), "--quiet"]) == 0
     assert out.exists() and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["method"] == "learned"
+    assert json.loads(report.read_text())["generate_seconds"] > 0
