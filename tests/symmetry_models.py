@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -57,3 +59,14 @@ def logits_of(native: State, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
     model.load_state_dict(native)
     with torch.no_grad():
         return arch.logits(model, x)
+
+
+def planted(turns: list[float], width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotation by ``turns`` (degrees) in the first planes of a random orthonormal basis, and that basis."""
+    q = torch.eye(width, dtype=torch.float64)
+    for i, degrees in enumerate(turns):
+        c, s = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
+        q[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
+    basis, _ = torch.linalg.qr(torch.randn(width, width, generator=torch.Generator().manual_seed(seed),
+                                           dtype=torch.float64))
+    return basis @ q @ basis.T, basis

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from simulations.bench.learned_gap import (
     stream_moment,
     variance_share,
 )
-from tests.symmetry_models import CONFIGS, canonical, dataset, inputs, logits_of
+from tests.symmetry_models import CONFIGS, canonical, dataset, inputs, logits_of, planted
 
 
 @pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
@@ -46,17 +44,6 @@ def test_the_crossings_swap_only_the_residual_map() -> None:
     mixed = crossed(weight, learned)
     assert mixed["weight, learned Q"].residual is learned.residual and mixed["weight, learned Q"].mlp is weight.mlp
     assert mixed["learned, weight Q"].residual is weight.residual and mixed["learned, weight Q"].qk is learned.qk
-
-
-def planted(turns: list[float], width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rotation by ``turns`` (degrees) in the first planes of a random orthonormal basis, and that basis."""
-    q = torch.eye(width, dtype=torch.float64)
-    for i, degrees in enumerate(turns):
-        c, s = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
-        q[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
-    basis, _ = torch.linalg.qr(torch.randn(width, width, generator=torch.Generator().manual_seed(seed),
-                                           dtype=torch.float64))
-    return basis @ q @ basis.T, basis
 
 
 def test_the_angles_of_a_rotation_are_the_angles_it_turns_its_planes_by() -> None:

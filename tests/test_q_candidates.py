@@ -11,8 +11,7 @@ from glmc.archs import get_arch
 from glmc.transforms import MATCHABLE, apply, invert, random_transform
 from simulations.bench.learned_gap import angles
 from simulations.bench.q_candidates import cross_moment, extrapolated, synthetic
-from tests.symmetry_models import CONFIGS, canonical, inputs
-from tests.test_learned_gap import planted
+from tests.symmetry_models import CONFIGS, canonical, inputs, planted
 
 
 @pytest.mark.parametrize("name", ["vit-odd", "gpt2-odd"])
