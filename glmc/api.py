@@ -4,9 +4,10 @@ modules of the same class.
 
 Every model is read through :func:`glmc.live.read_module` (its config, its weights untied, checked against glmc's
 rebuild); the inputs are never modified. ``data`` may be a Dataset of (input, target) pairs, an (inputs, targets)
-pair of tensors, a tensor of token ids (next-token targets taken from it) or a ``.npy`` / ``.npz`` path
-(:mod:`glmc.userdata`). ``device`` is where the work happens ("cpu", "cuda", "auto"); results stay beside their
-inputs.
+pair of tensors, a tensor of token ids (next-token targets taken from it), a ``.npy`` / ``.npz`` path
+(:mod:`glmc.userdata`) or, for the data-driven methods of GPT-2s, ``"generated"``: 20,000 windows of text the
+models write themselves (:mod:`glmc.generated`), so that no dataset is read. ``device`` is where the work happens
+("cpu", "cuda", "auto"); results stay beside their inputs.
 """
 
 from __future__ import annotations
@@ -26,14 +27,21 @@ from glmc.live import like, read_module
 from glmc.widths import check_embeddable
 
 Data = Dataset | tuple[torch.Tensor, torch.Tensor] | torch.Tensor | str | Path | None
+GENERATED = "generated"  # data for the data-driven methods that the models themselves write (glmc.generated)
 
 
-def as_dataset(data: Data, cfg: ModelConfig) -> Dataset | None:
-    """``data`` as a Dataset of (input, target) pairs (see the module docstring)."""
+def as_dataset(data: Data, cfg: ModelConfig, writers: tuple[Sequence[State], Sequence[ModelConfig]] = ((), ()),
+               device: str = "cpu") -> Dataset | None:
+    """``data`` as a Dataset of (input, target) pairs (see the module docstring); ``"generated"``: text that the
+    ``writers`` (native states, their configs) sample."""
     from glmc.userdata import load_data_file
 
     if data is None or isinstance(data, Dataset):
         return data
+    if data == GENERATED and writers[0]:
+        from glmc.generated import GENERATED_SAMPLES, generated_text
+
+        return generated_text(*writers, GENERATED_SAMPLES, device=device)
     if isinstance(data, str | Path):
         return load_data_file(data, cfg)
     if isinstance(data, tuple) and len(data) == 2:
@@ -81,7 +89,8 @@ def align(model_a: nn.Module, model_b: nn.Module, method: str = "weight", data: 
     arch, (cfg, cfg_b), (state_a, state_b) = _read_all([model_a, model_b])
     if cfg != cfg_b:
         raise ConfigError("glmc.align takes two models of one config; glmc.merge also takes different widths")
-    aligned = align_pair(state_a, state_b, cfg, method, data=as_dataset(data, cfg), device=device, **options)
+    fit = as_dataset(data, cfg, ([state_a, state_b], [cfg] * 2), device)
+    aligned = align_pair(state_a, state_b, cfg, method, data=fit, device=device, **options)
     return like(model_b, arch.to_native(aligned.b, cfg.depth))
 
 
@@ -107,7 +116,7 @@ def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence
     for cfg in configs:
         check_embeddable(cfg, target)
     setup = MergeSetup(method, target, None if weights is None else [float(w) for w in weights],
-                       as_dataset(data, target), device=device, **options)
+                       as_dataset(data, target, (states, configs), device), device=device, **options)
     result = merge_states(states, configs, setup)
     return like(models[widest], arch.to_native(result.merged, target.depth))
 
@@ -138,7 +147,7 @@ def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "w
     test = as_dataset(data, cfg)
     if test is None:
         raise ConfigError("a barrier is measured on data: pass held-out data")
-    fit = as_dataset(train, cfg) if train is not None else test
+    fit = as_dataset(train, cfg, ([state_a, state_b], [cfg] * 2), device) if train is not None else test
     aligned = align_pair(state_a, state_b, cfg, method, data=fit if method in DATA_METHODS else None, device=device,
                          **options)
     return barrier_curve(aligned.a, aligned.b, cfg, test, points, method=method, dtype=torch.float32)

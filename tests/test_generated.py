@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+import glmc
 from glmc.archs import build_model, preset
 from glmc.cli import main
 from glmc.errors import ConfigError
 from glmc.generated import generated_text, shares
+from glmc.match.learned import LearnConfig
 from tests.conftest import synthetic_text
-from tests.interop_models import HF, gpt2
+from tests.interop_models import HF, gpt2, logits, vit
 
 CYCLE = preset("gpt2-tiny").replace(vocab_size=7, context=12)
 
@@ -132,3 +134,13 @@ def test_merge_learns_on_text_all_its_inputs_write(hf_pair, tmp_path, capsys):
                  "--json", str(report), "--quiet"]) == 0
     assert out.exists() and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["method"] == "learned"
     assert json.loads(report.read_text())["generate_seconds"] > 0
+
+
+def test_the_api_aligns_live_gpt2s_on_the_text_they_write():
+    """glmc.align(..., data="generated"): a learned alignment that reads no data and keeps B's function."""
+    a, b = gpt2(tied=False, seed=0), gpt2(tied=False, seed=1)
+    moved = glmc.align(a, b, "learned", data="generated", learn=LearnConfig(steps=3, batch_size=16))
+    x = HF.inputs(b)
+    assert (logits(moved, x) - logits(b, x)).abs().max() < 1e-4
+    with pytest.raises(ConfigError, match="cannot write its own inputs"):
+        glmc.align(vit("vit-plain"), vit("vit-plain", seed=1), "learned", data="generated")
