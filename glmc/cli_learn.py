@@ -53,7 +53,7 @@ def positive(text: str) -> float:
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
     """--data, --data-file, --train-file, --generated, --batch (``batch_help``), --epochs (default ``epochs``, else
     LearnConfig's 2), --steps, --lr, --batch-size, --weight-decay, --dropout, --lam, --val-points, --patience,
-    --within and --quiet."""
+    --targets, --within and --quiet."""
     parser.add_argument("--data", help=DATA_HELP)
     add_data_file_arguments(parser)
     parser.add_argument("--generated", action="store_true",
@@ -78,6 +78,9 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     parser.add_argument("--patience", type=int, metavar="N",
                         help="learned methods: stop after N validations without improvement (default 5; 0 never "
                              "stops early)")
+    parser.add_argument("--targets", choices=["labels", "endpoints"],  # glmc.match.learned.TARGETS
+                        help="learned methods: score the path against the data's labels (default) or against the "
+                             "endpoints' own predictions mixed like their weights, which reads no labels")
     parser.add_argument("--within", choices=["fixed", "orthogonal", "invertible"],  # glmc.match.learned.WITHIN
                         help="learned methods: the within-head maps, kept from weight matching, learned as "
                              "orthogonal maps (default) or learned as any invertible maps")
@@ -101,7 +104,7 @@ def learn_options(args: argparse.Namespace) -> LearnConfig:
 
     flags = {"lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size,
              "concentration": getattr(args, "concentration", None), "lam": tuple(args.lam) if args.lam else None,
-             "val_points": args.val_points, "within": args.within, "patience": args.patience,
+             "val_points": args.val_points, "within": args.within, "targets": args.targets, "patience": args.patience,
              "weight_decay": args.weight_decay, "dropout": args.dropout}
     given = {k: v for k, v in flags.items() if v is not None}
     return LearnConfig(steps=args.steps, progress=not args.quiet, **given)

@@ -87,8 +87,11 @@ def set_threads(threads: int = 0) -> int:
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over the last axis: (B, C) vs (B,) for images, (B, T, V) vs (B, T) for text."""
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction=reduction)
+    """Cross-entropy over the last axis: (B, C) vs (B,) for images, (B, T, V) vs (B, T) for text; or against
+    probabilities of the logits' own shape (soft targets)."""
+    soft = targets.is_floating_point()
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(0, -2) if soft else targets.flatten(),
+                           reduction=reduction)
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, total: int, warmup: float) -> LambdaLR:

@@ -252,6 +252,28 @@ def test_a_few_steps_lower_the_held_out_midpoint_loss(trained):
     assert midpoint(learned.transform) < midpoint(weight.transform)
 
 
+def test_endpoint_targets_read_no_labels_and_fit_the_endpoints_mixed_prediction(trained):
+    """targets "endpoints": the same transform whatever the labels say, and a path that comes closer to the
+    endpoints' mixed prediction than weight matching's (the validation loss falls)."""
+    cfg, (a, b) = trained.cfg, trained.states
+    x, y = trained.data.tensors
+    shuffled = TensorDataset(x, y[torch.randperm(len(y), generator=torch.Generator().manual_seed(0))])
+    options = LearnConfig(steps=10, eval_every=5, batch_size=32, dtype=torch.float64, targets="endpoints")
+    runs = [learned_match(a, b, cfg, data, options=options) for data in (trained.data, shuffled)]
+    assert runs[0].objective == runs[1].objective
+    assert all(torch.equal(p, q) for p, q in zip(runs[0].transform.mlp, runs[1].transform.mlp, strict=True))
+    assert torch.equal(runs[0].transform.residual, runs[1].transform.residual)
+    assert runs[0].info["val_loss"] < runs[0].info["val_loss_init"]
+
+
+def test_soft_targets_that_are_one_hot_give_the_label_loss():
+    logits = torch.randn(3, 5, 7, dtype=torch.float64)
+    labels = torch.randint(0, 7, (3, 5))
+    one_hot = torch.nn.functional.one_hot(labels, 7).double()
+    for reduction in ("mean", "sum"):
+        torch.testing.assert_close(token_loss(logits, one_hot, reduction), token_loss(logits, labels, reduction))
+
+
 def test_dropout_acts_on_the_steps_alone_and_a_run_repeats(trained):
     cfg, (a, b) = trained.cfg, trained.states
     runs = [learned_match(a, b, cfg, trained.data, options=replace(FAST, dropout=p)) for p in (0.5, 0.5, 0.0)]
@@ -314,16 +336,17 @@ def test_refinement_weights_centre_on_the_weighted_mean_by_default():
 def test_learned_flags_reach_learn_config_in_every_command():
     parser = build_parser()
     flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--lam", "0.1", "0.9", "--val-points", "5",
-             "--within", "invertible", "--patience", "0", "--weight-decay", "0.01", "--dropout", "0.1", "--quiet"]
+             "--within", "invertible", "--patience", "0", "--weight-decay", "0.01", "--dropout", "0.1", "--quiet",
+             "--targets", "endpoints"]
     commands = {"align": ["a", "b", "--out", "o"], "barrier": ["a", "b", "--json", "o"], "merge": ["a", "--out", "o"]}
     for command, rest in commands.items():
         learn = learn_options(parser.parse_args([command, *rest, *flags]))
         assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.val_points, learn.within, learn.patience,
-                learn.weight_decay, learn.dropout, learn.progress) == (
-            0.01, 32, 7, (0.1, 0.9), 5, "invertible", 0, 0.01, 0.1, False), command
+                learn.weight_decay, learn.dropout, learn.progress, learn.targets) == (
+            0.01, 32, 7, (0.1, 0.9), 5, "invertible", 0, 0.01, 0.1, False, "endpoints"), command
     default = learn_options(parser.parse_args(["align", "a", "b", "--out", "o"]))
-    assert (default.epochs, default.lam, default.val_points, default.within, default.patience) == (
-        LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal", LearnConfig().patience)
+    assert (default.epochs, default.lam, default.val_points, default.within, default.patience, default.targets) == (
+        LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal", LearnConfig().patience, "labels")
     with pytest.raises(ConfigError, match="λ range"):
         learn_options(parser.parse_args(["align", "a", "b", "--out", "o", "--lam", "0.9", "0.1"]))
     merged = learn_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"]))

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 Weights = Sequence[float]  # one mixing weight per endpoint of the path, summing to 1
 Within = Literal["fixed", "orthogonal", "invertible"]
 WITHIN: tuple[Within, ...] = ("fixed", "orthogonal", "invertible")
+Targets = Literal["labels", "endpoints"]
+TARGETS: tuple[Targets, ...] = ("labels", "endpoints")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class LearnConfig:
     # invertible maps (the whole group of the head's QK and OV circuits, §3.1). On vit-bench seeds 0, 1 one epoch
     # reached barrier 0.040 with orthogonal maps and 0.051 with fixed ones.
     within: Within = "orthogonal"
+    # What the path's loss is measured against: the data's labels, or the endpoints' own predictions mixed by the
+    # step's weights, Σ_i w_i softmax(f_i(x)), which reads the inputs only (no labels).
+    targets: Targets = "labels"
     sinkhorn_iters: int = 20  # soft permutations (App. D)
     soft_gain: float = 0.01  # App. D's noise gain: target P + |N(0, (gain/√n)²)| before the logarithm
     seed: int = 0
@@ -88,6 +93,8 @@ class LearnConfig:
         lo, hi = self.lam
         if self.within not in WITHIN:
             raise ConfigError(f"unknown within-head group {self.within!r}; known: {', '.join(WITHIN)}")
+        if self.targets not in TARGETS:
+            raise ConfigError(f"unknown targets {self.targets!r}; known: {', '.join(TARGETS)}")
         check_options("learned matching", [
             ("≥ 1", lambda v: v >= 1, {"epochs": self.epochs, "steps": self.steps, "batch_size": self.batch_size,
                                        "val_max": self.val_max, "val_points": self.val_points,
@@ -263,7 +270,7 @@ class Path:
     """
 
     def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, targets: Targets = "labels") -> None:
         self.arch, self.cfg, self.dtype, self.circuit = get_arch(cfg.family), cfg, dtype, form in CIRCUITS
         self.states = [cast(e.state, dtype) for e in endpoints]
         self.device = device_of(self.states[0])  # the path runs where its endpoints live
@@ -272,7 +279,7 @@ class Path:
         for state, moved in zip(self.states, self.folded, strict=True):
             if moved:
                 require_folded(state, self.arch.spec, cfg.depth)
-        self.dropout = dropout
+        self.dropout, self.targets = dropout, targets
         state, run = self._form(self.states[0])
         self.module = _Logits(self.arch, to_model(state, run.replace(dropout=dropout), form))
 
@@ -295,6 +302,19 @@ class Path:
     def check(self, x: torch.Tensor) -> None:
         """ConfigError (one line) unless the batch fits the model."""
         self.arch.check_inputs(self.cfg, x)
+
+    def target(self, x: torch.Tensor, y: torch.Tensor, weights: Weights) -> torch.Tensor:
+        """What the path at ``weights`` is scored against: the labels ``y``, or (targets "endpoints") the endpoints'
+        predictions on ``x`` mixed by the same weights, without dropout and without gradients."""
+        if self.targets == "labels":
+            return y.to(self.device)
+        training = self.module.training
+        self.module.eval()
+        with torch.no_grad():
+            mixed = sum(w * self.logits(s, x).softmax(-1) for s, w in zip(self.still, weights, strict=True))
+        self.module.train(training)
+        assert isinstance(mixed, torch.Tensor)
+        return mixed
 
 
 # Sampling the mixing weights (paper App. C.1.1; Dirichlet for several models, §4.3).
@@ -353,8 +373,8 @@ def validate(path: Path, transforms: Sequence[Transform | None], points: Sequenc
     total, count = 0.0, 0
     for x, y in loader:
         path.check(x)
-        y = y.to(path.device)
-        total += sum(float(token_loss(path.logits(s, x), y, reduction="sum")) for s in states)
+        total += sum(float(token_loss(path.logits(s, x), path.target(x, y, w), reduction="sum"))
+                     for s, w in zip(states, points, strict=True))
         count += y.numel()
     return total / (count * len(states))
 
@@ -363,10 +383,11 @@ def _step(path: Path, latents: Sequence[Latents | None], weights: Weights, x: to
           optimizer: torch.optim.Optimizer) -> float:
     """One optimizer step on the latents; NaN (and no step) when the loss or a gradient is not finite."""
     path.check(x)
+    target = path.target(x, y, weights)
     path.module.train(path.dropout > 0)  # dropout while learning, if asked for; nothing else differs in train mode
     projected = iter(project([lat for lat in latents if lat is not None]))
     logits = path.logits(path.point([lat(next(projected)) if lat else None for lat in latents], weights), x)
-    loss = token_loss(logits, y.to(path.device))
+    loss = token_loss(logits, target)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -408,7 +429,7 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     """
     start = time.perf_counter()
     train, val = split(data, options, validation)
-    path = Path(endpoints, cfg, form, options.dtype, options.dropout)
+    path = Path(endpoints, cfg, form, options.dtype, options.dropout, options.targets)
     latents = [e.latents.to(path.device) if e.latents else None for e in endpoints]
     params = [p for lat in latents if lat is not None for p in lat.parameters()]
     val_loader = DataLoader(val, batch_size=256)
