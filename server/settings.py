@@ -17,7 +17,7 @@ from typing import Any
 
 from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
-from glmc.match.learned import WITHIN
+from glmc.match.learned import TARGETS, WITHIN
 from glmc.match.weight import STARTS, WeightOptions
 from server.robust import Robustness
 
@@ -100,6 +100,9 @@ class RunSettings:
     # learned: the within-head maps the refinement learns: "orthogonal", "invertible" (every map of the head's QK and
     # OV circuits; 0.015 against 0.018 on vit-bench pairs, simulations/results/learning-budget) or "fixed"
     refine_within: str = "orthogonal"
+    # learned: what the refinement scores the mixed model against on the server data: its "labels", or the clients'
+    # own predictions mixed like their weights ("endpoints"; reads the inputs only)
+    refine_targets: str = "labels"
     # rescale every merged MLP neuron and head to the clients' mean norm (glmc.rescale); aligned aggregations only
     restore_norms: bool = False
     # reset every merged channel's mean and std to the clients' on the server-held data (REPAIR, glmc.repair);
@@ -186,6 +189,8 @@ class RunSettings:
         _require(self.refine_concentration > 0,
                  f"refine-concentration must be positive, got {self.refine_concentration}")
         _require(self.refine_within in WITHIN, f"refine-within must be one of {WITHIN}, got {self.refine_within!r}")
+        _require(self.refine_targets in TARGETS,
+                 f"refine-targets must be one of {TARGETS}, got {self.refine_targets!r}")
         _require(0 < self.fraction_train <= 1 and 0 <= self.fraction_evaluate <= 1,
                  "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")
         _require(min(self.min_train_nodes, self.align_iters, self.align_workers, self.client_threads) >= 1,
@@ -250,7 +255,9 @@ class RunSettings:
         reads = "inputs" if self.aggregation in DATA_AGGREGATIONS or self.refit or self.repair else "none"
         if reads != "none" and self.server_data_source == "generated":
             return "generated"
-        return "labels" if self.aggregation in LABEL_AGGREGATIONS else reads
+        labels = self.aggregation in LABEL_AGGREGATIONS and not (
+            self.aggregation == "learned" and self.refine_targets == "endpoints")
+        return "labels" if labels else reads
 
     @property
     def held_back(self) -> int:

@@ -327,7 +327,8 @@ def test_server_only_trains_the_global_model_on_the_server_data_and_ignores_the_
     ({"aggregation": "fedavg-ft"}, "labels"), ({"aggregation": "server-only"}, "labels"),
     ({"aggregation": "learned", "server_data_source": "generated"}, "generated"),
     ({"aggregation": "fedavg-ft", "server_data_source": "generated"}, "generated"),
-    ({"aggregation": "fedavg", "server_data_source": "generated"}, "none")])
+    ({"aggregation": "fedavg", "server_data_source": "generated"}, "none"),
+    ({"aggregation": "learned", "refine_targets": "endpoints"}, "inputs")])
 def test_each_aggregation_says_what_it_reads_of_the_server_data(changes: dict[str, object], reads: str) -> None:
     assert RunSettings(server_data=8, **changes).server_data_read() == reads  # type: ignore[arg-type]
 
