@@ -61,10 +61,13 @@ def test_barrier_on_a_data_file(workdir):
     ids = torch.randint(0, GPT2_BASE["vocab_size"], (12, GPT2_BASE["n_positions"] + 1),
                         generator=torch.Generator().manual_seed(0))
     np.save(workdir / "heldout.npy", ids.numpy())
-    (command,) = [code for lang, code in _blocks("Your own data") if lang == "sh"]
-    _run("sh", command)
-    curve = json.loads((workdir / "curve.json").read_text())
-    assert len(curve["lambdas"]) == 21 and curve["barrier"] == max(curve["barriers"])
+    commands = [code for lang, code in _blocks("Your own data") if lang == "sh"]
+    assert len(commands) == 2  # on the held-out file; then learned on the models' own text
+    for command in commands:
+        _run("sh", command)
+        curve = json.loads((workdir / "curve.json").read_text())
+        assert len(curve["lambdas"]) == 21 and curve["barrier"] == max(curve["barriers"])
+    assert curve["method"] == "learned" and curve["align_info"]["generate_seconds"] > 0
 
 
 def test_the_api_docstring_examples_run():
