@@ -150,7 +150,7 @@ def main(grid: Grid, context: Context) -> None:
     # makes the many small ops of alignment many times slower; align-workers adds processes instead.
     set_threads(1)
     cfg = pool(settings).task.config
-    if settings.server_data_source == "generated":
+    if settings.generated:
         text_writer(cfg)  # a model that cannot write its own inputs is refused before round 1
     done, initial = initial_model(settings, run_dir, cfg)
     if done >= settings.num_server_rounds:
@@ -161,7 +161,7 @@ def main(grid: Grid, context: Context) -> None:
                         targets=typing.cast(Targets, settings.refine_targets))
     strategy = SymmetryAwareFedAvg(
         settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
-        generate=settings.server_data - settings.held_back,
+        generate=settings.generated,
         align_iters=settings.align_iters, align_workers=settings.align_workers,
         learn=learn, tune=server_tuning(settings, learn), restore_norms=settings.restore_norms,
         repair=settings.repair, refit=settings.refit, narrow_placement=settings.narrow_placement,

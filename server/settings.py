@@ -265,6 +265,11 @@ class RunSettings:
         return self.server_data if self.server_data_source == "split" else 0
 
     @property
+    def generated(self) -> int:
+        """Windows of text the server has its clients' models write each round: none when it holds data back."""
+        return self.server_data if self.server_data_source == "generated" else 0
+
+    @property
     def init_checkpoints(self) -> list[Path]:
         """The checkpoints ``init`` names: none for shared and independent starts, one, or a folder's."""
         from glmc.formats import checkpoint_paths

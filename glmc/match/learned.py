@@ -303,18 +303,24 @@ class Path:
         """ConfigError (one line) unless the batch fits the model."""
         self.arch.check_inputs(self.cfg, x)
 
-    def target(self, x: torch.Tensor, y: torch.Tensor, weights: Weights) -> torch.Tensor:
-        """What the path at ``weights`` is scored against: the labels ``y``, or (targets "endpoints") the endpoints'
-        predictions on ``x`` mixed by the same weights, without dropout and without gradients."""
+    def predictions(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each endpoint's predicted probabilities on ``x`` (none for targets "labels"), without dropout or
+        gradients: computed once per batch, whatever the weights they are mixed by."""
         if self.targets == "labels":
-            return y.to(self.device)
+            return []
         training = self.module.training
         self.module.eval()
         with torch.no_grad():
-            mixed = sum(w * self.logits(s, x).softmax(-1) for s, w in zip(self.still, weights, strict=True))
+            probs = [self.logits(s, x).softmax(-1) for s in self.still]
         self.module.train(training)
-        assert isinstance(mixed, torch.Tensor)
-        return mixed
+        return probs
+
+    def target(self, y: torch.Tensor, weights: Weights, predictions: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What the path at ``weights`` is scored against: the labels ``y``, or (targets "endpoints") the endpoints'
+        ``predictions`` mixed by the same weights."""
+        if self.targets == "labels":
+            return y.to(self.device)
+        return torch.stack([w * p for w, p in zip(weights, predictions, strict=True)]).sum(0)
 
 
 # Sampling the mixing weights (paper App. C.1.1; Dirichlet for several models, §4.3).
@@ -373,7 +379,8 @@ def validate(path: Path, transforms: Sequence[Transform | None], points: Sequenc
     total, count = 0.0, 0
     for x, y in loader:
         path.check(x)
-        total += sum(float(token_loss(path.logits(s, x), path.target(x, y, w), reduction="sum"))
+        predicted = path.predictions(x)
+        total += sum(float(token_loss(path.logits(s, x), path.target(y, w, predicted), reduction="sum"))
                      for s, w in zip(states, points, strict=True))
         count += y.numel()
     return total / (count * len(states))
@@ -383,7 +390,7 @@ def _step(path: Path, latents: Sequence[Latents | None], weights: Weights, x: to
           optimizer: torch.optim.Optimizer) -> float:
     """One optimizer step on the latents; NaN (and no step) when the loss or a gradient is not finite."""
     path.check(x)
-    target = path.target(x, y, weights)
+    target = path.target(y, weights, path.predictions(x))
     path.module.train(path.dropout > 0)  # dropout while learning, if asked for; nothing else differs in train mode
     projected = iter(project([lat for lat in latents if lat is not None]))
     logits = path.logits(path.point([lat(next(projected)) if lat else None for lat in latents], weights), x)
