@@ -266,8 +266,9 @@ class RunSettings:
 
     @property
     def generated(self) -> int:
-        """Windows of text the server has its clients' models write each round: none when it holds data back."""
-        return self.server_data if self.server_data_source == "generated" else 0
+        """Windows of text the server has its clients' models write each round: none when it holds data back or
+        the aggregation reads none (weight matching alone would sample text for nothing)."""
+        return self.server_data if self.server_data_read() == "generated" else 0
 
     @property
     def init_checkpoints(self) -> list[Path]:

@@ -328,9 +328,12 @@ def test_server_only_trains_the_global_model_on_the_server_data_and_ignores_the_
     ({"aggregation": "learned", "server_data_source": "generated"}, "generated"),
     ({"aggregation": "fedavg-ft", "server_data_source": "generated"}, "generated"),
     ({"aggregation": "fedavg", "server_data_source": "generated"}, "none"),
+    ({"aggregation": "weight", "server_data_source": "generated"}, "none"),
     ({"aggregation": "learned", "refine_targets": "endpoints"}, "inputs")])
 def test_each_aggregation_says_what_it_reads_of_the_server_data(changes: dict[str, object], reads: str) -> None:
-    assert RunSettings(server_data=8, **changes).server_data_read() == reads  # type: ignore[arg-type]
+    settings = RunSettings(server_data=8, **changes)  # type: ignore[arg-type]
+    assert settings.server_data_read() == reads
+    assert settings.generated == (8 if reads == "generated" else 0)  # text is sampled only for a reader of it
 
 
 def test_server_only_refuses_alignment_options_in_one_line() -> None:
