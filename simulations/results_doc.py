@@ -24,6 +24,8 @@ PER_MODEL = {"barrier-sites": "barrier_sites", "barriers-repair": "repair_barrie
 ABOUT: dict[str, tuple[str, str]] = {
     "accelerator": ("The same workloads on an NVIDIA H200 and on this project's CPU.", "accelerators.md"),
     "oneshot": ("One-shot FL from independent inits: 5 clients, Dirichlet 0.5, one round.", "federated.md"),
+    "oneshot-generated": ("One-shot FL of 3 independently trained GPT-2s with no server data: the server learns on "
+                          "text the clients write.", "controls.md"),
     "drift": ("High drift: 5 clients, Dirichlet 0.1, 5 local epochs, 10 rounds, seeds 0–2.", "federated.md"),
     "drift-seeds": ("High drift on two more seeds (3, 4).", "federated.md"),
     "drift-repair": ("High drift with REPAIR of the merge on server-held images.", "federated.md"),
