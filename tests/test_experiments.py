@@ -15,8 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from glmc.data.fashion_mnist import find_fashion_mnist
+from server.settings import INITS
 from simulations import compare
 from simulations.engine import PROJECT
+from simulations.tomlfile import read_toml
 
 SMOKE = sorted((PROJECT / "simulations" / "configs").glob("*-smoke.toml"))
 
@@ -61,8 +63,14 @@ def _assert_same_final_model(runs: Path, row: dict[str, Any], fedavg: dict[str, 
 
 
 @pytest.mark.parametrize("config", sorted((PROJECT / "simulations" / "configs").glob("*.toml")), ids=lambda p: p.stem)
-def test_every_grid_that_gives_an_aggregation_server_data_runs_both_controls(config: Path) -> None:
-    """fedavg-ft and server-only beside any row that reads the server-held samples, on the same seeds."""
+def test_every_grid_that_gives_an_aggregation_server_data_runs_both_controls(
+        config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fedavg-ft and server-only beside any row that reads the server-held samples, on the same seeds. A grid that
+    starts from checkpoints a bench writes (git-ignored) is read against an empty stand-in folder of that name."""
+    init = read_toml(config).get("run", {}).get("init", "shared")
+    if init not in INITS and not (PROJECT / init).exists():
+        (tmp_path / init).mkdir(parents=True)
+        monkeypatch.chdir(tmp_path)
     exp = compare.Experiment.load(config)
     readers = [a for a in exp.aggregations if compare.server_data_read(exp, a) != "none"]
     kinds = {exp.variants[label]["aggregation"] for label in compare.controls(exp)}
