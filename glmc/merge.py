@@ -104,6 +104,25 @@ class LogitEnsemble(nn.Module):
         return torch.stack([self.arch.logits(m, x) for m in self.members]).mean(0)
 
 
+class PredictionMixture(nn.Module):
+    """Σ_i w_i softmax(f_i(x)): several models' predicted probabilities mixed by fixed weights (normalised), each
+    model at its own width; the soft targets a model is distilled to (:func:`glmc.train.train`'s ``teacher``)."""
+
+    def __init__(self, models: Sequence[nn.Module], arch: Arch, weights: Sequence[float]) -> None:
+        super().__init__()
+        if not models or len(weights) != len(models) or min(weights) < 0 or sum(weights) <= 0:
+            raise ConfigError(f"a prediction mixture needs one non-negative weight per model, some positive; got "
+                              f"{len(models)} models and weights {list(weights)}")
+        self.members, self.arch = nn.ModuleList(models), arch
+        self.weights = [w / sum(weights) for w in weights]
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = [w * self.arch.logits(m, x).float().softmax(-1) for w, m in zip(self.weights, self.members,
+                                                                                 strict=True)]
+        return torch.stack(mixed).sum(0)
+
+
 def ensemble_metrics(models: Sequence[nn.Module], arch: Arch, data: Dataset, batch_size: int = 256,
                      ) -> dict[str, float]:
     """Loss and accuracy of the logit-averaging ensemble, through the same :func:`glmc.train.evaluate`."""

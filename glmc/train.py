@@ -156,9 +156,11 @@ class _EarlyStop:
 
 
 def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, progress: bool = True,
-          validation: Dataset | None = None) -> dict[str, float]:
+          validation: Dataset | None = None, teacher: nn.Module | None = None) -> dict[str, float]:
     """Train ``model`` in place with AdamW and a warm-up + cosine schedule; with ``validation`` and
     ``cfg.patience`` > 0, stop early on it and keep the best weights (the schedule is the whole run's).
+    With ``teacher`` (inputs → probabilities, e.g. :class:`glmc.merge.PredictionMixture`) each batch is scored
+    against its predictions, not the dataset's labels: distillation on the dataset's inputs.
 
     Returns ``train_loss`` (mean over the last 10% of steps, where the schedule has settled), ``steps``
     and ``seconds`` (and ``val_loss`` and ``best_step`` when stopping early).
@@ -171,6 +173,8 @@ def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, prog
     total = min(cfg.epochs * len(loader), cfg.max_steps or cfg.epochs * len(loader))
     device = resolve(cfg.device)
     model.to(device).train()  # before the optimizer is built: AdamW's state then lives beside the weights
+    if teacher is not None:
+        teacher.to(device).eval()
     optimizer = make_optimizer(model, cfg)
     scheduler = cosine_schedule(optimizer, total, cfg.warmup)
     losses: list[torch.Tensor] = []  # kept on the device: a GPU step never waits for its loss to be read
@@ -179,6 +183,8 @@ def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, prog
     with tqdm(total=total, desc="train", unit="step", disable=not progress, dynamic_ncols=True) as bar:
         for step, (x, y) in enumerate(itertools.islice(_batches(loader, cfg.epochs), total), start=1):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if teacher is not None:
+                y = teacher(x)
             losses.append(train_step(model, arch, x, y, optimizer, cfg.grad_clip, cfg.precision))
             scheduler.step()
             bar.update()

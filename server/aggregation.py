@@ -15,7 +15,8 @@ method:
   with no matching. With equal widths it is FedAvg of the LayerNorm-folded models.
 - ``fedavg-ft``: the control for the server-held data: ``fedavg``, then the merged model itself trained on that
   data with the learned refinement's budget (:func:`finetune`). ``learned`` minus ``fedavg-ft`` is what spending
-  the same samples on choosing symmetries, rather than on the weights, is worth.
+  the same samples on choosing symmetries, rather than on the weights, is worth. When learned is scored against
+  the clients' mixed predictions (refine-targets "endpoints"), both controls are distilled to them instead.
 - ``server-only``: the other control: the clients are ignored; the previous global model (round 1: the initial
   model: seeded, so a model trained from scratch, or the ``init`` checkpoint) is trained on the server-held data
   with the same budget. After R rounds it has had R budgets, as fedavg-ft's model has. A data-using aggregation
@@ -41,6 +42,7 @@ from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
+from glmc.merge import PredictionMixture
 from glmc.refit import refit as refit_layers
 from glmc.repair import repair as repair_statistics
 from glmc.rescale import restore_norms
@@ -49,7 +51,7 @@ from glmc.universe import universe_match
 from glmc.widths import Placement, embed, lstsq_merge, place, principal_place, project
 from server import heterofl
 from server.robust import Clipping, Robustness, clip, coordinatewise, screen, unclipped
-from server.settings import GUARDED, SLICED
+from server.settings import CONTROLS, GUARDED, SLICED
 
 log = logging.getLogger(__name__)
 
@@ -111,16 +113,29 @@ def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], f
                                    for s, c, p in zip(states, configs, placements, strict=True)])
 
 
-def finetune(native: State, full: ModelConfig, data: Dataset | None, config: TrainConfig) -> tuple[State, float]:
-    """The full-width native model trained on the server-held ``data`` (``fedavg-ft``, ``server-only``); returns it
-    and the seconds."""
+def finetune(native: State, full: ModelConfig, data: Dataset | None, config: TrainConfig,
+             teacher: PredictionMixture | None = None) -> tuple[State, float]:
+    """The full-width native model trained on the server-held ``data`` (``fedavg-ft``, ``server-only``), against
+    its labels or ``teacher``'s predictions; returns it and the seconds."""
     if data is None:
         raise ConfigError("fedavg-ft and server-only train on server-held data: set server-data > 0")
     start = time.perf_counter()
-    model = build_model(full)
-    model.load_state_dict(native, strict=True)
-    train(model, get_arch(full.family), data, config, progress=False)
+    model = _model(native, full)
+    train(model, get_arch(full.family), data, config, progress=False, teacher=teacher)
     return _float32(model.state_dict()), time.perf_counter() - start
+
+
+def _model(native: State, cfg: ModelConfig) -> torch.nn.Module:
+    model = build_model(cfg)
+    model.load_state_dict(native, strict=True)
+    return model
+
+
+def clients_teacher(clients: Sequence[Client], full: ModelConfig) -> PredictionMixture:
+    """The clients' own predictions mixed like their weights: what the controls are distilled to when the learned
+    refinement is scored against its endpoints (refine-targets "endpoints"), so that both read the same."""
+    models = [_model(c.state, scale_width(full, c.tier)) for c in clients]
+    return PredictionMixture(models, get_arch(full.family), [c.weight for c in clients])
 
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
@@ -145,7 +160,9 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     robust = robust or Robustness.off()
     if aggregation in SLICED:
         tune = replace(tune or TrainConfig(threads=1), device=device)
-        return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust)
+        distil = aggregation in CONTROLS and learn is not None and learn.targets == "endpoints"
+        teacher = clients_teacher(clients, full) if distil else None
+        return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust, teacher)
     arch = get_arch(full.family)
     states, configs = universe_states(clients, full)
     states = [to_device(s, device) for s in states]
@@ -214,13 +231,15 @@ def _require_equal_widths(mixed: bool, robust: Robustness) -> None:
 
 
 def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str, anchor: State | None,
-                  data: Dataset | None, tune: TrainConfig, robust: Robustness) -> MergeResult:
+                  data: Dataset | None, tune: TrainConfig, robust: Robustness,
+                  teacher: PredictionMixture | None) -> MergeResult:
     """HeteroFL's average of the clipped width slices (or their FedMedian / FedTrimmedAvg at equal widths), then
-    for fedavg-ft the fine-tuning on the server data; server-only trains the previous global model instead."""
+    for fedavg-ft the fine-tuning on the server data; server-only trains the previous global model instead. With a
+    ``teacher`` both train against its predictions instead of the data's labels."""
     states, configs = universe_states(clients, full)
     before = embedded_distance(states, configs, full, [c.placement for c in clients])
     if aggregation == "server-only":
-        native, seconds = finetune(_server_only(anchor), full, data, tune)
+        native, seconds = finetune(_server_only(anchor), full, data, tune, teacher)
         return MergeResult(native, seconds, before, before, [None] * len(clients))
     previous = anchor if anchor is not None else clients[0].state
     centers = [previous if cfg == full else heterofl.restrict(previous, full, cfg) for cfg in configs]
@@ -233,7 +252,7 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
         native = coordinatewise(clipping.states, robust.average, robust.trim_beta)
     native, seconds = _float32(native), 0.0
     if aggregation == "fedavg-ft":
-        native, seconds = finetune(native, full, data, tune)
+        native, seconds = finetune(native, full, data, tune, teacher)
     return MergeResult(native, seconds, before, before, [None] * len(clients), 0, clipping)
 
 

@@ -101,7 +101,8 @@ class RunSettings:
     # OV circuits; 0.015 against 0.018 on vit-bench pairs, simulations/results/learning-budget) or "fixed"
     refine_within: str = "orthogonal"
     # learned: what the refinement scores the mixed model against on the server data: its "labels", or the clients'
-    # own predictions mixed like their weights ("endpoints"; reads the inputs only)
+    # own predictions mixed like their weights ("endpoints"; reads the inputs only); fedavg-ft and server-only then
+    # train against the same mixed predictions (distillation), so that the controls read what learned reads
     refine_targets: str = "labels"
     # rescale every merged MLP neuron and head to the clients' mean norm (glmc.rescale); aligned aggregations only
     restore_norms: bool = False
@@ -255,8 +256,7 @@ class RunSettings:
         reads = "inputs" if self.aggregation in DATA_AGGREGATIONS or self.refit or self.repair else "none"
         if reads != "none" and self.server_data_source == "generated":
             return "generated"
-        labels = self.aggregation in LABEL_AGGREGATIONS and not (
-            self.aggregation == "learned" and self.refine_targets == "endpoints")
+        labels = self.aggregation in LABEL_AGGREGATIONS and self.refine_targets != "endpoints"
         return "labels" if labels else reads
 
     @property

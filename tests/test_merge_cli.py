@@ -12,9 +12,10 @@ from glmc.archs import build_model, get_arch, preset, scale_width
 from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.cli import main
 from glmc.data.fashion_mnist import find_fashion_mnist
+from glmc.errors import ConfigError
 from glmc.formats import read
 from glmc.match.weight import DEFAULT_START, WeightOptions
-from glmc.merge import MergeSetup, grid_steps, merge_states, simplex_grid
+from glmc.merge import MergeSetup, PredictionMixture, grid_steps, merge_states, simplex_grid
 
 HAS_FASHION = find_fashion_mnist() is not None
 VIT = preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28, depth=1)
@@ -42,6 +43,22 @@ def test_simplex_grid_covers_the_simplex():
 
 
 @needs_data
+def test_prediction_mixture_is_the_weighted_mean_of_the_models_probabilities_at_their_own_widths():
+    """The soft targets of distillation: Σ_i w_i softmax(f_i(x)) with the weights normalised, models of any width."""
+    cfg = preset("vit-tiny")
+    torch.manual_seed(0)
+    models = [build_model(cfg).eval(), build_model(scale_width(cfg, 0.5)).eval()]
+    arch, x = get_arch(cfg.family), torch.randn(4, cfg.in_chans, cfg.img_size, cfg.img_size)
+    mixed = PredictionMixture(models, arch, [3.0, 1.0])(x)
+    probs = [arch.logits(m, x).softmax(-1) for m in models]
+    torch.testing.assert_close(mixed, 0.75 * probs[0] + 0.25 * probs[1])
+    torch.testing.assert_close(mixed.sum(-1), torch.ones(4))
+    assert not mixed.requires_grad
+    for weights in ([1.0], [1.0, -1.0], [0.0, 0.0]):
+        with pytest.raises(ConfigError, match="one non-negative weight per model"):
+            PredictionMixture(models, arch, weights)
+
+
 def test_merge_of_mixed_widths_writes_a_standard_checkpoint_and_a_report(trio, tmp_path, capsys):
     out, report = tmp_path / "merged.safetensors", tmp_path / "merge.json"
     argv = ["merge", *map(str, trio), "--method", "weight", "--weights", "2,1,1", "--out", str(out),

@@ -22,6 +22,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
+from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, build_model, get_arch, preset, scale_width
 from glmc.canonical import canonicalize, to_model
@@ -29,6 +30,7 @@ from glmc.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.errors import ConfigError
 from glmc.generated import generated_text
 from glmc.match.learned import LearnConfig
+from glmc.merge import PredictionMixture
 from glmc.refit import RIDGE, layer_rows
 from glmc.repair import channel_stats
 from glmc.train import TrainConfig, evaluate, train
@@ -36,6 +38,7 @@ from glmc.transforms import MATCHABLE, apply, random_transform
 from server import heterofl, protocol
 from server.aggregation import Client, principal_placement, restrict
 from server.hooks import ClientsWriter, EnsembleEvaluator
+from server.robust import Robustness
 from server.settings import RunSettings, places_principal
 from server.strategy import RoundHooks, RoundRecord, SymmetryAwareFedAvg
 from server.validation import ReplySchema, check_reply, split_replies
@@ -267,6 +270,48 @@ def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data() -> None:
     assert s.current.align_seconds > 0
 
 
+@pytest.mark.parametrize("aggregation", ["fedavg-ft", "server-only"])
+def test_with_endpoint_targets_the_controls_are_distilled_to_the_clients_mixed_prediction(aggregation: str) -> None:
+    """refine-targets = endpoints: fedavg-ft (server-only) trains the weighted mean (the previous global model)
+    against Σ w_i softmax(f_i(x)) of the clients, weighted by examples, and never reads the server data's labels."""
+    data = synthetic_images(40)
+    tune = TrainConfig(epochs=1, batch_size=16, lr=1e-2, seed=5, threads=1)
+    learn = LearnConfig(targets="endpoints")
+    shuffled = TensorDataset(data.tensors[0], data.tensors[1].roll(1))  # the same inputs, other labels
+
+    def round_3(server_data: TensorDataset) -> dict[str, np.ndarray]:
+        s = strategy(aggregation, server_data=server_data, tune=tune, learn=learn, robust=Robustness.off())
+        s.current, s.global_arrays = RoundRecord(3), ArrayRecord(state(7))  # type: ignore[arg-type]
+        arrays, _ = s.aggregate_train(3, good_replies())
+        assert arrays is not None
+        return as_numpy(arrays)
+
+    ours = round_3(data)
+    states = [state(i) for i in range(3)]
+    start = state(7) if aggregation == "server-only" else heterofl.merge(states, [CFG] * 3, [10.0, 20.0, 30.0],
+                                                                          CFG, state(7))
+    model, clients = build_model(CFG), [build_model(CFG) for _ in states]
+    model.load_state_dict(start)
+    ordered = split_replies(good_replies(), schema())[0]  # the strategy's canonical order: float sums depend on it
+    for client, r in zip(clients, ordered, strict=True):
+        client.load_state_dict(r.content[protocol.ARRAYS].to_torch_state_dict())
+    weights = [float(r.content[protocol.METRICS][protocol.WEIGHT_KEY]) for r in ordered]
+    assert sorted(weights) == [10.0, 20.0, 30.0]
+    teacher = PredictionMixture(clients, get_arch(CFG.family), weights)
+    train(model, get_arch(CFG.family), data, dataclasses.replace(tune, seed=tune.seed + 3), progress=False,
+          teacher=teacher)
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(ours[key], value.numpy())
+    labelled = round_3(data)  # the same run again, and with the labels changed: the same model, bit for bit
+    assert all(np.array_equal(ours[k], v) for k, v in labelled.items())
+    assert all(np.array_equal(ours[k], v) for k, v in round_3(shuffled).items())
+    plain = strategy(aggregation, server_data=shuffled, tune=tune, robust=Robustness.off())  # labels: they count
+    plain.current, plain.global_arrays = RoundRecord(3), ArrayRecord(state(7))  # type: ignore[arg-type]
+    trained_on_labels, _ = plain.aggregate_train(3, good_replies())
+    assert trained_on_labels is not None
+    assert any(not np.allclose(ours[k], v, atol=1e-4) for k, v in as_numpy(trained_on_labels).items())
+
+
 def test_fedavg_ft_on_generated_text_trains_the_mean_on_what_the_clients_models_write() -> None:
     """server-data-source = generated: the round's server data is text the clients' GPT-2s sample (seeded by the
     round), and no client gives any data up."""
@@ -329,7 +374,9 @@ def test_server_only_trains_the_global_model_on_the_server_data_and_ignores_the_
     ({"aggregation": "fedavg-ft", "server_data_source": "generated"}, "generated"),
     ({"aggregation": "fedavg", "server_data_source": "generated"}, "none"),
     ({"aggregation": "weight", "server_data_source": "generated"}, "none"),
-    ({"aggregation": "learned", "refine_targets": "endpoints"}, "inputs")])
+    ({"aggregation": "learned", "refine_targets": "endpoints"}, "inputs"),
+    ({"aggregation": "fedavg-ft", "refine_targets": "endpoints"}, "inputs"),
+    ({"aggregation": "server-only", "refine_targets": "endpoints"}, "inputs")])
 def test_each_aggregation_says_what_it_reads_of_the_server_data(changes: dict[str, object], reads: str) -> None:
     settings = RunSettings(server_data=8, **changes)  # type: ignore[arg-type]
     assert settings.server_data_read() == reads
