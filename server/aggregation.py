@@ -126,16 +126,21 @@ def finetune(native: State, full: ModelConfig, data: Dataset | None, config: Tra
 
 
 def _model(native: State, cfg: ModelConfig) -> torch.nn.Module:
+    """A runnable model holding ``native`` (a state at ``cfg``), in eval mode."""
     model = build_model(cfg)
     model.load_state_dict(native, strict=True)
-    return model
+    return model.eval()
+
+
+def client_models(clients: Sequence[Client], full: ModelConfig) -> list[torch.nn.Module]:
+    """Each client's model at its own width, in eval mode (the logit ensemble, the distillation teacher)."""
+    return [_model(c.state, scale_width(full, c.tier)) for c in clients]
 
 
 def clients_teacher(clients: Sequence[Client], full: ModelConfig) -> PredictionMixture:
     """The clients' own predictions mixed like their weights: what the controls are distilled to when the learned
     refinement is scored against its endpoints (refine-targets "endpoints"), so that both read the same."""
-    models = [_model(c.state, scale_width(full, c.tier)) for c in clients]
-    return PredictionMixture(models, get_arch(full.family), [c.weight for c in clients])
+    return PredictionMixture(client_models(clients, full), get_arch(full.family), [c.weight for c in clients])
 
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,

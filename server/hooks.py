@@ -29,7 +29,7 @@ from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.errors import CheckpointError, ConfigError
 from glmc.merge import ensemble_metrics
-from server.aggregation import Client
+from server.aggregation import Client, client_models
 from server.settings import RunSettings
 from server.strategy import RoundHooks, RoundRecord
 
@@ -118,11 +118,7 @@ class EnsembleEvaluator(RoundHooks):
     test: Dataset
 
     def on_aggregate(self, record: RoundRecord, clients: Sequence[Client]) -> None:
-        models = []
-        for client in clients:
-            model = build_model(scale_width(self.full, client.tier))
-            model.load_state_dict(client.state, strict=True)
-            models.append(model.eval())
+        models = client_models(clients, self.full)
         result = ensemble_metrics(models, get_arch(self.full.family), self.test)
         record.ensemble_loss, record.ensemble_accuracy = result["loss"], result["accuracy"]
         log.info("round %d: logit ensemble of %d clients: accuracy %.4f", record.round, len(models), result["accuracy"])
