@@ -6,7 +6,8 @@ Every model is read through :func:`glmc.live.read_module` (its config, its weigh
 rebuild); the inputs are never modified. ``data`` may be a Dataset of (input, target) pairs, an (inputs, targets)
 pair of tensors, a tensor of token ids (next-token targets taken from it), a ``.npy`` / ``.npz`` path
 (:mod:`glmc.userdata`) or, for the data-driven methods of GPT-2s, ``"generated"``: 20,000 windows of text the
-models write themselves (:mod:`glmc.generated`), so that no dataset is read. ``device`` is where the work happens
+models write themselves (:mod:`glmc.generated`; learned against their mixed prediction unless ``learn`` names
+other targets), so that no dataset is read. ``device`` is where the work happens
 ("cpu", "cuda", "auto"); results stay beside their inputs.
 """
 

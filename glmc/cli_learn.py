@@ -79,8 +79,9 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
                         help="learned methods: stop after N validations without improvement (default 5; 0 never "
                              "stops early)")
     parser.add_argument("--targets", choices=["labels", "endpoints"],  # glmc.match.learned.TARGETS
-                        help="learned methods: score the path against the data's labels (default) or against the "
-                             "endpoints' own predictions mixed like their weights, which reads no labels")
+                        help="learned methods: score the path against the data's labels or against the endpoints' "
+                             "own predictions mixed like their weights, which reads no labels (default: endpoints "
+                             "with --generated, else labels)")
     parser.add_argument("--within", choices=["fixed", "orthogonal", "invertible"],  # glmc.match.learned.WITHIN
                         help="learned methods: the within-head maps, kept from weight matching, learned as "
                              "orthogonal maps (default) or learned as any invertible maps")

@@ -2,9 +2,10 @@
 
 Learned matching needs the task loss of the interpolated model on inputs like the ones the models were trained on.
 A language model can write such inputs itself: each model samples an equal share of windows (plain sampling at
-temperature 1, from a uniformly random first token), and the sampled next tokens are the targets, so the loss
-learned on is the cross-entropy against what the endpoints themselves predict. On 6 gpt2-bench pairs (with and
-without dropout) this left barriers 1.05–1.16× those of learning on the training split at the same budget
+temperature 1, from a uniformly random first token). Its next tokens are samples of the models, not labels, so
+learned matching scores the path on it against the endpoints' own mixed predictions unless told otherwise
+(:class:`GeneratedText`). On 6 gpt2-bench pairs (with and without dropout) this left barriers 1.01–1.08× those of
+learning on the training split at the same budget, and the sampled next tokens as targets 1.05–1.16×
 (simulations/results/learning-budget). A model that cannot generate (a ViT) gets a clear error.
 """
 
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 
 GENERATED_SAMPLES = 20000  # windows written when a command is not told how many (learned matching's one pass)
 SAMPLE_BATCH = 250  # windows one generate call writes at a time
+
+
+class GeneratedText(TensorDataset):
+    """(inputs, sampled next tokens) that the models wrote: learned matching's targets default to the endpoints'
+    mixed predictions on it (glmc.match.learned.LearnConfig.targets), which were lower on all 6 measured pairs."""
 
 
 def shares(n: int, models: int) -> list[int]:
@@ -72,7 +78,7 @@ def sample_windows(model: nn.Module, cfg: ModelConfig, count: int, batch: int = 
 
 
 def generated_text(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], n: int, *,
-                   seed: int = 0, device: str | torch.device | None = None) -> TensorDataset:
+                   seed: int = 0, device: str | torch.device | None = None) -> GeneratedText:
     """``n`` windows of text written by the models in equal shares, as (inputs (N, context), next-token targets);
     ``seed`` fixes the sampling (the caller's random state is left as it was)."""
     contexts = {(c.context, c.vocab_size) for c in configs}
@@ -86,4 +92,4 @@ def generated_text(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
         windows = torch.cat([sample_windows(writer(s, c, place), c, k) for s, c, k in
                              zip(natives, configs, shares(n, len(natives)), strict=True)])
     log.info("generated %d windows of %d tokens in %.0f s", len(windows), windows.shape[1], time.perf_counter() - began)
-    return TensorDataset(windows[:, :-1], windows[:, 1:])
+    return GeneratedText(windows[:, :-1], windows[:, 1:])

@@ -40,7 +40,7 @@ from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.canonical import canonicalize
 from glmc.device import to_device
 from glmc.errors import ConfigError
-from glmc.match.learned import LearnConfig
+from glmc.match.learned import LearnConfig, targets_for
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.merge import PredictionMixture
 from glmc.refit import refit as refit_layers
@@ -139,7 +139,7 @@ def client_models(clients: Sequence[Client], full: ModelConfig) -> list[torch.nn
 
 def clients_teacher(clients: Sequence[Client], full: ModelConfig) -> PredictionMixture:
     """The clients' own predictions mixed like their weights: what the controls are distilled to when the learned
-    refinement is scored against its endpoints (refine-targets "endpoints"), so that both read the same."""
+    refinement is scored against its endpoints (glmc.match.learned.targets_for), so that both read the same."""
     return PredictionMixture(client_models(clients, full), get_arch(full.family), [c.weight for c in clients])
 
 
@@ -165,7 +165,8 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     robust = robust or Robustness.off()
     if aggregation in SLICED:
         tune = replace(tune or TrainConfig(threads=1), device=device)
-        distil = aggregation in CONTROLS and learn is not None and learn.targets == "endpoints"
+        distil = (aggregation in CONTROLS and data is not None
+                  and targets_for(learn or LearnConfig(), data) == "endpoints")
         teacher = clients_teacher(clients, full) if distil else None
         return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust, teacher)
     arch = get_arch(full.family)

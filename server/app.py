@@ -21,7 +21,7 @@ from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.device import resolve
 from glmc.generated import text_writer
-from glmc.match.learned import LearnConfig, Targets, Within
+from glmc.match.learned import LearnConfig, Within
 from glmc.match.weight import Start
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.guard import set_aside_note
@@ -158,7 +158,7 @@ def main(grid: Grid, context: Context) -> None:
         return
     num_nodes = len(list(grid.get_node_ids()))
     learn = LearnConfig(concentration=settings.refine_concentration, within=typing.cast(Within, settings.refine_within),
-                        targets=typing.cast(Targets, settings.refine_targets))
+                        targets=settings.targets)
     strategy = SymmetryAwareFedAvg(
         settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
         generate=settings.generated,

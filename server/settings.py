@@ -13,11 +13,11 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
-from glmc.match.learned import TARGETS, WITHIN
+from glmc.match.learned import TARGETS, WITHIN, Targets
 from glmc.match.weight import STARTS, WeightOptions
 from server.robust import Robustness
 
@@ -35,6 +35,8 @@ SLICED = ("fedavg", *CONTROLS)
 GUARDED = ("weight", "activation")
 INITS = ("shared", "independent")
 SERVER_DATA_SOURCES = ("split", "generated")
+AUTO = "auto"  # refine-targets: chosen by the server data's source (RunSettings.targets)
+REFINE_TARGETS = (AUTO, *TARGETS)
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
 ATTACKS = ("none", "inflate", "scale", "signflip", "replace", "constant")  # client.attacks (a test hook)
@@ -102,8 +104,9 @@ class RunSettings:
     refine_within: str = "orthogonal"
     # learned: what the refinement scores the mixed model against on the server data: its "labels", or the clients'
     # own predictions mixed like their weights ("endpoints"; reads the inputs only); fedavg-ft and server-only then
-    # train against the same mixed predictions (distillation), so that the controls read what learned reads
-    refine_targets: str = "labels"
+    # train against the same mixed predictions (distillation), so that the controls read what learned reads. "auto":
+    # endpoints on text the clients write (server-data-source "generated", whose labels are samples), else labels
+    refine_targets: str = "auto"
     # rescale every merged MLP neuron and head to the clients' mean norm (glmc.rescale); aligned aggregations only
     restore_norms: bool = False
     # reset every merged channel's mean and std to the clients' on the server-held data (REPAIR, glmc.repair);
@@ -190,8 +193,8 @@ class RunSettings:
         _require(self.refine_concentration > 0,
                  f"refine-concentration must be positive, got {self.refine_concentration}")
         _require(self.refine_within in WITHIN, f"refine-within must be one of {WITHIN}, got {self.refine_within!r}")
-        _require(self.refine_targets in TARGETS,
-                 f"refine-targets must be one of {TARGETS}, got {self.refine_targets!r}")
+        _require(self.refine_targets in REFINE_TARGETS,
+                 f"refine-targets must be one of {REFINE_TARGETS}, got {self.refine_targets!r}")
         _require(0 < self.fraction_train <= 1 and 0 <= self.fraction_evaluate <= 1,
                  "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")
         _require(min(self.min_train_nodes, self.align_iters, self.align_workers, self.client_threads) >= 1,
@@ -256,8 +259,16 @@ class RunSettings:
         reads = "inputs" if self.aggregation in DATA_AGGREGATIONS or self.refit or self.repair else "none"
         if reads != "none" and self.server_data_source == "generated":
             return "generated"
-        labels = self.aggregation in LABEL_AGGREGATIONS and self.refine_targets != "endpoints"
+        labels = self.aggregation in LABEL_AGGREGATIONS and self.targets == "labels"
         return "labels" if labels else reads
+
+    @property
+    def targets(self) -> Targets:
+        """What learned's refinement (and, for endpoints, the controls' training) scores against: refine-targets,
+        "auto" resolved by the server data's source."""
+        if self.refine_targets != AUTO:
+            return cast(Targets, self.refine_targets)
+        return "endpoints" if self.server_data_source == "generated" else "labels"
 
     @property
     def held_back(self) -> int:

@@ -89,7 +89,7 @@ def _comments(pyproject: str, section: str) -> dict[str, str]:
 def _allowed(key: str, kind: str) -> str:
     """A key's allowed values: its choices where the apps declare them, else its type."""
     from glmc.archs.config import PRESETS
-    from glmc.match.learned import TARGETS, WITHIN
+    from glmc.match.learned import WITHIN
     from glmc.tasks import TASKS
     from server import settings
 
@@ -97,7 +97,7 @@ def _allowed(key: str, kind: str) -> str:
         "model": list(PRESETS), "dataset": list(TASKS), "aggregation": settings.AGGREGATIONS,
         "init": settings.INITS, "partitioner": settings.LABEL_SPLITS + settings.NATURAL_SPLITS,
         "narrow-placement": settings.NARROW_PLACEMENTS, "refine-within": WITHIN,
-        "refine-targets": TARGETS, "server-data-source": settings.SERVER_DATA_SOURCES}
+        "refine-targets": settings.REFINE_TARGETS, "server-data-source": settings.SERVER_DATA_SOURCES}
     if key in choices:
         return ", ".join(f"`{c}`" for c in choices[key])
     return {"int": "integer", "float": "number", "bool": "`true`, `false`",

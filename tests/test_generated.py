@@ -126,6 +126,23 @@ def test_barrier_learns_on_generated_text_without_any_training_data(hf_pair, tmp
     assert "pass one of them" in capsys.readouterr().err
 
 
+def test_text_the_models_wrote_is_learned_against_their_mixed_prediction_unless_told(hf_pair, tmp_path):
+    """Its next tokens are the models' samples, not labels: --generated scores the path against the endpoints
+    (the same run as --targets endpoints, another than --targets labels), any other data against its labels."""
+    (a, b), test = hf_pair
+    common = ["barrier", str(a), str(b), "--method", "learned", "--data-file", str(test), "--points", "3",
+              "--steps", "3", "--batch-size", "8", "--quiet"]
+    curves = {}
+    for name, extra in {"default": ["--generated"], "endpoints": ["--generated", "--targets", "endpoints"],
+                        "labels": ["--generated", "--targets", "labels"], "data": ["--train-file", str(test)]}.items():
+        report = tmp_path / f"{name}.json"
+        assert main([*common, *extra, "--batch", "40", "--json", str(report)]) == 0
+        (curves[name],) = json.loads(report.read_text())["curves"]
+    assert {k: c["align_info"]["targets"] for k, c in curves.items()} == {
+        "default": "endpoints", "endpoints": "endpoints", "labels": "labels", "data": "labels"}
+    assert curves["default"]["losses"] == curves["endpoints"]["losses"] != curves["labels"]["losses"]
+
+
 def test_merge_learns_on_text_all_its_inputs_write(hf_pair, tmp_path, capsys):
     (a, b), test = hf_pair
     out, report = tmp_path / "m.safetensors", tmp_path / "m.json"

@@ -346,7 +346,7 @@ def test_learned_flags_reach_learn_config_in_every_command():
             0.01, 32, 7, (0.1, 0.9), 5, "invertible", 0, 0.01, 0.1, False, "endpoints"), command
     default = learn_options(parser.parse_args(["align", "a", "b", "--out", "o"]))
     assert (default.epochs, default.lam, default.val_points, default.within, default.patience, default.targets) == (
-        LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal", LearnConfig().patience, "labels")
+        LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal", LearnConfig().patience, None)  # None: by the data
     with pytest.raises(ConfigError, match="λ range"):
         learn_options(parser.parse_args(["align", "a", "b", "--out", "o", "--lam", "0.9", "0.1"]))
     merged = learn_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"]))

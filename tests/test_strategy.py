@@ -314,7 +314,7 @@ def test_with_endpoint_targets_the_controls_are_distilled_to_the_clients_mixed_p
 
 def test_fedavg_ft_on_generated_text_trains_the_mean_on_what_the_clients_models_write() -> None:
     """server-data-source = generated: the round's server data is text the clients' GPT-2s sample (seeded by the
-    round), and no client gives any data up."""
+    round), and no client gives any data up; refine-targets "labels" trains on the sampled tokens."""
     cfg = preset("gpt2-tiny").replace(vocab_size=7, context=12)
     states = []
     for seed in range(3):
@@ -322,7 +322,7 @@ def test_fedavg_ft_on_generated_text_trains_the_mean_on_what_the_clients_models_
         states.append({k: v.detach().clone() for k, v in build_model(cfg).state_dict().items()})
     tune = TrainConfig(epochs=1, batch_size=8, lr=1e-2, seed=5, threads=1)
     s = SymmetryAwareFedAvg("fedavg-ft", ReplySchema({1.0: {k: tuple(v.shape) for k, v in states[0].items()}}), cfg,
-                            generate=24, tune=tune, min_train_nodes=2)
+                            generate=24, tune=tune, min_train_nodes=2, learn=LearnConfig(targets="labels"))
     s.current = RoundRecord(3)
     replies = [reply(st, metrics(examples=10), node=i + 1) for i, st in enumerate(states)]
     arrays, _ = s.aggregate_train(3, replies)
@@ -381,6 +381,19 @@ def test_each_aggregation_says_what_it_reads_of_the_server_data(changes: dict[st
     settings = RunSettings(server_data=8, **changes)  # type: ignore[arg-type]
     assert settings.server_data_read() == reads
     assert settings.generated == (8 if reads == "generated" else 0)  # text is sampled only for a reader of it
+
+
+@pytest.mark.parametrize(("source", "refine", "targets"), [
+    ("split", "auto", "labels"), ("generated", "auto", "endpoints"), ("generated", "labels", "labels"),
+    ("split", "endpoints", "endpoints")])
+def test_refine_targets_auto_learns_against_the_clients_on_the_text_they_write(source: str, refine: str,
+                                                                             targets: str) -> None:
+    """The default "auto": the clients' mixed prediction on generated text (its tokens are their samples), the
+    labels on held-back data; a named choice is kept."""
+    settings = RunSettings(aggregation="fedavg-ft", server_data=8, server_data_source=source, refine_targets=refine)
+    assert RunSettings().refine_targets == "auto" and settings.targets == targets
+    with pytest.raises(ConfigError, match="refine-targets must be one of"):
+        RunSettings(refine_targets="mixed")
 
 
 def test_server_only_refuses_alignment_options_in_one_line() -> None:

@@ -81,8 +81,9 @@ class LearnConfig:
     # reached barrier 0.040 with orthogonal maps and 0.051 with fixed ones.
     within: Within = "orthogonal"
     # What the path's loss is measured against: the data's labels, or the endpoints' own predictions mixed by the
-    # step's weights, Σ_i w_i softmax(f_i(x)), which reads the inputs only (no labels).
-    targets: Targets = "labels"
+    # step's weights, Σ_i w_i softmax(f_i(x)), which reads the inputs only (no labels). None: the endpoints on text
+    # the models wrote (glmc.generated.GeneratedText, whose "labels" are their samples), the labels otherwise.
+    targets: Targets | None = None
     sinkhorn_iters: int = 20  # soft permutations (App. D)
     soft_gain: float = 0.01  # App. D's noise gain: target P + |N(0, (gain/√n)²)| before the logarithm
     seed: int = 0
@@ -93,7 +94,7 @@ class LearnConfig:
         lo, hi = self.lam
         if self.within not in WITHIN:
             raise ConfigError(f"unknown within-head group {self.within!r}; known: {', '.join(WITHIN)}")
-        if self.targets not in TARGETS:
+        if self.targets is not None and self.targets not in TARGETS:
             raise ConfigError(f"unknown targets {self.targets!r}; known: {', '.join(TARGETS)}")
         check_options("learned matching", [
             ("≥ 1", lambda v: v >= 1, {"epochs": self.epochs, "steps": self.steps, "batch_size": self.batch_size,
@@ -426,6 +427,16 @@ class _Progress:
             self.stale += 1
 
 
+def targets_for(options: LearnConfig, data: Dataset) -> Targets:
+    """The targets a run learns against: ``options.targets``, else the endpoints on text the models wrote and the
+    labels on any other data."""
+    from glmc.generated import GeneratedText
+
+    if options.targets is not None:
+        return options.targets
+    return "endpoints" if isinstance(data, GeneratedText) else "labels"
+
+
 def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sampler: Sampler,
           points: Sequence[Weights], options: LearnConfig, *, form: Form = "standard",
           validation: Dataset | None = None) -> Learned:
@@ -436,7 +447,8 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     """
     start = time.perf_counter()
     train, val = split(data, options, validation)
-    path = Path(endpoints, cfg, form, options.dtype, options.dropout, options.targets)
+    targets = targets_for(options, data)
+    path = Path(endpoints, cfg, form, options.dtype, options.dropout, targets)
     latents = [e.latents.to(path.device) if e.latents else None for e in endpoints]
     params = [p for lat in latents if lat is not None for p in lat.parameters()]
     val_loader = DataLoader(val, batch_size=256)
@@ -452,7 +464,8 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
         torch.manual_seed(options.seed)  # dropout's masks: the same run twice, the caller's generator untouched
         stopped = _loop(path, latents, loader, total, sampler, points, val_loader, schedule, best, options)
     info = {"val_loss_init": best.history[0], "val_loss": best.loss, "best_step": best.step, "stopped": stopped,
-            "val_points": [list(w) for w in points], "learn_seconds": round(time.perf_counter() - start, 3)}
+            "val_points": [list(w) for w in points], "targets": targets,
+            "learn_seconds": round(time.perf_counter() - start, 3)}
     log.info("learned matching: validation loss %.5f → %.5f (step %d); %s", best.history[0], best.loss,
              best.step, stopped)
     return Learned(best.transforms, best.history, val, info)
