@@ -170,21 +170,25 @@ def pending(cell: Cell) -> dict[str, Any]:
 
 
 def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True,
-             reused: Sequence[dict[str, Any]] = (), gpus_per_client: float = 0.0) -> list[dict[str, Any]]:
+             reused: Sequence[dict[str, Any]] = (), gpus_per_client: float = 0.0,
+             selected: Callable[[Cell], bool] = lambda cell: True) -> list[dict[str, Any]]:
     """Every cell, reusing the saved rows of finished ones (and the finished ``reused`` rows of an earlier
-    results.json) unless ``force``; without ``run``, only those. ``gpus_per_client``: see :func:`run_simulation`."""
+    results.json) unless ``force``; without ``run``, only those; cells not ``selected`` are run by no one here
+    (another process may: each finished cell is saved on its own). ``gpus_per_client``: see
+    :func:`run_simulation`."""
     earlier = {r["cell"]: r for r in reused if r["status"] == "finished:completed"}
     rows = []
     with local_superlink_env() as env:
         for cell in grid(exp):
             saved = out / "cells" / f"{cell.name}.json"
-            if cell.name in earlier and not force:
+            keep = not force or not selected(cell)  # --force runs again only the cells this process runs
+            if cell.name in earlier and keep:
                 rows.append(earlier[cell.name])
                 continue
-            if saved.is_file() and not force:
+            if saved.is_file() and keep:
                 rows.append(json.loads(saved.read_text()))
                 continue
-            if not run:
+            if not run or not selected(cell):
                 rows.append(pending(cell))
                 continue
             row = run_cell(exp, cell, out, env, gpus_per_client)
@@ -438,6 +442,16 @@ CONTROL_NOTE = (" Δ vs strongest control: paired by seed, against the better (b
                 "clients), each with the same server-side budget as learned alignment's refinement.")
 
 
+def selection(exp: Experiment, seeds: Sequence[int] | None, labels: Sequence[str] | None) -> Callable[[Cell], bool]:
+    """Which cells this process runs (``--seeds``, ``--only``: all when not given); a seed or label the grid lacks is
+    a one-line ConfigError."""
+    if unknown := sorted(set(seeds or ()) - set(exp.seeds)):
+        raise ConfigError(f"--seeds {unknown} are not seeds of {exp.name!r}: {exp.seeds}")
+    if unknown_labels := sorted(set(labels or ()) - set(exp.aggregations)):
+        raise ConfigError(f"--only {unknown_labels} are not aggregations of {exp.name!r}: {list(exp.aggregations)}")
+    return lambda cell: (seeds is None or cell.seed in seeds) and (labels is None or cell.aggregation in labels)
+
+
 def publish(out: Path, name: str) -> Path:
     """Copy summary.md, results.json and the plots to simulations/results/NAME/ (committed)."""
     dest = PROJECT / "simulations" / "results" / name
@@ -463,6 +477,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--reuse", type=Path, metavar="JSON",
                       help="take the finished cells of an earlier results.json of this experiment and run only the "
                            "others (e.g. simulations/results/NAME/results.json after the grid gains an aggregation)")
+    parser.add_argument("--seeds", type=int, nargs="+", metavar="S",
+                        help="run only the cells of these seeds (the others are summarised if finished, else "
+                             "pending): several processes on one --out can share a grid, one cell each at a time")
+    parser.add_argument("--only", nargs="+", metavar="LABEL", help="run only the cells of these aggregations "
+                        "(labels of the config's aggregations), as --seeds does")
     parser.add_argument("--client-gpus", type=float, default=0.0, metavar="F",
                         help="GPUs per simulated client (Flower's client-resources-num-gpus; 0.25 puts four clients "
                              "on one GPU); the apps' client-device and server-device default to auto")
@@ -475,6 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.client_gpus and not torch.cuda.is_available():  # Ray would wait for a GPU forever
             raise ConfigError("--client-gpus asks for GPUs, but torch sees no CUDA GPU on this machine")
         exp = Experiment.load(args.config)
+        selected = selection(exp, args.seeds, args.only)
+        if (args.seeds or args.only) and (args.finished_only or args.from_results):
+            raise ConfigError("--seeds and --only choose the cells to run; --finished-only and --from-results run none")
         rows = whole_grid(exp, saved_rows(exp, args.from_results)) if args.from_results else None
         reused = saved_rows(exp, args.reuse) if args.reuse else []
     except ConfigError as err:
@@ -484,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if rows is None:
         rows = run_grid(exp, out, args.force, run=not args.finished_only, reused=reused,
-                        gpus_per_client=args.client_gpus)
+                        gpus_per_client=args.client_gpus, selected=selected)
     table, plots = write_outputs(exp, rows, out, args.config)
     print(table)
     for path in plots:

@@ -114,6 +114,32 @@ def test_finished_only_summarises_saved_cells_and_runs_nothing(tmp_path: Path) -
     assert not (tmp_path / "runs").exists()
 
 
+def test_seeds_and_only_run_their_cells_and_summarise_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--seeds and --only: this process runs just those cells; the others are taken from their saved rows (even
+    with --force) or listed as pending, so several processes can share one --out; unknown ones fail in one line."""
+    config = PROJECT / "simulations" / "configs" / "drift-smoke.toml"
+    exp = compare.Experiment.load(config)
+    first, *others = compare.grid(exp)
+    saved = next(c for c in others if c.seed != first.seed or c.aggregation != first.aggregation)
+    (tmp_path / "cells").mkdir()
+    (tmp_path / "cells" / f"{saved.name}.json").write_text(json.dumps(_finished_rows(exp)[1] | {"cell": saved.name}))
+    ran: list[str] = []
+    monkeypatch.setattr(compare, "run_cell", lambda exp, cell, *_: ran.append(cell.name) or compare.pending(cell))
+    only = compare.selection(exp, [first.seed], [first.aggregation])
+    rows = compare.run_grid(exp, tmp_path, force=True, selected=only)
+    assert ran == [c.name for c in compare.grid(exp) if only(c)] and first.name in ran and saved.name not in ran
+    assert {r["cell"]: r["status"] for r in rows}[saved.name] == "finished:completed"
+    with pytest.raises(compare.ConfigError, match="not seeds of"):
+        compare.selection(exp, [99], None)
+    with pytest.raises(compare.ConfigError, match="not aggregations of"):
+        compare.selection(exp, None, ["nope"])
+    assert compare.main(["--config", str(config), "--out", str(tmp_path), "--seeds", "99"]) == 2
+    assert compare.main(["--config", str(config), "--out", str(tmp_path), "--only", first.aggregation,
+                         "--finished-only"]) == 2
+    assert "run none" in capsys.readouterr().err
+
+
 def _finished_rows(exp: compare.Experiment) -> list[dict[str, object]]:
     """A finished row for every cell of ``exp``, with made-up records and the load at its end."""
     return [compare.pending(cell) | {
