@@ -182,7 +182,8 @@ def test_summary_marks_what_each_row_reads_and_its_delta_against_the_strongest_c
     config = PROJECT / "simulations" / "configs" / "oneshot.toml"
     exp = compare.Experiment.load(config)
     final = {"fedavg": 0.2, "weight": 0.3, "learned": 0.4, "weight-norms": 0.35, "activation-unguarded": 0.45,
-             "fedavg-ft": 0.5, "server-only": 0.6}
+             "fedavg-ft": 0.5, "server-only": 0.6, "learned-endpoints": 0.42, "fedavg-ft-endpoints": 0.52,
+             "server-only-endpoints": 0.62}
     final[best] = 0.9
     (tmp_path / "cells").mkdir()
     for row in _finished_rows(exp):
@@ -194,14 +195,15 @@ def test_summary_marks_what_each_row_reads_and_its_delta_against_the_strongest_c
     reads = head.index("server data read")
     against = head.index("Δ vs strongest control (pts)")
     expect = {"fedavg": "no", "weight": "no", "learned": "inputs + labels", "weight-norms": "no",
-              "activation-unguarded": "inputs", "fedavg-ft": "inputs + labels", "server-only": "inputs + labels"}
+              "activation-unguarded": "inputs", "fedavg-ft": "inputs + labels", "server-only": "inputs + labels",
+              "learned-endpoints": "inputs", "fedavg-ft-endpoints": "inputs", "server-only-endpoints": "inputs"}
     for agg, accuracy in final.items():
         cells = _summary_line(summary, agg)
         assert cells[reads] == expect[agg], agg
         delta = f"{100 * (accuracy - 0.9):.1f} ± 0.0 (vs {best})"
         assert cells[against] == ("–" if agg == best else delta), agg
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["controls"] == ["fedavg-ft", "server-only"]
+    assert saved["controls"] == ["fedavg-ft", "server-only", "fedavg-ft-endpoints", "server-only-endpoints"]
     assert saved["server_data_read"] == {k: v.replace("inputs + labels", "labels").replace("no", "none")
                                          for k, v in expect.items()}
 
