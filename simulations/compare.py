@@ -169,13 +169,12 @@ def pending(cell: Cell) -> dict[str, Any]:
             "records": []}
 
 
-def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True,
-             reused: Sequence[dict[str, Any]] = (), gpus_per_client: float = 0.0,
-             selected: Callable[[Cell], bool] = lambda cell: True) -> list[dict[str, Any]]:
+def run_grid(exp: Experiment, out: Path, force: bool, reused: Sequence[dict[str, Any]] = (),
+             gpus_per_client: float = 0.0, selected: Callable[[Cell], bool] = lambda cell: True,
+             ) -> list[dict[str, Any]]:
     """Every cell, reusing the saved rows of finished ones (and the finished ``reused`` rows of an earlier
-    results.json) unless ``force``; without ``run``, only those; cells not ``selected`` are run by no one here
-    (another process may: each finished cell is saved on its own). ``gpus_per_client``: see
-    :func:`run_simulation`."""
+    results.json) unless ``force``; cells not ``selected`` are run by no one here, only summarised (another process
+    may run them: each finished cell is saved on its own). ``gpus_per_client``: see :func:`run_simulation`."""
     earlier = {r["cell"]: r for r in reused if r["status"] == "finished:completed"}
     rows = []
     with local_superlink_env() as env:
@@ -188,7 +187,7 @@ def run_grid(exp: Experiment, out: Path, force: bool, run: bool = True,
             if saved.is_file() and keep:
                 rows.append(json.loads(saved.read_text()))
                 continue
-            if not run or not selected(cell):
+            if not selected(cell):
                 rows.append(pending(cell))
                 continue
             row = run_cell(exp, cell, out, env, gpus_per_client)
@@ -505,8 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if rows is None:
-        rows = run_grid(exp, out, args.force, run=not args.finished_only, reused=reused,
-                        gpus_per_client=args.client_gpus, selected=selected)
+        rows = run_grid(exp, out, args.force, reused=reused, gpus_per_client=args.client_gpus,
+                        selected=(lambda cell: False) if args.finished_only else selected)
     table, plots = write_outputs(exp, rows, out, args.config)
     print(table)
     for path in plots:

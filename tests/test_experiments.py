@@ -265,13 +265,14 @@ def test_from_results_refuses_rows_of_another_grid_in_one_line(edit: Callable[[d
 
 def test_reuse_takes_the_finished_cells_of_an_earlier_results_json(tmp_path: Path) -> None:
     """--reuse: an earlier results.json of part of the grid (a grid that gained an aggregation) gives its finished
-    cells; its failed cells and the cells it lacks are left to run (here, with run=False: pending)."""
+    cells; its failed cells and the cells it lacks are left to run (here, selecting none: pending)."""
     exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
     finished, failed, *_ = _finished_rows(exp)
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"experiment": exp.name, "config": exp.run,
                                    "rows": [finished, failed | {"status": "failed"}]}))
-    rows = compare.run_grid(exp, tmp_path, force=False, run=False, reused=compare.saved_rows(exp, results))
+    rows = compare.run_grid(exp, tmp_path, force=False, reused=compare.saved_rows(exp, results),
+                            selected=lambda cell: False)
     assert [r["status"] for r in rows] == ["finished:completed"] + ["pending"] * (len(compare.grid(exp)) - 1)
     assert rows[0] == finished
     foreign = finished | {"cell": "weight_other_equal_s9"}
