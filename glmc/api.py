@@ -40,9 +40,9 @@ def as_dataset(data: Data, cfg: ModelConfig, writers: tuple[Sequence[State], Seq
     if data is None or isinstance(data, Dataset):
         return data
     if data == GENERATED and writers[0]:
-        from glmc.generated import GENERATED_SAMPLES, generated_text
+        from glmc.generated import generated_text
 
-        return generated_text(*writers, GENERATED_SAMPLES, device=device)
+        return generated_text(*writers, device=device)
     if isinstance(data, str | Path):
         return load_data_file(data, cfg)
     if isinstance(data, tuple) and len(data) == 2:

@@ -144,9 +144,9 @@ def training_data(meta: CheckpointMeta, args: argparse.Namespace, n: int | None,
     if getattr(args, "generated", False):
         if given is not None:
             raise ConfigError("--generated and --train-file both name the training data: pass one of them")
-        from glmc.generated import GENERATED_SAMPLES, generated_text
+        from glmc.generated import generated_text
 
-        return generated_text(*writers, n or GENERATED_SAMPLES, device=getattr(args, "device", None))
+        return generated_text(*writers, n, device=getattr(args, "device", None))
     if given is None and not meta.dataset and getattr(args, "data_file", None) is not None:
         log.warning("no --train-file: the data-driven method fits on --data-file, the data it is measured on")
         given = args.data_file

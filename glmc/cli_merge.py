@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +146,7 @@ def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], l
 def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
     from glmc.formats import check_output
+    from glmc.generated import writing_seconds
     from glmc.merge import MERGE_METHODS, grid_steps
 
     if args.method not in MERGE_METHODS:
@@ -156,9 +156,8 @@ def run_merge(args: argparse.Namespace) -> int:
     check_output(args.out, early_format(args), args.force)
     natives, metas, target, mult = _prepare(args, args.checkpoints)
     fmt = output_format(args, metas[0])
-    began = time.perf_counter()
     setup = _setup(args, args.method, target, natives, metas)
-    written = {"generate_seconds": round(time.perf_counter() - began, 3)} if args.generated else {}
+    written = {"generate_seconds": round(writing_seconds(setup.train), 3)} if args.generated else {}
     configs = [m.config for m in metas]
     # Before the merge: a bad --limit or missing data costs nothing. Outside models with no --data-file are merged
     # and written, not evaluated.

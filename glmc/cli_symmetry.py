@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,12 +117,12 @@ def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, Checkpoint
 def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
            form: Form = "standard") -> Alignment:
     from glmc.align import DATA_METHODS, LEARNED_METHODS, align_pair
+    from glmc.generated import writing_seconds
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
-    began = time.perf_counter()
     data = training_data(meta, args, samples, ([state_a, state_b], [meta.config] * 2)) \
         if method in DATA_METHODS else None
-    written = time.perf_counter() - began if data is not None and args.generated else 0.0
+    written = writing_seconds(data)
     learn = learn_options(args) if method in LEARNED_METHODS else None
     aligned = align_pair(state_a, state_b, meta.config, method, form=form, data=data,
                          batch=samples or ACTIVATION_SAMPLES, learn=learn, start=weight_start(args),

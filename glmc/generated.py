@@ -32,7 +32,17 @@ SAMPLE_BATCH = 250  # windows one generate call writes at a time
 
 class GeneratedText(TensorDataset):
     """(inputs, sampled next tokens) that the models wrote: learned matching's targets default to the endpoints'
-    mixed predictions on it (glmc.match.learned.LearnConfig.targets), which were lower on all 6 measured pairs."""
+    mixed predictions on it (glmc.match.learned.LearnConfig.targets), which were lower on all 6 measured pairs.
+    ``seconds``: the time the writing took, which every front-end counts as part of the method's cost."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, seconds: float = 0.0) -> None:
+        super().__init__(inputs, targets)
+        self.seconds = seconds
+
+
+def writing_seconds(data: object) -> float:
+    """The seconds the models took to write ``data`` (0 for data they did not write): part of a method's cost."""
+    return data.seconds if isinstance(data, GeneratedText) else 0.0
 
 
 def shares(n: int, models: int) -> list[int]:
@@ -77,10 +87,11 @@ def sample_windows(model: nn.Module, cfg: ModelConfig, count: int, batch: int = 
     return torch.cat(rows)
 
 
-def generated_text(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], n: int, *,
-                   seed: int = 0, device: str | torch.device | None = None) -> GeneratedText:
-    """``n`` windows of text written by the models in equal shares, as (inputs (N, context), next-token targets);
-    ``seed`` fixes the sampling (the caller's random state is left as it was)."""
+def generated_text(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig],
+                   n: int | None = None, *, seed: int = 0, device: str | torch.device | None = None) -> GeneratedText:
+    """``n`` windows (default :data:`GENERATED_SAMPLES`) of text written by the models in equal shares, as (inputs
+    (N, context), next-token targets); ``seed`` fixes the sampling (the caller's random state is left as it was)."""
+    n = GENERATED_SAMPLES if n is None else n
     contexts = {(c.context, c.vocab_size) for c in configs}
     if len(contexts) > 1:
         raise ConfigError(f"generated text needs models of one context and vocabulary, got {sorted(contexts)}")
@@ -91,5 +102,6 @@ def generated_text(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
         torch.manual_seed(seed)
         windows = torch.cat([sample_windows(writer(s, c, place), c, k) for s, c, k in
                              zip(natives, configs, shares(n, len(natives)), strict=True)])
-    log.info("generated %d windows of %d tokens in %.0f s", len(windows), windows.shape[1], time.perf_counter() - began)
-    return GeneratedText(windows[:, :-1], windows[:, 1:])
+    seconds = time.perf_counter() - began
+    log.info("generated %d windows of %d tokens in %.0f s", len(windows), windows.shape[1], seconds)
+    return GeneratedText(windows[:, :-1], windows[:, 1:], seconds)

@@ -366,10 +366,9 @@ class SymmetryAwareFedAvg(FedAvg):
         write in equal shares (seeded by the round)."""
         if not self.generate:
             return self.server_data, 0.0
-        began = time.perf_counter()
         data = generated_text([c.state for c in clients], [scale_width(self.model_config, c.tier) for c in clients],
                               self.generate, seed=global_round, device=self.device)
-        return data, time.perf_counter() - began
+        return data, data.seconds
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(

@@ -10,12 +10,13 @@ import logging
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 import glmc
 from glmc.archs import build_model, preset
 from glmc.cli import main
 from glmc.errors import ConfigError
-from glmc.generated import generated_text, shares
+from glmc.generated import generated_text, shares, writing_seconds
 from glmc.match.learned import LearnConfig
 from tests.conftest import synthetic_text
 from tests.interop_models import HF, gpt2, logits, vit
@@ -58,7 +59,9 @@ def _follows_cycle(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def test_a_trained_model_writes_what_it_learned_and_an_untrained_one_does_not():
-    x, y = generated_text([_cycle_model()], [CYCLE], 64).tensors
+    written = generated_text([_cycle_model()], [CYCLE], 64)
+    x, y = written.tensors
+    assert writing_seconds(written) == written.seconds > 0 and writing_seconds(TensorDataset(x, y)) == 0  # its cost
     assert x.shape == y.shape == (64, CYCLE.context) and torch.equal(x[:, 1:], y[:, :-1])  # windows, shifted
     assert _follows_cycle(x, y) > 0.95
     torch.manual_seed(1)
