@@ -16,7 +16,9 @@ method:
 - ``fedavg-ft``: the control for the server-held data: ``fedavg``, then the merged model itself trained on that
   data with the learned refinement's budget (:func:`finetune`). ``learned`` minus ``fedavg-ft`` is what spending
   the same samples on choosing symmetries, rather than on the weights, is worth. When learned is scored against
-  the clients' mixed predictions (refine-targets "endpoints"), both controls are distilled to them instead.
+  the clients' mixed predictions (refine-targets "endpoints"), both controls are distilled to them instead: the
+  clients' models as clipped, mixed as the round averages (robust-average), so a hostile client teaches no more
+  than it moves the average.
 - ``server-only``: the other control: the clients are ignored; the previous global model (round 1: the initial
   model: seeded, so a model trained from scratch, or the ``init`` checkpoint) is trained on the server-held data
   with the same budget. After R rounds it has had R budgets, as fedavg-ft's model has. A data-using aggregation
@@ -137,10 +139,14 @@ def client_models(clients: Sequence[Client], full: ModelConfig) -> list[torch.nn
     return [_model(c.state, scale_width(full, c.tier)) for c in clients]
 
 
-def clients_teacher(clients: Sequence[Client], full: ModelConfig) -> PredictionMixture:
-    """The clients' own predictions mixed like their weights: what the controls are distilled to when the learned
-    refinement is scored against its endpoints (glmc.match.learned.targets_for), so that both read the same."""
-    return PredictionMixture(client_models(clients, full), get_arch(full.family), [c.weight for c in clients])
+def clients_teacher(states: Sequence[State], clients: Sequence[Client], full: ModelConfig,
+                    robust: Robustness) -> PredictionMixture:
+    """The clients' predictions, from ``states`` (theirs as the round's defences left them: clipped), mixed as the
+    round averages them (weighted by their capped weights, or FedMedian / FedTrimmedAvg of the probabilities): what
+    the controls are distilled to when the learned refinement is scored against its endpoints
+    (glmc.match.learned.targets_for), so that both read the same and no hostile client teaches unbounded."""
+    models = [_model(s, scale_width(full, c.tier)) for s, c in zip(states, clients, strict=True)]
+    return PredictionMixture(models, get_arch(full.family), [c.weight for c in clients], robust.prediction_average)
 
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
@@ -167,8 +173,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
         tune = replace(tune or TrainConfig(threads=1), device=device)
         distil = (aggregation in CONTROLS and data is not None
                   and targets_for(learn or LearnConfig(), data) == "endpoints")
-        teacher = clients_teacher(clients, full) if distil else None
-        return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust, teacher)
+        return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust, distil)
     arch = get_arch(full.family)
     states, configs = universe_states(clients, full)
     states = [to_device(s, device) for s in states]
@@ -237,20 +242,20 @@ def _require_equal_widths(mixed: bool, robust: Robustness) -> None:
 
 
 def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str, anchor: State | None,
-                  data: Dataset | None, tune: TrainConfig, robust: Robustness,
-                  teacher: PredictionMixture | None) -> MergeResult:
+                  data: Dataset | None, tune: TrainConfig, robust: Robustness, distil: bool) -> MergeResult:
     """HeteroFL's average of the clipped width slices (or their FedMedian / FedTrimmedAvg at equal widths), then
-    for fedavg-ft the fine-tuning on the server data; server-only trains the previous global model instead. With a
-    ``teacher`` both train against its predictions instead of the data's labels."""
+    for fedavg-ft the fine-tuning on the server data; server-only trains the previous global model instead. With
+    ``distil`` both train against the clipped clients' mixed predictions (:func:`clients_teacher`), not labels."""
     states, configs = universe_states(clients, full)
     before = embedded_distance(states, configs, full, [c.placement for c in clients])
-    if aggregation == "server-only":
-        native, seconds = finetune(_server_only(anchor), full, data, tune, teacher)
-        return MergeResult(native, seconds, before, before, [None] * len(clients))
     previous = anchor if anchor is not None else clients[0].state
     centers = [previous if cfg == full else heterofl.restrict(previous, full, cfg) for cfg in configs]
     natives = [c.state for c in clients]
     clipping = clip(natives, centers, robust.clip_ratio) if anchor is not None else unclipped(natives)
+    teacher = clients_teacher(clipping.states, clients, full, robust) if distil else None
+    if aggregation == "server-only":
+        native, seconds = finetune(_server_only(anchor), full, data, tune, teacher)
+        return MergeResult(native, seconds, before, before, [None] * len(clients), 0, clipping if distil else None)
     if robust.weighted_mean:
         native = heterofl.merge(clipping.states, configs, [c.weight for c in clients], full, previous)
     else:

@@ -10,9 +10,13 @@ import scipy.stats
 import torch
 from flwr.app import ArrayRecord
 from test_strategy import CFG, _permuted, as_numpy, logits, metrics, reply, schema, state, strategy
+from torch.utils.data import TensorDataset
 
 from client.attacks import attack
 from glmc.errors import ConfigError
+from glmc.match.learned import LearnConfig
+from glmc.train import TrainConfig
+from server.aggregation import Client, merge
 from server.robust import Robustness, cap_examples, clip, coordinatewise, distance, screen
 from server.settings import RunSettings
 from server.validation import check_reply
@@ -164,3 +168,47 @@ def test_the_attack_table_sets_each_cell_against_fedavg_without_an_attacker_and_
     assert lines[2] == "| no-attack | 50.0 (+0.0) | 55.0 (+5.0) |"
     assert lines[3] == "| scale | failed | 40.0 (-10.0) |"
     assert lines[-1] == "- failed, scale × fedavg-undefended (seed 0): failed:not-aggregated, why"
+
+
+def _distilled(aggregation: str, states: list[dict[str, torch.Tensor]], robust: Robustness,
+               anchor: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One round of ``aggregation`` distilled to the clients' predictions on 16 server images (labels unread)."""
+    data = TensorDataset(torch.randn(16, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.zeros(16).long())
+    clients = [Client(s, 10.0, 1.0) for s in states]
+    tune = TrainConfig(epochs=1, batch_size=8, lr=1e-2, seed=5, threads=1)
+    result = merge(clients, CFG, aggregation, anchor=anchor, data=data, learn=LearnConfig(targets="endpoints"),
+                   tune=tune, robust=robust)
+    assert result.state is not None
+    return result.state
+
+
+@pytest.mark.parametrize("aggregation", ["fedavg-ft", "server-only"])
+def test_a_distillation_teacher_reads_the_clients_as_clipped_and_mixes_them_as_the_round_averages(
+        aggregation: str) -> None:
+    """A client whose weights are scaled 1000× teaches as its clipped self (the model the average sees), not as the
+    confident model it sent; under FedMedian the teacher of two honest copies and an attacker is the honest model."""
+    anchor = state(0)
+    honest = [_tuned(anchor, i, scale=0.05) for i in range(3)]
+    attacker = {k: 1000 * v for k, v in honest[0].items()}
+    clipped = clip([*honest, attacker], [anchor] * 4, Robustness().clip_ratio).states[3]
+    defended = _distilled(aggregation, [*honest, attacker], Robustness(), anchor)
+    by_hand = _distilled(aggregation, [*honest, clipped], Robustness(), anchor)
+    undefended = _distilled(aggregation, [*honest, attacker], Robustness.off(), anchor)
+    x = torch.randn(32, 1, 8, 8)
+    gap = (logits(defended, x) - logits(by_hand, x)).abs().max()
+    assert gap < 1e-4 < (logits(defended, x) - logits(undefended, x)).abs().max()
+    median = Robustness(average="fedmedian")
+    pair = [honest[0], honest[0]]
+    torch.testing.assert_close(_distilled(aggregation, [*pair, attacker], median, anchor),
+                               _distilled(aggregation, [*pair, honest[0]], median, anchor), rtol=0, atol=0)
+
+
+def test_robust_prediction_averages_are_renormalised_medians_and_trimmed_means() -> None:
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.0, 0.0, 1.0]])
+    assert Robustness().prediction_average is None  # the weighted mean, as before
+    median = Robustness(average="fedmedian").prediction_average
+    assert median is not None
+    torch.testing.assert_close(median(probs), torch.tensor([0.6, 0.2, 0.1]))
+    trimmed = Robustness(average="fedtrimmedavg", trim_beta=0.34).prediction_average
+    assert trimmed is not None
+    torch.testing.assert_close(trimmed(probs), torch.tensor([0.6, 0.2, 0.1]))
