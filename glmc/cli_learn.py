@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+TARGET_NAMES = ["labels", "endpoints"]  # glmc.match.learned.TARGETS, without importing torch
+WITHIN_NAMES = ["fixed", "orthogonal", "invertible"]  # glmc.match.learned.WITHIN, without importing torch
 DATA_HELP = "dataset directory (default: the dataset's own copy, under $GLMC_DATA, .data/ or the system path)"
 
 
@@ -78,11 +80,11 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     parser.add_argument("--patience", type=int, metavar="N",
                         help="learned methods: stop after N validations without improvement (default 5; 0 never "
                              "stops early)")
-    parser.add_argument("--targets", choices=["labels", "endpoints"],  # glmc.match.learned.TARGETS
+    parser.add_argument("--targets", choices=TARGET_NAMES,
                         help="learned methods: score the path against the data's labels or against the endpoints' "
                              "own predictions mixed like their weights, which reads no labels (default: endpoints "
                              "with --generated, else labels)")
-    parser.add_argument("--within", choices=["fixed", "orthogonal", "invertible"],  # glmc.match.learned.WITHIN
+    parser.add_argument("--within", choices=WITHIN_NAMES,
                         help="learned methods: the within-head maps, kept from weight matching, learned as "
                              "orthogonal maps (default) or learned as any invertible maps")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")

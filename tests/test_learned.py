@@ -20,11 +20,13 @@ from glmc.barrier import interpolate
 from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import load_model
 from glmc.cli import build_parser, main
-from glmc.cli_learn import learn_options
+from glmc.cli_learn import TARGET_NAMES, WITHIN_NAMES, learn_options
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError, SpecError
 from glmc.match.dual import dual_match, mixing_sampler, refine_universe
 from glmc.match.learned import (
+    TARGETS,
+    WITHIN,
     Endpoint,
     Latents,
     LearnConfig,
@@ -351,6 +353,7 @@ def test_learned_flags_reach_learn_config_in_every_command():
         learn_options(parser.parse_args(["align", "a", "b", "--out", "o", "--lam", "0.9", "0.1"]))
     merged = learn_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"]))
     assert (merged.epochs, merged.concentration) == (1, 0.1)  # merge's own default of one pass
+    assert (list(TARGETS), list(WITHIN)) == (TARGET_NAMES, WITHIN_NAMES)  # the CLI lists them without importing torch
 
 
 def test_pair_validation_points_span_the_training_range():
