@@ -144,7 +144,8 @@ def clients_teacher(states: Sequence[State], clients: Sequence[Client], full: Mo
     """The clients' predictions, from ``states`` (theirs as the round's defences left them: clipped), mixed as the
     round averages them (weighted by their capped weights, or FedMedian / FedTrimmedAvg of the probabilities): what
     the controls are distilled to when the learned refinement is scored against its endpoints
-    (glmc.match.learned.targets_for), so that both read the same and no hostile client teaches unbounded."""
+    (glmc.match.learned.targets_for), so that both read the same in an honest round (learned's endpoints are the
+    clients as screened before matching) and no hostile client teaches unbounded."""
     models = [_model(s, scale_width(full, c.tier)) for s, c in zip(states, clients, strict=True)]
     return PredictionMixture(models, get_arch(full.family), [c.weight for c in clients], robust.prediction_average)
 
