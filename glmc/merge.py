@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -106,27 +106,21 @@ class LogitEnsemble(nn.Module):
 
 class PredictionMixture(nn.Module):
     """Σ_i w_i softmax(f_i(x)): several models' predicted probabilities mixed by fixed weights (normalised), each
-    model at its own width; the soft targets a model is distilled to (:func:`glmc.train.train`'s ``teacher``).
+    model at its own width; the soft targets a model is distilled to (:func:`glmc.train.train`'s ``teacher``)."""
 
-    ``reduce``, if given, mixes them instead: it takes the stacked probabilities (models first) and returns one
-    non-negative array, renormalised to sum to 1 (a robust average, so that no one model decides the targets)."""
-
-    def __init__(self, models: Sequence[nn.Module], arch: Arch, weights: Sequence[float],
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(self, models: Sequence[nn.Module], arch: Arch, weights: Sequence[float]) -> None:
         super().__init__()
         if not models or len(weights) != len(models) or min(weights) < 0 or sum(weights) <= 0:
             raise ConfigError(f"a prediction mixture needs one non-negative weight per model, some positive; got "
                               f"{len(models)} models and weights {list(weights)}")
-        self.members, self.arch, self.reduce = nn.ModuleList(models), arch, reduce
+        self.members, self.arch = nn.ModuleList(models), arch
         self.weights = [w / sum(weights) for w in weights]
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = [self.arch.logits(m, x).float().softmax(-1) for m in self.members]
-        if self.reduce is None:
-            return torch.stack([w * p for w, p in zip(self.weights, probs, strict=True)]).sum(0)
-        mixed = self.reduce(torch.stack(probs)).clamp_min(0)
-        return mixed / mixed.sum(-1, keepdim=True).clamp_min(torch.finfo(mixed.dtype).tiny)
+        mixed = [w * self.arch.logits(m, x).float().softmax(-1) for w, m in zip(self.weights, self.members,
+                                                                                 strict=True)]
+        return torch.stack(mixed).sum(0)
 
 
 def ensemble_metrics(models: Sequence[nn.Module], arch: Arch, data: Dataset, batch_size: int = 256,

@@ -17,8 +17,8 @@ method:
   data with the learned refinement's budget (:func:`finetune`). ``learned`` minus ``fedavg-ft`` is what spending
   the same samples on choosing symmetries, rather than on the weights, is worth. When learned is scored against
   the clients' mixed predictions (refine-targets "endpoints"), both controls are distilled to them instead: the
-  clients' models as clipped, mixed as the round averages (robust-average), so a hostile client teaches no more
-  than it moves the average.
+  clients' models as clipped, mixed by their capped weights, so a hostile client teaches no more than it moves the
+  average.
 - ``server-only``: the other control: the clients are ignored; the previous global model (round 1: the initial
   model: seeded, so a model trained from scratch, or the ``init`` checkpoint) is trained on the server-held data
   with the same budget. After R rounds it has had R budgets, as fedavg-ft's model has. A data-using aggregation
@@ -139,15 +139,15 @@ def client_models(clients: Sequence[Client], full: ModelConfig) -> list[torch.nn
     return [_model(c.state, scale_width(full, c.tier)) for c in clients]
 
 
-def clients_teacher(states: Sequence[State], clients: Sequence[Client], full: ModelConfig,
-                    robust: Robustness) -> PredictionMixture:
-    """The clients' predictions, from ``states`` (theirs as the round's defences left them: clipped), mixed as the
-    round averages them (weighted by their capped weights, or FedMedian / FedTrimmedAvg of the probabilities): what
+def clients_teacher(states: Sequence[State], clients: Sequence[Client], full: ModelConfig) -> PredictionMixture:
+    """The clients' predictions, from ``states`` (theirs as clipping left them), mixed by their capped weights: what
     the controls are distilled to when the learned refinement is scored against its endpoints
     (glmc.match.learned.targets_for), so that both read the same in an honest round (learned's endpoints are the
-    clients as screened before matching) and no hostile client teaches unbounded."""
+    clients as screened before matching) and no hostile client teaches as more than the model the average sees.
+    Under FedMedian too: a median of the predictions drops each class's one expert when the data are not IID
+    (simulations/results/attacks-distil)."""
     models = [_model(s, scale_width(full, c.tier)) for s, c in zip(states, clients, strict=True)]
-    return PredictionMixture(models, get_arch(full.family), [c.weight for c in clients], robust.prediction_average)
+    return PredictionMixture(models, get_arch(full.family), [c.weight for c in clients])
 
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
@@ -253,7 +253,7 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
     centers = [previous if cfg == full else heterofl.restrict(previous, full, cfg) for cfg in configs]
     natives = [c.state for c in clients]
     clipping = clip(natives, centers, robust.clip_ratio) if anchor is not None else unclipped(natives)
-    teacher = clients_teacher(clipping.states, clients, full, robust) if distil else None
+    teacher = clients_teacher(clipping.states, clients, full) if distil else None
     if aggregation == "server-only":
         native, seconds = finetune(_server_only(anchor), full, data, tune, teacher)
         return MergeResult(native, seconds, before, before, [None] * len(clients), 0, clipping if distil else None)

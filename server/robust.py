@@ -16,10 +16,6 @@ aggregation, in the space the clients are averaged in (after alignment, for the 
   ``fedtrimmedavg`` with ``trim-beta`` (Flower's FedTrimmedAvg: ``int(beta·n)`` values cut from each end), both
   unweighted as in Flower, of the aligned clients. Equal widths only.
 
-A distillation teacher (fedavg-ft, server-only against the clients' predictions) reads the clients as clipped and
-mixes their predictions as the round averages their weights: weighted by the capped num-examples, or FedMedian /
-FedTrimmedAvg of the probabilities.
-
 With the lower median, one attacker among n ≥ 2 honest clients cannot raise either bound past the largest honest
 value, so the defaults, set above every honest round measured (simulations/results/attacks), leave an honest round
 bit for bit what it was without them. Bound (mean, one attacker): the global model lies within
@@ -32,7 +28,7 @@ import functools
 import logging
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,13 +71,6 @@ class Robustness:
     @property
     def weighted_mean(self) -> bool:
         return self.average == "fedavg"
-
-    @property
-    def prediction_average(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """How a distillation teacher mixes the clients' predictions, as the round averages their weights: None
-        for the weighted mean, else FedMedian's or FedTrimmedAvg's :func:`middle_mean` of the probabilities."""
-        return None if self.weighted_mean else functools.partial(middle_mean, average=self.average,
-                                                                 beta=self.trim_beta)
 
 
 def cap_examples(weights: Sequence[float], robust: Robustness) -> list[float]:
@@ -166,18 +155,16 @@ def weighted_mean(states: Sequence[State], weights: Sequence[float]) -> State:
                 / total).to(v.dtype) for k, v in states[0].items()}
 
 
-def middle_mean(stacked: torch.Tensor, average: str, beta: float) -> torch.Tensor:
-    """Over the first dimension (n values of every coordinate): their median (the mean of the middle two for even
-    n) for ``fedmedian``, else their mean after cutting ``int(beta·n)`` values from each end (``fedtrimmedavg``)."""
-    n = len(stacked)
-    low, high = ((n - 1) // 2, n // 2 + 1) if average == "fedmedian" else (int(beta * n), n - int(beta * n))
-    return stacked.sort(dim=0).values[low:high].mean(dim=0)
-
-
 def coordinatewise(states: Sequence[State], average: str, beta: float) -> State:
-    """Flower's FedMedian or FedTrimmedAvg of every coordinate (:func:`middle_mean`), unweighted."""
-    return {key: middle_mean(torch.stack([s[key].double() for s in states]), average, beta).to(like.dtype)
-            for key, like in states[0].items()}
+    """Flower's FedMedian (the median of every coordinate; the mean of the middle two for even n) or FedTrimmedAvg
+    (the mean of every coordinate after cutting ``int(beta·n)`` values from each end), unweighted."""
+    n = len(states)
+    low, high = ((n - 1) // 2, n // 2 + 1) if average == "fedmedian" else (int(beta * n), n - int(beta * n))
+    merged: State = {}
+    for key, like in states[0].items():
+        ordered = torch.stack([s[key].double() for s in states]).sort(dim=0).values
+        merged[key] = ordered[low:high].mean(dim=0).to(like.dtype)
+    return merged
 
 
 def combine(states: Sequence[State], weights: Sequence[float], robust: Robustness) -> State:

@@ -183,10 +183,9 @@ def _distilled(aggregation: str, states: list[dict[str, torch.Tensor]], robust: 
 
 
 @pytest.mark.parametrize("aggregation", ["fedavg-ft", "server-only"])
-def test_a_distillation_teacher_reads_the_clients_as_clipped_and_mixes_them_as_the_round_averages(
-        aggregation: str) -> None:
+def test_a_distillation_teacher_reads_the_clients_as_clipped(aggregation: str) -> None:
     """A client whose weights are scaled 1000× teaches as its clipped self (the model the average sees), not as the
-    confident model it sent; under FedMedian the teacher of two honest copies and an attacker is the honest model."""
+    confident model it sent."""
     anchor = state(0)
     honest = [_tuned(anchor, i, scale=0.05) for i in range(3)]
     attacker = {k: 1000 * v for k, v in honest[0].items()}
@@ -197,18 +196,3 @@ def test_a_distillation_teacher_reads_the_clients_as_clipped_and_mixes_them_as_t
     x = torch.randn(32, 1, 8, 8)
     gap = (logits(defended, x) - logits(by_hand, x)).abs().max()
     assert gap < 1e-4 < (logits(defended, x) - logits(undefended, x)).abs().max()
-    median = Robustness(average="fedmedian")
-    pair = [honest[0], honest[0]]
-    torch.testing.assert_close(_distilled(aggregation, [*pair, attacker], median, anchor),
-                               _distilled(aggregation, [*pair, honest[0]], median, anchor), rtol=0, atol=0)
-
-
-def test_robust_prediction_averages_are_renormalised_medians_and_trimmed_means() -> None:
-    probs = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.0, 0.0, 1.0]])
-    assert Robustness().prediction_average is None  # the weighted mean, as before
-    median = Robustness(average="fedmedian").prediction_average
-    assert median is not None
-    torch.testing.assert_close(median(probs), torch.tensor([0.6, 0.2, 0.1]))
-    trimmed = Robustness(average="fedtrimmedavg", trim_beta=0.34).prediction_average
-    assert trimmed is not None
-    torch.testing.assert_close(trimmed(probs), torch.tensor([0.6, 0.2, 0.1]))
