@@ -146,8 +146,8 @@ def clients_teacher(states: Sequence[State], clients: Sequence[Client], full: Mo
     clients as screened before matching) and no hostile client teaches as more than the model the average sees.
     Under FedMedian too: a median of the predictions drops each class's one expert when the data are not IID
     (simulations/results/attacks-distil)."""
-    models = [_model(s, scale_width(full, c.tier)) for s, c in zip(states, clients, strict=True)]
-    return PredictionMixture(models, get_arch(full.family), [c.weight for c in clients])
+    held = [replace(c, state=s) for s, c in zip(states, clients, strict=True)]
+    return PredictionMixture(client_models(held, full), get_arch(full.family), [c.weight for c in clients])
 
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from glmc.archs import ModelConfig, State, scale_width
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
-from glmc.generated import generated_text
+from glmc.generated import generated_text, writing_seconds
 from glmc.match.learned import LearnConfig
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.train import TrainConfig
@@ -353,22 +353,21 @@ class SymmetryAwareFedAvg(FedAvg):
         fresh = self.independent_init and global_round == 1 and self.aggregation not in ("fedavg", "server-only")
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
         tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
-        data, seconds = self._round_data(global_round, clients)
+        data = self._round_data(global_round, clients)
         result = merge(clients, self.model_config, self.aggregation, anchor=anchor, data=data,
                      iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
                      restore=self.restore_norms, repair=self.repair, refit=self.refit,
                      min_gain=self.min_alignment_gain, robust=self.robust, device=str(self.device),
                      weight_start=self.weight_start, weight=self.weight)
-        return dataclasses.replace(result, align_seconds=result.align_seconds + seconds)
+        return dataclasses.replace(result, align_seconds=result.align_seconds + writing_seconds(data))
 
-    def _round_data(self, global_round: int, clients: list[Client]) -> tuple[Dataset | None, float]:
-        """The server data of this round and the seconds it took: the held-back split, or text the clients' models
-        write in equal shares (seeded by the round)."""
+    def _round_data(self, global_round: int, clients: list[Client]) -> Dataset | None:
+        """The server data of this round: the held-back split, or text the clients' models write in equal shares
+        (seeded by the round; its writing time counts as alignment, :func:`glmc.generated.writing_seconds`)."""
         if not self.generate:
-            return self.server_data, 0.0
-        data = generated_text([c.state for c in clients], [scale_width(self.model_config, c.tier) for c in clients],
+            return self.server_data
+        return generated_text([c.state for c in clients], [scale_width(self.model_config, c.tier) for c in clients],
                               self.generate, seed=global_round, device=self.device)
-        return data, data.seconds
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
         record.mean_client_accuracy = statistics.fmean(
