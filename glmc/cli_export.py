@@ -12,6 +12,10 @@ if TYPE_CHECKING:
     from glmc.checkpoint import CheckpointMeta
 
 FORMAT_NAMES = ["glmc", "hf", "timm"]  # glmc.formats.FORMATS, without importing torch
+DTYPE_NAMES = ["float32", "float16", "bfloat16"]  # glmc.formats.DTYPES, likewise
+DTYPE_HELP = ("the precision the output's tensors are stored in (default float32); glmc computes in float32 or "
+              "float64 and reads any of these back as float32, so float16 and bfloat16 halve the file at the cost of "
+              "their rounding")
 FORMAT_HELP = ("what --out is: glmc (a .safetensors checkpoint), hf (a Hugging Face folder for from_pretrained) or "
                "timm (a .safetensors state dict with timm.create_model kwargs in a .json beside it); default: hf for "
                "an --out without .safetensors, else the format of the model written (B for align, the first input for "
@@ -20,6 +24,11 @@ FORMAT_HELP = ("what --out is: glmc (a .safetensors checkpoint), hf (a Hugging F
 
 def add_format_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=FORMAT_NAMES, help=FORMAT_HELP)
+    add_dtype_argument(parser)
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help=DTYPE_HELP)
 
 
 def early_format(args: argparse.Namespace) -> str:
@@ -45,16 +54,17 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--timm", type=Path, metavar="FILE", help="write a timm state dict (ViT), FILE.safetensors "
                      "with its create_model kwargs in FILE.json")
     out.add_argument("--glmc", type=Path, metavar="FILE", help="write a glmc checkpoint (.safetensors)")
+    add_dtype_argument(parser)
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """Read the checkpoint and write it, unchanged, in the asked format."""
+    """Read the checkpoint and write it, unchanged but for the asked precision, in the asked format."""
     from glmc.formats import check_output, read, write
 
     fmt, out = next((name, getattr(args, name)) for name in FORMAT_NAMES if getattr(args, name) is not None)
     check_output(out, fmt, args.force)
     state, meta = read(args.checkpoint)
-    write(out, fmt, state, meta)
-    print(json.dumps({"out": str(out), "format": fmt, "family": meta.config.family}))
+    write(out, fmt, state, meta, args.dtype)
+    print(json.dumps({"out": str(out), "format": fmt, "dtype": args.dtype, "family": meta.config.family}))
     return 0

@@ -179,7 +179,7 @@ def run_merge(args: argparse.Namespace) -> int:
 
 def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
                     mult: float, fmt: str) -> tuple[UniverseResult, dict[str, Any]]:
-    """Universe matching, then the merged model written as a standard float32 checkpoint in ``fmt``."""
+    """Universe matching, then the merged model written as a standard checkpoint in ``fmt``, stored as --dtype."""
     from glmc.archs import get_arch
     from glmc.formats import write
     from glmc.merge import merge_states
@@ -189,10 +189,10 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     split = f"merged from {len(natives)} checkpoints by {setup.method}: {', '.join(p.name for p in args.checkpoints)}"
     meta = dataclasses.replace(metas[0], config=setup.target, width_mult=mult, seed=None, split=split, metrics={},
                                train={})
-    write(args.out, fmt, native, meta)
-    return result, {"out": str(args.out), "format": fmt, "method": setup.method, "restore_norms": setup.restore_norms,
-                    "repair": setup.repair, "refit": setup.refit, "matcher": setup.matcher(),
-                    "target": setup.target.to_dict(),
+    write(args.out, fmt, native, meta, args.dtype)
+    return result, {"out": str(args.out), "format": fmt, "dtype": args.dtype, "method": setup.method,
+                    "restore_norms": setup.restore_norms, "repair": setup.repair, "refit": setup.refit,
+                    "matcher": setup.matcher(), "target": setup.target.to_dict(),
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
 
 

@@ -155,8 +155,8 @@ def run_align(args: argparse.Namespace) -> int:
     native = get_arch(config.family).to_native(moved, config.depth)
     split = f"{meta_b.split}; aligned to {args.a.name} by {args.method}"
     out_meta = dataclasses.replace(meta_b, config=config, width_mult=meta.width_mult, split=split)
-    write(args.out, fmt, native, out_meta)
-    print(json.dumps({"out": str(args.out), "format": fmt, "method": args.method, **report}))
+    write(args.out, fmt, native, out_meta, args.dtype)
+    print(json.dumps({"out": str(args.out), "format": fmt, "dtype": args.dtype, "method": args.method, **report}))
     return 0
 
 

@@ -7,7 +7,8 @@
 - ``timm``: a ViT's ``state_dict`` as .safetensors, with ``timm.create_model``'s kwargs, model name included, in a
   JSON file of the same stem beside it (``vit.safetensors`` + ``vit.json``).
 
-Every model read is checked against glmc's rebuild of it (:func:`glmc.live.read_module`). Pickle formats
+Every model read is checked against glmc's rebuild of it (:func:`glmc.live.read_module`) and held in float32,
+whatever precision it was stored in; a writer stores float32 unless asked for float16 or bfloat16. Pickle formats
 (``pytorch_model.bin``, ``.pt``, ``.pth``) are refused unopened: unpickling a file can run any code.
 """
 
@@ -36,6 +37,7 @@ from glmc.live import read_module
 log = logging.getLogger(__name__)
 
 FORMATS = ("glmc", "hf", "timm")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # what a writer can store
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HF_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers saved with GPT-2's weights
@@ -55,7 +57,8 @@ def _pickle_error(path: Path) -> CheckpointError:
 
 
 def read(path: str | Path) -> tuple[State, CheckpointMeta]:
-    """The native (untied) state and metadata of a glmc checkpoint, an HF folder or a timm state dict."""
+    """The native (untied) state, in float32 whatever precision was stored, and metadata of a glmc checkpoint, an HF
+    folder or a timm state dict."""
     path = Path(path)
     if path.suffix in PICKLE_SUFFIXES:
         raise _pickle_error(path)
@@ -66,7 +69,8 @@ def read(path: str | Path) -> tuple[State, CheckpointMeta]:
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path} is neither a .safetensors file nor a Hugging Face folder")
     if META_KEY in _header(path):
-        return load_checkpoint(path)
+        state, meta = load_checkpoint(path)
+        return cast(state, torch.float32), meta
     return read_timm(path)
 
 
@@ -220,9 +224,11 @@ def _write_tokenizer(folder: Path, meta: CheckpointMeta) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(str(folder))
 
 
-def write_hf(folder: Path, native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> None:
-    """``save_pretrained`` of the state's GPT2LMHeadModel (float32), its tokenizer, and glmc's metadata."""
-    model = hf_model(cast(native, torch.float32), meta)
+def write_hf(folder: Path, native: Mapping[str, torch.Tensor], meta: CheckpointMeta,
+             dtype: torch.dtype = torch.float32) -> None:
+    """``save_pretrained`` of the state's GPT2LMHeadModel in ``dtype`` (its config.json says which), its tokenizer,
+    and glmc's metadata."""
+    model = hf_model(cast(native, torch.float32), meta).to(dtype)
 
     def fill(tmp: Path) -> None:
         with _quiet_transformers():
@@ -326,10 +332,12 @@ def timm_kwargs(cfg: ModelConfig, origin: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def write_timm(path: Path, native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> None:
-    """The state dict (a glmc checkpoint, so it keeps its metadata) and its kwargs JSON, checked to load strictly."""
+def write_timm(path: Path, native: Mapping[str, torch.Tensor], meta: CheckpointMeta,
+               dtype: torch.dtype = torch.float32) -> None:
+    """The state dict in ``dtype`` (a glmc checkpoint, so it keeps its metadata) and its kwargs JSON, checked to
+    load strictly."""
     kwargs = timm_kwargs(meta.config, meta.origin)
-    state = cast(native, torch.float32)
+    state = cast(native, dtype)
     try:
         timm_model(kwargs, path).load_state_dict(state, strict=True)
     except RuntimeError as err:
@@ -366,15 +374,19 @@ def check_output(path: Path, fmt: str, force: bool) -> None:
         raise CheckpointError(f"{path} already exists; pass --force to overwrite it")
 
 
-def write(path: str | Path, fmt: str, native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Path:
-    """Write a native state in ``fmt`` (glmc, hf or timm), float32; returns the path."""
+def write(path: str | Path, fmt: str, native: Mapping[str, torch.Tensor], meta: CheckpointMeta,
+          dtype: str = "float32") -> Path:
+    """Write a native state in ``fmt`` (glmc, hf or timm), its tensors stored as ``dtype`` (a key of
+    :data:`DTYPES`); returns the path. Every reader computes in float32 or float64 whatever was stored."""
     path = Path(path)
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     if fmt == "hf":
-        write_hf(path, native, meta)
+        write_hf(path, native, meta, DTYPES[dtype])
     elif fmt == "timm":
-        write_timm(path, native, meta)
+        write_timm(path, native, meta, DTYPES[dtype])
     elif fmt == "glmc":
-        save_checkpoint(path, cast(native, torch.float32), meta)
+        save_checkpoint(path, cast(native, DTYPES[dtype]), meta)
     else:
         raise ConfigError(f"unknown output format {fmt!r}; known: {', '.join(FORMATS)}")
     return path

@@ -17,7 +17,8 @@ from glmc.archs import cast, get_arch
 from glmc.canonical import canonicalize
 from glmc.check import TOLERANCE, classes_for, invariance_errors
 from glmc.cli import main
-from glmc.formats import read
+from glmc.cli_export import DTYPE_NAMES
+from glmc.formats import DTYPES, read
 from glmc.live import like, read_module
 from glmc.transforms import MATCHABLE, apply, random_transform
 from tests.interop_models import HF, TIMM, VIT_VARIANTS, Library, gpt2, logits, vit, vit_kwargs
@@ -83,6 +84,43 @@ def test_round_trip_through_the_command_line(tmp_path, name):
     arch = get_arch(meta.config.family)
     folded = arch.to_native(canonicalize(arch, state, meta.config.depth), meta.config.depth)
     assert max((aligned[k] - folded[k]).abs().max() for k in folded) <= F32  # the planted transform is undone
+
+
+HALF = 1e-2  # the bar for the same weights after rounding to float16 or bfloat16 and back (a plant moves them > 0.5)
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("gpt2-untied", "float16"), ("gpt2-tied", "bfloat16"),
+                                             ("vit-layer-scale", "bfloat16"), ("vit-plain", "float16")])
+def test_half_precision_checkpoints_are_read_as_float32_and_written_as_asked(tmp_path, name, dtype):
+    """A model and its planted copy, saved in half precision by their own library: glmc reads them as float32,
+    undoes the plant, and stores the result in the --dtype asked for, which the library loads back."""
+    make, lib, kwargs = CASES[name]
+    model = make()
+    a, b, out = (tmp_path / f"{stem}{lib.suffix}" for stem in ("a", "b", "out"))
+    lib.save(copy.deepcopy(model).to(DTYPES[dtype]), a, kwargs)
+    lib.save(_plant(model).to(DTYPES[dtype]), b, kwargs)
+    state, meta = read(a)
+    assert {v.dtype for v in state.values()} == {torch.float32}
+    assert main(["align", str(a), str(b), "--out", str(out), "--dtype", dtype]) == 0
+    stored = load_file(str(out / "model.safetensors" if out.is_dir() else out))
+    assert {v.dtype for v in stored.values()} == {DTYPES[dtype]}
+    x = lib.inputs(model)
+    assert (logits(lib.load(out).float(), x) - logits(model, x)).abs().max() <= 3 * HALF
+    arch = get_arch(meta.config.family)
+    folded = arch.to_native(canonicalize(arch, state, meta.config.depth), meta.config.depth)
+    assert max((read(out)[0][k] - folded[k]).abs().max() for k in folded) <= HALF  # the plant is undone
+
+
+def test_export_stores_the_precision_asked_and_reads_it_back_exactly(tmp_path):
+    model = gpt2(tied=False)
+    HF.save(model, tmp_path / "hf", {})
+    assert main(["export", str(tmp_path / "hf"), "--glmc", str(tmp_path / "bf16.safetensors"), "--dtype",
+                 "bfloat16"]) == 0
+    assert main(["export", str(tmp_path / "bf16.safetensors"), "--glmc", str(tmp_path / "f32.safetensors")]) == 0
+    state, half, back = (read(tmp_path / p)[0] for p in ("hf", "bf16.safetensors", "f32.safetensors"))
+    assert all(torch.equal(half[k], state[k].to(torch.bfloat16).float()) for k in state)  # rounded once, upcast
+    assert all(torch.equal(back[k], half[k]) for k in state) and any(not torch.equal(half[k], state[k]) for k in state)
+    assert list(DTYPES) == DTYPE_NAMES  # the CLI lists them without importing torch
 
 
 @pytest.mark.parametrize("name", ["gpt2-tied", "vit-dinov2-like"])
