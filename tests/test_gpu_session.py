@@ -8,10 +8,14 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
-from simulations.bench import learning_budget, weight_options
+from glmc.archs import build_model
+from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from glmc.formats import read, write
+from simulations.bench import gpu_session, learning_budget, weight_options
 from simulations.bench.barriers import label
-from simulations.bench.gpu_session import Step, pack, results_of, run_steps, seed_training, tiny_configs
+from simulations.bench.gpu_session import Step, pack, results_of, run_steps, seed_paths, seed_training, tiny_configs
 
 PY = [sys.executable, "-c"]
 
@@ -69,3 +73,33 @@ def test_a_tiny_session_bench_publishes_under_its_own_folder(bench, config, fold
     monkeypatch.setattr(bench, "markdown", lambda name, entry: [f"{name}: {entry['model']}"])
     assert bench.main(["--config", str(configs[config]), "--models", "gpt2-paper"]) == 0
     assert "gpt2-paper: gpt2-paper" in (tmp_path / "results" / folder / "summary.md").read_text()
+
+
+def test_seeds_come_back_in_float16_within_the_budget_and_are_placed_in_float32(tmp_path, monkeypatch, tiny_gpt2):
+    """Two of the six seeds fit the budget; cut into parts, they are put back at every path their group names."""
+    monkeypatch.setattr(gpu_session, "LOGS", tmp_path / "logs")
+    configs = tiny_configs(tmp_path / "there", ["gpt2-paper"])
+    groups = list(seed_paths(configs, ["gpt2-paper"]).values())
+    cfg = tiny_gpt2
+    for i, paths in enumerate(groups):
+        torch.manual_seed(i)
+        save_checkpoint(paths[0], build_model(cfg), CheckpointMeta(preset="gpt2-tiny", config=cfg, seed=i))
+    one = write(tmp_path / "half.safetensors", "glmc", *read(paths[0]), "float16").stat().st_size
+    out = tmp_path / "out"
+    out.mkdir()
+    pack(out, [])
+    parts = gpu_session.return_seeds(configs, ["gpt2-paper"], out, budget=2 * one + one // 2, part=one // 2)
+    assert len(parts) > 4 and all(p.stat().st_size <= one // 2 for p in parts)
+    for paths in groups:
+        for path in paths:
+            path.unlink(missing_ok=True)
+    monkeypatch.chdir(tmp_path)
+    placed = gpu_session.unpack(out, configs, ["gpt2-paper"])
+    assert placed == [*groups[0], *groups[1]]  # seeds 0 and 1, each where the matcher and the barrier bench read it
+    for i, paths in enumerate(groups[:2]):
+        torch.manual_seed(i)
+        want = build_model(cfg).state_dict()
+        for path in paths:
+            state, meta = load_checkpoint(path)
+            assert meta.seed == i and {v.dtype for v in state.values()} == {torch.float32}
+            assert all(torch.equal(state[k], v.half().float()) for k, v in want.items())

@@ -7,13 +7,14 @@ archive (that machine gives back at most eight files).
 
 Steps run in order; a failed or timed-out step is recorded and the next one starts. The seeds of every config
 are trained side by side (a seed two configs train with one command is trained once and copied), and each bench
-caches its pair reports, so a step cut short still returns what it finished. Unpack ``results.tar.gz`` at the
-repository root, then run ``python -m simulations.docs``.
+caches its pair reports, so a step cut short still returns what it finished. Back here, ``--unpack DIR`` puts
+the archive and the seeds (returned in float16, as many as fit) in place; then run ``python -m simulations.docs``.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from glmc.archs import preset
+from glmc.formats import read, write
 from simulations.bench.barriers import checkpoint, label, train_args
 
 CONFIGS = {"barriers": Path("simulations/bench/configs/barriers.toml"),
@@ -35,6 +37,8 @@ CONFIGS = {"barriers": Path("simulations/bench/configs/barriers.toml"),
            "accelerator": Path("simulations/bench/configs/accelerator.toml")}
 PY = [sys.executable]
 LOGS = Path("outputs/gpu-session")  # git-ignored; packed, not returned file by file (eight files come back at most)
+SEED_BYTES = 44 << 20  # of the 64 MiB the machine returns: two gpt2-paper seeds in float16, room left for the rest
+SEED_PART = 15 << 20  # under the 16 MiB one returned file may hold
 
 
 @dataclass(frozen=True)
@@ -49,24 +53,80 @@ class Step:
     ok: tuple[int, ...] = (0,)
 
 
-def seed_training(configs: dict[str, Path], models: list[str]) -> tuple[list[list[str]], list[tuple[Path, Path]]]:
-    """One ``glmc train`` command for every missing seed checkpoint of ``models`` in the configs, and the copies
-    to make after: a seed trained by the same command in two configs is trained once."""
-    first: dict[tuple[str, ...], Path] = {}
-    copies: list[tuple[Path, Path]] = []
+def seed_paths(configs: dict[str, Path], models: list[str]) -> dict[tuple[str, ...], list[Path]]:
+    """Every seed checkpoint of ``models`` the bench configs name, grouped by the ``glmc train`` arguments that
+    make it (a seed two configs train alike is one group), the matcher config's first."""
+    groups: dict[tuple[str, ...], list[Path]] = {}
     for name in ("matcher", "barriers"):
         config = tomllib.loads(configs[name].read_text())
         for model in (m for m in config["models"] if label(m) in models):
             for seed in model["seeds"]:
                 path = checkpoint(Path(config["run"]["out"]), label(model), seed)
-                if path.exists():
-                    continue
-                key = tuple(train_args(model, seed))
-                if key in first:
-                    copies.append((first[key], path))
-                else:
-                    first[key] = path
-    return [[*PY, "-m", "glmc.cli", *key, "--out", str(path), "--quiet"] for key, path in first.items()], copies
+                groups.setdefault(tuple(train_args(model, seed)), []).append(path)
+    return groups
+
+
+def seed_training(configs: dict[str, Path], models: list[str]) -> tuple[list[list[str]], list[tuple[Path, Path]]]:
+    """One ``glmc train`` command for every group of :func:`seed_paths` with a missing checkpoint, and the copies
+    to make after: a seed trained by the same command in two configs is trained once."""
+    commands, copies = [], []
+    for key, paths in seed_paths(configs, models).items():
+        if missing := [p for p in paths if not p.exists()]:
+            commands.append([*PY, "-m", "glmc.cli", *key, "--out", str(missing[0]), "--quiet"])
+            copies += [(missing[0], path) for path in missing[1:]]
+    return commands, copies
+
+
+def return_seeds(configs: dict[str, Path], models: list[str], out: Path, budget: int = SEED_BYTES,
+                 part: int = SEED_PART) -> list[Path]:
+    """The trained seeds in float16, in the configs' order while their bytes stay within ``budget``, as one tar
+    cut into ``out``/seeds.tar.<i> files of at most ``part`` bytes (a gpt2-paper seed is 20.9 MiB even in
+    float16, over what one returned file may hold): to study them on a CPU afterwards (:func:`unpack`)."""
+    staged, size = LOGS / "seeds", 0
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    for paths in seed_paths(configs, models).values():
+        if not (source := next((p for p in paths if p.exists()), None)):
+            continue
+        target = write(staged / seed_name(source), "glmc", *read(source), "float16")
+        if size + target.stat().st_size > budget:
+            target.unlink()
+            break
+        size += target.stat().st_size
+    if not size:
+        return []
+    with tarfile.open(staged / "seeds.tar", "w") as tar:
+        for seed in sorted(staged.glob("*.safetensors")):
+            tar.add(seed, arcname=seed.name)
+    data = (staged / "seeds.tar").read_bytes()
+    parts = [out / f"seeds.tar.{i}" for i in range(-(-len(data) // part))]
+    for i, path in enumerate(parts):
+        path.write_bytes(data[i * part:(i + 1) * part])
+    return parts
+
+
+def seed_name(path: Path) -> str:
+    """A seed checkpoint's file name in the returned tar: ``<model>-seed<k>.safetensors``."""
+    return f"{path.parent.name}-{path.name}"
+
+
+def unpack(folder: Path, configs: dict[str, Path], models: list[str]) -> list[Path]:
+    """Put what a session returned in place here: its archive at the repository root, and each returned seed, in
+    float32, at every path of its group that lacks one. Returns the seed checkpoints written."""
+    with tarfile.open(folder / "results.tar.gz") as tar:
+        tar.extractall(".", filter="data")
+    staged = LOGS / "returned"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    if parts := sorted(folder.glob("seeds.tar.*"), key=lambda p: int(p.suffix[1:])):
+        with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
+            tar.extractall(staged, filter="data")
+    placed = []
+    for paths in seed_paths(configs, models).values():
+        if (returned := staged / seed_name(paths[0])).is_file():
+            state, meta = read(returned)
+            placed += [write(p, "glmc", state, meta) for p in paths if not p.exists()]
+    return placed
 
 
 def plan(configs: dict[str, Path], models: list[str], device: str) -> list[Step]:
@@ -206,12 +266,20 @@ def tiny_configs(folder: Path, models: list[str]) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="where steps.json and results.tar.gz go")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="there: where steps.json, results.tar.gz and the seeds go")
+    where.add_argument("--unpack", type=Path, metavar="DIR", help="here, after a session: put what it returned "
+                       "(DIR, the folder its files lie in) in place")
     parser.add_argument("--models", nargs="+", default=["gpt2-paper"], help="the bench models to train and measure")
     parser.add_argument("--deadline", type=float, default=540, help="seconds for every step together")
     parser.add_argument("--device", default="auto", help="the accelerator bench's device")
     parser.add_argument("--tiny", action="store_true", help="toy sizes, outputs under --out: to try it on a CPU")
     args = parser.parse_args(argv)
+    if args.unpack:
+        placed = unpack(args.unpack, CONFIGS, args.models)
+        print(f"unpacked {args.unpack / 'results.tar.gz'}; {len(placed)} seed checkpoints placed (float16 values); "
+              "now run python -m simulations.docs")
+        return 0
     shutil.rmtree(LOGS, ignore_errors=True)
     LOGS.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -221,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copyfile(LOGS / "steps.json", args.out / "steps.json")
     archive = pack(args.out, [*results_of(configs, args.models), LOGS])
     print(failures(records, LOGS))
-    print(f"{sum(r['ok'] for r in records)} of {len(records)} steps ok; {archive}")
+    parts = return_seeds(configs, args.models, args.out)  # after the archive: a failure here loses no result
+    print(f"{sum(r['ok'] for r in records)} of {len(records)} steps ok; {archive}; the seeds in {len(parts)} parts")
     return 0 if all(r["ok"] for r in records) else 1
 
 
