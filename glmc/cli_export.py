@@ -17,8 +17,9 @@ DTYPE_HELP = ("the precision the output's tensors are stored in (default float32
               "float64 and reads any of these back as float32, so float16 and bfloat16 halve the file at the cost of "
               "their rounding")
 FORMAT_HELP = ("what --out is: glmc (a .safetensors checkpoint), hf (a Hugging Face folder for from_pretrained) or "
-               "timm (a .safetensors state dict with timm.create_model kwargs in a .json beside it); default: hf for "
-               "an --out without .safetensors, else the format of the model written (B for align, the first input for "
+               "timm (a .safetensors state dict with timm.create_model kwargs in a .json beside it, or, for an --out "
+               "without .safetensors, a timm Hub folder); default: for an --out without .safetensors a folder, hf for "
+               "a GPT-2 and timm for a ViT, else the format of the model written (B for align, the first input for "
                "merge)")
 
 
@@ -37,11 +38,13 @@ def early_format(args: argparse.Namespace) -> str:
 
 
 def output_format(args: argparse.Namespace, meta: CheckpointMeta) -> str:
-    """The output format: --format, else hf for a folder, else the first input's (timm stays timm)."""
+    """The output format: --format, else for a folder hf (a GPT-2) or timm (a ViT), else the first input's (timm
+    stays timm)."""
     from glmc.formats import check_output, format_of
 
     fmt = args.format or early_format(args)
-    if args.format is None and fmt == "glmc" and format_of(meta) == "timm":
+    if args.format is None and ((fmt == "glmc" and format_of(meta) == "timm") or
+                                (fmt == "hf" and meta.config.family == "vit")):
         fmt = "timm"
     check_output(args.out, fmt, args.force)
     return fmt
@@ -51,8 +54,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", type=Path, help="a glmc checkpoint, Hugging Face folder or timm state dict")
     out = parser.add_mutually_exclusive_group(required=True)
     out.add_argument("--hf", type=Path, metavar="DIR", help="write a Hugging Face folder (GPT-2)")
-    out.add_argument("--timm", type=Path, metavar="FILE", help="write a timm state dict (ViT), FILE.safetensors "
-                     "with its create_model kwargs in FILE.json")
+    out.add_argument("--timm", type=Path, metavar="PATH", help="write a timm ViT: a state dict PATH.safetensors "
+                     "with its create_model kwargs in PATH.json, or a timm Hub folder PATH (no .safetensors)")
     out.add_argument("--glmc", type=Path, metavar="FILE", help="write a glmc checkpoint (.safetensors)")
     add_dtype_argument(parser)
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")

@@ -5,7 +5,9 @@
   ``GPT2Model``, as ``save_pretrained`` writes it; a tied head is untied on reading (one INFO line) and tied again
   on writing only if it is still equal to the embedding bit for bit;
 - ``timm``: a ViT's ``state_dict`` as .safetensors, with ``timm.create_model``'s kwargs, model name included, in a
-  JSON file of the same stem beside it (``vit.safetensors`` + ``vit.json``).
+  JSON file of the same stem beside it (``vit.safetensors`` + ``vit.json``); or a timm Hub folder, as
+  ``timm.models.save_for_hf`` writes it and the Hub serves it (``config.json`` naming an ``architecture``, and
+  ``model.safetensors``), which ``timm.create_model("local-dir:DIR", pretrained=True)`` loads.
 
 Every model read is checked against glmc's rebuild of it (:func:`glmc.live.read_module`) and held in float32,
 whatever precision it was stored in; a writer stores float32 unless asked for float16 or bfloat16. Pickle formats
@@ -41,7 +43,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HF_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers saved with GPT-2's weights
-GLMC_JSON = "glmc.json"  # glmc's metadata (dataset, vocabulary, metrics) in an HF folder it wrote
+GLMC_JSON = "glmc.json"  # glmc's metadata (dataset, vocabulary, metrics) in an HF or timm folder it wrote
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json")
 TIMM_DEFAULT_NAME = "vit_tiny_patch16_224"  # the registered name exported glmc ViTs use; every size is overridden
@@ -63,7 +65,7 @@ def read(path: str | Path) -> tuple[State, CheckpointMeta]:
     if path.suffix in PICKLE_SUFFIXES:
         raise _pickle_error(path)
     if path.is_dir():
-        return read_hf(path)
+        return read_timm_folder(path) if is_timm_folder(path) else read_hf(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file or folder at {path}")
     if path.suffix != ".safetensors":
@@ -112,8 +114,8 @@ def _load_json(path: Path, what: str) -> dict[str, Any]:
 # --- Hugging Face folders --------------------------------------------------------------------------------------
 
 
-def _hf_tensors(folder: Path) -> State:
-    """The weights of an HF folder: model.safetensors, or the shards its index names; pickles refused."""
+def _folder_tensors(folder: Path) -> State:
+    """The weights of an HF or timm folder: model.safetensors, or the shards its index names; pickles refused."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
         return _tensors(single)
@@ -146,7 +148,7 @@ def read_hf(folder: Path) -> tuple[State, CheckpointMeta]:
         raise CheckpointError(f"{folder} is a folder without config.json: not a Hugging Face model folder")
     config = _load_json(folder / "config.json", "config.json")
     architecture = _hf_architecture(folder, config)
-    tensors = {k: v for k, v in _hf_tensors(folder).items() if not k.endswith(HF_BUFFERS)}
+    tensors = {k: v for k, v in _folder_tensors(folder).items() if not k.endswith(HF_BUFFERS)}
     if architecture == "GPT2Model" or not any(k.startswith("transformer.") for k in tensors):
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}  # the base model: its head is its embedding
     hf = GPT2Config.from_dict(config)
@@ -159,10 +161,14 @@ def read_hf(folder: Path) -> tuple[State, CheckpointMeta]:
         what = f"lacks {missing[0]!r}" if missing else f"has an unexpected {unexpected[0]!r}"
         raise CheckpointError(f"{folder} does not hold its config's GPT-2: it {what}")
     _, cfg, state = read_module(model.eval())
-    saved = _load_json(folder / GLMC_JSON, GLMC_JSON) if (folder / GLMC_JSON).is_file() else {}
-    meta = _meta(cfg, saved, f"read from the Hugging Face folder {folder}",
+    meta = _meta(cfg, _saved(folder), f"read from the Hugging Face folder {folder}",
                  {"format": "hf", "config": config, "path": str(folder)})
     return state, meta
+
+
+def _saved(folder: Path) -> dict[str, Any]:
+    """The metadata glmc wrote into a folder it wrote (dataset, vocabulary, metrics), else nothing."""
+    return _load_json(folder / GLMC_JSON, GLMC_JSON) if (folder / GLMC_JSON).is_file() else {}
 
 
 def _meta(cfg: ModelConfig, saved: Mapping[str, Any], split: str, origin: dict[str, Any]) -> CheckpointMeta:
@@ -234,9 +240,14 @@ def write_hf(folder: Path, native: Mapping[str, torch.Tensor], meta: CheckpointM
         with _quiet_transformers():
             model.save_pretrained(str(tmp))
         _write_tokenizer(tmp, meta)
-        (tmp / GLMC_JSON).write_text(json.dumps(meta.to_dict() | {"origin": {}}, indent=1, sort_keys=True))
+        _write_saved(tmp, meta)
 
     _replace_folder(folder, fill)
+
+
+def _write_saved(folder: Path, meta: CheckpointMeta) -> None:
+    """glmc's metadata beside a folder's weights, for :func:`_saved` to read back."""
+    (folder / GLMC_JSON).write_text(json.dumps(meta.to_dict() | {"origin": {}}, indent=1, sort_keys=True))
 
 
 @contextlib.contextmanager
@@ -301,14 +312,42 @@ def read_timm(path: Path) -> tuple[State, CheckpointMeta]:
         raise CheckpointError(f"{path} has no glmc metadata and no timm kwargs at {where}; for a timm model write "
                               "{\"model_name\": ..., <create_model kwargs>} there")
     kwargs = _load_json(where, "timm kwargs")
+    cfg, state = _timm_state(kwargs, where, path, _tensors(path))
+    return state, _meta(cfg, {}, f"read from the timm state dict {path}",
+                        {"format": "timm", "kwargs": kwargs, "path": str(path)})
+
+
+def is_timm_folder(folder: Path) -> bool:
+    """Whether a folder holds a timm model: its config.json names an ``architecture`` (an HF one a model_type)."""
+    config = folder / "config.json"
+    return config.is_file() and "architecture" in _load_json(config, "config.json")
+
+
+def read_timm_folder(folder: Path) -> tuple[State, CheckpointMeta]:
+    """A timm ViT from a Hub folder: create_model kwargs as timm parses its config.json (the older layout without
+    ``model_args`` too), weights from its safetensors."""
+    from timm.models._hub import load_model_config_from_path
+
+    try:
+        pretrained_cfg, name, model_args = load_model_config_from_path(folder)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{folder}: unreadable timm config.json: {_first_line(err)}") from err
+    classes = {"num_classes": pretrained_cfg["num_classes"]} if "num_classes" in pretrained_cfg else {}
+    kwargs = {"model_name": name, **classes, **model_args}
+    cfg, state = _timm_state(kwargs, folder / "config.json", folder, _folder_tensors(folder))
+    return state, _meta(cfg, _saved(folder), f"read from the timm folder {folder}",
+                        {"format": "timm", "kwargs": kwargs, "path": str(folder)})
+
+
+def _timm_state(kwargs: Mapping[str, Any], where: Path, path: Path, tensors: State) -> tuple[ModelConfig, State]:
+    """The config and native state of the timm model ``kwargs`` build (``where`` names them), holding ``tensors``."""
     model = timm_model(kwargs, where)
     try:
-        model.load_state_dict(_tensors(path), strict=True)
+        model.load_state_dict(tensors, strict=True)
     except RuntimeError as err:
         raise CheckpointError(f"{path} does not fit the timm model of {where.name}: {_first_line(err)}") from err
     _, cfg, state = read_module(model.eval())
-    return state, _meta(cfg, {}, f"read from the timm state dict {path}",
-                        {"format": "timm", "kwargs": kwargs, "path": str(path)})
+    return cfg, state
 
 
 def timm_kwargs(cfg: ModelConfig, origin: Mapping[str, Any]) -> dict[str, Any]:
@@ -334,16 +373,29 @@ def timm_kwargs(cfg: ModelConfig, origin: Mapping[str, Any]) -> dict[str, Any]:
 
 def write_timm(path: Path, native: Mapping[str, torch.Tensor], meta: CheckpointMeta,
                dtype: torch.dtype = torch.float32) -> None:
-    """The state dict in ``dtype`` (a glmc checkpoint, so it keeps its metadata) and its kwargs JSON, checked to
-    load strictly."""
+    """The state dict in ``dtype``, checked to load strictly, either as a .safetensors (a glmc checkpoint, so it
+    keeps its metadata) with its kwargs JSON, or, for a ``path`` without that suffix, as a timm Hub folder."""
     kwargs = timm_kwargs(meta.config, meta.origin)
-    state = cast(native, dtype)
+    model, state = timm_model(kwargs, path), cast(native, dtype)
     try:
-        timm_model(kwargs, path).load_state_dict(state, strict=True)
+        model.load_state_dict(state, strict=True)
     except RuntimeError as err:
         raise ConfigError(f"the timm model of these kwargs does not take the state: {_first_line(err)}") from err
+    if path.suffix != ".safetensors":
+        _replace_folder(path, lambda tmp: _fill_timm_folder(tmp, model.to(dtype), kwargs, meta))
+        return
     save_checkpoint(path, state, dataclasses.replace(meta, origin={"format": "timm", "kwargs": kwargs}))
     _write_text(kwargs_path(path), json.dumps(kwargs, indent=1, sort_keys=True))
+
+
+def _fill_timm_folder(folder: Path, model: nn.Module, kwargs: Mapping[str, Any], meta: CheckpointMeta) -> None:
+    """timm's own Hub layout (config.json with the create_model kwargs as model_args, model.safetensors), and
+    glmc's metadata."""
+    from timm.models._hub import save_for_hf
+
+    save_for_hf(model, str(folder), model_args={k: v for k, v in kwargs.items() if k != "model_name"},
+                safe_serialization=True)
+    _write_saved(folder, meta)
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -363,13 +415,14 @@ def check_output(path: Path, fmt: str, force: bool) -> None:
     """Fail before any work if ``path`` does not suit ``fmt`` or would be overwritten without ``force``."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown output format {fmt!r}; known: {', '.join(FORMATS)}")
-    if fmt != "hf":
+    if fmt == "glmc" or (fmt == "timm" and path.suffix == ".safetensors"):
         check_out(path, force)
         if fmt == "timm" and kwargs_path(path).exists() and not force:
             raise CheckpointError(f"{kwargs_path(path)} already exists; pass --force to overwrite it")
         return
     if (path.suffix and not path.is_dir()) or (path.exists() and not path.is_dir()):
-        raise ConfigError(f"--out must end in .safetensors, or name a folder for a Hugging Face output; got {path}")
+        raise ConfigError(f"--out must end in .safetensors, or name a folder for a Hugging Face or timm output; "
+                          f"got {path}")
     if path.is_dir() and any(path.iterdir()) and not force:
         raise CheckpointError(f"{path} already exists; pass --force to overwrite it")
 

@@ -74,6 +74,12 @@ def _save_timm(model: nn.Module, path: Path, kwargs: dict[str, Any]) -> None:
     path.with_suffix(".json").write_text(json.dumps(kwargs))
 
 
+def _save_timm_folder(model: nn.Module, path: Path, kwargs: dict[str, Any]) -> None:
+    from timm.models._hub import save_for_hf
+
+    save_for_hf(model, str(path), safe_serialization=True)  # timm records the create_model kwargs itself
+
+
 def load_timm(path: Path) -> nn.Module:
     model = timm.create_model(**json.loads(path.with_suffix(".json").read_text()))
     model.load_state_dict(load_file(str(path)), strict=True)
@@ -93,6 +99,8 @@ def _gpt2_inputs(model: nn.Module) -> torch.Tensor:
 
 HF = Library("", _save_hf, lambda p: GPT2LMHeadModel.from_pretrained(str(p)).eval(), _gpt2_inputs)
 TIMM = Library(".safetensors", _save_timm, load_timm, _vit_inputs)
+TIMM_FOLDER = Library("", _save_timm_folder, lambda p: timm.create_model(f"local-dir:{p}", pretrained=True).eval(),
+                      _vit_inputs)
 
 
 def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

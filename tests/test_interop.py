@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from timm.models.vision_transformer import VisionTransformer
 
 import glmc
@@ -21,11 +21,12 @@ from glmc.cli_export import DTYPE_NAMES
 from glmc.formats import DTYPES, read
 from glmc.live import like, read_module
 from glmc.transforms import MATCHABLE, apply, random_transform
-from tests.interop_models import HF, TIMM, VIT_VARIANTS, Library, gpt2, logits, vit, vit_kwargs
+from tests.interop_models import HF, TIMM, TIMM_FOLDER, VIT_VARIANTS, Library, gpt2, logits, perturb, vit, vit_kwargs
 
 F32 = 1e-4  # the bar for the same function in float32 (files are written in float32)
 CASES = {"gpt2-tied": (lambda: gpt2(tied=True), HF, {}), "gpt2-untied": (lambda: gpt2(tied=False), HF, {})} | {
-    name: (lambda name=name: vit(name), TIMM, vit_kwargs(name)) for name in VIT_VARIANTS}
+    name: (lambda name=name: vit(name), TIMM, vit_kwargs(name)) for name in VIT_VARIANTS} | {
+    "vit-hub-folder": (lambda: vit("vit-dinov2-like"), TIMM_FOLDER, {})}
 
 
 @pytest.mark.parametrize("name", VIT_VARIANTS)
@@ -186,6 +187,28 @@ def test_an_independently_written_permutation_is_undone(tmp_path):
     aligned, (arch, cfg, native) = TIMM.load(out).state_dict(), read_module(model)
     folded = arch.to_native(canonicalize(arch, native, cfg.depth), cfg.depth)  # glmc writes LayerNorms folded
     assert max((aligned[k] - v).abs().max() for k, v in folded.items()) <= 1e-6
+
+
+def test_a_timm_hub_folder_in_the_older_layout_reads_and_writes_back_as_timm(tmp_path):
+    """A folder as the Hub serves timm/test_vit.r160_in1k: config.json with the architecture and its pretrained_cfg,
+    no model_args (the sizes are the registered model's). glmc reads it, and a folder out is a timm folder again."""
+    import timm
+
+    model = perturb(timm.create_model("test_vit", num_classes=5), 1)
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(hub / "model.safetensors"))
+    (hub / "config.json").write_text(json.dumps({
+        "architecture": "test_vit", "num_classes": 5, "num_features": 64, "global_pool": "token",
+        "pretrained_cfg": {"tag": "r160_in1k", "custom_load": False, "input_size": [3, 160, 160],
+                           "fixed_input_size": True, "mean": [0.5] * 3, "std": [0.5] * 3, "num_classes": 5,
+                           "first_conv": "patch_embed.proj", "classifier": "head"}}))
+    _, meta = read(hub)
+    assert meta.origin["kwargs"] == {"model_name": "test_vit", "num_classes": 5} and meta.config.img_size == 160
+    assert main(["align", str(hub), str(hub), "--out", str(tmp_path / "out")]) == 0
+    x = torch.randn(2, 3, 160, 160, generator=torch.Generator().manual_seed(0))
+    reloaded = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    assert (logits(reloaded, x) - logits(model, x)).abs().max() <= F32
 
 
 def test_a_gpt2model_folder_reads_as_a_tied_lm(tmp_path):
