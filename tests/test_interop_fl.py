@@ -9,7 +9,7 @@ import torch
 from glmc.errors import ConfigError
 from server import protocol
 from server.settings import RunSettings
-from tests.interop_models import TIMM, perturb
+from tests.interop_models import TIMM, TIMM_FOLDER, Library, perturb
 from tests.test_flower_sim import needs_data, run_in_process, server_identity  # noqa: F401 (a fixture)
 
 # A timm ViT of Fashion-MNIST's shapes (and of vit-tiny's widths, so HeteroFL-style tiers divide it).
@@ -17,24 +17,24 @@ KWARGS = dict(model_name="vit_tiny_patch16_224", img_size=28, patch_size=7, in_c
               depth=2, num_heads=2, mlp_ratio=2.0, class_token=False, global_pool="avg", init_values=0.5)
 
 
-def _pretrained(path, seed):
+def _pretrained(path, seed, lib: Library = TIMM):
     torch.manual_seed(seed)
     model = perturb(timm.create_model(**KWARGS), seed)
-    TIMM.save(model, path, KWARGS)
+    lib.save(model, path, KWARGS)
     return model
 
 
 @pytest.mark.slow
 @needs_data
-def test_every_client_starts_from_the_init_checkpoint(tmp_path, server_identity):  # noqa: F811
-    model = _pretrained(tmp_path / "vit.safetensors", 0)
-    grid = run_in_process(tmp_path, **{"num-server-rounds": 1, "aggregation": "weight",
-                                       "init": str(tmp_path / "vit.safetensors")})
+@pytest.mark.parametrize(("lib", "name"), [(TIMM, "vit.safetensors"), (TIMM_FOLDER, "timm-hub-folder")])
+def test_every_client_starts_from_the_init_checkpoint(tmp_path, server_identity, lib, name):  # noqa: F811
+    model = _pretrained(tmp_path / name, 0, lib)
+    grid = run_in_process(tmp_path, **{"num-server-rounds": 1, "aggregation": "weight", "init": str(tmp_path / name)})
     sent = grid.sent[0][0].content[protocol.ARRAYS].to_torch_state_dict()
     assert sent.keys() == model.state_dict().keys()
     assert all(torch.equal(sent[k], v) for k, v in model.state_dict().items())  # round 1 ships the checkpoint
-    settings = RunSettings(init=str(tmp_path / "vit.safetensors"))
-    assert not settings.independent_start and settings.init_checkpoints == [tmp_path / "vit.safetensors"]
+    settings = RunSettings(init=str(tmp_path / name))
+    assert not settings.independent_start and settings.init_checkpoints == [tmp_path / name]
 
 
 @pytest.mark.slow
