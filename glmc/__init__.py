@@ -4,7 +4,8 @@ The library aligns Transformers through their symmetries (residual orthogonal ma
 head and MLP permutations, within-head maps), merges them and measures loss barriers.
 It never imports Flower; the Flower apps in ``server/`` and ``client/`` are thin shells.
 
-On live models (timm ``VisionTransformer``, Hugging Face ``GPT2LMHeadModel``): ``glmc.align``,
+On live models (timm ``VisionTransformer``, Hugging Face ``GPT2LMHeadModel`` and ``ViTForImageClassification``):
+``glmc.align``,
 ``glmc.merge``, ``glmc.barrier`` and ``glmc.check`` (:mod:`glmc.api`, imported on first use).
 """
 

@@ -1,6 +1,6 @@
 """The Python API on live models: ``glmc.align``, ``glmc.merge``, ``glmc.barrier`` and ``glmc.check`` take timm
-``VisionTransformer`` and Hugging Face ``GPT2LMHeadModel`` instances as they come (tied GPT-2s included) and return
-modules of the same class.
+``VisionTransformer`` and Hugging Face ``GPT2LMHeadModel`` and ``ViTForImageClassification`` instances as they come
+(tied GPT-2s included) and return modules of the same class.
 
 Every model is read through :func:`glmc.live.read_module` (its config, its weights untied, checked against glmc's
 rebuild); the inputs are never modified. ``data`` may be a Dataset of (input, target) pairs, an (inputs, targets)

@@ -18,9 +18,9 @@ DTYPE_HELP = ("the precision the output's tensors are stored in (default float32
               "their rounding")
 FORMAT_HELP = ("what --out is: glmc (a .safetensors checkpoint), hf (a Hugging Face folder for from_pretrained) or "
                "timm (a .safetensors state dict with timm.create_model kwargs in a .json beside it, or, for an --out "
-               "without .safetensors, a timm Hub folder); default: for an --out without .safetensors a folder, hf for "
-               "a GPT-2 and timm for a ViT, else the format of the model written (B for align, the first input for "
-               "merge)")
+               "without .safetensors, a timm Hub folder); default: for an --out without .safetensors a folder, hf "
+               "for a GPT-2 or an HF ViT and timm for another ViT, else the format of the model written (B for "
+               "align, the first input for merge)")
 
 
 def add_format_argument(parser: argparse.ArgumentParser) -> None:
@@ -38,13 +38,13 @@ def early_format(args: argparse.Namespace) -> str:
 
 
 def output_format(args: argparse.Namespace, meta: CheckpointMeta) -> str:
-    """The output format: --format, else for a folder hf (a GPT-2) or timm (a ViT), else the first input's (timm
-    stays timm)."""
+    """The output format: --format, else for a folder hf (a GPT-2, or a ViT read from HF) or timm (another ViT),
+    else the first input's (timm stays timm)."""
     from glmc.formats import check_output, format_of
 
     fmt = args.format or early_format(args)
     if args.format is None and ((fmt == "glmc" and format_of(meta) == "timm") or
-                                (fmt == "hf" and meta.config.family == "vit")):
+                                (fmt == "hf" and meta.config.family == "vit" and format_of(meta) != "hf")):
         fmt = "timm"
     check_output(args.out, fmt, args.force)
     return fmt

@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from glmc import hf_vit
 from glmc.archs import ModelConfig, State, cast
 from glmc.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
 from glmc.errors import CheckpointError, ConfigError
@@ -41,11 +42,11 @@ log = logging.getLogger(__name__)
 FORMATS = ("glmc", "hf", "timm")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # what a writer can store
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-HF_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
+HF_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "ViTForImageClassification": "vit"}  # → model_type
 HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers saved with GPT-2's weights
 GLMC_JSON = "glmc.json"  # glmc's metadata (dataset, vocabulary, metrics) in an HF or timm folder it wrote
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json")
+SIDE_FILES = ("preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+              "special_tokens_map.json", "added_tokens.json")  # an HF folder's files beside its weights, copied
 TIMM_DEFAULT_NAME = "vit_tiny_patch16_224"  # the registered name exported glmc ViTs use; every size is overridden
 TIMM_UNSAFE_KWARGS = ("pretrained", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay")
 TIMM_NORM_EPS = 1e-6  # timm's LayerNorm default: the only eps a kwargs JSON can carry
@@ -116,15 +117,21 @@ def _load_json(path: Path, what: str) -> dict[str, Any]:
 
 def _folder_tensors(folder: Path) -> State:
     """The weights of an HF or timm folder: model.safetensors, or the shards its index names; pickles refused."""
+    state: State = {}
+    for path in _safetensors_files(folder):
+        state.update(_tensors(path))
+    return state
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """A folder's model.safetensors, or the shards its index names; CheckpointError naming a pickle if it has
+    only pickles."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
-        return _tensors(single)
+        return [single]
     if index.is_file():
-        shards = sorted(set(_load_json(index, "safetensors index").get("weight_map", {}).values()))
-        state: State = {}
-        for shard in shards:
-            state.update(_tensors(folder / shard))
-        return state
+        return [folder / shard for shard in
+                sorted(set(_load_json(index, "safetensors index").get("weight_map", {}).values()))]
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise _pickle_error(folder / pickles[0])
@@ -134,20 +141,49 @@ def _folder_tensors(folder: Path) -> State:
 def _hf_architecture(folder: Path, config: Mapping[str, Any]) -> str:
     names = list(config.get("architectures") or [])
     name = names[0] if names else str(config.get("model_type", "unknown"))
-    if config.get("model_type") != "gpt2" or (names and names[0] not in HF_ARCHITECTURES):
-        raise ConfigError(f"{folder}: unsupported architecture {name}; glmc reads Hugging Face "
-                          f"{' and '.join(HF_ARCHITECTURES)} folders and timm ViTs")
-    return names[0] if names else "GPT2LMHeadModel"
+    if name == "gpt2" or HF_ARCHITECTURES.get(name) == config.get("model_type"):
+        return "GPT2LMHeadModel" if name == "gpt2" else name
+    raise ConfigError(f"{folder}: unsupported architecture {name}; glmc reads Hugging Face "
+                      f"{', '.join(HF_ARCHITECTURES)} folders and timm ViTs")
 
 
 def read_hf(folder: Path) -> tuple[State, CheckpointMeta]:
-    """A GPT2LMHeadModel (or GPT2Model, read as one with a tied head) from a ``save_pretrained`` folder."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+    """A GPT2LMHeadModel (or GPT2Model, read as one with a tied head) or a ViTForImageClassification from a
+    ``save_pretrained`` folder."""
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder} is a folder without config.json: not a Hugging Face model folder")
     config = _load_json(folder / "config.json", "config.json")
     architecture = _hf_architecture(folder, config)
+    model = _hf_vit(folder) if architecture == hf_vit.ARCHITECTURE else _hf_gpt2(folder, config, architecture)
+    _, cfg, state = read_module(model)
+    meta = _meta(cfg, _saved(folder), f"read from the Hugging Face folder {folder}",
+                 {"format": "hf", "config": config, "path": str(folder)})
+    return state, meta
+
+
+def _hf_vit(folder: Path) -> nn.Module:
+    """The folder's ViTForImageClassification, loaded by transformers itself, which also renames the Hub's older
+    weight names; safetensors only."""
+    from transformers import ViTForImageClassification
+
+    _safetensors_files(folder)
+    try:
+        with _quiet_transformers():
+            loaded: Any = ViTForImageClassification.from_pretrained(
+                str(folder), use_safetensors=True, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+            model, info = loaded
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        raise CheckpointError(f"{folder} does not hold its config's ViT: {_first_line(err)}") from err
+    if off := [f"lacks {k!r}" for k in info["missing_keys"]] + [f"has an unexpected {k!r}"
+                                                                for k in info["unexpected_keys"]]:
+        raise CheckpointError(f"{folder} does not hold its config's ViT: it {sorted(off)[0]}")
+    return model
+
+
+def _hf_gpt2(folder: Path, config: dict[str, Any], architecture: str) -> nn.Module:
+    """The folder's GPT2LMHeadModel; a GPT2Model is read as one whose head is its embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     tensors = {k: v for k, v in _folder_tensors(folder).items() if not k.endswith(HF_BUFFERS)}
     if architecture == "GPT2Model" or not any(k.startswith("transformer.") for k in tensors):
         tensors = {f"transformer.{k}": v for k, v in tensors.items()}  # the base model: its head is its embedding
@@ -160,10 +196,7 @@ def read_hf(folder: Path) -> tuple[State, CheckpointMeta]:
     if missing or unexpected:
         what = f"lacks {missing[0]!r}" if missing else f"has an unexpected {unexpected[0]!r}"
         raise CheckpointError(f"{folder} does not hold its config's GPT-2: it {what}")
-    _, cfg, state = read_module(model.eval())
-    meta = _meta(cfg, _saved(folder), f"read from the Hugging Face folder {folder}",
-                 {"format": "hf", "config": config, "path": str(folder)})
-    return state, meta
+    return model.eval()
 
 
 def _saved(folder: Path) -> dict[str, Any]:
@@ -185,15 +218,15 @@ def _tied_pairs(model: object) -> dict[str, str]:
 
 
 def hf_model(native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Any:
-    """The GPT2LMHeadModel of a native state: the config it was read with (if any) at the state's sizes, tied only
-    where the tied weights are equal bit for bit."""
+    """The transformers model of a native state, in the config it was read with (if any) at the state's sizes: a
+    ViTForImageClassification, or a GPT2LMHeadModel tied only where the tied weights are equal bit for bit."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from glmc.archs import build_model
 
     cfg = meta.config
-    if cfg.family != "gpt2":
-        raise ConfigError(f"a Hugging Face folder holds a GPT-2 here, not a {cfg.family}; write --format glmc or timm")
+    if cfg.family == "vit":
+        return hf_vit.hf_module(native, cfg, meta.origin.get("config"))
     if cfg.attn_dim != cfg.width:
         raise ConfigError(f"this GPT-2's heads are {cfg.head_dim} wide, not width/heads: transformers cannot load it; "
                           "write --format glmc")
@@ -212,7 +245,7 @@ def hf_model(native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Any:
 def _write_tokenizer(folder: Path, meta: CheckpointMeta) -> None:
     """The input folder's tokenizer files, or a char-level tokenizer from glmc's vocabulary."""
     source = Path(str(meta.origin.get("path", ""))) if meta.origin.get("format") == "hf" else None
-    copied = [name for name in TOKENIZER_FILES if source is not None and (source / name).is_file()]
+    copied = [name for name in SIDE_FILES if source is not None and (source / name).is_file()]
     for name in copied:
         shutil.copy2(source / name, folder / name)  # type: ignore[operator]
     if copied or not meta.vocab:

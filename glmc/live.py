@@ -13,10 +13,12 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from glmc import hf_vit
 from glmc.archs import ARCHS, Arch, ModelConfig, State, cast
 from glmc.errors import ConfigError
 
@@ -33,7 +35,7 @@ def describe(model: nn.Module) -> tuple[Arch, ModelConfig]:
         if cfg is not None:
             return arch, cfg
     raise ConfigError(f"unsupported model class {type(model).__name__}: glmc reads timm VisionTransformer and "
-                      "Hugging Face GPT2LMHeadModel models")
+                      "Hugging Face GPT2LMHeadModel and ViTForImageClassification models")
 
 
 def shared_names(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -85,7 +87,10 @@ def verify_rebuild(model: nn.Module, arch: Arch, cfg: ModelConfig, state: Mappin
 
 
 def read_module(model: nn.Module) -> tuple[Arch, ModelConfig, State]:
-    """Family, config and untied native state of a live model, checked against glmc's rebuild of it."""
+    """Family, config and untied native state of a live model, checked against glmc's rebuild of it (a transformers
+    ViT is read as the timm ViT computing it, :mod:`glmc.hf_vit`)."""
+    if hf_vit.is_hf_vit(model):
+        model = hf_vit.timm_module(model)
     arch, cfg = describe(model)
     state = untied_state(model)
     verify_rebuild(model, arch, cfg, state)
@@ -96,6 +101,9 @@ def like(model: nn.Module, native: Mapping[str, torch.Tensor]) -> nn.Module:
     """A new module of ``model``'s class, config, device and dtype holding ``native``: tied weights stay tied
     only where the new values are still equal bit for bit; elsewhere they become separate parameters (and an HF
     config says ``tie_word_embeddings: false``, so saving and reloading keeps them apart)."""
+    if hf_vit.is_hf_vit(model):
+        config: Any = model.config
+        native = hf_vit.from_timm(native, config.num_hidden_layers)
     new = copy.deepcopy(model)
     current = new.state_dict()
     for name, source in shared_names(current).items():

@@ -12,7 +12,7 @@ import timm
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, ViTConfig, ViTForImageClassification
 
 VIT_BASE: dict[str, Any] = dict(model_name="vit_tiny_patch16_224", img_size=16, patch_size=4, in_chans=1, embed_dim=24,
                                 depth=2, num_heads=3, mlp_ratio=2.5, num_classes=5)
@@ -27,6 +27,8 @@ VIT_VARIANTS: dict[str, dict[str, Any]] = {
     "vit-dinov2-like": dict(reg_tokens=2, no_embed_class=True, init_values=0.1, img_size=20, patch_size=5,
                             in_chans=3, num_classes=7, mlp_ratio=3.0),
 }
+HF_VIT_BASE: dict[str, Any] = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=3, intermediate_size=60,
+                                   image_size=16, patch_size=4, num_channels=1, num_labels=5)
 GPT2_BASE: dict[str, Any] = dict(vocab_size=19, n_positions=10, n_embd=24, n_layer=2, n_head=3, n_inner=50,
                                  bos_token_id=None, eos_token_id=None)
 
@@ -48,6 +50,11 @@ def vit_kwargs(name: str) -> dict[str, Any]:
 def gpt2(tied: bool, seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     return perturb(GPT2LMHeadModel(GPT2Config(**GPT2_BASE, tie_word_embeddings=tied)), seed)  # type: ignore[return-value]
+
+
+def hf_vit(seed: int = 0) -> ViTForImageClassification:
+    torch.manual_seed(seed)
+    return perturb(ViTForImageClassification(ViTConfig(**HF_VIT_BASE)), seed)  # type: ignore[return-value]
 
 
 def vit(name: str, seed: int = 0) -> nn.Module:
@@ -92,6 +99,12 @@ def _vit_inputs(model: nn.Module) -> torch.Tensor:
     return torch.randn(4, model.patch_embed.proj.in_channels, *size, generator=g)  # type: ignore[union-attr]
 
 
+def _hf_vit_inputs(model: nn.Module) -> torch.Tensor:
+    config: Any = model.config
+    size = config.image_size
+    return torch.randn(4, config.num_channels, size, size, generator=torch.Generator().manual_seed(3))
+
+
 def _gpt2_inputs(model: nn.Module) -> torch.Tensor:
     return torch.randint(0, GPT2_BASE["vocab_size"], (3, GPT2_BASE["n_positions"]),
                          generator=torch.Generator().manual_seed(3))
@@ -99,6 +112,7 @@ def _gpt2_inputs(model: nn.Module) -> torch.Tensor:
 
 HF = Library("", _save_hf, lambda p: GPT2LMHeadModel.from_pretrained(str(p)).eval(), _gpt2_inputs)
 TIMM = Library(".safetensors", _save_timm, load_timm, _vit_inputs)
+HF_VIT = Library("", _save_hf, lambda p: ViTForImageClassification.from_pretrained(str(p)).eval(), _hf_vit_inputs)
 TIMM_FOLDER = Library("", _save_timm_folder, lambda p: timm.create_model(f"local-dir:{p}", pretrained=True).eval(),
                       _vit_inputs)
 

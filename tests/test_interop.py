@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -21,12 +22,25 @@ from glmc.cli_export import DTYPE_NAMES
 from glmc.formats import DTYPES, read
 from glmc.live import like, read_module
 from glmc.transforms import MATCHABLE, apply, random_transform
-from tests.interop_models import HF, TIMM, TIMM_FOLDER, VIT_VARIANTS, Library, gpt2, logits, perturb, vit, vit_kwargs
+from tests.interop_models import (
+    HF,
+    HF_VIT,
+    TIMM,
+    TIMM_FOLDER,
+    VIT_VARIANTS,
+    Library,
+    gpt2,
+    hf_vit,
+    logits,
+    perturb,
+    vit,
+    vit_kwargs,
+)
 
 F32 = 1e-4  # the bar for the same function in float32 (files are written in float32)
 CASES = {"gpt2-tied": (lambda: gpt2(tied=True), HF, {}), "gpt2-untied": (lambda: gpt2(tied=False), HF, {})} | {
     name: (lambda name=name: vit(name), TIMM, vit_kwargs(name)) for name in VIT_VARIANTS} | {
-    "vit-hub-folder": (lambda: vit("vit-dinov2-like"), TIMM_FOLDER, {})}
+    "vit-hub-folder": (lambda: vit("vit-dinov2-like"), TIMM_FOLDER, {}), "hf-vit": (hf_vit, HF_VIT, {})}
 
 
 @pytest.mark.parametrize("name", VIT_VARIANTS)
@@ -124,7 +138,7 @@ def test_export_stores_the_precision_asked_and_reads_it_back_exactly(tmp_path):
     assert list(DTYPES) == DTYPE_NAMES  # the CLI lists them without importing torch
 
 
-@pytest.mark.parametrize("name", ["gpt2-tied", "vit-dinov2-like"])
+@pytest.mark.parametrize("name", ["gpt2-tied", "vit-dinov2-like", "hf-vit"])
 def test_api_round_trip_in_float64(name):
     make, lib, _ = CASES[name]
     model = make().double()
@@ -211,6 +225,34 @@ def test_a_timm_hub_folder_in_the_older_layout_reads_and_writes_back_as_timm(tmp
     assert (logits(reloaded, x) - logits(model, x)).abs().max() <= F32
 
 
+# The Hub's ViT checkpoints (google/vit-*) carry the weight names transformers used before it renamed them.
+HUB_VIT_NAMES = {"attention.q_proj": "attention.attention.query", "attention.k_proj": "attention.attention.key",
+                 "attention.v_proj": "attention.attention.value", "attention.o_proj": "attention.output.dense",
+                 "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense"}
+
+
+def _hub_vit_name(name: str) -> str:
+    if not (match := re.fullmatch(r"vit\.layers\.(\d+)\.(.+)\.(weight|bias)", name)):
+        return name
+    block, module, leaf = match.groups()
+    return f"vit.encoder.layer.{block}.{HUB_VIT_NAMES.get(module, module)}.{leaf}"
+
+
+def test_a_hub_vit_folder_with_the_older_weight_names_reads_and_a_wrong_one_is_refused(tmp_path, capsys):
+    model = hf_vit()
+    model.save_pretrained(str(tmp_path / "hub"))
+    state = {_hub_vit_name(k): v.contiguous() for k, v in model.state_dict().items()}
+    assert "vit.encoder.layer.1.attention.attention.value.bias" in state
+    save_file(state, str(tmp_path / "hub" / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["align", str(tmp_path / "hub"), str(tmp_path / "hub"), "--out", str(tmp_path / "out")]) == 0
+    x = HF_VIT.inputs(model)
+    assert (logits(HF_VIT.load(tmp_path / "out"), x) - logits(model, x)).abs().max() <= F32
+    del state["vit.encoder.layer.1.output.dense.bias"]  # a weight missing must not be filled with a random init
+    save_file(state, str(tmp_path / "hub" / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["check", str(tmp_path / "hub")]) == 2
+    assert "does not hold its config's ViT" in capsys.readouterr().err
+
+
 def test_a_gpt2model_folder_reads_as_a_tied_lm(tmp_path):
     from transformers import GPT2Config, GPT2Model
 
@@ -252,7 +294,8 @@ def test_bad_inputs_get_one_line_and_write_nothing(tmp_path, capsys):
     _refused(capsys, ["align", str(tmp_path / "g2"), str(tmp_path / "v.safetensors"), "--out", str(out)],
              "is a gpt2 but")
     _refused(capsys, ["merge", str(tmp_path / "g2"), str(tmp_path / "g3"), "--out", str(out)], "depth")
-    _refused(capsys, ["export", str(tmp_path / "v.safetensors"), "--hf", str(out)], "not a vit")
+    TIMM.save(vit("vit-registers"), tmp_path / "r.safetensors", vit_kwargs("vit-registers"))
+    _refused(capsys, ["export", str(tmp_path / "r.safetensors"), "--hf", str(out)], "needs no register tokens")
     assert not out.exists()
 
 
