@@ -8,8 +8,9 @@ the map below is a renaming plus one concatenation, checked on every read by com
 from __future__ import annotations
 
 import copy
+import itertools
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,30 +55,33 @@ def config_of(hf: Any, classes: int) -> ModelConfig:
                        class_token=True, global_pool="token", fc_norm=False, qkv_bias=hf.qkv_bias)
 
 
+def _pairs(depth: int) -> Iterator[tuple[str, str]]:
+    """(HF name, timm name) of every parameter but the q/k/v projections (:func:`_qkv`)."""
+    yield from TOP.items()
+    for i, (hf, timm), p in itertools.product(range(depth), BLOCK.items(), ("weight", "bias")):
+        yield f"vit.layers.{i}.{hf}.{p}", f"blocks.{i}.{timm}.{p}"
+
+
+def _qkv(depth: int) -> Iterator[tuple[list[str], str]]:
+    """(the HF q, k and v names, the timm qkv name they concatenate into) of every block's weight and bias."""
+    for i, p in itertools.product(range(depth), ("weight", "bias")):
+        yield [f"vit.layers.{i}.{name}.{p}" for name in QKV], f"blocks.{i}.attn.qkv.{p}"
+
+
 def to_timm(hf_state: Mapping[str, torch.Tensor], depth: int) -> State:
-    """The timm names of a transformers ViT's state dict (q, k, v concatenated into qkv)."""
-    state = {timm: hf_state[hf] for hf, timm in TOP.items()}
-    for i in range(depth):
-        for hf, timm in BLOCK.items():
-            for p in ("weight", "bias"):
-                state[f"blocks.{i}.{timm}.{p}"] = hf_state[f"vit.layers.{i}.{hf}.{p}"]
-        for p in ("weight", "bias"):
-            parts = [hf_state.get(f"vit.layers.{i}.{name}.{p}") for name in QKV]
-            if all(part is not None for part in parts):
-                state[f"blocks.{i}.attn.qkv.{p}"] = torch.cat(parts)  # type: ignore[arg-type]
-    return state
+    """The timm names of a transformers ViT's state dict (q, k, v concatenated into qkv; no biases without
+    qkv_bias)."""
+    state = {timm: hf_state[hf] for hf, timm in _pairs(depth)}
+    qkv = {timm: torch.cat([hf_state[n] for n in names]) for names, timm in _qkv(depth) if names[0] in hf_state}
+    return state | qkv
 
 
 def from_timm(state: Mapping[str, torch.Tensor], depth: int) -> State:
     """A transformers ViT's state dict from timm names: :func:`to_timm` reversed."""
-    hf = {name: state[timm] for name, timm in TOP.items()}
-    for i in range(depth):
-        for name, timm in BLOCK.items():
-            for p in ("weight", "bias"):
-                hf[f"vit.layers.{i}.{name}.{p}"] = state[f"blocks.{i}.{timm}.{p}"]
-        for p in ("weight", "bias"):
-            if (qkv := state.get(f"blocks.{i}.attn.qkv.{p}")) is not None:
-                hf |= dict(zip((f"vit.layers.{i}.{name}.{p}" for name in QKV), qkv.chunk(3), strict=True))
+    hf = {name: state[timm] for name, timm in _pairs(depth)}
+    for names, timm in _qkv(depth):
+        if timm in state:
+            hf |= dict(zip(names, state[timm].chunk(3), strict=True))
     return hf
 
 

@@ -52,9 +52,9 @@ def gpt2(tied: bool, seed: int = 0) -> GPT2LMHeadModel:
     return perturb(GPT2LMHeadModel(GPT2Config(**GPT2_BASE, tie_word_embeddings=tied)), seed)  # type: ignore[return-value]
 
 
-def hf_vit(seed: int = 0) -> ViTForImageClassification:
+def hf_vit(seed: int = 0, **config: Any) -> ViTForImageClassification:
     torch.manual_seed(seed)
-    return perturb(ViTForImageClassification(ViTConfig(**HF_VIT_BASE)), seed)  # type: ignore[return-value]
+    return perturb(ViTForImageClassification(ViTConfig(**HF_VIT_BASE | config)), seed)  # type: ignore[return-value]
 
 
 def vit(name: str, seed: int = 0) -> nn.Module:

@@ -40,7 +40,8 @@ from tests.interop_models import (
 F32 = 1e-4  # the bar for the same function in float32 (files are written in float32)
 CASES = {"gpt2-tied": (lambda: gpt2(tied=True), HF, {}), "gpt2-untied": (lambda: gpt2(tied=False), HF, {})} | {
     name: (lambda name=name: vit(name), TIMM, vit_kwargs(name)) for name in VIT_VARIANTS} | {
-    "vit-hub-folder": (lambda: vit("vit-dinov2-like"), TIMM_FOLDER, {}), "hf-vit": (hf_vit, HF_VIT, {})}
+    "vit-hub-folder": (lambda: vit("vit-dinov2-like"), TIMM_FOLDER, {}), "hf-vit": (hf_vit, HF_VIT, {}),
+    "hf-vit-relu-no-qkv-bias": (lambda: hf_vit(hidden_act="relu", qkv_bias=False, layer_norm_eps=1e-6), HF_VIT, {})}
 
 
 @pytest.mark.parametrize("name", VIT_VARIANTS)
@@ -138,7 +139,7 @@ def test_export_stores_the_precision_asked_and_reads_it_back_exactly(tmp_path):
     assert list(DTYPES) == DTYPE_NAMES  # the CLI lists them without importing torch
 
 
-@pytest.mark.parametrize("name", ["gpt2-tied", "vit-dinov2-like", "hf-vit"])
+@pytest.mark.parametrize("name", ["gpt2-tied", "vit-dinov2-like", "hf-vit", "hf-vit-relu-no-qkv-bias"])
 def test_api_round_trip_in_float64(name):
     make, lib, _ = CASES[name]
     model = make().double()
