@@ -22,7 +22,7 @@ from client.attacks import attack
 from client.data import ClientShare, client_share, eval_subset, pool
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, first_line
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
 from server import protocol
 from server.aggregation import principal_placement, restrict
@@ -82,7 +82,7 @@ def _model_at_tier(state: dict[str, torch.Tensor], cfg: ModelConfig, settings: R
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise ConfigError(f"server weights do not fit a width-{node.tier:g} model: {str(err).splitlines()[0]}") from err
+        raise ConfigError(f"server weights do not fit a width-{node.tier:g} model: {first_line(err)}") from err
     return model
 
 

@@ -26,7 +26,7 @@ from safetensors.torch import save
 from torch import nn
 
 from glmc.archs import ModelConfig, build_model
-from glmc.errors import CheckpointError, ConfigError, GlmcError
+from glmc.errors import CheckpointError, ConfigError, GlmcError, first_line
 
 META_KEY = "glmc"
 FORMAT_VERSION = 1
@@ -62,7 +62,7 @@ class CheckpointMeta:
         try:
             return cls(**{**data, "config": ModelConfig.from_dict(dict(data["config"]))})
         except (GlmcError, KeyError, TypeError) as err:
-            raise CheckpointError(f"invalid checkpoint metadata: {_one_line(err)}") from err
+            raise CheckpointError(f"invalid checkpoint metadata: {first_line(err)}") from err
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -113,7 +113,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], Checkpoi
             header = f.metadata() or {}
             state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     except Exception as err:  # safetensors raises several types for a bad header or truncated data
-        raise CheckpointError(f"{path} is not a readable safetensors file: {_one_line(err)}") from err
+        raise CheckpointError(f"{path} is not a readable safetensors file: {first_line(err)}") from err
     if META_KEY not in header:
         raise CheckpointError(f"{path} has no {META_KEY!r} metadata; it was not written by glmc")
     blob = _parse_blob(path, header[META_KEY])
@@ -131,7 +131,7 @@ def load_model(path: str | Path, expect: ModelConfig | None = None) -> tuple[nn.
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise CheckpointError(f"{path} tensors do not fit its {meta.config.family} config: {_one_line(err)}") from err
+        raise CheckpointError(f"{path} tensors do not fit its {meta.config.family} config: {first_line(err)}") from err
     return model.eval(), meta
 
 
@@ -166,8 +166,3 @@ def _config_diff(expected: ModelConfig, found: ModelConfig) -> str:
     """The fields that differ, as ``name: found X, expected Y``."""
     a, b = expected.to_dict(), found.to_dict()
     return "; ".join(f"{k}: checkpoint has {b[k]!r}, expected {a[k]!r}" for k in a if a[k] != b[k])
-
-
-def _one_line(err: BaseException) -> str:
-    """The first line of an exception's message, for one-line CLI errors."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]

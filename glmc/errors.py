@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 
+LINE_LIMIT = 200  # characters of a quoted exception message in a one-line error
+
 
 class GlmcError(Exception):
     """Base of every error glmc raises on purpose; its message is one line naming the problem."""
@@ -32,6 +34,14 @@ class NonFiniteError(GlmcError):
 
 class DeployError(GlmcError):
     """A SuperLink or SuperNode that would not start or join, or a flwr command that failed; quotes its log."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message that says something, for one-line errors: a header ending in ":"
+    (torch's "Error(s) in loading state_dict for X:") gives way to the line after it; cut to LINE_LIMIT."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    line = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+    return line if len(line) <= LINE_LIMIT else f"{line[:LINE_LIMIT - 1]}…"
 
 
 Rule = tuple[str, Callable[[float], bool], Mapping[str, float | None]]  # (what is allowed, test, name → value)

@@ -34,7 +34,7 @@ from torch import nn
 from glmc import hf_vit
 from glmc.archs import ModelConfig, State, cast
 from glmc.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
-from glmc.errors import CheckpointError, ConfigError
+from glmc.errors import CheckpointError, ConfigError, first_line
 from glmc.live import read_module
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def _header(path: Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}
     except Exception as err:  # safetensors raises several types for a bad header
-        raise CheckpointError(f"{path} is not a readable safetensors file: {_first_line(err)}") from err
+        raise CheckpointError(f"{path} is not a readable safetensors file: {first_line(err)}") from err
 
 
 def _tensors(path: Path) -> State:
@@ -95,18 +95,14 @@ def _tensors(path: Path) -> State:
         with safe_open(str(path), framework="pt") as f:
             return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     except Exception as err:
-        raise CheckpointError(f"{path} is not a readable safetensors file: {_first_line(err)}") from err
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"{path} is not a readable safetensors file: {first_line(err)}") from err
 
 
 def _load_json(path: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: unreadable {what}: {_first_line(err)}") from err
+        raise CheckpointError(f"{path}: unreadable {what}: {first_line(err)}") from err
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: {what} is not a JSON object")
     return data
@@ -173,7 +169,7 @@ def _hf_vit(folder: Path) -> nn.Module:
                 str(folder), use_safetensors=True, local_files_only=True, dtype=torch.float32, output_loading_info=True)
             model, info = loaded
     except (OSError, ValueError, RuntimeError, KeyError) as err:
-        raise CheckpointError(f"{folder} does not hold its config's ViT: {_first_line(err)}") from err
+        raise CheckpointError(f"{folder} does not hold its config's ViT: {first_line(err)}") from err
     if off := [f"lacks {k!r}" for k in info["missing_keys"]] + [f"has an unexpected {k!r}"
                                                                 for k in info["unexpected_keys"]]:
         raise CheckpointError(f"{folder} does not hold its config's ViT: it {sorted(off)[0]}")
@@ -335,7 +331,7 @@ def timm_model(kwargs: Mapping[str, Any], where: Path | str) -> nn.Module:
     try:
         return timm.create_model(**{**kwargs, "pretrained": False})
     except (RuntimeError, TypeError, ValueError, AssertionError, KeyError) as err:
-        raise ConfigError(f"{where}: timm.create_model failed: {_first_line(err)}") from err
+        raise ConfigError(f"{where}: timm.create_model failed: {first_line(err)}") from err
 
 
 def read_timm(path: Path) -> tuple[State, CheckpointMeta]:
@@ -364,7 +360,7 @@ def read_timm_folder(folder: Path) -> tuple[State, CheckpointMeta]:
     try:
         pretrained_cfg, name, model_args = load_model_config_from_path(folder)
     except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{folder}: unreadable timm config.json: {_first_line(err)}") from err
+        raise CheckpointError(f"{folder}: unreadable timm config.json: {first_line(err)}") from err
     classes = {"num_classes": pretrained_cfg["num_classes"]} if "num_classes" in pretrained_cfg else {}
     kwargs = {"model_name": name, **classes, **model_args}
     cfg, state = _timm_state(kwargs, folder / "config.json", folder, _folder_tensors(folder))
@@ -378,7 +374,7 @@ def _timm_state(kwargs: Mapping[str, Any], where: Path, path: Path, tensors: Sta
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as err:
-        raise CheckpointError(f"{path} does not fit the timm model of {where.name}: {_first_line(err)}") from err
+        raise CheckpointError(f"{path} does not fit the timm model of {where.name}: {first_line(err)}") from err
     _, cfg, state = read_module(model.eval())
     return cfg, state
 
@@ -413,7 +409,7 @@ def write_timm(path: Path, native: Mapping[str, torch.Tensor], meta: CheckpointM
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise ConfigError(f"the timm model of these kwargs does not take the state: {_first_line(err)}") from err
+        raise ConfigError(f"the timm model of these kwargs does not take the state: {first_line(err)}") from err
     if path.suffix != ".safetensors":
         _replace_folder(path, lambda tmp: _fill_timm_folder(tmp, model.to(dtype), kwargs, meta))
         return

@@ -20,7 +20,7 @@ from torch import nn
 
 from glmc import hf_vit
 from glmc.archs import ARCHS, Arch, ModelConfig, State, cast
-from glmc.errors import ConfigError
+from glmc.errors import ConfigError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def verify_rebuild(model: nn.Module, arch: Arch, cfg: ModelConfig, state: Mappin
         ours.load_state_dict(cast(state, torch.float64), strict=True)
     except RuntimeError as err:
         raise ConfigError(f"unsupported {type(model).__name__} variant: its parameters are not those of glmc's "
-                          f"{cfg.family} ({str(err).strip().splitlines()[0]})") from err
+                          f"{cfg.family} ({first_line(err)})") from err
     theirs = copy.deepcopy(model).to(device, torch.float64).eval()
     x = probe_inputs(cfg, device)
     with torch.no_grad():
@@ -118,6 +118,5 @@ def like(model: nn.Module, native: Mapping[str, torch.Tensor]) -> nn.Module:
     try:
         new.load_state_dict(dict(native), strict=True)
     except RuntimeError as err:
-        raise ConfigError(f"the result does not fit a {type(model).__name__}: {str(err).strip().splitlines()[0]}"
-                          ) from err
+        raise ConfigError(f"the result does not fit a {type(model).__name__}: {first_line(err)}") from err
     return new.eval() if not model.training else new

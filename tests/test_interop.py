@@ -304,7 +304,8 @@ def test_timm_kwargs_that_would_download_or_change_the_function_are_refused(tmp_
     model = vit("vit-plain")
     for name, extra, phrase in [("pre", {"pretrained": True}, "would download"),
                                 ("max", {"global_pool": "max"}, "global_pool"),
-                                ("qkn", {"qk_norm": True}, "unsupported")]:
+                                ("qkn", {"qk_norm": True}, "q_norm.weight"),  # the parameter glmc lacks, named
+                                ("pos", {"pos_embed": "none"}, "pos_embed")]:
         kwargs = vit_kwargs("vit-plain") | extra
         path = tmp_path / f"{name}.safetensors"
         built = model if name == "pre" else perturb_like(kwargs)
