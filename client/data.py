@@ -68,6 +68,15 @@ def pool(settings: RunSettings) -> Pool:
     return _pool(*pool_key(settings))
 
 
+def server_reads(settings: RunSettings) -> Dataset | None:
+    """What the server reads of the samples held back for it: all of them, or a seeded subset of server-reads."""
+    held = pool(settings).server
+    if held is None or not settings.server_reads:
+        return held
+    rows = np.sort(np.random.default_rng(settings.seed).permutation(len(held))[:settings.server_reads])  # type: ignore[arg-type]
+    return held.subset(rows) if isinstance(held, ArrayDataset) else Subset(held, rows.tolist())
+
+
 def base_config(dataset: str, model: str, checkpoints: tuple[Path, ...], dropout: float = -1.0) -> ModelConfig:
     """The model preset, or the config of the first ``init`` checkpoint, whose data-dependent sizes must be the
     dataset's (a run cannot retrain a 1000-class head on 10 classes without saying so); ``dropout`` ≥ 0 replaces

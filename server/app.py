@@ -16,7 +16,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from client.data import eval_subset, label_counts, pool, split_config
+from client.data import eval_subset, label_counts, pool, server_reads, split_config
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.device import resolve
@@ -104,10 +104,12 @@ def central_evaluator(settings: RunSettings, cfg: ModelConfig) -> EvaluateFn:
 
 
 def server_tuning(settings: RunSettings, learn: LearnConfig) -> TrainConfig:
-    """How ``fedavg-ft`` trains the merged model: the learned refinement's epochs and batch size over the same
-    server-held samples, at the clients' learning rate, on the server's one thread."""
+    """How ``fedavg-ft`` trains the merged model: the learned refinement's epochs (or its steps, cycling through
+    the data: an epoch is at least one) and batch size over the same server-held samples, at the clients' learning
+    rate, on the server's one thread."""
     lr = settings.lr or pool(settings).task.defaults.get("lr", TrainConfig.lr)
-    return TrainConfig(epochs=learn.epochs, batch_size=learn.batch_size, lr=lr, seed=settings.seed, threads=1)
+    return TrainConfig(epochs=learn.steps or learn.epochs, max_steps=learn.steps, batch_size=learn.batch_size, lr=lr,
+                       seed=settings.seed, threads=1)
 
 
 def run_header(settings: RunSettings, num_nodes: int) -> dict[str, Any]:
@@ -158,9 +160,9 @@ def main(grid: Grid, context: Context) -> None:
         return
     num_nodes = len(list(grid.get_node_ids()))
     learn = LearnConfig(concentration=settings.refine_concentration, within=typing.cast(Within, settings.refine_within),
-                        targets=settings.targets)
+                        targets=settings.targets, steps=settings.server_steps or None)
     strategy = SymmetryAwareFedAvg(
-        settings.aggregation, reply_schema(settings, cfg), cfg, server_data=pool(settings).server,
+        settings.aggregation, reply_schema(settings, cfg), cfg, server_data=server_reads(settings),
         generate=settings.generated,
         align_iters=settings.align_iters, align_workers=settings.align_workers,
         learn=learn, tune=server_tuning(settings, learn), restore_norms=settings.restore_norms,

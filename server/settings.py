@@ -92,6 +92,12 @@ class RunSettings:
     # each round, server-data windows of text the round's client models write themselves (glmc.generated; language
     # models only), so that the server holds no data at all and no client gives any up
     server_data_source: str = "split"
+    # of the server-data samples held back, how many the server reads: a seeded subset (0 = all of them), so that a
+    # grid can vary what the server reads while every client's share stays what server-data left it
+    server_reads: int = 0
+    # optimizer steps of learned's refinement and of the controls' training on the server data (0 = their epochs,
+    # which shrink with it): one budget, whatever the server reads
+    server_steps: int = 0
     train_limit: int = 0  # training images the clients share between them, a seeded subset (0 = all); vision only
     eval_limit: int = 0  # central test samples per evaluation (0 = the whole test set)
     align_iters: int = 1  # universe iterations: 1 = align to the previous global model, more iterate U = mean
@@ -227,6 +233,9 @@ class RunSettings:
                  f"{SERVER_DATA_SOURCES}, got {self.server_data_source!r}")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
+        _require(0 <= self.server_reads <= self.held_back and self.server_steps >= 0,
+                 f"server-reads must be in [0, server-data held back = {self.held_back}] and server-steps >= 0, got "
+                 f"{self.server_reads} and {self.server_steps}")
 
     @property
     def robustness(self) -> Robustness:

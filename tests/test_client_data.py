@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import fake_hub_copy
+from torch.utils.data import TensorDataset
 
 import client.data
 from client.app import Node
-from client.data import client_share, eval_subset, label_counts, pool
-from glmc.archs import build_model, preset
+from client.data import client_share, eval_subset, label_counts, pool, server_reads
+from glmc.archs import build_model, get_arch, preset
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
+from glmc.match.learned import LearnConfig
 from server.settings import RunSettings
 
 needs_fashion = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
@@ -45,6 +47,35 @@ def test_generated_server_data_holds_nothing_back_from_the_clients() -> None:
     assert pool(generated).server is None and pool(split).server is not None
     assert sum(len(client_share(generated, p, 4).train) + len(client_share(generated, p, 4).val) for p in range(4)) \
         == sum(len(client_share(split, p, 4).train) + len(client_share(split, p, 4).val) for p in range(4)) + 500
+
+
+@needs_fashion
+def test_server_reads_a_seeded_part_of_what_was_held_back_and_the_clients_keep_their_shares() -> None:
+    held = RunSettings(server_data=500, partitioner="dirichlet", alpha=0.3, seed=1)
+    fewer = dataclasses.replace(held, server_reads=50)
+    read, all_held = server_reads(fewer), pool(held).server
+    assert read is not None and all_held is not None and len(read) == 50 and server_reads(held) is all_held
+    assert rows_of(read) < rows_of(all_held) and rows_of(server_reads(fewer)) == rows_of(read)  # seeded
+    assert rows_of(client_share(fewer, 2, 4).train) == rows_of(client_share(held, 2, 4).train)
+    with pytest.raises(ConfigError, match="server-reads"):
+        RunSettings(server_data=500, server_reads=501)
+    with pytest.raises(ConfigError, match="server-reads"):
+        RunSettings(server_data=500, server_data_source="generated", server_reads=50)
+
+
+def test_server_steps_fix_the_budget_of_the_refinement_and_the_controls() -> None:
+    from glmc.train import train
+    from server.app import server_tuning
+
+    settings = RunSettings(server_data=64, server_steps=7, aggregation="fedavg-ft")
+    learn = LearnConfig(steps=settings.server_steps or None)
+    tune = server_tuning(settings, learn)
+    data = TensorDataset(torch.rand(5, 1, 28, 28), torch.zeros(5, dtype=torch.long))  # one batch an epoch
+    cfg = preset("vit-tiny")
+    model = build_model(cfg)
+    assert train(model, get_arch("vit"), data, tune, progress=False)["steps"] == 7  # five images, seven times
+    assert train(model, get_arch("vit"), data, dataclasses.replace(tune, max_steps=None, epochs=2),
+                 progress=False)["steps"] == 2
 
 
 @needs_fashion
