@@ -53,7 +53,8 @@ def output_format(args: argparse.Namespace, meta: CheckpointMeta) -> str:
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", type=Path, help="a glmc checkpoint, Hugging Face folder or timm state dict")
     out = parser.add_mutually_exclusive_group(required=True)
-    out.add_argument("--hf", type=Path, metavar="DIR", help="write a Hugging Face folder (GPT-2)")
+    out.add_argument("--hf", type=Path, metavar="DIR", help="write a Hugging Face folder (a GPT-2, or a ViT "
+                     "ViTForImageClassification can hold)")
     out.add_argument("--timm", type=Path, metavar="PATH", help="write a timm ViT: a state dict PATH.safetensors "
                      "with its create_model kwargs in PATH.json, or a timm Hub folder PATH (no .safetensors)")
     out.add_argument("--glmc", type=Path, metavar="FILE", help="write a glmc checkpoint (.safetensors)")
