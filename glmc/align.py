@@ -14,15 +14,15 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, cast, get_arch
-from glmc.canonical import CENTRED, Form, canonicalize, fixes_ones
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
 from glmc.match.learned import LearnConfig
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
-from glmc.spec import check_same_shapes
+from glmc.symmetry.canonical import CENTRED, Form, canonicalize, fixes_ones
+from glmc.symmetry.spec import check_same_shapes
+from glmc.symmetry.transforms import Transform, apply
 from glmc.tasks import inputs_of
-from glmc.transforms import Transform, apply
 
 METHODS = ("none", "weight", "weight-perm", "activation", "learned", "learned-perm", "soft", "dual")
 LEARNED_METHODS = ("learned", "learned-perm", "soft", "dual")

@@ -156,7 +156,7 @@ def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "w
 
 def check(model: nn.Module, *, device: str = "cpu", seed: int = 0) -> float:
     """The largest logit change (float64) that a random transform of any symmetry class causes on this model's own
-    weights: ≤ 1e-5 (glmc.check.TOLERANCE) means glmc's symmetries are exact on it.
+    weights: ≤ 1e-5 (glmc.symmetry.exactness.TOLERANCE) means glmc's symmetries are exact on it.
 
     >>> import timm, glmc
     >>> vit = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=24, depth=2,
@@ -164,7 +164,7 @@ def check(model: nn.Module, *, device: str = "cpu", seed: int = 0) -> float:
     >>> glmc.check(vit) < 1e-5
     True
     """
-    from glmc.check import invariance_errors
+    from glmc.symmetry.exactness import invariance_errors
 
     _, cfg, state = read_module(model)
     return max(invariance_errors(cfg, seed=seed, device=device, native=cast(state, torch.float64)).values())

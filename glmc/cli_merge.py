@@ -262,8 +262,8 @@ def align_across_widths(args: argparse.Namespace, natives: list[dict], metas: li
     import torch
 
     from glmc.archs import get_arch
-    from glmc.canonical import canonicalize
     from glmc.merge import align_to_wide
+    from glmc.symmetry.canonical import canonicalize
     from glmc.widths import embedding_config
 
     check_across_widths(args, [args.method], {})

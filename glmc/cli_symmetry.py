@@ -15,13 +15,13 @@ from glmc.errors import ConfigError
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
 METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.align.METHODS
-FORM_NAMES = ["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]  # glmc.canonical.FORMS, without importing torch
+FORM_NAMES = ["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]  # canonical.FORMS, torch-free
 
 if TYPE_CHECKING:
 
     from glmc.align import Alignment
-    from glmc.canonical import Form
     from glmc.checkpoint import CheckpointMeta
+    from glmc.symmetry.canonical import Form
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     """Apply a random transform of every class in float64; print JSON errors; exit 0 only if all are ≤ 1e-5."""
-    from glmc.check import TOLERANCE, invariance_errors
+    from glmc.symmetry.exactness import TOLERANCE, invariance_errors
 
     if args.checkpoint is not None:
         return _check_checkpoint(args)
@@ -60,8 +60,8 @@ def run_check(args: argparse.Namespace) -> int:
 
 def _check_checkpoint(args: argparse.Namespace) -> int:
     """``glmc check CHECKPOINT``: the invariance errors of the model's own weights."""
-    from glmc.check import TOLERANCE, invariance_errors
     from glmc.formats import read
+    from glmc.symmetry.exactness import TOLERANCE, invariance_errors
 
     for flag in ("model", "width", "depth", "heads", "mlp", "activation"):
         if getattr(args, flag) is not None:
@@ -98,7 +98,7 @@ def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, Checkpoint
     B that does not fit inside A (only widths may differ, and B is then embedded into A's width)."""
     from glmc.formats import read
     from glmc.match.common import require_finite
-    from glmc.spec import check_same_shapes
+    from glmc.symmetry.spec import check_same_shapes
     from glmc.widths import check_embeddable
 
     state_a, meta_a = read(a)
@@ -185,7 +185,7 @@ def run_barrier(args: argparse.Namespace) -> int:
     import torch
 
     from glmc.barrier import barrier_curve
-    from glmc.canonical import CIRCUITS, to_circuit
+    from glmc.symmetry.canonical import CIRCUITS, to_circuit
 
     if args.simplex:
         for flag, given in (("--repair", args.repair), ("--form", args.form != "standard")):

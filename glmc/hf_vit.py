@@ -88,7 +88,7 @@ def from_timm(state: Mapping[str, torch.Tensor], depth: int) -> State:
 def timm_module(model: nn.Module) -> nn.Module:
     """The timm ViT computing a transformers ViT's logits, checked on random images (float64); ConfigError if
     they differ (an option that changes the function without changing a shape)."""
-    from glmc.check import random_inputs
+    from glmc.symmetry.exactness import random_inputs
 
     hf: Any = model.config
     head: Any = model.classifier

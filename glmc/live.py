@@ -62,7 +62,7 @@ def untied_state(model: nn.Module) -> State:
 
 def probe_inputs(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
     """Two short inputs of the model's kind, to compare two builds of it."""
-    from glmc.check import random_inputs
+    from glmc.symmetry.exactness import random_inputs
 
     return random_inputs(cfg.replace(context=min(cfg.context, CHECK_LENGTH)), n=2).to(device)
 

@@ -21,7 +21,6 @@ from torch.utils.data import Dataset
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch, preset, scale_width
 from glmc.barrier import barrier_curve, evaluate_mixtures
-from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta
 from glmc.device import device_of, resolve, to_device
 from glmc.errors import ConfigError
@@ -29,6 +28,7 @@ from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_recor
 from glmc.refit import refit
 from glmc.repair import repair
 from glmc.rescale import restore_norms
+from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.train import evaluate
 from glmc.universe import UniverseResult, universe_match
 from glmc.widths import WIDTH_FIELDS, check_embeddable

@@ -30,9 +30,9 @@ from torch.utils.data import Dataset
 
 from glmc.activations import AllSitesRecorded, Hook, Site, hooked_passes
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.canonical import to_model
 from glmc.errors import ConfigError, check_weights
-from glmc.spec import RES, AxisKind
+from glmc.symmetry.canonical import to_model
+from glmc.symmetry.spec import RES, AxisKind
 from glmc.tasks import inputs_of
 from glmc.widths import Placement, axis_mask, embedding_config
 

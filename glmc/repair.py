@@ -19,8 +19,8 @@ from torch.utils.data import Dataset
 
 from glmc.activations import AllSitesRecorded, Hook, hooked_passes
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.canonical import to_model
 from glmc.errors import ConfigError
+from glmc.symmetry.canonical import to_model
 from glmc.tasks import inputs_of
 
 # The linear layers whose output channels are repaired, block by block in forward order (canonical prefixes): the

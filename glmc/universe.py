@@ -32,7 +32,7 @@ from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_options, check_weights
 from glmc.match.common import MatchResult, sq_distance
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
-from glmc.transforms import Transform, apply, compose, maps_to
+from glmc.symmetry.transforms import Transform, apply, compose, maps_to
 from glmc.widths import FILLS, Placement, embed, lstsq_merge, move, place, widen
 
 if TYPE_CHECKING:

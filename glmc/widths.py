@@ -24,9 +24,9 @@ import torch
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.errors import ConfigError, SpecError
-from glmc.groups import ones_complement
-from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
-from glmc.transforms import Transform
+from glmc.symmetry.groups import ones_complement
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
+from glmc.symmetry.transforms import Transform
 
 # How a narrow model fills the universe's extra heads and MLP units: zero heads and dead neurons (the exact
 # embedding), or copies of its own (:func:`widen`).

@@ -39,7 +39,6 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
-from glmc.canonical import canonicalize
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig, targets_for
@@ -48,6 +47,7 @@ from glmc.merge import PredictionMixture
 from glmc.refit import refit as refit_layers
 from glmc.repair import repair as repair_statistics
 from glmc.rescale import restore_norms
+from glmc.symmetry.canonical import canonicalize
 from glmc.train import TrainConfig, train
 from glmc.universe import universe_match
 from glmc.widths import Placement, embed, lstsq_merge, place, principal_place, project

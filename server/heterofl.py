@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
 
 
 def _axis_index(kind: AxisKind | None, size: int, narrow: ModelConfig, full: ModelConfig) -> torch.Tensor:

@@ -8,9 +8,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, State, build_model, get_arch, preset
-from glmc.canonical import canonicalize
-from glmc.check import random_inputs as inputs
-from glmc.check import random_native
+from glmc.symmetry.canonical import canonicalize
+from glmc.symmetry.exactness import random_inputs as inputs
+from glmc.symmetry.exactness import random_native
 from tests.conftest import synthetic_images, synthetic_text
 
 VOCAB = 23

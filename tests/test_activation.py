@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from glmc.archs import ModelConfig, State, build_model, get_arch, preset
-from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.match.activation import activation_match, correlations
 from glmc.match.common import sq_distance
-from glmc.transforms import Transform, apply
+from glmc.symmetry.canonical import canonicalize, to_model
+from glmc.symmetry.transforms import Transform, apply
 
 # Odd sizes, so no accidental symmetry of shapes hides an orientation bug.
 CONFIGS = {

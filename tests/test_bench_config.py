@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmc import groups
 from glmc.archs import get_arch
-from glmc.canonical import canonicalize
 from glmc.cli_weight import parse_weight_flags
 from glmc.match.weight import WeightOptions
-from glmc.transforms import MATCHABLE, apply, random_transform
+from glmc.symmetry import groups
+from glmc.symmetry.canonical import canonicalize
+from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from simulations.bench import (
     accelerator,
     barrier_sites,

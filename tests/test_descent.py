@@ -7,11 +7,11 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from glmc import groups
 from glmc.archs import get_arch
 from glmc.match.common import sq_distance
 from glmc.match.descent import Certificate, Descent, certified_assignment
-from glmc.transforms import MATCHABLE, Transform, apply, random_transform
+from glmc.symmetry import groups
+from glmc.symmetry.transforms import MATCHABLE, Transform, apply, random_transform
 from tests.symmetry_models import CONFIGS, canonical
 
 

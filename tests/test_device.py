@@ -9,20 +9,20 @@ import dataclasses
 import pytest
 import torch
 
-from glmc import groups
 from glmc.align import align_pair
 from glmc.archs import build_model, get_arch
 from glmc.barrier import barrier_curve
-from glmc.canonical import to_model
-from glmc.check import TOLERANCE, invariance_errors
 from glmc.cli import main
 from glmc.device import check_name, device_of, peak_memory_mb, resolve
 from glmc.errors import ConfigError
 from glmc.match.common import sq_distance
 from glmc.match.learned import LearnConfig
 from glmc.merge import MergeSetup, merge_states
+from glmc.symmetry import groups
+from glmc.symmetry.canonical import to_model
+from glmc.symmetry.exactness import TOLERANCE, invariance_errors
+from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, evaluate, train
-from glmc.transforms import MATCHABLE, apply, random_transform
 from server.aggregation import Client, merge
 from server.settings import RunSettings
 from tests.conftest import synthetic_images, synthetic_text

@@ -26,8 +26,8 @@ from flwr.app import ArrayRecord, Message
 from test_strategy import CFG, metrics, reply, state
 
 from glmc.archs import build_model, get_arch, scale_width
-from glmc.canonical import canonicalize
 from glmc.match.learned import LearnConfig
+from glmc.symmetry.canonical import canonicalize
 from glmc.train import TrainConfig
 from server import protocol
 from server.robust import Robustness, distance

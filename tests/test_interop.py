@@ -15,13 +15,13 @@ from timm.models.vision_transformer import VisionTransformer
 
 import glmc
 from glmc.archs import cast, get_arch
-from glmc.canonical import canonicalize
-from glmc.check import TOLERANCE, classes_for, invariance_errors
 from glmc.cli import main
 from glmc.cli_export import DTYPE_NAMES
 from glmc.formats import DTYPES, read
 from glmc.live import like, read_module
-from glmc.transforms import MATCHABLE, apply, random_transform
+from glmc.symmetry.canonical import canonicalize
+from glmc.symmetry.exactness import TOLERANCE, classes_for, invariance_errors
+from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from tests.interop_models import (
     HF,
     HF_VIT,
@@ -66,7 +66,7 @@ def test_every_symmetry_class_is_exact_on_timm_variants(name):
 
 
 def _plant(model, seed=5):
-    """A copy of the model moved by a random symmetry of every matchable class (glmc.transforms), float32."""
+    """A copy of the model moved by a random symmetry of every matchable class (glmc.symmetry.transforms), float32."""
     arch, cfg, native = read_module(model)
     state = canonicalize(arch, native, cfg.depth, dtype=torch.float64)
     t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(seed))
@@ -171,7 +171,7 @@ def test_a_tied_gpt2_stays_tied_only_while_equal(tmp_path):
 
 
 def _permute_timm_vit(state, heads, units, num_heads):
-    """Head and MLP-unit permutations written directly on timm's names (not glmc.transforms): layer 0 only."""
+    """Head and MLP-unit permutations written directly on timm's names (not glmc.symmetry.transforms): layer 0 only."""
     out = dict(state)
     qkv = state["blocks.0.attn.qkv.weight"]
     out["blocks.0.attn.qkv.weight"] = qkv.reshape(3, num_heads, -1, qkv.shape[1])[:, heads].reshape(qkv.shape)

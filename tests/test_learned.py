@@ -13,11 +13,9 @@ import torch
 from conftest import synthetic_images, synthetic_text
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from glmc import groups
 from glmc.align import align_pair
 from glmc.archs import Arch, ModelConfig, State, build_model, get_arch
 from glmc.barrier import interpolate
-from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import load_model
 from glmc.cli import build_parser, main
 from glmc.cli_learn import TARGET_NAMES, WITHIN_NAMES, learn_options
@@ -41,8 +39,10 @@ from glmc.match.learned import (
 )
 from glmc.match.soft import soft_match
 from glmc.match.weight import weight_match
+from glmc.symmetry import groups
+from glmc.symmetry.canonical import canonicalize, to_model
+from glmc.symmetry.transforms import Transform, apply
 from glmc.train import TrainConfig, evaluate, seed_everything, token_loss, train
-from glmc.transforms import Transform, apply
 from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
 
 FAMILIES = ["vit-odd", "gpt2-odd"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from glmc.archs import get_arch
-from glmc.transforms import MATCHABLE, Transform, apply, random_transform
+from glmc.symmetry.transforms import MATCHABLE, Transform, apply, random_transform
 from simulations.bench.learned_gap import (
     angles,
     changed_units,

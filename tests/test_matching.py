@@ -8,11 +8,9 @@ import typing
 import pytest
 import torch
 
-from glmc import groups
 from glmc.align import align_pair
 from glmc.archs import cast, get_arch
 from glmc.barrier import barrier_curve, interpolate
-from glmc.canonical import canonicalize, to_model
 from glmc.cli_weight import START_NAMES, WEIGHT_FLAGS
 from glmc.errors import ConfigError, NonFiniteError, SpecError
 from glmc.match import weight as weight_module
@@ -27,8 +25,10 @@ from glmc.match.weight import (
     relaxed_residual,
     weight_match,
 )
+from glmc.symmetry import groups
+from glmc.symmetry.canonical import canonicalize, to_model
+from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import evaluate
-from glmc.transforms import MATCHABLE, apply, random_transform
 from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
 
 FAMILIES = ["vit-odd", "gpt2-odd"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glmc import groups
 from glmc.archs import get_arch
-from glmc.transforms import MATCHABLE, apply, invert, random_transform
+from glmc.symmetry import groups
+from glmc.symmetry.transforms import MATCHABLE, apply, invert, random_transform
 from simulations.bench.learned_gap import angles
 from simulations.bench.q_candidates import cross_moment, extrapolated, synthetic
 from tests.symmetry_models import CONFIGS, canonical, inputs, planted

@@ -10,9 +10,9 @@ from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, get_arch, scale_width
 from glmc.barrier import barrier_curve, mix
-from glmc.canonical import to_model
 from glmc.errors import ConfigError
 from glmc.repair import SITES, channel_stats, repair
+from glmc.symmetry.canonical import to_model
 from glmc.train import evaluate
 from glmc.widths import embed, place
 from tests.symmetry_models import MERGE_CONFIGS, canonical, merge_data

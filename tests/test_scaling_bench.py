@@ -9,7 +9,7 @@ import pytest
 
 from glmc.archs import ModelConfig, get_arch
 from glmc.match.weight import weight_match
-from glmc.transforms import MATCHABLE, Transform
+from glmc.symmetry.transforms import MATCHABLE, Transform
 from simulations.bench import scaling
 
 RUN = {"threads": 1, "seed": 0, "weight_start": "identity", "weight_classes": list(MATCHABLE),

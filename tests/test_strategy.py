@@ -25,7 +25,6 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, build_model, get_arch, preset, scale_width
-from glmc.canonical import canonicalize, to_model
 from glmc.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.errors import ConfigError
 from glmc.generated import generated_text
@@ -33,8 +32,9 @@ from glmc.match.learned import LearnConfig
 from glmc.merge import PredictionMixture
 from glmc.refit import RIDGE, layer_rows
 from glmc.repair import channel_stats
+from glmc.symmetry.canonical import canonicalize, to_model
+from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, evaluate, train
-from glmc.transforms import MATCHABLE, apply, random_transform
 from server import heterofl, protocol
 from server.aggregation import Client, principal_placement, restrict
 from server.hooks import ClientsWriter, EnsembleEvaluator

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from glmc.archs import ARCHS, get_arch
-from glmc.canonical import FORMS, canonicalize, to_circuit, to_model
-from glmc.check import invariance_errors
 from glmc.cli_symmetry import FORM_NAMES
 from glmc.errors import SpecError
-from glmc.spec import check_coverage, check_same_shapes, expand
-from glmc.transforms import SYMMETRY_CLASSES, Transform, apply, compose, invert, random_transform
+from glmc.symmetry.canonical import FORMS, canonicalize, to_circuit, to_model
+from glmc.symmetry.exactness import invariance_errors
+from glmc.symmetry.spec import check_coverage, check_same_shapes, expand
+from glmc.symmetry.transforms import SYMMETRY_CLASSES, Transform, apply, compose, invert, random_transform
 from tests.symmetry_models import CONFIGS, inputs, logits_of, random_native
 
 TOL = 1e-5  # the project's bar for "same function", in float64; we observe ~1e-15

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from glmc.archs import get_arch
-from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
 from glmc.match.common import sq_distance
-from glmc.transforms import MATCHABLE, apply, maps_to, random_transform
+from glmc.symmetry.canonical import canonicalize, to_model
+from glmc.symmetry.transforms import MATCHABLE, apply, maps_to, random_transform
 from glmc.universe import HOST_MATCH_MAX_PARAMS, matching_device, universe_match
 from glmc.widths import FILLS, embed, embedding_config, place, widen
 from tests.symmetry_models import CONFIGS, inputs, logits_of, random_native

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from glmc.archs import PRESETS, ModelConfig, get_arch, preset, scale_width
-from glmc.canonical import canonicalize, to_model
 from glmc.errors import ConfigError
-from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
+from glmc.symmetry.canonical import canonicalize, to_model
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
 from glmc.widths import (
     Placement,
     embed,
@@ -150,7 +150,7 @@ def test_least_squares_with_coordinate_masks_is_heterofl():
 
 def test_moved_placement_follows_the_transformed_model():
     """Projecting through the moved placement gives the narrow model back (up to its own within-head maps)."""
-    from glmc.transforms import MATCHABLE, apply, random_transform
+    from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 
     small, big = scale_width(BASES["gpt2"], 0.5), BASES["gpt2"]
     native, x = random_native(small, 5), inputs(small, n=3)
@@ -170,7 +170,7 @@ def test_moved_placement_follows_the_transformed_model():
 def test_principal_placement_finds_a_narrow_model_embedded_anywhere(family):
     """A wide model that is a narrow one embedded at a random place (heads, units and residual moved): the
     principal placement finds that place, keeps 1 on 1, and restricting to it gives the narrow function back."""
-    from glmc.transforms import apply, random_transform
+    from glmc.symmetry.transforms import apply, random_transform
 
     small, big = ODD[family]
     native, x = random_native(small, 6), inputs(small, n=3)

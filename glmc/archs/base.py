@@ -10,7 +10,7 @@ from torch import nn
 
 from glmc.archs.config import ModelConfig
 from glmc.errors import CheckpointError, ConfigError
-from glmc.spec import SpecTable, expand
+from glmc.symmetry.spec import SpecTable, expand
 
 State = dict[str, torch.Tensor]
 

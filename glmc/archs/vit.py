@@ -13,7 +13,7 @@ from torch import nn
 from glmc.archs.base import Arch, KeyRule, require_inputs
 from glmc.archs.config import ModelConfig
 from glmc.errors import ConfigError
-from glmc.spec import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS, NORM, RES, Axes
+from glmc.symmetry.spec import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS, NORM, RES, Axes
 
 _BLOCK_KEYS = {
     "ln1": "norm1",

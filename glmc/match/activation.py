@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, get_arch
-from glmc.canonical import Form, to_model
 from glmc.device import device_of
 from glmc.match.common import MatchResult, sq_distance
-from glmc.transforms import Transform, apply
+from glmc.symmetry import groups
+from glmc.symmetry.canonical import Form, to_model
+from glmc.symmetry.transforms import Transform, apply
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from glmc.errors import NonFiniteError
-from glmc.spec import AxisKind, SpecTable, expand
-from glmc.transforms import Transform
+from glmc.symmetry.spec import AxisKind, SpecTable, expand
+from glmc.symmetry.transforms import Transform
 
 
 @dataclass

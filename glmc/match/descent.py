@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glmc import groups
 from glmc.archs.base import State
 from glmc.match.common import cross, kind_first, sq_distance, sq_norm
-from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, AxisKind, SpecTable, expand
-from glmc.transforms import Transform, apply, require_folded
+from glmc.symmetry import groups
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, AxisKind, SpecTable, expand
+from glmc.symmetry.transforms import Transform, apply, require_folded
 
 HEAD_KINDS: tuple[AxisKind, ...] = (QKV, HEADS)
 MLP_KINDS: tuple[AxisKind, ...] = (MLP, MLP_IN)

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.canonical import Form, fixes_ones
 from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn, pair_points
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
-from glmc.transforms import Transform, compose, invert
+from glmc.symmetry.canonical import Form, fixes_ones
+from glmc.symmetry.transforms import Transform, compose, invert
 
 
 @dataclass

@@ -28,16 +28,16 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
-from glmc import groups
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.barrier import mix
-from glmc.canonical import CIRCUITS, Form, fixes_ones, to_circuit, to_model
 from glmc.device import device_of
 from glmc.errors import ConfigError, check_options
 from glmc.match.common import MatchResult
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
+from glmc.symmetry import groups
+from glmc.symmetry.canonical import CIRCUITS, Form, fixes_ones, to_circuit, to_model
+from glmc.symmetry.transforms import Transform, apply, require_folded
 from glmc.train import cosine_schedule, token_loss
-from glmc.transforms import Transform, apply, require_folded
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.canonical import Form, fixes_ones
-from glmc.check import TOLERANCE
 from glmc.match.common import MatchResult
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
+from glmc.symmetry.canonical import Form, fixes_ones
+from glmc.symmetry.exactness import TOLERANCE
+from glmc.symmetry.transforms import Transform
 from glmc.train import token_loss
-from glmc.transforms import Transform
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from glmc import groups
 from glmc.archs.base import cast
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, gather, kind_first, require_finite
 from glmc.match.descent import Descent, Layer
-from glmc.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable, expand
-from glmc.transforms import Transform
+from glmc.symmetry import groups
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable, expand
+from glmc.symmetry.transforms import Transform
 
 log = logging.getLogger(__name__)
 

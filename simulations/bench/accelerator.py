@@ -28,14 +28,14 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from glmc import groups
 from glmc.archs import Arch, ModelConfig, build_model, get_arch, preset
-from glmc.canonical import canonicalize
 from glmc.device import peak_memory_mb, reset_peak_memory, resolve
 from glmc.match.learned import LearnConfig, learned_match
 from glmc.match.weight import weight_match
+from glmc.symmetry import groups
+from glmc.symmetry.canonical import canonicalize
+from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, make_optimizer, seed_everything, set_threads, train_step
-from glmc.transforms import MATCHABLE, apply, random_transform
 from server.aggregation import Client, merge
 from simulations.tomlfile import config_or_exit
 
@@ -172,7 +172,7 @@ def big_rows(section: dict[str, Any], device: torch.device) -> list[dict[str, An
 
 @contextlib.contextmanager
 def cpu_svd_max(size: int) -> Iterator[None]:
-    """``glmc.groups.CPU_SVD_MAX`` set to ``size`` inside the block, restored after."""
+    """``glmc.symmetry.groups.CPU_SVD_MAX`` set to ``size`` inside the block, restored after."""
     before, groups.CPU_SVD_MAX = groups.CPU_SVD_MAX, size
     try:
         yield

@@ -26,7 +26,7 @@ from glmc.align import align_pair
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.barrier import evaluate_mixtures, mix
 from glmc.checkpoint import load_checkpoint
-from glmc.spec import HEADS, MLP, MLP_IN, QKV, SpecTable, expand
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, SpecTable, expand
 from glmc.tasks import held_out
 from simulations.bench.barriers import machine, mean_se, seed_checkpoints, table_main
 

@@ -72,9 +72,9 @@ def simplex(run: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
 def timing_states(run: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict], Any]:
     """The seeds' canonical states plus randomly transformed copies of them (exact symmetries, seeded)."""
     from glmc.archs import get_arch
-    from glmc.canonical import canonicalize
     from glmc.checkpoint import load_checkpoint
-    from glmc.transforms import MATCHABLE, apply, random_transform
+    from glmc.symmetry.canonical import canonicalize
+    from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 
     loaded = [load_checkpoint(p) for p in checkpoints(run, [[spec["group"], spec["seeds"]]])]
     cfg = loaded[0][1].config

@@ -37,12 +37,12 @@ import torch
 
 from client.data import VAL_FRACTION, eval_subset, pool
 from glmc.archs import ModelConfig, State, build_model, get_arch
-from glmc.canonical import canonicalize
 from glmc.checkpoint import load_checkpoint
 from glmc.cli_weight import add_weight_arguments, weight_options, weight_start
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
 from glmc.merge import ensemble_metrics
 from glmc.rescale import restore_norms
+from glmc.symmetry.canonical import canonicalize
 from glmc.train import evaluate, set_threads
 from glmc.universe import universe_match
 from server.settings import RunSettings

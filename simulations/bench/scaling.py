@@ -5,7 +5,7 @@ random-init pairs where B is a planted symmetry transform of A, so that every ro
         [--models NAME ...]
 
 Each (model, method) runs in a fresh process: A is the model's own (seeded) initialisation in float32, canonical,
-and B = T(A) for a T drawn by ``glmc.transforms.random_transform``. Once the pair is built, the process's peak
+and B = T(A) for a T drawn by ``glmc.symmetry.transforms.random_transform``. Once the pair is built, the process's peak
 resident memory is reset (Linux ``/proc/self/clear_refs``, after glibc's ``malloc_trim`` hands back what building
 the pair freed), so ``peak RSS`` is the whole process's peak during the matching (both states included) and
 ``added`` that peak minus the resident size just before it. ``recovered`` asks for ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖²
@@ -33,12 +33,12 @@ import numpy as np
 import torch
 
 from glmc.archs import ModelConfig, State, build_model, cast, get_arch
-from glmc.canonical import canonicalize
-from glmc.check import random_inputs
 from glmc.match.activation import activation_match
 from glmc.match.common import MatchResult, sq_distance
 from glmc.match.weight import Start, weight_match
-from glmc.transforms import Transform, apply, compose, random_transform
+from glmc.symmetry.canonical import canonicalize
+from glmc.symmetry.exactness import random_inputs
+from glmc.symmetry.transforms import Transform, apply, compose, random_transform
 from simulations.bench.barriers import machine
 from simulations.tomlfile import config_or_exit
 

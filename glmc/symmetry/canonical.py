@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
-from glmc.spec import RES, expand
+from glmc.symmetry.spec import RES, expand
 
 Form = Literal["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]
 FORMS: tuple[Form, ...] = get_args(Form)

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 import torch
 
 from glmc.archs import ModelConfig, State, build_model, cast, get_arch
-from glmc.canonical import CIRCUITS, Form, canonicalize, fixes_ones, to_circuit, to_model
 from glmc.device import resolve, to_device
-from glmc.transforms import SYMMETRY_CLASSES, apply, random_transform
+from glmc.symmetry.canonical import CIRCUITS, Form, canonicalize, fixes_ones, to_circuit, to_model
+from glmc.symmetry.transforms import SYMMETRY_CLASSES, apply, random_transform
 
 TOLERANCE = 1e-5  # maximum absolute logit difference in float64 that still counts as the same function
 CHECK_CONTEXT = 64  # tokens per checked sequence: a pretrained GPT-2's 1024 would make the check slow, not stricter

@@ -20,7 +20,7 @@ import torch
 from glmc.archs.base import State
 from glmc.archs.config import ModelConfig
 from glmc.errors import SpecError
-from glmc.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, SpecTable, expand
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, SpecTable, expand
 
 Layered = list[torch.Tensor | None]
 
@@ -247,7 +247,7 @@ MATCHABLE = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
 def random_transform(cfg: ModelConfig, classes: tuple[str, ...], generator: torch.Generator,
                      fix_ones: bool = True) -> Transform:
     """A random group element of ``cfg``'s sizes made of the named symmetry classes (for invariance checks)."""
-    from glmc import groups
+    from glmc.symmetry import groups
 
     depth, width, heads, head_dim, mlp = cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp
 
