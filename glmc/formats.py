@@ -31,8 +31,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from glmc import hf_vit
-from glmc.archs import ModelConfig, State, cast
+from glmc.archs import ModelConfig, State, cast, hf_vit
 from glmc.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
 from glmc.errors import CheckpointError, ConfigError, first_line
 from glmc.live import read_module

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from glmc import hf_vit
-from glmc.archs import ARCHS, Arch, ModelConfig, State, cast
+from glmc.archs import ARCHS, Arch, ModelConfig, State, cast, hf_vit
 from glmc.errors import ConfigError, first_line
 
 log = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ def verify_rebuild(model: nn.Module, arch: Arch, cfg: ModelConfig, state: Mappin
 
 def read_module(model: nn.Module) -> tuple[Arch, ModelConfig, State]:
     """Family, config and untied native state of a live model, checked against glmc's rebuild of it (a transformers
-    ViT is read as the timm ViT computing it, :mod:`glmc.hf_vit`)."""
+    ViT is read as the timm ViT computing it, :mod:`glmc.archs.hf_vit`)."""
     if hf_vit.is_hf_vit(model):
         model = hf_vit.timm_module(model)
     arch, cfg = describe(model)
