@@ -72,8 +72,8 @@ def _refuse_forms(options: dict[str, Any]) -> None:
 def align(model_a: nn.Module, model_b: nn.Module, method: str = "weight", data: Data = None, *,
           device: str = "cpu", **options: Any) -> nn.Module:
     """A new module of ``model_b``'s class and config computing ``model_b``'s function, moved next to
-    ``model_a`` by a symmetry found by ``method`` (glmc.align.METHODS; ``data`` for the data-driven ones).
-    ``options`` go to :func:`glmc.align.align_pair` (``batch``, ``start``, ``learn``).
+    ``model_a`` by a symmetry found by ``method`` (glmc.match.align.METHODS; ``data`` for the data-driven ones).
+    ``options`` go to :func:`glmc.match.align.align_pair` (``batch``, ``start``, ``learn``).
 
     >>> import timm, torch, glmc
     >>> kw = dict(img_size=16, patch_size=4, in_chans=1, embed_dim=24, depth=2, num_heads=3, num_classes=5)
@@ -84,7 +84,7 @@ def align(model_a: nn.Module, model_b: nn.Module, method: str = "weight", data: 
     >>> bool((b_moved(x) - b.eval()(x)).abs().max() < 1e-4)
     True
     """
-    from glmc.align import align_pair
+    from glmc.match.align import align_pair
 
     _refuse_forms(options)
     arch, (cfg, cfg_b), (state_a, state_b) = _read_all([model_a, model_b])
@@ -136,8 +136,8 @@ def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "w
     >>> len(curve.lambdas), curve.barrier >= 0.0
     (5, True)
     """
-    from glmc.align import DATA_METHODS, align_pair
     from glmc.barrier import barrier_curve
+    from glmc.match.align import DATA_METHODS, align_pair
 
     _refuse_forms(options)
     if points < 2:

@@ -14,13 +14,13 @@ from glmc.cli_weight import add_weight_arguments, weight_options, weight_start
 from glmc.errors import ConfigError
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
-METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.align.METHODS
+METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.match.align.METHODS
 FORM_NAMES = ["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]  # canonical.FORMS, torch-free
 
 if TYPE_CHECKING:
 
-    from glmc.align import Alignment
     from glmc.checkpoint import CheckpointMeta
+    from glmc.match.align import Alignment
     from glmc.symmetry.canonical import Form
 
 
@@ -116,8 +116,8 @@ def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, Checkpoint
 
 def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
            form: Form = "standard") -> Alignment:
-    from glmc.align import DATA_METHODS, LEARNED_METHODS, align_pair
     from glmc.generated import writing_seconds
+    from glmc.match.align import DATA_METHODS, LEARNED_METHODS, align_pair
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
     data = training_data(meta, args, samples, ([state_a, state_b], [meta.config] * 2)) \

@@ -86,7 +86,7 @@ class _Job:
 
 def _align_one(job: _Job, anchor: State, state: State) -> MatchResult:
     """The transform that brings ``state`` next to ``anchor`` (both canonical, standard form, width of cfg)."""
-    from glmc.align import _match
+    from glmc.match.align import _match
 
     return _match(job.method, anchor, state, job.cfg, "standard", job.data, job.batch, job.learn,
                   job.weight_start, job.weight)

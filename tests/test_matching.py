@@ -8,12 +8,12 @@ import typing
 import pytest
 import torch
 
-from glmc.align import align_pair
 from glmc.archs import cast, get_arch
 from glmc.barrier import barrier_curve, interpolate
 from glmc.cli_weight import START_NAMES, WEIGHT_FLAGS
 from glmc.errors import ConfigError, NonFiniteError, SpecError
 from glmc.match import weight as weight_module
+from glmc.match.align import align_pair
 from glmc.match.common import sq_distance
 from glmc.match.descent import Descent
 from glmc.match.weight import (
