@@ -25,7 +25,7 @@ from glmc.archs import Arch, ModelConfig, State, cast
 from glmc.barrier import BarrierCurve
 from glmc.errors import ConfigError
 from glmc.live import like, read_module
-from glmc.widths import check_embeddable
+from glmc.merging.widths import check_embeddable
 
 Data = Dataset | tuple[torch.Tensor, torch.Tensor] | torch.Tensor | str | Path | None
 GENERATED = "generated"  # data for the data-driven methods that the models themselves write (glmc.generated)
@@ -99,7 +99,7 @@ def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence
           data: Data = None, *, device: str = "cpu", **options: Any) -> nn.Module:
     """The models aligned into one universe and averaged (``weights``: one per model, default equal), a module of
     the widest model's class and config; narrower models are embedded into its width. ``options`` go to
-    :class:`glmc.merge.MergeSetup` (``max_iters``, ``fill``, ``restore_norms``, ...).
+    :class:`glmc.merging.merge.MergeSetup` (``max_iters``, ``fill``, ``restore_norms``, ...).
 
     >>> import torch, glmc
     >>> from transformers import GPT2Config, GPT2LMHeadModel
@@ -109,7 +109,7 @@ def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence
     >>> type(merged).__name__, merged(torch.randint(0, 20, (2, 8))).logits.shape
     ('GPT2LMHeadModel', torch.Size([2, 8, 20]))
     """
-    from glmc.merge import MergeSetup, merge_states
+    from glmc.merging.merge import MergeSetup, merge_states
 
     arch, configs, states = _read_all(models)
     widest = max(range(len(configs)), key=lambda i: (configs[i].width, configs[i].mlp, configs[i].heads))

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, cast, get_arch
 from glmc.errors import ConfigError
-from glmc.repair import RepairTarget
+from glmc.merging.repair import RepairTarget
 from glmc.symmetry.canonical import Form, to_model
 from glmc.train import evaluate
 

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 
     from glmc.archs import ModelConfig
     from glmc.checkpoint import CheckpointMeta
-    from glmc.merge import MergeSetup
-    from glmc.universe import UniverseResult
+    from glmc.merging.merge import MergeSetup
+    from glmc.merging.universe import UniverseResult
 
-FILL_NAMES = ["zeros", "copies"]  # glmc.widths.FILLS, without importing torch
+FILL_NAMES = ["zeros", "copies"]  # glmc.merging.widths.FILLS, without importing torch
 LEARN_SAMPLES = 20000  # default training samples of learned merging (a seeded subset of the training split)
 
 
@@ -105,7 +105,7 @@ def _setup(args: argparse.Namespace, method: str, target: Any, natives: list[dic
     """The MergeSetup of one method for the models ``natives``: training samples only for the data-driven ones and
     REPAIR (never the test split; with --generated, text the models write); ``learn_samples`` is learned's default
     (None: the whole training split)."""
-    from glmc.merge import DATA_METHODS, MergeSetup
+    from glmc.merging.merge import DATA_METHODS, MergeSetup
 
     samples = args.batch or (learn_samples if method == "learned" else 512)
     repair, refit = getattr(args, "repair", None) or 0, getattr(args, "refit", None) or 0
@@ -134,7 +134,7 @@ def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> 
 def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta], Any, float]:
     """Inputs, their metadata, and the checked target config and width multiplier."""
     from glmc.formats import read
-    from glmc.merge import check_inputs, target_config
+    from glmc.merging.merge import check_inputs, target_config
 
     natives, metas = _load(paths)
     width_of = read(args.width_of)[1] if getattr(args, "width_of", None) else None
@@ -147,7 +147,7 @@ def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
     from glmc.formats import check_output
     from glmc.generated import writing_seconds
-    from glmc.merge import MERGE_METHODS, grid_steps
+    from glmc.merging.merge import MERGE_METHODS, grid_steps
 
     if args.method not in MERGE_METHODS:
         raise ConfigError(f"unknown merge method {args.method!r}; known: {', '.join(MERGE_METHODS)}")
@@ -182,7 +182,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     """Universe matching, then the merged model written as a standard checkpoint in ``fmt``, stored as --dtype."""
     from glmc.archs import get_arch
     from glmc.formats import write
-    from glmc.merge import merge_states
+    from glmc.merging.merge import merge_states
 
     result = merge_states(natives, [m.config for m in metas], setup)
     native = get_arch(setup.target.family).to_native(result.merged, setup.target.depth)
@@ -199,7 +199,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
 def _evaluate(args: argparse.Namespace, natives: list[dict], configs: list, setup: MergeSetup, test: Dataset,
               steps: int, result: UniverseResult) -> dict[str, Any]:
     """Test metrics of every input, the merge and the ensemble; the simplex barrier; across widths, Fig. 3c."""
-    from glmc.merge import evaluate_merge, width_barriers
+    from glmc.merging.merge import evaluate_merge, width_barriers
 
     report = evaluate_merge(result, natives, configs, setup, test, steps)
     report["inputs"] = [{"path": str(p), "width": c.width} | m
@@ -228,7 +228,7 @@ def _print_merge(report: dict[str, Any]) -> None:
 def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta]) -> list[dict[str, Any]]:
     """``glmc barrier WIDE NARROW``: per method, NARROW embedded into WIDE's width and aligned to it as ``glmc merge``
     aligns an input (paper Fig. 3c); the pair's barrier curves."""
-    from glmc.merge import width_barriers
+    from glmc.merging.merge import width_barriers
 
     methods = args.method or ["weight"]
     check_across_widths(args, methods, {"--repair": args.repair, "--form": args.form != "standard"})
@@ -246,7 +246,7 @@ def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[Chec
 def check_across_widths(args: argparse.Namespace, methods: list[str], flags: dict[str, Any]) -> None:
     """Refuse, before any work, the methods and the given ``flags`` that only pairs of one width support: a narrower
     B is embedded into A's width and aligned as ``glmc merge`` aligns an input (weight-matching flags included)."""
-    from glmc.merge import MERGE_METHODS
+    from glmc.merging.merge import MERGE_METHODS
 
     for flag, given in flags.items():
         if given:
@@ -262,9 +262,9 @@ def align_across_widths(args: argparse.Namespace, natives: list[dict], metas: li
     import torch
 
     from glmc.archs import get_arch
-    from glmc.merge import align_to_wide
+    from glmc.merging.merge import align_to_wide
+    from glmc.merging.widths import embedding_config
     from glmc.symmetry.canonical import canonicalize
-    from glmc.widths import embedding_config
 
     check_across_widths(args, [args.method], {})
     target = metas[0].config
@@ -286,7 +286,7 @@ def run_simplex(args: argparse.Namespace) -> int:
     """Align A, B, C into one universe per method; the loss over the simplex grid, its barrier, a heat map."""
     import torch
 
-    from glmc.merge import merge_states, simplex_barrier
+    from glmc.merging.merge import merge_states, simplex_barrier
 
     if args.simplex_steps < 2:
         raise ConfigError("--simplex-steps must be at least 2")

@@ -98,8 +98,8 @@ def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, Checkpoint
     B that does not fit inside A (only widths may differ, and B is then embedded into A's width)."""
     from glmc.formats import read
     from glmc.match.common import require_finite
+    from glmc.merging.widths import check_embeddable
     from glmc.symmetry.spec import check_same_shapes
-    from glmc.widths import check_embeddable
 
     state_a, meta_a = read(a)
     state_b, meta_b = read(b)

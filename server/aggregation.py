@@ -6,7 +6,7 @@ method:
 - ``fedavg``: HeteroFL's coverage-weighted average of width slices (:mod:`server.heterofl`). The strategy
   itself takes flwr's own FedAvg code path when every client is full width, so that case is FedAvg exactly.
 - ``weight`` / ``activation``: canonicalise (LayerNorms folded), embed every client exactly into the
-  universe width, universe matching anchored at the previous global model (:func:`glmc.universe.universe_match`,
+  universe width, universe matching anchored at the previous global model (:func:`glmc.merging.universe.universe_match`,
   iterating U ← least-squares coverage-weighted mean), then back to the native form. At equal widths a round
   whose matching brings the clients less than ``min_gain`` closer averages them unaligned instead (FedAvg).
 - ``learned``: the same weight-matching iterations, finished by the multi-model learned refinement on the
@@ -43,14 +43,14 @@ from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig, targets_for
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
-from glmc.merge import PredictionMixture
-from glmc.refit import refit as refit_layers
-from glmc.repair import repair as repair_statistics
-from glmc.rescale import restore_norms
+from glmc.merging.merge import PredictionMixture
+from glmc.merging.refit import refit as refit_layers
+from glmc.merging.repair import repair as repair_statistics
+from glmc.merging.rescale import restore_norms
+from glmc.merging.universe import universe_match
+from glmc.merging.widths import Placement, embed, lstsq_merge, place, principal_place, project
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import TrainConfig, train
-from glmc.universe import universe_match
-from glmc.widths import Placement, embed, lstsq_merge, place, principal_place, project
 from server import heterofl
 from server.robust import Clipping, Robustness, clip, coordinatewise, screen, unclipped
 from server.settings import CONTROLS, GUARDED, SLICED
@@ -109,7 +109,7 @@ def universe_states(clients: Sequence[Client], full: ModelConfig) -> tuple[list[
 def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], full: ModelConfig,
                       placements: Sequence[Placement | None] | None = None) -> float:
     """Mean pairwise distance of canonical clients embedded (unaligned) into the universe width, each where it
-    was sent (default: :func:`glmc.widths.place`)."""
+    was sent (default: :func:`glmc.merging.widths.place`)."""
     placements = placements or [None] * len(states)
     return mean_pairwise_distance([embed(s, p or place(c, full)) if c != full else s
                                    for s, c, p in zip(states, configs, placements, strict=True)])
@@ -159,9 +159,9 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
     ``tune``: how ``fedavg-ft`` trains the merged model (default: one epoch, one thread).
-    ``restore``: rescale the aligned merge's units to the clients' mean norm (:func:`glmc.rescale.restore_norms`).
-    ``refit``: then refit its linear layers to the clients' mean output on ``data`` (:func:`glmc.refit.refit`).
-    ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.repair.repair`).
+    ``restore``: rescale the aligned units to the clients' mean norm (:func:`glmc.merging.rescale.restore_norms`).
+    ``refit``: then refit its linear layers to the clients' mean output on ``data`` (:func:`glmc.merging.refit.refit`).
+    ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.merging.repair.repair`).
     ``min_gain``: for weight and activation at equal widths, when matching brings the clients less than this fraction
     closer, merge nothing and say ``unaligned``: the caller averages them as FedAvg (:func:`_gains_too_little`).
     ``robust``: clipping around the anchor and the robust average (:mod:`server.robust`; the clients' weights come
@@ -305,7 +305,7 @@ def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier:
 
 def principal_placement(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float) -> Placement:
     """Where a narrow client gets the global model with ``narrow-placement=principal``: the heads, MLP units and
-    residual subspace holding most of its weights (:func:`glmc.widths.principal_place`)."""
+    residual subspace holding most of its weights (:func:`glmc.merging.widths.principal_place`)."""
     arch = get_arch(full.family)
     canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)
     return principal_place(canonical, scale_width(full, tier), full)

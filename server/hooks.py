@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.errors import CheckpointError, ConfigError
-from glmc.merge import ensemble_metrics
+from glmc.merging.merge import ensemble_metrics
 from server.aggregation import Client, client_models
 from server.settings import RunSettings
 from server.strategy import RoundHooks, RoundRecord

@@ -113,15 +113,15 @@ class RunSettings:
     # train against the same mixed predictions (distillation), so that the controls read what learned reads. "auto":
     # endpoints on text the clients write (server-data-source "generated", whose labels are samples), else labels
     refine_targets: str = "auto"
-    # rescale every merged MLP neuron and head to the clients' mean norm (glmc.rescale); aligned aggregations only
+    # rescale every merged MLP neuron and head to the clients' mean norm (glmc.merging.rescale); aligned only
     restore_norms: bool = False
-    # reset every merged channel's mean and std to the clients' on the server-held data (REPAIR, glmc.repair);
+    # reset every merged channel's mean and std to the clients' on the server-held data (REPAIR, glmc.merging.repair);
     # aligned aggregations only
     repair: bool = False
     # refit every merged linear layer to the clients' coverage-weighted mean output on the server-held data
-    # (glmc.refit); aligned aggregations only
+    # (glmc.merging.refit); aligned aggregations only
     refit: bool = False
-    # where a narrow client gets the global model (glmc.widths): "principal" = the heads, MLP units and residual
+    # where a narrow client gets the global model (glmc.merging.widths): "principal" = the heads, MLP units and residual
     # subspace holding most of the global weights; "aligned" = where alignment last put it. Aligned aggregations
     # only (HeteroFL's fedavg keeps its fixed slices). Over HeteroFL on 5 seeds, principal gave weight +1.5 and
     # learned +2.4 points where aligned gave −0.2 and (3 seeds) −1.1 (simulations/results/widths-principal, widths)

@@ -36,8 +36,8 @@ from glmc.errors import ConfigError, GlmcError
 from glmc.generated import generated_text, writing_seconds
 from glmc.match.learned import LearnConfig
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
+from glmc.merging.widths import Placement
 from glmc.train import TrainConfig
-from glmc.widths import Placement
 from server import protocol
 from server.aggregation import (
     Client,

@@ -21,7 +21,7 @@ from glmc.cli import main
 from glmc.cli_outputs import PLOT_FORMATS
 from glmc.data.fashion_mnist import load_fashion_mnist
 from glmc.errors import ConfigError, DataNotFoundError
-from glmc.merge import grid_steps
+from glmc.merging.merge import grid_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 VIT = preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28, depth=1)

@@ -17,7 +17,7 @@ from glmc.errors import ConfigError
 from glmc.match.align import align_pair
 from glmc.match.common import sq_distance
 from glmc.match.learned import LearnConfig
-from glmc.merge import MergeSetup, merge_states
+from glmc.merging.merge import MergeSetup, merge_states
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import to_model
 from glmc.symmetry.exactness import TOLERANCE, invariance_errors

@@ -15,7 +15,7 @@ from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.formats import read
 from glmc.match.weight import DEFAULT_START, WeightOptions
-from glmc.merge import MergeSetup, PredictionMixture, grid_steps, merge_states, simplex_grid
+from glmc.merging.merge import MergeSetup, PredictionMixture, grid_steps, merge_states, simplex_grid
 
 HAS_FASHION = find_fashion_mnist() is not None
 VIT = preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28, depth=1)
@@ -190,7 +190,7 @@ def test_a_checkpoint_with_a_nan_fails_in_one_line_naming_the_tensor(trio, tmp_p
 def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp_path):
     from glmc.archs import get_arch
     from glmc.cli_learn import train_subset
-    from glmc.repair import channel_stats
+    from glmc.merging.repair import channel_stats
     from glmc.symmetry.canonical import canonicalize, to_model
     from glmc.tasks import inputs_of
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from glmc.activations import hooked_passes
 from glmc.archs import ModelConfig, get_arch, scale_width
 from glmc.barrier import mix
 from glmc.errors import ConfigError
-from glmc.refit import RIDGE, layer_rows, mean_outputs, refit, stages
+from glmc.merging.activations import hooked_passes
+from glmc.merging.refit import RIDGE, layer_rows, mean_outputs, refit, stages
+from glmc.merging.widths import axis_mask, embed, embedding_config, lstsq_merge, place
 from glmc.symmetry.canonical import to_model
-from glmc.widths import axis_mask, embed, embedding_config, lstsq_merge, place
 from tests.symmetry_models import MERGE_CONFIGS, canonical, merge_data
 
 

@@ -11,10 +11,10 @@ from torch.utils.data import TensorDataset
 from glmc.archs import ModelConfig, get_arch, scale_width
 from glmc.barrier import barrier_curve, mix
 from glmc.errors import ConfigError
-from glmc.repair import SITES, channel_stats, repair
+from glmc.merging.repair import SITES, channel_stats, repair
+from glmc.merging.widths import embed, place
 from glmc.symmetry.canonical import to_model
 from glmc.train import evaluate
-from glmc.widths import embed, place
 from tests.symmetry_models import MERGE_CONFIGS, canonical, merge_data
 
 SITES_OF = {family: [(s, layer) for layer in range(cfg.depth) for s in SITES] for family, cfg in MERGE_CONFIGS.items()}

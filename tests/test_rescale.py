@@ -8,9 +8,9 @@ import torch
 
 from glmc.archs import ModelConfig, get_arch, preset, scale_width
 from glmc.barrier import mix
-from glmc.rescale import restore_norms
+from glmc.merging.rescale import restore_norms
+from glmc.merging.widths import embed, place
 from glmc.symmetry.canonical import canonicalize
-from glmc.widths import embed, place
 from tests.symmetry_models import VOCAB, random_native
 
 CONFIGS = {

@@ -29,9 +29,9 @@ from glmc.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.errors import ConfigError
 from glmc.generated import generated_text
 from glmc.match.learned import LearnConfig
-from glmc.merge import PredictionMixture
-from glmc.refit import RIDGE, layer_rows
-from glmc.repair import channel_stats
+from glmc.merging.merge import PredictionMixture
+from glmc.merging.refit import RIDGE, layer_rows
+from glmc.merging.repair import channel_stats
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, evaluate, train

@@ -9,10 +9,10 @@ import torch
 from glmc.archs import get_arch
 from glmc.errors import ConfigError
 from glmc.match.common import sq_distance
+from glmc.merging.universe import HOST_MATCH_MAX_PARAMS, matching_device, universe_match
+from glmc.merging.widths import FILLS, embed, embedding_config, place, widen
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import MATCHABLE, apply, maps_to, random_transform
-from glmc.universe import HOST_MATCH_MAX_PARAMS, matching_device, universe_match
-from glmc.widths import FILLS, embed, embedding_config, place, widen
 from tests.symmetry_models import CONFIGS, inputs, logits_of, random_native
 
 

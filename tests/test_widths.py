@@ -9,9 +9,7 @@ import torch
 
 from glmc.archs import PRESETS, ModelConfig, get_arch, preset, scale_width
 from glmc.errors import ConfigError
-from glmc.symmetry.canonical import canonicalize, to_model
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
-from glmc.widths import (
+from glmc.merging.widths import (
     Placement,
     embed,
     embedding_config,
@@ -22,6 +20,8 @@ from glmc.widths import (
     project,
     widen,
 )
+from glmc.symmetry.canonical import canonicalize, to_model
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
 from tests.symmetry_models import VOCAB, inputs, logits_of, random_native
 
 TIERS = (2.0, 1.0, 0.5, 0.25)

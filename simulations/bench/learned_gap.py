@@ -27,12 +27,12 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
-from glmc.activations import Hook, Site, hooked_passes
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.checkpoint import load_checkpoint
 from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
 from glmc.match.align import align_pair
 from glmc.match.learned import LearnConfig
+from glmc.merging.activations import Hook, Site, hooked_passes
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import Transform, apply
 from glmc.tasks import held_out, inputs_of

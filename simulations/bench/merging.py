@@ -88,7 +88,7 @@ def timing_states(run: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict]
 
 def time_universe(run: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Wall and CPU time of weight-matching universe matching of all the timing models, per worker count."""
-    from glmc.universe import universe_match
+    from glmc.merging.universe import universe_match
 
     cached = Path(run["out"]) / "timing.json"
     if run.get("resume") and cached.exists():

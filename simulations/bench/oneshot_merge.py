@@ -40,11 +40,11 @@ from glmc.archs import ModelConfig, State, build_model, get_arch
 from glmc.checkpoint import load_checkpoint
 from glmc.cli_weight import add_weight_arguments, weight_options, weight_start
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
-from glmc.merge import ensemble_metrics
-from glmc.rescale import restore_norms
+from glmc.merging.merge import ensemble_metrics
+from glmc.merging.rescale import restore_norms
+from glmc.merging.universe import universe_match
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import evaluate, set_threads
-from glmc.universe import universe_match
 from server.settings import RunSettings
 
 log = logging.getLogger("simulations.bench.oneshot_merge")

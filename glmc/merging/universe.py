@@ -2,10 +2,10 @@
 
 U ← a chosen model (or the previous global model). Repeat: align every model to U by a pairwise method (the N
 alignments of an iteration run in a process pool), then set U to the least-squares coverage-weighted mean of
-the aligned models (:func:`glmc.widths.lstsq_merge`, the weighted mean at equal widths). Stop when U, or the
+the aligned models (:func:`glmc.merging.widths.lstsq_merge`, the weighted mean at equal widths). Stop when U, or the
 mean distance to it, changes by less than ``tol`` (relative), or after ``max_iters``. The result approximately
 minimises the multi-model barrier of Eq. 2. Models narrower than the universe are embedded exactly first
-(:mod:`glmc.widths`).
+(:mod:`glmc.merging.widths`).
 
 ``method="none"`` skips alignment: one least-squares merge, i.e. FedAvg at equal widths and HeteroFL with
 coordinate placements, through the same code path. ``refine=True`` finishes with the multi-model learned
@@ -32,8 +32,8 @@ from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_options, check_weights
 from glmc.match.common import MatchResult, sq_distance
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
+from glmc.merging.widths import FILLS, Placement, embed, lstsq_merge, move, place, widen
 from glmc.symmetry.transforms import Transform, apply, compose, maps_to
-from glmc.widths import FILLS, Placement, embed, lstsq_merge, move, place, widen
 
 if TYPE_CHECKING:
     from glmc.match.learned import LearnConfig
@@ -194,7 +194,7 @@ def universe_match(
     first ``batch`` inputs; learned: all of it) and the refinement; ``workers`` > 1 runs each iteration's
     alignments in a process pool; ``refine`` adds the multi-model learned refinement with options ``learn``;
     ``starts[i]`` is where narrow state i sits in the universe before matching (default: :func:`place`);
-    ``fill`` is how a narrow model fills the universe's extra heads and units (:data:`glmc.widths.FILLS`);
+    ``fill`` is how a narrow model fills the universe's extra heads and units (:data:`glmc.merging.widths.FILLS`);
     ``weight_start`` and ``weight``: where each pairwise weight matching starts and its options
     (:func:`glmc.match.weight.weight_match`).
     """

@@ -4,7 +4,7 @@ Averaging units that are only approximately aligned cancels their misaligned par
 pre-activations shrink and drift (the "variance collapse"). REPAIR measures, on a few training inputs, each
 output channel's mean and standard deviation in every input model and in the merged model, and rescales and
 shifts the merged layer's row ``[w | b]`` so that its channel has the inputs' weighted mean statistics. Layers are
-repaired in forward order, each measured after the ones before it were repaired. Unlike :mod:`glmc.rescale`, it
+repaired in forward order, each measured after the ones before it were repaired. Unlike :mod:`glmc.merging.rescale`, it
 needs data, and the merged model's function changes (that is its purpose); the inputs are only read.
 """
 
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from glmc.activations import AllSitesRecorded, Hook, hooked_passes
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.errors import ConfigError
+from glmc.merging.activations import AllSitesRecorded, Hook, hooked_passes
 from glmc.symmetry.canonical import to_model
 from glmc.tasks import inputs_of
 

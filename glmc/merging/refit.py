@@ -2,7 +2,7 @@
 fit, on its own inputs, of the aligned inputs' weighted mean output at that layer.
 
 Averaging approximately aligned models gives a model whose features drift from the ones it averaged, and the drift
-compounds with depth. REPAIR (:mod:`glmc.repair`) resets each channel's mean and std; refitting matches the whole
+compounds with depth. REPAIR (:mod:`.repair`) resets each channel's mean and std; refitting matches the whole
 layer token by token: with X the merged model's inputs at a layer (every token of a few training samples, a ones
 column for the bias, the earlier layers already refitted) and Y_i = X_i W_iᵀ model i's outputs on its own inputs,
 ``[W | b] = argmin ‖X Wᵀ − Σ n_i Y_i / Σ n_i‖² + ρ Σ_j ‖X_j‖² ‖W_j − W⁰_j‖²``: least squares shrunk towards the
@@ -13,7 +13,7 @@ vit-bench seeds, RegMean gave 66-68% and this 84.7%. The layers whose inputs eve
 embeddings) keep the mean. Labels are never read; the merged model's function changes
 (its purpose), and the inputs are only read.
 
-Across widths the target is the coverage-weighted mean of the least-squares merge (:mod:`glmc.widths`): a unit is
+Across widths the target is the coverage-weighted mean of the least-squares merge (:mod:`.widths`): a unit is
 averaged over the models that hold it, and a residual output y over each model's subspace, (Σ n_i y_i P_i)(Σ n_i P_i)⁺.
 Because every model is fitted through the one merged input X, the coverage-weighted fit
 argmin Σ n_i ‖(X Wᵀ − Y_i) P_i‖² is exactly the fit of that mean.
@@ -28,13 +28,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from glmc.activations import AllSitesRecorded, Hook, Site, hooked_passes
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.errors import ConfigError, check_weights
+from glmc.merging.activations import AllSitesRecorded, Hook, Site, hooked_passes
+from glmc.merging.widths import Placement, axis_mask, embedding_config
 from glmc.symmetry.canonical import to_model
 from glmc.symmetry.spec import RES, AxisKind
 from glmc.tasks import inputs_of
-from glmc.widths import Placement, axis_mask, embedding_config
 
 # The linear layers refitted (canonical prefixes), in forward order within a block; then the head.
 LAYERS = ("blocks.{l}.attn.qkv", "blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")

@@ -25,13 +25,13 @@ from glmc.checkpoint import CheckpointMeta
 from glmc.device import device_of, resolve, to_device
 from glmc.errors import ConfigError
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
-from glmc.refit import refit
-from glmc.repair import repair
-from glmc.rescale import restore_norms
+from glmc.merging.refit import refit
+from glmc.merging.repair import repair
+from glmc.merging.rescale import restore_norms
+from glmc.merging.universe import UniverseResult, universe_match
+from glmc.merging.widths import WIDTH_FIELDS, check_embeddable
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.train import evaluate
-from glmc.universe import UniverseResult, universe_match
-from glmc.widths import WIDTH_FIELDS, check_embeddable
 
 if TYPE_CHECKING:
     from glmc.match.learned import LearnConfig
@@ -165,10 +165,10 @@ class MergeSetup:
     tol: float = 1e-3
     workers: int = 1
     learn: LearnConfig | None = None
-    restore_norms: bool = False  # rescale the merged units to their inputs' mean norm (glmc.rescale)
-    repair: int = 0  # reset the merged channels' statistics on this many of ``train``'s inputs (glmc.repair); 0: off
+    restore_norms: bool = False  # rescale the merged units to their inputs' mean norm (glmc.merging.rescale)
+    repair: int = 0  # reset the merged channels' statistics on this many of ``train``'s inputs (merging.repair); 0: off
     refit: int = 0  # refit the merged layers to the inputs' mean outputs on this many of ``train``'s inputs; 0: off
-    fill: str = "zeros"  # how narrow inputs fill the target's extra heads and units (glmc.widths.FILLS)
+    fill: str = "zeros"  # how narrow inputs fill the target's extra heads and units (glmc.merging.widths.FILLS)
     device: str = "cpu"  # where the merge is computed (glmc.device.resolve); the result stays there
     weight_start: Start = DEFAULT_START  # where each weight matching (and learned's first matching) starts
     weight: WeightOptions | None = None  # its costs and stopping rule (None: glmc's defaults)
