@@ -90,7 +90,7 @@ def _start_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: No
     """The model to train: the server's weights, or this client's own seed in an independent first round."""
     starts = settings.init_checkpoints
     if len(starts) > 1 and server_round == 1:  # independently pretrained clients: checkpoint p mod n
-        from glmc.formats import read
+        from glmc.io.formats import read
 
         own = starts[node.partition_id % len(starts)]
         log.info("partition %d starts from %s", node.partition_id, own)

@@ -89,7 +89,7 @@ def _start_config(dataset: str, model: str, checkpoints: tuple[Path, ...]) -> Mo
     """The model preset, or the first ``init`` checkpoint's config checked against the dataset."""
     if not checkpoints:
         return preset(model)
-    from glmc.formats import read
+    from glmc.io.formats import read
 
     cfg = read(checkpoints[0])[1].config
     fitted = load_task(dataset, cfg).config

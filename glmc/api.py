@@ -2,10 +2,10 @@
 ``VisionTransformer`` and Hugging Face ``GPT2LMHeadModel`` and ``ViTForImageClassification`` instances as they come
 (tied GPT-2s included) and return modules of the same class.
 
-Every model is read through :func:`glmc.live.read_module` (its config, its weights untied, checked against glmc's
+Every model is read through :func:`glmc.io.live.read_module` (its config, its weights untied, checked against glmc's
 rebuild); the inputs are never modified. ``data`` may be a Dataset of (input, target) pairs, an (inputs, targets)
 pair of tensors, a tensor of token ids (next-token targets taken from it), a ``.npy`` / ``.npz`` path
-(:mod:`glmc.userdata`) or, for the data-driven methods of GPT-2s, ``"generated"``: 20,000 windows of text the
+(:mod:`glmc.io.userdata`) or, for the data-driven methods of GPT-2s, ``"generated"``: 20,000 windows of text the
 models write themselves (:mod:`glmc.generated`; learned against their mixed prediction unless ``learn`` names
 other targets), so that no dataset is read. ``device`` is where the work happens
 ("cpu", "cuda", "auto"); results stay beside their inputs.
@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, TensorDataset
 from glmc.archs import Arch, ModelConfig, State, cast
 from glmc.barrier import BarrierCurve
 from glmc.errors import ConfigError
-from glmc.live import like, read_module
+from glmc.io.live import like, read_module
 from glmc.merging.widths import check_embeddable
 
 Data = Dataset | tuple[torch.Tensor, torch.Tensor] | torch.Tensor | str | Path | None
@@ -35,7 +35,7 @@ def as_dataset(data: Data, cfg: ModelConfig, writers: tuple[Sequence[State], Seq
                device: str = "cpu") -> Dataset | None:
     """``data`` as a Dataset of (input, target) pairs (see the module docstring); ``"generated"``: text that the
     ``writers`` (native states, their configs) sample."""
-    from glmc.userdata import load_data_file
+    from glmc.io.userdata import load_data_file
 
     if data is None or isinstance(data, Dataset):
         return data

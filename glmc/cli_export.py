@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from glmc.checkpoint import CheckpointMeta
+    from glmc.io.checkpoint import CheckpointMeta
 
-FORMAT_NAMES = ["glmc", "hf", "timm"]  # glmc.formats.FORMATS, without importing torch
-DTYPE_NAMES = ["float32", "float16", "bfloat16"]  # glmc.formats.DTYPES, likewise
+FORMAT_NAMES = ["glmc", "hf", "timm"]  # glmc.io.formats.FORMATS, without importing torch
+DTYPE_NAMES = ["float32", "float16", "bfloat16"]  # glmc.io.formats.DTYPES, likewise
 DTYPE_HELP = ("the precision the output's tensors are stored in (default float32); glmc computes in float32 or "
               "float64 and reads any of these back as float32, so float16 and bfloat16 halve the file at the cost of "
               "their rounding")
@@ -40,7 +40,7 @@ def early_format(args: argparse.Namespace) -> str:
 def output_format(args: argparse.Namespace, meta: CheckpointMeta) -> str:
     """The output format: --format, else for a folder hf (a GPT-2, or a ViT read from HF) or timm (another ViT),
     else the first input's (timm stays timm)."""
-    from glmc.formats import check_output, format_of
+    from glmc.io.formats import check_output, format_of
 
     fmt = args.format or early_format(args)
     if args.format is None and ((fmt == "glmc" and format_of(meta) == "timm") or
@@ -64,7 +64,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """Read the checkpoint and write it, unchanged but for the asked precision, in the asked format."""
-    from glmc.formats import check_output, read, write
+    from glmc.io.formats import check_output, read, write
 
     fmt, out = next((name, getattr(args, name)) for name in FORMAT_NAMES if getattr(args, name) is not None)
     check_output(out, fmt, args.force)

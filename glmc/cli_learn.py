@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from glmc.archs import ModelConfig
-    from glmc.checkpoint import CheckpointMeta
+    from glmc.io.checkpoint import CheckpointMeta
     from glmc.match.learned import LearnConfig
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
 
 
 def add_data_file_arguments(parser: argparse.ArgumentParser) -> None:
-    """--data-file and --train-file: the user's own data, for models glmc did not train (glmc.userdata)."""
+    """--data-file and --train-file: the user's own data, for models glmc did not train (glmc.io.userdata)."""
     parser.add_argument("--data-file", type=Path, metavar="FILE",
                         help="held-out data to measure on instead of the checkpoint's dataset: a .npy of token ids "
                              "(GPT-2) or a .npz of images and labels (ViT)")
@@ -140,7 +140,7 @@ def training_data(meta: CheckpointMeta, args: argparse.Namespace, n: int | None,
     (--generated), else from --train-file, the checkpoint's training split, or --data-file."""
     from torch.utils.data import Subset
 
-    from glmc.userdata import load_data_file
+    from glmc.io.userdata import load_data_file
 
     given = getattr(args, "train_file", None)
     if getattr(args, "generated", False):
@@ -161,8 +161,8 @@ def training_data(meta: CheckpointMeta, args: argparse.Namespace, n: int | None,
 
 def test_data(meta: CheckpointMeta, cfg: ModelConfig, args: argparse.Namespace) -> Dataset:
     """The held-out samples every barrier and merge is measured on: --data-file, else the dataset's test split."""
+    from glmc.io.userdata import load_data_file
     from glmc.tasks import held_out
-    from glmc.userdata import load_data_file
 
     if getattr(args, "data_file", None) is not None:
         if args.limit is not None and args.limit < 1:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from glmc.archs import ModelConfig
-    from glmc.checkpoint import CheckpointMeta
+    from glmc.io.checkpoint import CheckpointMeta
     from glmc.merging.merge import MergeSetup
     from glmc.merging.universe import UniverseResult
 
@@ -91,7 +91,7 @@ def _weights(text: str | None, n: int) -> list[float] | None:
 
 def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
     """The checkpoints' native states and metadata; a NaN or inf is refused here, named as its file names it."""
-    from glmc.formats import read
+    from glmc.io.formats import read
     from glmc.match.common import require_finite
 
     loaded = [read(p) for p in paths]
@@ -133,7 +133,7 @@ def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> 
 
 def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta], Any, float]:
     """Inputs, their metadata, and the checked target config and width multiplier."""
-    from glmc.formats import read
+    from glmc.io.formats import read
     from glmc.merging.merge import check_inputs, target_config
 
     natives, metas = _load(paths)
@@ -145,8 +145,8 @@ def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], l
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
-    from glmc.formats import check_output
     from glmc.generated import writing_seconds
+    from glmc.io.formats import check_output
     from glmc.merging.merge import MERGE_METHODS, grid_steps
 
     if args.method not in MERGE_METHODS:
@@ -181,7 +181,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
                     mult: float, fmt: str) -> tuple[UniverseResult, dict[str, Any]]:
     """Universe matching, then the merged model written as a standard checkpoint in ``fmt``, stored as --dtype."""
     from glmc.archs import get_arch
-    from glmc.formats import write
+    from glmc.io.formats import write
     from glmc.merging.merge import merge_states
 
     result = merge_states(natives, [m.config for m in metas], setup)

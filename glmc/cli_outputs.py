@@ -49,7 +49,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         if path is None:
             continue
         flag = f"--{dest}"
-        # An --out without a suffix is a Hugging Face folder (glmc.formats.check_output says what may be there)
+        # An --out without a suffix is a Hugging Face folder (glmc.io.formats.check_output says what may be there)
         check_writable(Path(path), flag, folder=dest == "out" and not Path(path).suffix)
         if dest == "plot":
             check_plot_format(Path(path))

@@ -19,7 +19,7 @@ FORM_NAMES = ["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]  # canonical.
 
 if TYPE_CHECKING:
 
-    from glmc.checkpoint import CheckpointMeta
+    from glmc.io.checkpoint import CheckpointMeta
     from glmc.match.align import Alignment
     from glmc.symmetry.canonical import Form
 
@@ -60,7 +60,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 def _check_checkpoint(args: argparse.Namespace) -> int:
     """``glmc check CHECKPOINT``: the invariance errors of the model's own weights."""
-    from glmc.formats import read
+    from glmc.io.formats import read
     from glmc.symmetry.exactness import TOLERANCE, invariance_errors
 
     for flag in ("model", "width", "depth", "heads", "mlp", "activation"):
@@ -96,7 +96,7 @@ def add_align_arguments(parser: argparse.ArgumentParser) -> None:
 def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
     """Both checkpoints, refusing before any work a NaN or inf (named as the file names it), different families or a
     B that does not fit inside A (only widths may differ, and B is then embedded into A's width)."""
-    from glmc.formats import read
+    from glmc.io.formats import read
     from glmc.match.common import require_finite
     from glmc.merging.widths import check_embeddable
     from glmc.symmetry.spec import check_same_shapes
@@ -138,7 +138,7 @@ def run_align(args: argparse.Namespace) -> int:
     import dataclasses
 
     from glmc.archs import get_arch
-    from glmc.formats import check_output, write
+    from glmc.io.formats import check_output, write
 
     check_output(args.out, cli_export.early_format(args), args.force)
     state_a, state_b, meta, meta_b = _load_pair(args.a, args.b)

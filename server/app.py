@@ -18,9 +18,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from client.data import eval_subset, label_counts, pool, server_reads, split_config
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
-from glmc.checkpoint import CheckpointMeta, state_digest
 from glmc.device import resolve
 from glmc.generated import text_writer
+from glmc.io.checkpoint import CheckpointMeta, state_digest
 from glmc.match.learned import LearnConfig, Within
 from glmc.match.weight import Start
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
@@ -78,7 +78,7 @@ def initial_model(settings: RunSettings, run_dir: Path, cfg: ModelConfig) -> tup
         return done, ArrayRecord(state)  # type: ignore[arg-type]
     clear_outputs(run_dir)
     if settings.init_checkpoints:  # a pretrained start (a folder's first checkpoint, if its clients start apart)
-        from glmc.formats import read
+        from glmc.io.formats import read
 
         log.info("initial global model: %s", settings.init_checkpoints[0])
         return 0, ArrayRecord(cast(read(settings.init_checkpoints[0])[0], torch.float32))  # type: ignore[arg-type]
@@ -175,7 +175,7 @@ def main(grid: Grid, context: Context) -> None:
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
         min_available_nodes=settings.min_available_nodes or settings.min_train_nodes,
         min_evaluate_nodes=1 if settings.fraction_evaluate else 0)
-    # The digest glmc.checkpoint stores: a resumed deployment can be checked against its checkpoint bit for bit.
+    # The digest glmc.io.checkpoint stores: a resumed deployment can be checked against its checkpoint bit for bit.
     log.info("global model after round %d: sha256 %s", done, state_digest(initial.to_torch_state_dict()))
     strategy.start(grid, initial, num_rounds=settings.num_server_rounds - done, timeout=settings.round_timeout,
                    train_config=ConfigRecord(), evaluate_config=ConfigRecord(),

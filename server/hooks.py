@@ -26,8 +26,8 @@ from flwr.app import ArrayRecord
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
-from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.errors import CheckpointError, ConfigError
+from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.merging.merge import ensemble_metrics
 from server.aggregation import Client, client_models
 from server.settings import RunSettings
@@ -79,7 +79,7 @@ def load_records(run_dir: Path, up_to: int) -> list[RoundRecord]:
 
 @dataclass(frozen=True)
 class CheckpointWriter(RoundHooks):
-    """Saves the global model of every round through glmc.checkpoint (safetensors + checked JSON metadata)."""
+    """Saves the global model of every round through glmc.io.checkpoint (safetensors + checked JSON metadata)."""
 
     run_dir: Path
     meta: CheckpointMeta

@@ -293,7 +293,7 @@ class RunSettings:
     @property
     def init_checkpoints(self) -> list[Path]:
         """The checkpoints ``init`` names: none for shared and independent starts, one, or a folder's."""
-        from glmc.formats import checkpoint_paths
+        from glmc.io.formats import checkpoint_paths
 
         return [] if self.init in INITS else checkpoint_paths(self.init)
 

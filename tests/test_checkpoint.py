@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import glmc.checkpoint as ckpt
+import glmc.io.checkpoint as ckpt
 from glmc.archs import ModelConfig, build_model, get_arch
-from glmc.checkpoint import CheckpointMeta, load_checkpoint, load_model, save_checkpoint
 from glmc.errors import CheckpointError
+from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, load_model, save_checkpoint
 
 
 def _meta(cfg: ModelConfig, **changes: object) -> CheckpointMeta:

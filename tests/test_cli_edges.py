@@ -16,11 +16,11 @@ import torch
 
 import glmc
 from glmc.archs import build_model, preset
-from glmc.checkpoint import CheckpointMeta, save_checkpoint
 from glmc.cli import main
 from glmc.cli_outputs import PLOT_FORMATS
 from glmc.data.fashion_mnist import load_fashion_mnist
 from glmc.errors import ConfigError, DataNotFoundError
+from glmc.io.checkpoint import CheckpointMeta, save_checkpoint
 from glmc.merging.merge import grid_steps
 
 ROOT = Path(__file__).resolve().parent.parent

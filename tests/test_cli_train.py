@@ -8,10 +8,10 @@ import pytest
 from conftest import fake_hub_copy
 
 from glmc.archs import preset
-from glmc.checkpoint import load_checkpoint, load_model
 from glmc.cli import main
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
+from glmc.io.checkpoint import load_checkpoint, load_model
 from glmc.tasks import load_task
 
 HAS_FASHION = find_fashion_mnist() is not None

@@ -45,9 +45,9 @@ from deploy.cluster import (
 from deploy.connection import write_connection
 from deploy.keys import make_node_key
 from deploy.processes import Process, launch, stop
-from glmc.checkpoint import load_checkpoint, state_digest
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError, DeployError
+from glmc.io.checkpoint import load_checkpoint, state_digest
 from simulations.engine import descendants, flwr_env, flwr_json, free_port, listening_pid, run_status, running
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from glmc.archs import build_model
-from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
-from glmc.formats import read, write
+from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from glmc.io.formats import read, write
 from simulations.bench import gpu_session, learning_budget, weight_options
 from simulations.bench.barriers import label
 from simulations.bench.gpu_session import Step, pack, results_of, run_steps, seed_paths, seed_training, tiny_configs

@@ -17,8 +17,8 @@ import glmc
 from glmc.archs import cast, get_arch
 from glmc.cli import main
 from glmc.cli_export import DTYPE_NAMES
-from glmc.formats import DTYPES, read
-from glmc.live import like, read_module
+from glmc.io.formats import DTYPES, read
+from glmc.io.live import like, read_module
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.exactness import TOLERANCE, classes_for, invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
@@ -325,8 +325,8 @@ def test_a_glmc_text_model_exports_with_its_char_tokenizer(tmp_path):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
     from glmc.archs import build_model, preset
-    from glmc.checkpoint import CheckpointMeta, save_checkpoint
     from glmc.data import CharVocab
+    from glmc.io.checkpoint import CheckpointMeta, save_checkpoint
 
     vocab = CharVocab("\n !abcdefghi")
     cfg = preset("gpt2-tiny").replace(vocab_size=vocab.size, context=8)
@@ -346,7 +346,7 @@ def test_data_files(tmp_path):
     import numpy as np
 
     from glmc.errors import ConfigError
-    from glmc.userdata import load_data_file
+    from glmc.io.userdata import load_data_file
 
     cfg = read_module(vit("vit-plain"))[1]
     images = np.random.default_rng(0).normal(size=(6, 1, 16, 16)).astype(np.float32)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from glmc.archs import build_model, get_arch, preset, scale_width
-from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.cli import main
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
-from glmc.formats import read
+from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from glmc.io.formats import read
 from glmc.match.weight import DEFAULT_START, WeightOptions
 from glmc.merging.merge import MergeSetup, PredictionMixture, grid_steps, merge_states, simplex_grid
 
@@ -264,7 +264,7 @@ def test_barrier_across_widths_embeds_the_narrow_model_and_keeps_both_ends(trio,
     """`glmc barrier WIDE NARROW` (paper Fig. 3c from the command line): the narrow end of every curve is the
     narrow model's own loss (its embedding is exact, whatever the alignment), the wide end the wide model's."""
     from glmc.archs import get_arch
-    from glmc.checkpoint import load_model
+    from glmc.io.checkpoint import load_model
     from glmc.tasks import held_out
     from glmc.train import evaluate
 
@@ -294,7 +294,7 @@ def test_align_across_widths_writes_a_checkpoint_of_the_wide_config_computing_th
     """`glmc align WIDE NARROW`: the narrow model embedded into the wide one's width and aligned to it, saved as a
     checkpoint of the wide config that still computes the narrow function (float32 on disk), at the default matcher
     and at a pinned one."""
-    from glmc.checkpoint import load_model
+    from glmc.io.checkpoint import load_model
 
     out = tmp_path / "aligned.safetensors"
     matcher = ["--start", "identity", "--head-cost", "squared"] if fill == "copies" else []

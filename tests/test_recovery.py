@@ -16,10 +16,10 @@ import torch
 
 from glmc.archs import cast, get_arch
 from glmc.barrier import barrier_curve
-from glmc.checkpoint import load_checkpoint, save_checkpoint
 from glmc.cli import main as glmc
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
+from glmc.io.checkpoint import load_checkpoint, save_checkpoint
 from glmc.match.common import sq_distance
 from glmc.match.weight import weight_match
 from glmc.symmetry.canonical import CIRCUITS, FORMS, canonicalize, fixes_ones, to_circuit

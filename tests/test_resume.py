@@ -18,8 +18,8 @@ from flwr.app import Message
 from test_flower_sim import InProcessGrid, needs_data, run_in_process, server_identity  # noqa: F401 (fixture)
 
 from glmc.archs import build_model, preset
-from glmc.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint, state_digest
 from glmc.errors import ConfigError
+from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint, state_digest
 from server.hooks import checkpoint_path, clear_outputs, resume_point
 from server.settings import RunSettings
 

@@ -25,9 +25,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, build_model, get_arch, preset, scale_width
-from glmc.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.errors import ConfigError
 from glmc.generated import generated_text
+from glmc.io.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.match.learned import LearnConfig
 from glmc.merging.merge import PredictionMixture
 from glmc.merging.refit import RIDGE, layer_rows
@@ -803,7 +803,7 @@ def test_principal_placement_is_the_default_for_aligned_aggregations_only() -> N
 
 def test_clients_writer_saves_each_client_model_at_its_width(tmp_path: Path) -> None:
     """save-clients: every valid client of the round as a glmc checkpoint (its width and example count in the
-    metadata), loadable by glmc.checkpoint; a rerun of the round replaces the earlier files."""
+    metadata), loadable by glmc.io.checkpoint; a rerun of the round replaces the earlier files."""
     clients = [Client(state(3), 10.0, 1.0), Client(state(5), 30.0, 1.0)]
     writer = ClientsWriter(tmp_path, CheckpointMeta(preset="test", config=CFG, seed=0))
     stale = tmp_path / "clients" / "round-002" / "client-7.safetensors"

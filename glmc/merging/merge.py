@@ -21,9 +21,9 @@ from torch.utils.data import Dataset
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch, preset, scale_width
 from glmc.barrier import barrier_curve, evaluate_mixtures
-from glmc.checkpoint import CheckpointMeta
 from glmc.device import device_of, resolve, to_device
 from glmc.errors import ConfigError
+from glmc.io.checkpoint import CheckpointMeta
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
 from glmc.merging.refit import refit
 from glmc.merging.repair import repair

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.barrier import evaluate_mixtures, mix
-from glmc.checkpoint import load_checkpoint
+from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
 from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, SpecTable, expand
 from glmc.tasks import held_out

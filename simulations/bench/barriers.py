@@ -168,7 +168,7 @@ def time_weight_matching(preset_name: str, repeats: int, pair: tuple[Path, Path]
     """Time of weight matching (float64, after canonical form) from residual ``start`` between two random-init
     models of a preset, or between the trained checkpoints ``pair``."""
     from glmc.archs import get_arch, preset
-    from glmc.checkpoint import load_checkpoint
+    from glmc.io.checkpoint import load_checkpoint
     from glmc.match.weight import weight_match
     from glmc.symmetry.canonical import canonicalize
     from glmc.symmetry.exactness import random_native

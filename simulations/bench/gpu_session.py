@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from glmc.archs import preset
-from glmc.formats import read, write
+from glmc.io.formats import read, write
 from simulations.bench.barriers import checkpoint, label, train_args
 
 CONFIGS = {"barriers": Path("simulations/bench/configs/barriers.toml"),

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.checkpoint import load_checkpoint
 from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
+from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
 from glmc.match.learned import LearnConfig
 from glmc.merging.activations import Hook, Site, hooked_passes

@@ -72,7 +72,7 @@ def simplex(run: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
 def timing_states(run: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict], Any]:
     """The seeds' canonical states plus randomly transformed copies of them (exact symmetries, seeded)."""
     from glmc.archs import get_arch
-    from glmc.checkpoint import load_checkpoint
+    from glmc.io.checkpoint import load_checkpoint
     from glmc.symmetry.canonical import canonicalize
     from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 

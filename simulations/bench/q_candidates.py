@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.checkpoint import load_checkpoint
+from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
 from glmc.match.descent import Descent
 from glmc.symmetry import groups

@@ -23,8 +23,8 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.barrier import barrier_curve
-from glmc.checkpoint import load_checkpoint
 from glmc.cli_weight import parse_weight_flags
+from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
 from glmc.match.weight import STARTS, WeightOptions, weight_match
 from glmc.symmetry import groups

@@ -1,6 +1,6 @@
 """Checkpoints in and out in three formats: glmc's own, a Hugging Face folder, a timm state dict.
 
-- ``glmc``: one .safetensors with JSON metadata (:mod:`glmc.checkpoint`);
+- ``glmc``: one .safetensors with JSON metadata (:mod:`glmc.io.checkpoint`);
 - ``hf``: a folder with ``config.json`` and ``model.safetensors`` (or a sharded index) of a ``GPT2LMHeadModel`` or
   ``GPT2Model``, as ``save_pretrained`` writes it; a tied head is untied on reading (one INFO line) and tied again
   on writing only if it is still equal to the embedding bit for bit;
@@ -9,7 +9,7 @@
   ``timm.models.save_for_hf`` writes it and the Hub serves it (``config.json`` naming an ``architecture``, and
   ``model.safetensors``), which ``timm.create_model("local-dir:DIR", pretrained=True)`` loads.
 
-Every model read is checked against glmc's rebuild of it (:func:`glmc.live.read_module`) and held in float32,
+Every model read is checked against glmc's rebuild of it (:func:`glmc.io.live.read_module`) and held in float32,
 whatever precision it was stored in; a writer stores float32 unless asked for float16 or bfloat16. Pickle formats
 (``pytorch_model.bin``, ``.pt``, ``.pth``) are refused unopened: unpickling a file can run any code.
 """
@@ -32,9 +32,9 @@ from safetensors import safe_open
 from torch import nn
 
 from glmc.archs import ModelConfig, State, cast, hf_vit
-from glmc.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
 from glmc.errors import CheckpointError, ConfigError, first_line
-from glmc.live import read_module
+from glmc.io.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
+from glmc.io.live import read_module
 
 log = logging.getLogger(__name__)
 

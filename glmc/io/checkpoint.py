@@ -46,7 +46,7 @@ class CheckpointMeta:
     train: dict[str, Any] = field(default_factory=dict)  # the TrainConfig used, as a dict
     vocab: str | None = None  # CharVocab.to_json() for text models
     # where a model read from another format came from: {"format": "hf", "config": config.json, "path": folder} or
-    # {"format": "timm", "kwargs": create_model kwargs, "path": file}; written back into that format (glmc.formats)
+    # {"format": "timm", "kwargs": create_model kwargs, "path": file}; written back into that format (glmc.io.formats)
     origin: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
