@@ -24,9 +24,9 @@ import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from glmc.archs import ModelConfig, preset
+from glmc.data.tasks import Task, load_task
 from glmc.data.vision import ArrayDataset
 from glmc.errors import ConfigError
-from glmc.tasks import Task, load_task
 from server.settings import NATURAL_SPLITS, RunSettings
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ Every model is read through :func:`glmc.io.live.read_module` (its config, its we
 rebuild); the inputs are never modified. ``data`` may be a Dataset of (input, target) pairs, an (inputs, targets)
 pair of tensors, a tensor of token ids (next-token targets taken from it), a ``.npy`` / ``.npz`` path
 (:mod:`glmc.io.userdata`) or, for the data-driven methods of GPT-2s, ``"generated"``: 20,000 windows of text the
-models write themselves (:mod:`glmc.generated`; learned against their mixed prediction unless ``learn`` names
+models write themselves (:mod:`glmc.data.generated`; learned against their mixed prediction unless ``learn`` names
 other targets), so that no dataset is read. ``device`` is where the work happens
 ("cpu", "cuda", "auto"); results stay beside their inputs.
 """
@@ -22,13 +22,13 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from glmc.archs import Arch, ModelConfig, State, cast
-from glmc.barrier import BarrierCurve
 from glmc.errors import ConfigError
+from glmc.interpolation import BarrierCurve
 from glmc.io.live import like, read_module
 from glmc.merging.widths import check_embeddable
 
 Data = Dataset | tuple[torch.Tensor, torch.Tensor] | torch.Tensor | str | Path | None
-GENERATED = "generated"  # data for the data-driven methods that the models themselves write (glmc.generated)
+GENERATED = "generated"  # data for the data-driven methods that the models themselves write (glmc.data.generated)
 
 
 def as_dataset(data: Data, cfg: ModelConfig, writers: tuple[Sequence[State], Sequence[ModelConfig]] = ((), ()),
@@ -40,7 +40,7 @@ def as_dataset(data: Data, cfg: ModelConfig, writers: tuple[Sequence[State], Seq
     if data is None or isinstance(data, Dataset):
         return data
     if data == GENERATED and writers[0]:
-        from glmc.generated import generated_text
+        from glmc.data.generated import generated_text
 
         return generated_text(*writers, device=device)
     if isinstance(data, str | Path):
@@ -136,7 +136,7 @@ def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "w
     >>> len(curve.lambdas), curve.barrier >= 0.0
     (5, True)
     """
-    from glmc.barrier import barrier_curve
+    from glmc.interpolation import barrier_curve
     from glmc.match.align import DATA_METHODS, align_pair
 
     _refuse_forms(options)

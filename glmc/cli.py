@@ -81,8 +81,8 @@ def run_train(args: argparse.Namespace) -> int:
     """Train a preset on a dataset, evaluate on its test split, print the metrics, save a checkpoint."""
     # Imported here so that `glmc --help` and usage errors answer without loading torch.
     from glmc.archs import build_model, get_arch, preset, scale_width
+    from glmc.data.tasks import load_task
     from glmc.io.checkpoint import CheckpointMeta, check_out, save_checkpoint
-    from glmc.tasks import load_task
     from glmc.train import evaluate, seed_everything, train
 
     check_out(args.out, args.force)

@@ -119,7 +119,7 @@ def train_subset(meta: CheckpointMeta, data: str | None, n: int | None) -> Datas
     import torch
     from torch.utils.data import Subset
 
-    from glmc.tasks import load_task
+    from glmc.data.tasks import load_task
 
     train = load_task(meta.dataset, meta.config, data).train
     if n is None:
@@ -146,7 +146,7 @@ def training_data(meta: CheckpointMeta, args: argparse.Namespace, n: int | None,
     if getattr(args, "generated", False):
         if given is not None:
             raise ConfigError("--generated and --train-file both name the training data: pass one of them")
-        from glmc.generated import generated_text
+        from glmc.data.generated import generated_text
 
         return generated_text(*writers, n, device=getattr(args, "device", None))
     if given is None and not meta.dataset and getattr(args, "data_file", None) is not None:
@@ -161,8 +161,8 @@ def training_data(meta: CheckpointMeta, args: argparse.Namespace, n: int | None,
 
 def test_data(meta: CheckpointMeta, cfg: ModelConfig, args: argparse.Namespace) -> Dataset:
     """The held-out samples every barrier and merge is measured on: --data-file, else the dataset's test split."""
+    from glmc.data.tasks import held_out
     from glmc.io.userdata import load_data_file
-    from glmc.tasks import held_out
 
     if getattr(args, "data_file", None) is not None:
         if args.limit is not None and args.limit < 1:

@@ -145,7 +145,7 @@ def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], l
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
-    from glmc.generated import writing_seconds
+    from glmc.data.generated import writing_seconds
     from glmc.io.formats import check_output
     from glmc.merging.merge import MERGE_METHODS, grid_steps
 

@@ -116,7 +116,7 @@ def _load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, Checkpoint
 
 def _align(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
            form: Form = "standard") -> Alignment:
-    from glmc.generated import writing_seconds
+    from glmc.data.generated import writing_seconds
     from glmc.match.align import DATA_METHODS, LEARNED_METHODS, align_pair
 
     samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
@@ -184,7 +184,7 @@ def run_barrier(args: argparse.Namespace) -> int:
     """Align B to A by each method and measure the loss barrier on held-out data (paper Eq. 1)."""
     import torch
 
-    from glmc.barrier import barrier_curve
+    from glmc.interpolation import barrier_curve
     from glmc.symmetry.canonical import CIRCUITS, to_circuit
 
     if args.simplex:
@@ -217,7 +217,7 @@ def run_barrier(args: argparse.Namespace) -> int:
 
 
 def _write_barrier_outputs(args: argparse.Namespace, curves: list[dict]) -> None:
-    from glmc.barrier import BarrierCurve
+    from glmc.interpolation import BarrierCurve
     from glmc.plots import plot_barrier_curves
 
     report = {"a": str(args.a), "b": str(args.b), "points": args.points, "form": args.form,

@@ -18,8 +18,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from client.data import eval_subset, label_counts, pool, server_reads, split_config
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
+from glmc.data.generated import text_writer
 from glmc.device import resolve
-from glmc.generated import text_writer
 from glmc.io.checkpoint import CheckpointMeta, state_digest
 from glmc.match.learned import LearnConfig, Within
 from glmc.match.weight import Start

@@ -89,7 +89,7 @@ class RunSettings:
     dropout: float = -1.0
     server_data: int = 0  # training samples held back from every client, for activation/learned alignment
     # where the server-held data comes from: "split" = held back from every client's share (above); "generated" =
-    # each round, server-data windows of text the round's client models write themselves (glmc.generated; language
+    # each round, server-data windows of text the round's client models write themselves (glmc.data.generated; language
     # models only), so that the server holds no data at all and no client gives any up
     server_data_source: str = "split"
     # of the server-data samples held back, how many the server reads: a seeded subset (0 = all of them), so that a

@@ -31,9 +31,9 @@ from flwr.serverapp.strategy import FedAvg, Result
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, scale_width
+from glmc.data.generated import generated_text, writing_seconds
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
-from glmc.generated import generated_text, writing_seconds
 from glmc.match.learned import LearnConfig
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.merging.widths import Placement
@@ -363,7 +363,7 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def _round_data(self, global_round: int, clients: list[Client]) -> Dataset | None:
         """The server data of this round: the held-back split, or text the clients' models write in equal shares
-        (seeded by the round; its writing time counts as alignment, :func:`glmc.generated.writing_seconds`)."""
+        (seeded by the round; its writing time counts as alignment, :func:`glmc.data.generated.writing_seconds`)."""
         if not self.generate:
             return self.server_data
         return generated_text([c.state for c in clients], [scale_width(self.model_config, c.tier) for c in clients],

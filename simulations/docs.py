@@ -89,8 +89,8 @@ def _comments(pyproject: str, section: str) -> dict[str, str]:
 def _allowed(key: str, kind: str) -> str:
     """A key's allowed values: its choices where the apps declare them, else its type."""
     from glmc.archs.config import PRESETS
+    from glmc.data.tasks import TASKS
     from glmc.match.learned import WITHIN
-    from glmc.tasks import TASKS
     from server import settings
 
     choices: dict[str, Sequence[object]] = {

@@ -16,8 +16,8 @@ from glmc.cli import main as glmc
 from glmc.data import bpe
 from glmc.data.bpe import BpeVocab, load_shakespeare_bpe, split_text
 from glmc.data.shakespeare import read_plays
+from glmc.data.tasks import PAPER_RECIPE, load_task
 from glmc.io.checkpoint import load_checkpoint
-from glmc.tasks import PAPER_RECIPE, load_task
 from glmc.train import TrainConfig, evaluate, train
 from tests.conftest import synthetic_text
 

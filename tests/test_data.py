@@ -38,8 +38,8 @@ from glmc.data.shakespeare import (
     shakespeare_partitions,
     speeches,
 )
+from glmc.data.tasks import load_task
 from glmc.errors import ConfigError, DataNotFoundError
-from glmc.tasks import load_task
 
 NUM_CLASSES = 10
 

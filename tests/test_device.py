@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from glmc.archs import build_model, get_arch
-from glmc.barrier import barrier_curve
 from glmc.cli import main
 from glmc.device import check_name, device_of, peak_memory_mb, resolve
 from glmc.errors import ConfigError
+from glmc.interpolation import barrier_curve
 from glmc.match.align import align_pair
 from glmc.match.common import sq_distance
 from glmc.match.learned import LearnConfig

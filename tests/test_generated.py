@@ -1,4 +1,4 @@
-"""Text the models write themselves (glmc.generated): it is what each model predicts, sampled from the whole
+"""Text the models write themselves (glmc.data.generated): it is what each model predicts, sampled from the whole
 distribution, in equal shares and reproducibly; ``--generated`` lets the data-driven methods run on it with no
 training data at all, on Hugging Face GPT-2s that glmc did not make."""
 
@@ -15,8 +15,8 @@ from torch.utils.data import TensorDataset
 import glmc
 from glmc.archs import build_model, preset
 from glmc.cli import main
+from glmc.data.generated import generated_text, shares, writing_seconds
 from glmc.errors import ConfigError
-from glmc.generated import generated_text, shares, writing_seconds
 from glmc.match.learned import LearnConfig
 from tests.conftest import synthetic_text
 from tests.interop_models import HF, gpt2, logits, vit
@@ -119,7 +119,7 @@ def test_barrier_learns_on_generated_text_without_any_training_data(hf_pair, tmp
               "--steps", "4", "--batch-size", "8", "--json", str(report), "--quiet"]
     assert main(common) == 0 and "fits on --data-file" in caplog.text  # without it: the held-out data
     caplog.clear()
-    caplog.set_level(logging.INFO, logger="glmc.generated")
+    caplog.set_level(logging.INFO, logger="glmc.data.generated")
     assert main([*common, "--generated", "--batch", "40"]) == 0 and "fits on --data-file" not in caplog.text
     (curve,) = json.loads(report.read_text())["curves"]
     assert curve["align_info"]["stopped"] == "completed 4 steps"

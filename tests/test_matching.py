@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from glmc.archs import cast, get_arch
-from glmc.barrier import barrier_curve, interpolate
 from glmc.cli_weight import START_NAMES, WEIGHT_FLAGS
 from glmc.errors import ConfigError, NonFiniteError, SpecError
+from glmc.interpolation import barrier_curve, interpolate
 from glmc.match import weight as weight_module
 from glmc.match.align import align_pair
 from glmc.match.common import sq_distance

@@ -190,9 +190,9 @@ def test_a_checkpoint_with_a_nan_fails_in_one_line_naming_the_tensor(trio, tmp_p
 def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp_path):
     from glmc.archs import get_arch
     from glmc.cli_learn import train_subset
+    from glmc.data.tasks import inputs_of
     from glmc.merging.repair import channel_stats
     from glmc.symmetry.canonical import canonicalize, to_model
-    from glmc.tasks import inputs_of
 
     out, report = tmp_path / "repaired.safetensors", tmp_path / "repaired.json"
     argv = ["merge", *map(str, trio[:2]), "--method", "none", "--repair", "48", "--out", str(out), "--json",
@@ -264,8 +264,8 @@ def test_barrier_across_widths_embeds_the_narrow_model_and_keeps_both_ends(trio,
     """`glmc barrier WIDE NARROW` (paper Fig. 3c from the command line): the narrow end of every curve is the
     narrow model's own loss (its embedding is exact, whatever the alignment), the wide end the wide model's."""
     from glmc.archs import get_arch
+    from glmc.data.tasks import held_out
     from glmc.io.checkpoint import load_model
-    from glmc.tasks import held_out
     from glmc.train import evaluate
 
     report = tmp_path / "widths.json"

@@ -15,16 +15,16 @@ import pytest
 import torch
 
 from glmc.archs import cast, get_arch
-from glmc.barrier import barrier_curve
 from glmc.cli import main as glmc
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
+from glmc.data.tasks import held_out
+from glmc.interpolation import barrier_curve
 from glmc.io.checkpoint import load_checkpoint, save_checkpoint
 from glmc.match.common import sq_distance
 from glmc.match.weight import weight_match
 from glmc.symmetry.canonical import CIRCUITS, FORMS, canonicalize, fixes_ones, to_circuit
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
-from glmc.tasks import held_out
 
 # Each family's trained model: the preset, its data, and glmc train's flags (one epoch of Fashion-MNIST, as the
 # failure was found; 300 steps of Shakespeare). Seed 0 and one thread, so the weights are the same on every run.

@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, get_arch, scale_width
-from glmc.barrier import barrier_curve, mix
 from glmc.errors import ConfigError
+from glmc.interpolation import barrier_curve, mix
 from glmc.merging.repair import SITES, channel_stats, repair
 from glmc.merging.widths import embed, place
 from glmc.symmetry.canonical import to_model

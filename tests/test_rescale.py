@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from glmc.archs import ModelConfig, get_arch, preset, scale_width
-from glmc.barrier import mix
+from glmc.interpolation import mix
 from glmc.merging.rescale import restore_norms
 from glmc.merging.widths import embed, place
 from glmc.symmetry.canonical import canonicalize

@@ -25,8 +25,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch.utils.data import TensorDataset
 
 from glmc.archs import ModelConfig, build_model, get_arch, preset, scale_width
+from glmc.data.generated import generated_text
 from glmc.errors import ConfigError
-from glmc.generated import generated_text
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.match.learned import LearnConfig
 from glmc.merging.merge import PredictionMixture

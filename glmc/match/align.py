@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, cast, get_arch
+from glmc.data.tasks import inputs_of
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
@@ -22,7 +23,6 @@ from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.symmetry.canonical import CENTRED, Form, canonicalize, fixes_ones
 from glmc.symmetry.spec import check_same_shapes
 from glmc.symmetry.transforms import Transform, apply
-from glmc.tasks import inputs_of
 
 METHODS = ("none", "weight", "weight-perm", "activation", "learned", "learned-perm", "soft", "dual")
 LEARNED_METHODS = ("learned", "learned-perm", "soft", "dual")

@@ -29,9 +29,9 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
-from glmc.barrier import mix
 from glmc.device import device_of
 from glmc.errors import ConfigError, check_options
+from glmc.interpolation import mix
 from glmc.match.common import MatchResult
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.symmetry import groups
@@ -82,7 +82,7 @@ class LearnConfig:
     within: Within = "orthogonal"
     # What the path's loss is measured against: the data's labels, or the endpoints' own predictions mixed by the
     # step's weights, Σ_i w_i softmax(f_i(x)), which reads the inputs only (no labels). None: the endpoints on text
-    # the models wrote (glmc.generated.GeneratedText, whose "labels" are their samples), the labels otherwise.
+    # the models wrote (glmc.data.generated.GeneratedText, whose "labels" are their samples), the labels otherwise.
     targets: Targets | None = None
     sinkhorn_iters: int = 20  # soft permutations (App. D)
     soft_gain: float = 0.01  # App. D's noise gain: target P + |N(0, (gain/√n)²)| before the logarithm
@@ -430,7 +430,7 @@ class _Progress:
 def targets_for(options: LearnConfig, data: Dataset) -> Targets:
     """The targets a run learns against: ``options.targets``, else the endpoints on text the models wrote and the
     labels on any other data."""
-    from glmc.generated import GeneratedText
+    from glmc.data.generated import GeneratedText
 
     if options.targets is not None:
         return options.targets

@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch, preset, scale_width
-from glmc.barrier import barrier_curve, evaluate_mixtures
 from glmc.device import device_of, resolve, to_device
 from glmc.errors import ConfigError
+from glmc.interpolation import barrier_curve, evaluate_mixtures
 from glmc.io.checkpoint import CheckpointMeta
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
 from glmc.merging.refit import refit

@@ -29,12 +29,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
+from glmc.data.tasks import inputs_of
 from glmc.errors import ConfigError, check_weights
 from glmc.merging.activations import AllSitesRecorded, Hook, Site, hooked_passes
 from glmc.merging.widths import Placement, axis_mask, embedding_config
 from glmc.symmetry.canonical import to_model
 from glmc.symmetry.spec import RES, AxisKind
-from glmc.tasks import inputs_of
 
 # The linear layers refitted (canonical prefixes), in forward order within a block; then the head.
 LAYERS = ("blocks.{l}.attn.qkv", "blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")

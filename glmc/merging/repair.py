@@ -18,10 +18,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
+from glmc.data.tasks import inputs_of
 from glmc.errors import ConfigError
 from glmc.merging.activations import AllSitesRecorded, Hook, hooked_passes
 from glmc.symmetry.canonical import to_model
-from glmc.tasks import inputs_of
 
 # The linear layers whose output channels are repaired, block by block in forward order (canonical prefixes): the
 # MLP's pre-activations and both residual writers. Not qkv: q and k act only through their product, which

@@ -23,11 +23,11 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.barrier import evaluate_mixtures, mix
+from glmc.data.tasks import held_out
+from glmc.interpolation import evaluate_mixtures, mix
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
 from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, SpecTable, expand
-from glmc.tasks import held_out
 from simulations.bench.barriers import machine, mean_se, seed_checkpoints, table_main
 
 RESULTS = Path("simulations/results/barrier-sites")

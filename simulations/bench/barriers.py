@@ -377,7 +377,7 @@ def previous_results(results: Path) -> dict[str, Any]:
 def write_results(run: dict[str, Any], learn: str, config: str, rows: list[dict[str, Any]], timing: dict[str, Any],
                   reports: dict[str, list[dict[str, Any]]], seconds: float, kept: list[str], command: str) -> None:
     """summary.md, results.json and one curve plot per model (its first pair) under the results folder."""
-    from glmc.barrier import BarrierCurve
+    from glmc.interpolation import BarrierCurve
     from glmc.plots import plot_barrier_curves
 
     out = Path(run["results"])

@@ -29,13 +29,13 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
+from glmc.data.tasks import held_out, inputs_of
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
 from glmc.match.learned import LearnConfig
 from glmc.merging.activations import Hook, Site, hooked_passes
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import Transform, apply
-from glmc.tasks import held_out, inputs_of
 from simulations.bench.barriers import label, machine, mean_se, seed_checkpoints, table_main
 from simulations.bench.weight_starts import barrier
 

@@ -25,13 +25,13 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
+from glmc.data.tasks import held_out, inputs_of
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
 from glmc.match.descent import Descent
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.transforms import Transform, apply
-from glmc.tasks import held_out, inputs_of
 from simulations.bench.barriers import label, machine, mean_se, seed_checkpoints, table_main
 from simulations.bench.learned_gap import STREAM_SAMPLES, real_schur, stream_tokens
 from simulations.bench.weight_starts import barrier

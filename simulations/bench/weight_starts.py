@@ -22,15 +22,15 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.barrier import barrier_curve
 from glmc.cli_weight import parse_weight_flags
+from glmc.data.tasks import held_out
+from glmc.interpolation import barrier_curve
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
 from glmc.match.weight import STARTS, WeightOptions, weight_match
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.transforms import apply
-from glmc.tasks import held_out
 from simulations.bench.barriers import machine, mean_se, seed_checkpoints, table_main
 
 RESULTS = Path("simulations/results/weight-starts")
