@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from glmc.archs import get_arch
-from glmc.cli_weight import parse_weight_flags
+from glmc.cli.weight_options import parse_weight_flags
 from glmc.match.weight import WeightOptions
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize

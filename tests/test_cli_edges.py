@@ -17,7 +17,7 @@ import torch
 import glmc
 from glmc.archs import build_model, preset
 from glmc.cli import main
-from glmc.cli_outputs import PLOT_FORMATS
+from glmc.cli.outputs import PLOT_FORMATS
 from glmc.data.fashion_mnist import load_fashion_mnist
 from glmc.errors import ConfigError, DataNotFoundError
 from glmc.io.checkpoint import CheckpointMeta, save_checkpoint

@@ -66,7 +66,7 @@ def test_every_run_config_key_is_documented_with_a_meaning():
 
 
 def test_every_subcommand_and_option_is_in_the_cli_page():
-    from glmc.cli import COMMANDS, build_parser
+    from glmc.cli.main import COMMANDS, build_parser
 
     page = docs.cli_markdown()
     assert all(f"## `glmc {name}`" in page for name in COMMANDS)

@@ -16,7 +16,7 @@ from timm.models.vision_transformer import VisionTransformer
 import glmc
 from glmc.archs import cast, get_arch
 from glmc.cli import main
-from glmc.cli_export import DTYPE_NAMES
+from glmc.cli.export import DTYPE_NAMES
 from glmc.io.formats import DTYPES, read
 from glmc.io.live import like, read_module
 from glmc.symmetry.canonical import canonicalize

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from glmc.archs import Arch, ModelConfig, State, build_model, get_arch
 from glmc.cli import build_parser, main
-from glmc.cli_learn import TARGET_NAMES, WITHIN_NAMES, learn_options
+from glmc.cli.learn_options import TARGET_NAMES, WITHIN_NAMES, learn_options
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError, SpecError
 from glmc.interpolation import interpolate

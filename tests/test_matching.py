@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glmc.archs import cast, get_arch
-from glmc.cli_weight import START_NAMES, WEIGHT_FLAGS
+from glmc.cli.weight_options import START_NAMES, WEIGHT_FLAGS
 from glmc.errors import ConfigError, NonFiniteError, SpecError
 from glmc.interpolation import barrier_curve, interpolate
 from glmc.match import weight as weight_module

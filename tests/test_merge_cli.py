@@ -189,7 +189,7 @@ def test_a_checkpoint_with_a_nan_fails_in_one_line_naming_the_tensor(trio, tmp_p
 @needs_data
 def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp_path):
     from glmc.archs import get_arch
-    from glmc.cli_learn import train_subset
+    from glmc.cli.learn_options import train_subset
     from glmc.data.tasks import inputs_of
     from glmc.merging.repair import channel_stats
     from glmc.symmetry.canonical import canonicalize, to_model

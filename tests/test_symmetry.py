@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from glmc.archs import ARCHS, get_arch
-from glmc.cli_symmetry import FORM_NAMES
+from glmc.cli.pair import FORM_NAMES
 from glmc.errors import SpecError
 from glmc.symmetry.canonical import FORMS, canonicalize, to_circuit, to_model
 from glmc.symmetry.exactness import invariance_errors

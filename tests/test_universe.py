@@ -70,7 +70,7 @@ def test_merging_copies_across_widths_with_net2net_fill_gives_back_the_narrow_mo
 
 
 def test_fill_options_are_checked_in_one_line():
-    from glmc.cli_merge import FILL_NAMES
+    from glmc.cli.merge import FILL_NAMES
 
     assert list(FILLS) == FILL_NAMES  # the CLI lists them without importing torch
     wide = CONFIGS["vit-odd"]

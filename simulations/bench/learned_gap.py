@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.cli_learn import add_learn_arguments, learn_options, train_subset
+from glmc.cli.learn_options import add_learn_arguments, learn_options, train_subset
 from glmc.data.tasks import held_out, inputs_of
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from glmc.cli import main as glmc
-from glmc.cli_weight import parse_weight_flags
+from glmc.cli.weight_options import parse_weight_flags
 from simulations.bench.barriers import results_lock
 from simulations.tomlfile import config_or_exit
 

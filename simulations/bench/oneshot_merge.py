@@ -37,7 +37,7 @@ import torch
 
 from client.data import VAL_FRACTION, eval_subset, pool
 from glmc.archs import ModelConfig, State, build_model, get_arch
-from glmc.cli_weight import add_weight_arguments, weight_options, weight_start
+from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
 from glmc.merging.merge import ensemble_metrics

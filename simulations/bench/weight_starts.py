@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.cli_weight import parse_weight_flags
+from glmc.cli.weight_options import parse_weight_flags
 from glmc.data.tasks import held_out
 from glmc.interpolation import barrier_curve
 from glmc.io.checkpoint import load_checkpoint

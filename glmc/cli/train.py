@@ -1,50 +1,19 @@
-"""The ``glmc`` command line: subcommands registered in one table, errors printed as one line.
-
-Every ``GlmcError`` (and every argparse usage error) becomes ``glmc: error: ...`` on stderr with
-exit status 2. To add a subcommand, write ``add_arguments(parser)`` and ``run(args) -> int`` in
-its own module and add one ``Command`` line to ``COMMANDS``.
-"""
+"""``glmc train``: a preset trained on a dataset, evaluated on its test split and saved as a checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmc import __version__, cli_export, cli_merge, cli_symmetry
-from glmc.cli_learn import DATA_HELP, positive
-from glmc.cli_outputs import check_outputs
-from glmc.errors import ConfigError, GlmcError
+from glmc.cli.learn_options import DATA_HELP, positive
+from glmc.errors import ConfigError
 
 if TYPE_CHECKING:
     from glmc.train import TrainConfig
 
 PRECISIONS = ["fp32", "bf16"]  # glmc.device.PRECISIONS, without importing torch
-DEVICE_HELP = "auto (CUDA when there is one, the default), cpu, cuda or cuda:N"
-
-
-@dataclass(frozen=True)
-class Command:
-    """One subcommand: its help line, its arguments, and what it runs."""
-
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-    # Alignment is many small ops: two OpenMP threads on a busy 2-core CPU made weight matching of a vit-bench
-    # pair 37× slower than one (49.9 s against 1.3 s), so these commands default to one torch thread.
-    single_threaded: bool = True
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing usage and exiting, so errors stay one line."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,59 +102,3 @@ def _train_config(args: argparse.Namespace, defaults: dict[str, Any]) -> TrainCo
         precision=args.precision,
         **(defaults | given),
     )
-
-
-COMMANDS: dict[str, Command] = {
-    "train": Command("train a preset on a dataset and save a checkpoint", add_train_arguments, run_train,
-                     single_threaded=False),  # its own --threads (default: every core)
-    "check": Command("check that every symmetry class leaves a model's function unchanged",
-                     cli_symmetry.add_check_arguments, cli_symmetry.run_check),
-    "align": Command("align checkpoint B to A and save B as a standard checkpoint",
-                     cli_symmetry.add_align_arguments, cli_symmetry.run_align),
-    "barrier": Command("loss barrier between two checkpoints, per alignment method",
-                       cli_symmetry.add_barrier_arguments, cli_symmetry.run_barrier),
-    "merge": Command("merge N checkpoints (any widths) into one standard checkpoint", cli_merge.add_merge_arguments,
-                     cli_merge.run_merge),
-    "export": Command("write a checkpoint as a Hugging Face folder, a timm state dict or a glmc checkpoint",
-                      cli_export.add_export_arguments, cli_export.run_export),
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one subparser per entry of ``COMMANDS``."""
-    parser = _Parser(prog="glmc", description="Align, merge and train Transformers through their symmetries.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, command in COMMANDS.items():
-        command_parser = sub.add_parser(name, help=command.help, description=command.help)
-        command.add_arguments(command_parser)
-        if command.single_threaded:
-            command_parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-        command_parser.add_argument("--device", default="auto", help=f"where to compute: {DEVICE_HELP}")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``glmc`` console script; returns the exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-        check_outputs(args)  # before any work: a bad --out, --json or --plot must not cost a run
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        logging.getLogger("glmc").setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
-        if COMMANDS[args.command].single_threaded:
-            from glmc.train import set_threads
-
-            if args.threads < 0:
-                raise ConfigError(f"--threads must be >= 0 (0: every core), got {args.threads}")
-            set_threads(args.threads)
-        from glmc.device import resolve
-
-        args.device = str(resolve(args.device))  # an unknown device or a missing GPU is refused before any work
-        return COMMANDS[args.command].run(args)
-    except GlmcError as err:
-        print(f"glmc: error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmc.cli_export import add_format_argument, early_format, output_format
-from glmc.cli_learn import add_learn_arguments, count, learn_options, test_data, training_data
-from glmc.cli_weight import add_weight_arguments, weight_options, weight_start
+from glmc.cli.export import add_format_argument, early_format, output_format
+from glmc.cli.learn_options import add_learn_arguments, count, learn_options, test_data, training_data
+from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
 from glmc.errors import ConfigError, check_weights
 
 if TYPE_CHECKING:

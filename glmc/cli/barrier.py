@@ -1,0 +1,85 @@
+"""``glmc barrier``: the loss barrier between two checkpoints on held-out data, per alignment method (paper Eq. 1)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from glmc.cli import merge as cli_merge
+from glmc.cli.learn_options import count, test_data, training_data
+from glmc.cli.pair import FORM_NAMES, METHOD_NAMES, add_pair_arguments, align_loaded, load_pair
+from glmc.errors import ConfigError
+
+
+def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
+    add_pair_arguments(parser)
+    parser.add_argument("--method", action="append", help=f"repeatable: {METHOD_NAMES}")
+    parser.add_argument("--points", type=int, default=21, help="λ grid size, both ends included")
+    parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
+    parser.add_argument("--form", choices=FORM_NAMES, default="standard",
+                        help="the parameters the path interpolates: standard (the models as they are), rmsnorm "
+                             "(LayerNorm as RMSNorm, the residual aligned over the whole O(d)), circuit (each head "
+                             "multiplied out into its QK and OV circuits, paper §3.2.2) or circuit-rmsnorm (both, as "
+                             "the official GLMC code interpolates); all but standard change the architecture, as the "
+                             "paper's barriers do")
+    parser.add_argument("--json", required=True, type=Path, help="write the curves here")
+    parser.add_argument("--plot", type=Path, help="write a loss/accuracy plot here (.png)")
+    parser.add_argument("--repair", type=count, metavar="N",
+                        help="REPAIR every point of the path first (Jordan et al. 2022): reset each channel's mean "
+                             "and std to the λ-mean of A's and B's, measured on N training samples; each curve is "
+                             "named METHOD+repair")
+    cli_merge.add_simplex_arguments(parser)
+
+
+def run_barrier(args: argparse.Namespace) -> int:
+    """Align B to A by each method and measure the loss barrier on held-out data (paper Eq. 1)."""
+    import torch
+
+    from glmc.interpolation import barrier_curve
+    from glmc.symmetry.canonical import CIRCUITS, to_circuit
+
+    if args.simplex:
+        for flag, given in (("--repair", args.repair), ("--form", args.form != "standard")):
+            if given:
+                raise ConfigError(f"{flag} applies to the pairwise curves, not to --simplex")
+        return cli_merge.run_simplex(args)
+    if args.points < 2:
+        raise ConfigError("--points must be at least 2")
+    if args.repair and args.form != "standard":
+        raise ConfigError(f"--repair needs the standard form, not --form {args.form}")
+    state_a, state_b, meta, meta_b = load_pair(args.a, args.b)
+    if meta_b.config != meta.config:
+        _write_barrier_outputs(args, cli_merge.width_curves(args, [state_a, state_b], [meta, meta_b]))
+        return 0
+    test = test_data(meta, meta.config, args)
+    repair = training_data(meta, args, args.repair, ([state_a, state_b], [meta.config] * 2)) if args.repair else None
+    curves = []
+    for method in args.method or ["weight"]:
+        aligned = align_loaded(args, method, state_a, state_b, meta, args.form)  # learned methods learn the form's path
+        (a, cfg), (b, _) = ((to_circuit(s, meta.config) if args.form in CIRCUITS else (s, meta.config))
+                            for s in (aligned.a, aligned.b))
+        name = f"{method}+repair" if repair is not None else method
+        curve = barrier_curve(a, b, cfg, test, args.points, form=args.form, method=name, dtype=torch.float32,
+                              repair_data=repair)
+        curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds, "align_info": aligned.result.info})
+        print(f"{name:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)
+    _write_barrier_outputs(args, curves)
+    return 0
+
+
+def _write_barrier_outputs(args: argparse.Namespace, curves: list[dict]) -> None:
+    from glmc.interpolation import BarrierCurve
+    from glmc.plots import plot_barrier_curves
+
+    report = {"a": str(args.a), "b": str(args.b), "points": args.points, "form": args.form,
+              "curves": curves}
+    if len(curves) == 1:
+        report |= curves[0]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        fields = BarrierCurve.__dataclass_fields__
+        plot_barrier_curves([BarrierCurve(**{k: c[k] for k in fields}) for c in curves], args.plot)
+    print(json.dumps({c["method"]: round(c["barrier"], 4) for c in curves}))

@@ -1,0 +1,70 @@
+"""What ``glmc align`` and ``glmc barrier`` share: the two checkpoints, their loading, one alignment of B to A."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from glmc.cli.learn_options import add_learn_arguments, learn_options, training_data
+from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
+from glmc.errors import ConfigError
+
+ACTIVATION_SAMPLES = 512  # default --batch of activation matching
+METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.match.align.METHODS
+FORM_NAMES = ["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]  # canonical.FORMS, torch-free
+
+if TYPE_CHECKING:
+    from glmc.io.checkpoint import CheckpointMeta
+    from glmc.match.align import Alignment
+    from glmc.symmetry.canonical import Form
+
+
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", type=Path, help="reference checkpoint A (glmc .safetensors, Hugging Face folder or timm "
+                        "state dict)")
+    parser.add_argument("b", type=Path, help="checkpoint B, moved towards A (B may be narrower: then it is "
+                        "embedded into A's width first, as glmc merge embeds its inputs)")
+    add_learn_arguments(parser, "training samples given to data-driven methods (default: "
+                        f"{ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
+    add_weight_arguments(parser)
+
+
+def load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
+    """Both checkpoints, refusing before any work a NaN or inf (named as the file names it), different families or a
+    B that does not fit inside A (only widths may differ, and B is then embedded into A's width)."""
+    from glmc.io.formats import read
+    from glmc.match.common import require_finite
+    from glmc.merging.widths import check_embeddable
+    from glmc.symmetry.spec import check_same_shapes
+
+    state_a, meta_a = read(a)
+    state_b, meta_b = read(b)
+    require_finite(state_a, str(a))
+    require_finite(state_b, str(b))
+    if meta_a.config.family != meta_b.config.family:
+        raise ConfigError(f"{a} is a {meta_a.config.family} but {b} is a {meta_b.config.family}")
+    if meta_a.config != meta_b.config:
+        check_embeddable(meta_b.config, meta_a.config)
+    else:
+        check_same_shapes(state_a, state_b)
+    return state_a, state_b, meta_a, meta_b
+
+
+def align_loaded(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
+           form: Form = "standard") -> Alignment:
+    from glmc.data.generated import writing_seconds
+    from glmc.match.align import DATA_METHODS, LEARNED_METHODS, align_pair
+
+    samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
+    data = training_data(meta, args, samples, ([state_a, state_b], [meta.config] * 2)) \
+        if method in DATA_METHODS else None
+    written = writing_seconds(data)
+    learn = learn_options(args) if method in LEARNED_METHODS else None
+    aligned = align_pair(state_a, state_b, meta.config, method, form=form, data=data,
+                         batch=samples or ACTIVATION_SAMPLES, learn=learn, start=weight_start(args),
+                         device=args.device, weight=weight_options(args))
+    if written:  # sampling the text is part of the method's cost
+        aligned.result.seconds += written
+        aligned.result.info["generate_seconds"] = round(written, 3)
+    return aligned
