@@ -19,14 +19,14 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.attacks import attack
-from client.data import ClientShare, client_share, eval_subset, pool
+from federation import protocol
+from federation.data import ClientShare, client_share, eval_subset, pool
+from federation.restriction import principal_placement, restrict
+from federation.settings import RunSettings, places_principal
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, first_line
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
-from server import protocol
-from server.aggregation import principal_placement, restrict
-from server.settings import RunSettings, places_principal
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 
 import torch
 
+from federation import protocol
 from glmc.archs import ModelConfig, build_model, cast
 from glmc.train import seed_everything
-from server import protocol
 
 INFLATED_EXAMPLES = 10**9
 SCALE = 1000.0

@@ -27,8 +27,8 @@ from deploy.certs import certificate_names, make_certificates
 from deploy.cluster import INSECURE_WARNING, Cluster, ClusterSpec, describe, down, run, up
 from deploy.connection import default_flwr_home, write_connection
 from deploy.keys import make_node_key
+from federation.settings import parse_tiers
 from glmc.errors import ConfigError, GlmcError
-from server.settings import parse_tiers
 
 log = logging.getLogger("deploy")
 

@@ -3,7 +3,7 @@
 ``merge`` is the only place that knows how models are combined, so the strategy never branches on the
 method:
 
-- ``fedavg``: HeteroFL's coverage-weighted average of width slices (:mod:`server.heterofl`). The strategy
+- ``fedavg``: HeteroFL's coverage-weighted average of width slices (:mod:`glmc.merging.heterofl`). The strategy
   itself takes flwr's own FedAvg code path when every client is full width, so that case is FedAvg exactly.
 - ``weight`` / ``activation``: canonicalise (LayerNorms folded), embed every client exactly into the
   universe width, universe matching anchored at the previous global model (:func:`glmc.merging.universe.universe_match`,
@@ -24,7 +24,7 @@ method:
   with the same budget. After R rounds it has had R budgets, as fedavg-ft's model has. A data-using aggregation
   under it gains nothing from the clients that the server's own samples would not give.
 
-Each client later gets the global model restricted to its own width (:func:`restrict`).
+Each client later gets the global model restricted to its own width (:func:`federation.restriction.restrict`).
 """
 
 from __future__ import annotations
@@ -38,22 +38,23 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.data import Dataset
 
+from federation.restriction import wire_state
+from federation.settings import CONTROLS, GUARDED, SLICED
 from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig, targets_for
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
+from glmc.merging import heterofl
 from glmc.merging.merge import PredictionMixture
 from glmc.merging.refit import refit as refit_layers
 from glmc.merging.repair import repair as repair_statistics
 from glmc.merging.rescale import restore_norms
+from glmc.merging.robust import Clipping, Robustness, clip, coordinatewise, screen, unclipped
 from glmc.merging.universe import universe_match
-from glmc.merging.widths import Placement, embed, lstsq_merge, place, principal_place, project
+from glmc.merging.widths import Placement, embed, lstsq_merge, place, project
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import TrainConfig, train
-from server import heterofl
-from server.robust import Clipping, Robustness, clip, coordinatewise, screen, unclipped
-from server.settings import CONTROLS, GUARDED, SLICED
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class MergeResult:
     distance_before: float  # mean pairwise ‖θ_i − θ_j‖ of the clients in the universe (canonical, embedded)
     distance_after: float  # the same after alignment
     placements: list[Placement | None]  # per client, for restricting the next global model (None: HeteroFL)
-    clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (server.robust.screen)
+    clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (glmc.merging.robust.screen)
     clipping: Clipping | None = None  # how far each client was from the global model, and what clipping did
 
     @property
@@ -124,7 +125,7 @@ def finetune(native: State, full: ModelConfig, data: Dataset | None, config: Tra
     start = time.perf_counter()
     model = _model(native, full)
     train(model, get_arch(full.family), data, config, progress=False, teacher=teacher)
-    return _float32(model.state_dict()), time.perf_counter() - start
+    return wire_state(model.state_dict()), time.perf_counter() - start
 
 
 def _model(native: State, cfg: ModelConfig) -> torch.nn.Module:
@@ -164,7 +165,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.merging.repair.repair`).
     ``min_gain``: for weight and activation at equal widths, when matching brings the clients less than this fraction
     closer, merge nothing and say ``unaligned``: the caller averages them as FedAvg (:func:`_gains_too_little`).
-    ``robust``: clipping around the anchor and the robust average (:mod:`server.robust`; the clients' weights come
+    ``robust``: clipping around the anchor and the robust average (:mod:`glmc.merging.robust`; the clients' weights come
     already capped); default off.
     ``device``: where alignment, merging and fine-tuning run (``server-device``); the result comes back on the CPU.
     ``weight_start``, ``weight``: where weight matching starts and its costs (also the learned methods' first step).
@@ -203,7 +204,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
         merged = refit_layers(merged, clipping.states, full, data, weights=weights, placements=result.placements)
     if repair:
         merged = repair_statistics(merged, clipping.states, full, data, weights=weights)
-    return MergeResult(_float32(arch.to_native(merged, full.depth)), seconds, before, after, list(result.placements),
+    return MergeResult(wire_state(arch.to_native(merged, full.depth)), seconds, before, after, list(result.placements),
                        early.clipped, clipping)
 
 
@@ -262,7 +263,7 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
     else:
         _require_equal_widths(any(cfg != full for cfg in configs), robust)
         native = coordinatewise(clipping.states, robust.average, robust.trim_beta)
-    native, seconds = _float32(native), 0.0
+    native, seconds = wire_state(native), 0.0
     if aggregation == "fedavg-ft":
         native, seconds = finetune(native, full, data, tune, teacher)
     return MergeResult(native, seconds, before, before, [None] * len(clients), 0, clipping)
@@ -272,7 +273,7 @@ def _server_only(anchor: State | None) -> State:
     """``server-only``'s start: the previous global model, whatever the clients sent."""
     if anchor is None:
         raise ConfigError("server-only trains the previous global model on the server data: it needs one")
-    return _float32(anchor)
+    return wire_state(anchor)
 
 
 def _gains_too_little(before: float, after: float, min_gain: float, configs: Sequence[ModelConfig],
@@ -286,31 +287,3 @@ def _gains_too_little(before: float, after: float, min_gain: float, configs: Seq
         log.info("alignment brought the clients %.2f%% closer (%.4g → %.4g), less than min-alignment-gain %.2f%%: "
                  "averaging them unaligned (FedAvg)", 100 * gain, before, after, 100 * min_gain)
     return gain < min_gain
-
-
-def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float, aggregation: str,
-             placement: Placement | None = None) -> State:
-    """The global model at a client's width: its HeteroFL slice (fedavg, fedavg-ft, server-only), else its projection
-    onto the client's subspace of the universe (``placement``: where alignment last put it; default: the exact
-    embedding)."""
-    narrow = scale_width(full, tier)
-    if narrow == full:
-        return dict(global_native)
-    if aggregation in SLICED:
-        return _float32(heterofl.restrict(global_native, full, narrow))
-    arch = get_arch(full.family)
-    canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)
-    return _float32(arch.to_native(project(canonical, placement or place(narrow, full)), full.depth))
-
-
-def principal_placement(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float) -> Placement:
-    """Where a narrow client gets the global model with ``narrow-placement=principal``: the heads, MLP units and
-    residual subspace holding most of its weights (:func:`glmc.merging.widths.principal_place`)."""
-    arch = get_arch(full.family)
-    canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)
-    return principal_place(canonical, scale_width(full, tier), full)
-
-
-def _float32(state: Mapping[str, torch.Tensor]) -> State:
-    """The CPU float32 copy that goes into an ArrayRecord, wherever the state was computed."""
-    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}

@@ -16,7 +16,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from client.data import eval_subset, label_counts, pool, server_reads, split_config
+from federation.data import eval_subset, label_counts, pool, server_reads, split_config
+from federation.settings import GUARDED, NATURAL_SPLITS, RunSettings
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.data.generated import text_writer
 from glmc.device import resolve
@@ -34,8 +35,8 @@ from server.hooks import (
     load_records,
     resume_point,
 )
-from server.settings import GUARDED, NATURAL_SPLITS, RunSettings
-from server.strategy import EvaluateFn, RoundHooks, SymmetryAwareFedAvg
+from server.records import RoundHooks
+from server.strategy import EvaluateFn, SymmetryAwareFedAvg
 from server.validation import ReplySchema
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from server.settings import GUARDED
+from federation.settings import GUARDED
 
 if TYPE_CHECKING:
-    from server.strategy import RoundRecord
+    from server.records import RoundRecord
 
 SEE_IT_ACT = "to see alignment act, start the clients apart (init='independent') or set min-alignment-gain=0"
 

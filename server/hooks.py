@@ -25,13 +25,13 @@ import torch
 from flwr.app import ArrayRecord
 from torch.utils.data import Dataset
 
+from federation.settings import RunSettings
 from glmc.archs import ModelConfig, build_model, get_arch, scale_width
 from glmc.errors import CheckpointError, ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.merging.merge import ensemble_metrics
 from server.aggregation import Client, client_models
-from server.settings import RunSettings
-from server.strategy import RoundHooks, RoundRecord
+from server.records import RoundHooks, RoundRecord
 
 log = logging.getLogger(__name__)
 

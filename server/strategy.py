@@ -22,7 +22,6 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -30,27 +29,27 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from torch.utils.data import Dataset
 
+from federation import protocol
+from federation.restriction import principal_placement, restrict
+from federation.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
 from glmc.archs import ModelConfig, State, scale_width
 from glmc.data.generated import generated_text, writing_seconds
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
 from glmc.match.learned import LearnConfig
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
+from glmc.merging.robust import Clipping, Robustness, cap_examples, clip, combine, unclipped
 from glmc.merging.widths import Placement
 from glmc.train import TrainConfig
-from server import protocol
 from server.aggregation import (
     Client,
     MergeResult,
     embedded_distance,
     merge,
-    principal_placement,
-    restrict,
     universe_states,
 )
 from server.guard import guard_note
-from server.robust import Clipping, Robustness, cap_examples, clip, combine, unclipped
-from server.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
+from server.records import RoundHooks, RoundRecord
 from server.validation import ReplySchema, check_evaluate_reply, check_model, split_replies
 
 log = logging.getLogger(__name__)
@@ -58,53 +57,6 @@ log = logging.getLogger(__name__)
 NODE_POLL_SECONDS = 1.0  # how often a round that waits for nodes counts them (flwr's own wait polls once a second)
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
-
-
-@dataclass
-class RoundRecord:
-    """Everything one round measured; JSON-able through ``asdict``."""
-
-    round: int
-    replies: int = 0
-    valid: int = 0
-    dropped: list[str] = field(default_factory=list)  # "node N: reason"
-    evaluate_dropped: list[str] = field(default_factory=list)  # federated evaluation replies dropped, "node N: reason"
-    aggregated: bool = False
-    failure: str | None = None  # why the valid replies could not be merged, or the merge was rejected (model kept)
-    central_loss: float | None = None
-    central_accuracy: float | None = None
-    mean_client_accuracy: float | None = None  # each client's trained model on the central test subset
-    ensemble_loss: float | None = None  # logit ensemble of the valid clients' models (ensemble-eval)
-    ensemble_accuracy: float | None = None
-    train_loss: float | None = None  # example-weighted over valid replies
-    align_seconds: float = 0.0
-    aggregate_seconds: float = 0.0  # decoding + alignment + averaging
-    round_seconds: float = 0.0  # configure_train to the end of central evaluation
-    distance_before: float | None = None  # mean pairwise client distance, canonical form
-    distance_after: float | None = None
-    unaligned: bool = False  # min-alignment-gain set this round's alignment aside: the clients were averaged (FedAvg)
-    capped: int = 0  # replies whose num-examples the cap lowered (server.robust)
-    clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (server.robust.screen)
-    clipped: int = 0  # clients clipped around the global model where they are averaged (after matching)
-    spread: float | None = None  # the farthest client's distance from the global model over the lower median's
-    server_peak_gpu_mb: float = 0.0  # peak GPU memory of the server's aggregation and evaluation (0 on a CPU)
-    client_peak_gpu_mb: float = 0.0  # the largest peak GPU memory a valid client reported
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class RoundHooks:
-    """Named per-round hooks; subclass and override what you need (the defaults do nothing)."""
-
-    def on_aggregate(self, record: RoundRecord, clients: Sequence[Client]) -> None:
-        """After the valid replies of round ``record.round`` were merged; ``clients`` are the decoded models."""
-
-    def on_round_end(self, record: RoundRecord, arrays: ArrayRecord) -> None:
-        """After round ``record.round`` was aggregated and evaluated; ``arrays`` is the global model."""
-
-    def on_run_end(self, records: Sequence[RoundRecord]) -> None:
-        """After the last round."""
 
 
 class SymmetryAwareFedAvg(FedAvg):
@@ -144,7 +96,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
         self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
-        self.robust = robust or RunSettings().robustness  # caps, clipping and the robust average (server.robust)
+        self.robust = robust or RunSettings().robustness  # caps, clipping and the robust average (glmc.merging.robust)
         self.node_wait_timeout = node_wait_timeout  # seconds a round waits for enough nodes before it is skipped
         self.device = resolve(device)  # where the server aligns and merges (server-device)
         self.weight_start = weight_start  # where weight matching (and the learned methods' first matching) starts
@@ -216,7 +168,7 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def _placement(self, node: int, tier: float) -> Placement | None:
         """Where ``node`` gets this round's global model: where alignment last put it, or the principal placement
-        (:func:`server.aggregation.principal_placement`), one per tier and round."""
+        (:func:`federation.restriction.principal_placement`), one per tier and round."""
         if tier == 1.0:
             return None
         if not self.principal:
@@ -305,7 +257,7 @@ class SymmetryAwareFedAvg(FedAvg):
         return Client(_state(msg), float(metrics[protocol.WEIGHT_KEY]), tier, placement)  # type: ignore[arg-type]
 
     def _capped(self, clients: list[Client]) -> list[Client]:
-        """The clients with their num-examples capped (:func:`server.robust.cap_examples`)."""
+        """The clients with their num-examples capped (:func:`glmc.merging.robust.cap_examples`)."""
         weights = cap_examples([c.weight for c in clients], self.robust)
         return [c if c.weight == w else dataclasses.replace(c, weight=w)
                 for c, w in zip(clients, weights, strict=True)]

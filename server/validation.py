@@ -7,7 +7,7 @@ wrong dtype or shape, one larger in bytes than its shape needs (checked before i
 does not decode, or one with NaN, Inf or absurdly large values. An evaluate reply is dropped when it
 carries an error, or its one MetricRecord is not exactly the evaluate metrics, finite, with a positive
 whole ``num-examples``. Nothing here raises on bad input: the strategy only ever sees valid replies.
-Well-formed hostile replies (inflated counts, scaled weights) pass here; :mod:`server.robust` bounds them.
+Well-formed hostile replies (inflated counts, scaled weights) pass here; :mod:`glmc.merging.robust` bounds them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
-from server import protocol
+from federation import protocol
 
 # Trained weights are O(1); anything this large is corrupt or hostile, and would swamp the mean.
 MAX_ABS_VALUE = 1e4

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
+from federation.settings import CONTROLS, RunSettings
 from glmc.errors import ConfigError
 from server.plots import plot_curves
-from server.settings import CONTROLS, RunSettings
 from simulations.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
 from simulations.tomlfile import read_toml
 

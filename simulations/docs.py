@@ -4,7 +4,7 @@
     .venv/bin/python -m simulations.docs --check   # exit 1, naming them, if any is stale (tests/test_docs.py)
 
 ``cli.md`` comes from the argparse definitions (:func:`glmc.cli.build_parser`), ``run-config.md`` from
-``[tool.flwr.app.config]`` in pyproject.toml and :class:`server.settings.RunSettings`, ``results.md`` from the
+``[tool.flwr.app.config]`` in pyproject.toml and :class:`federation.settings.RunSettings`, ``results.md`` from the
 committed ``simulations/results/*/results.json`` (:mod:`simulations.results_doc`).
 """
 
@@ -88,10 +88,10 @@ def _comments(pyproject: str, section: str) -> dict[str, str]:
 
 def _allowed(key: str, kind: str) -> str:
     """A key's allowed values: its choices where the apps declare them, else its type."""
+    from federation import settings
     from glmc.archs.config import PRESETS
     from glmc.data.tasks import TASKS
     from glmc.match.learned import WITHIN
-    from server import settings
 
     choices: dict[str, Sequence[object]] = {
         "model": list(PRESETS), "dataset": list(TASKS), "aggregation": settings.AGGREGATIONS,
@@ -106,7 +106,7 @@ def _allowed(key: str, kind: str) -> str:
 
 def run_config_markdown() -> str:
     """docs/run-config.md: every key of ``[tool.flwr.app.config]``, its default, allowed values and meaning."""
-    from server.settings import RunSettings
+    from federation.settings import RunSettings
 
     text = (PROJECT / "pyproject.toml").read_text()
     config = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
@@ -114,7 +114,7 @@ def run_config_markdown() -> str:
     kinds = {f.name.replace("_", "-"): str(f.type) for f in dataclasses.fields(RunSettings)}
     lines = [GENERATED_NOTE, "", "# Run configuration", "",
              "The keys of `[tool.flwr.app.config]` in `pyproject.toml`, which the ServerApp and every ClientApp "
-             "read through one parser (`server.settings.RunSettings`). Override any of them with "
+             "read through one parser (`federation.settings.RunSettings`). Override any of them with "
              "`flwr run . --run-config \"key=value ...\"` (strings in single quotes: `aggregation='weight'`), or in "
              "a comparison config's `[run]` table. A wrong type or value is refused in one line naming the key.", "",
              "| key | default | allowed | meaning |", "|---|---|---|---|"]

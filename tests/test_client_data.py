@@ -1,4 +1,4 @@
-"""What each party of a federated run sees of the data (client/data.py), and the ClientApp's own pieces."""
+"""What each party of a federated run sees of the data (federation/data.py), and the ClientApp's own pieces."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import torch
 from conftest import fake_hub_copy
 from torch.utils.data import TensorDataset
 
-import client.data
+import federation.data
 from client.app import Node
-from client.data import client_share, eval_subset, label_counts, pool, server_reads
+from federation.data import client_share, eval_subset, label_counts, pool, server_reads
+from federation.settings import RunSettings
 from glmc.archs import build_model, get_arch, preset
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
-from server.settings import RunSettings
 
 needs_fashion = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
 
@@ -146,7 +146,7 @@ def test_the_dropout_key_reaches_the_model_clients_train_and_leaves_their_data_a
 @pytest.fixture
 def fresh_pools() -> Iterator[None]:
     """Empty the per-process pool caches before and after, so no test sees another's data directory."""
-    caches = (client.data._pool, client.data._label_split_cached)
+    caches = (federation.data._pool, federation.data._label_split_cached)
     for cached in caches:
         cached.cache_clear()
     yield
@@ -175,4 +175,4 @@ def test_a_fetched_cifar10_copy_splits_by_label_across_clients(
     by_share = [np.bincount(np.concatenate([s.train.labels, s.val.labels]), minlength=10)  # type: ignore[attr-defined]
                 for s in shares]
     assert counts.tolist() == [c.tolist() for c in by_share]
-    assert client.data._pool.cache_info().misses == 1  # the label split reads the pool the process already loaded
+    assert federation.data._pool.cache_info().misses == 1  # the label split reads the pool the process already loaded

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from federation.settings import RunSettings
 from glmc.archs import build_model, get_arch
 from glmc.cli import main
 from glmc.device import check_name, device_of, peak_memory_mb, resolve
@@ -24,7 +25,6 @@ from glmc.symmetry.exactness import TOLERANCE, invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, evaluate, train
 from server.aggregation import Client, merge
-from server.settings import RunSettings
 from tests.conftest import synthetic_images, synthetic_text
 from tests.symmetry_models import CONFIGS, MERGE_CONFIGS, canonical, dataset, merge_data, random_native
 

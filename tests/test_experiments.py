@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from federation.settings import INITS
 from glmc.data.fashion_mnist import find_fashion_mnist
-from server.settings import INITS
 from simulations import compare
 from simulations.engine import PROJECT
 from simulations.tomlfile import read_toml

@@ -17,10 +17,10 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from test_strategy import as_numpy, good_replies, instruction, metrics, reply, state, strategy
 
+from federation import protocol
+from federation.settings import RunSettings
 from glmc.errors import ConfigError
-from server import protocol
-from server.robust import Robustness
-from server.settings import RunSettings
+from glmc.merging.robust import Robustness
 from server.validation import check_evaluate_reply, check_model
 
 OFF = {"robust": Robustness.off()}  # the robust defences off: the failures as the audit saw them

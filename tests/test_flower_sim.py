@@ -28,11 +28,11 @@ from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from client import app as client_app
+from federation import protocol
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
 from glmc.io.checkpoint import load_checkpoint
 from server import app as server_app
-from server import protocol
 from simulations.engine import PROJECT, free_local_superlink, free_port, listening_pid, run_simulation, toml_value
 
 needs_data = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")

@@ -5,7 +5,7 @@ The attacks: example inflation (up to 10⁹), scaling (×10 to ×1000), sign fli
 20×), constant tensors (up to ±9999, with and without inflation) and width-tier spoofing (a node claiming another
 tier than the one the server holds for it, with arrays of that tier). Expected: no exception out of
 ``aggregate_train``, a global model every round, spoofed replies dropped (the global model is then the honest-only
-one, bit for bit), and otherwise the stated bound of server.robust:
+one, bit for bit), and otherwise the stated bound of glmc.merging.robust:
 
     ‖global − honest-only global‖ ≤ (clip-ratio + 1) · R,
 
@@ -25,12 +25,12 @@ from conftest import synthetic_images
 from flwr.app import ArrayRecord, Message
 from test_strategy import CFG, metrics, reply, state
 
+from federation import protocol
 from glmc.archs import build_model, get_arch, scale_width
 from glmc.match.learned import LearnConfig
+from glmc.merging.robust import Robustness, distance
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import TrainConfig
-from server import protocol
-from server.robust import Robustness, distance
 from server.strategy import SymmetryAwareFedAvg
 from server.validation import ReplySchema, check_reply
 

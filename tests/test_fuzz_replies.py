@@ -18,7 +18,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from test_strategy import as_numpy, good_replies, instruction, metrics, schema, state, strategy
 
-from server import protocol
+from federation import protocol
 from server.validation import check_reply
 
 SEED = 20240607

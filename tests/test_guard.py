@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord
 from test_strategy import _permuted, metrics, reply, state, strategy
 
 from server.guard import guard_note, set_aside_note
-from server.strategy import RoundRecord
+from server.records import RoundRecord
 
 
 def _summary(caplog: pytest.LogCaptureFixture, aggregation: str, **kwargs: object) -> str:

@@ -6,9 +6,9 @@ import pytest
 import timm
 import torch
 
+from federation import protocol
+from federation.settings import RunSettings
 from glmc.errors import ConfigError
-from server import protocol
-from server.settings import RunSettings
 from tests.interop_models import TIMM, TIMM_FOLDER, Library, perturb
 from tests.test_flower_sim import needs_data, run_in_process, server_identity  # noqa: F401 (a fixture)
 
@@ -56,7 +56,7 @@ def test_a_folder_of_checkpoints_starts_clients_apart(tmp_path, server_identity,
 
 @needs_data
 def test_a_checkpoint_that_does_not_fit_the_data_is_refused(tmp_path):
-    from client.data import pool
+    from federation.data import pool
 
     wrong = dict(KWARGS, num_classes=7)
     TIMM.save(perturb(timm.create_model(**wrong), 0), tmp_path / "v7.safetensors", wrong)

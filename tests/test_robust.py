@@ -1,4 +1,4 @@
-"""Robust aggregation (server.robust) on its own and through the strategy on real flwr replies: the cap on
+"""Robust aggregation (glmc.merging.robust) on its own and through the strategy on real flwr replies: the cap on
 num-examples, update-norm clipping measured after alignment, FedMedian and FedTrimmedAvg (checked against numpy and
 scipy), and the defaults leaving an honest round bit for bit as it was without them."""
 
@@ -13,12 +13,12 @@ from test_strategy import CFG, _permuted, as_numpy, logits, metrics, reply, sche
 from torch.utils.data import TensorDataset
 
 from client.attacks import attack
+from federation.settings import RunSettings
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
+from glmc.merging.robust import Robustness, cap_examples, clip, coordinatewise, distance, screen
 from glmc.train import TrainConfig
 from server.aggregation import Client, merge
-from server.robust import Robustness, cap_examples, clip, coordinatewise, distance, screen
-from server.settings import RunSettings
 from server.validation import check_reply
 from simulations.attack_table import table
 

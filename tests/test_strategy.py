@@ -24,23 +24,26 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 from torch.utils.data import TensorDataset
 
+from federation import protocol
+from federation.restriction import principal_placement, restrict
+from federation.settings import RunSettings, places_principal
 from glmc.archs import ModelConfig, build_model, get_arch, preset, scale_width
 from glmc.data.generated import generated_text
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.match.learned import LearnConfig
+from glmc.merging import heterofl
 from glmc.merging.merge import PredictionMixture
 from glmc.merging.refit import RIDGE, layer_rows
 from glmc.merging.repair import channel_stats
+from glmc.merging.robust import Robustness
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, evaluate, train
-from server import heterofl, protocol
-from server.aggregation import Client, principal_placement, restrict
+from server.aggregation import Client
 from server.hooks import ClientsWriter, EnsembleEvaluator
-from server.robust import Robustness
-from server.settings import RunSettings, places_principal
-from server.strategy import RoundHooks, RoundRecord, SymmetryAwareFedAvg
+from server.records import RoundHooks, RoundRecord
+from server.strategy import SymmetryAwareFedAvg
 from server.validation import ReplySchema, check_reply, split_replies
 
 CFG = ModelConfig("vit", width=16, depth=1, heads=2, mlp=32, img_size=8, patch=4, num_classes=3)

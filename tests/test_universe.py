@@ -124,8 +124,8 @@ def test_learned_refinement_keeps_every_model_exact():
 def test_the_weight_matchers_choices_reach_every_pairwise_matching():
     """universe_match hands its start and costs to each weight matching (the FL keys weight-start, -head-cost and
     -mlp-cost travel this way): the old matcher still merges copies back, and an unknown start is refused there."""
+    from federation.settings import RunSettings
     from glmc.match.weight import WeightOptions
-    from server.settings import RunSettings
 
     cfg = CONFIGS["vit-odd"]
     copies = _copies(cfg, canonicalize(get_arch(cfg.family), random_native(cfg, 1), cfg.depth), 3)

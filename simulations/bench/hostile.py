@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 
+from federation import protocol
 from glmc.archs import build_model, preset
+from glmc.merging.robust import Robustness, distance
 from glmc.train import seed_everything
-from server import protocol
-from server.robust import Robustness, distance
 from server.strategy import SymmetryAwareFedAvg
 from server.validation import ReplySchema
 
@@ -137,7 +137,7 @@ def main() -> int:
              "'off': max-examples-ratio 0, clip-ratio 0 (the merged-model check stays on); 'defaults': 5 and 5; "
              "'fedmedian': the defaults and robust-average fedmedian.",
              f"R, the largest honest distance from the global model: {radius:.2f}; the bound of the defaults "
-             f"(server.robust): (clip-ratio + 1) R = {6 * radius:.2f} from the honest clients' own aggregate.", "",
+             f"(robust.py): (clip-ratio + 1) R = {6 * radius:.2f} from the honest clients' own aggregate.", "",
              "| attack | defences | kept global model (why) | capped | clipped (before matching) | global norm | "
              "max abs | distance from honest mean | figure |", "|---|---|---|---|---|---|---|---|---|"]
     for name, by in results.items():

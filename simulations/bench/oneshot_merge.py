@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from client.data import VAL_FRACTION, eval_subset, pool
+from federation.data import VAL_FRACTION, eval_subset, pool
+from federation.settings import RunSettings
 from glmc.archs import ModelConfig, State, build_model, get_arch
 from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
 from glmc.io.checkpoint import load_checkpoint
@@ -45,7 +46,6 @@ from glmc.merging.rescale import restore_norms
 from glmc.merging.universe import universe_match
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import evaluate, set_threads
-from server.settings import RunSettings
 
 log = logging.getLogger("simulations.bench.oneshot_merge")
 
@@ -61,7 +61,7 @@ def load_clients(run: Path) -> tuple[RunSettings, list[State], list[float], list
         raise SystemExit(f"{run} has no saved clients (run it with save-clients = true)")
     loaded = [load_checkpoint(p) for p in paths]
     examples = [meta.metrics["examples"] for _, meta in loaded]
-    # A client trains on its partition less the validation tenth (client.data.client_share): match it by that size.
+    # A client trains on its partition less the validation tenth (federation.data.client_share): match it by that size.
     by_size = {sum(c) - int(sum(c) * VAL_FRACTION): c for c in header["split"]["label_counts"]}
     return settings, [s for s, _ in loaded], examples, [by_size[int(n)] for n in examples]
 

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
+from federation.settings import NATURAL_SPLITS, RunSettings
 from glmc.archs import ModelConfig, preset
 from glmc.data.tasks import Task, load_task
 from glmc.data.vision import ArrayDataset
 from glmc.errors import ConfigError
-from server.settings import NATURAL_SPLITS, RunSettings
 
 log = logging.getLogger(__name__)
 

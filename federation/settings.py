@@ -19,7 +19,7 @@ from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
 from glmc.match.learned import TARGETS, WITHIN, Targets
 from glmc.match.weight import STARTS, WeightOptions
-from server.robust import Robustness
+from glmc.merging.robust import Robustness
 
 AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft", "server-only")
 # need the server-held batch (`server-data`)
@@ -138,7 +138,7 @@ class RunSettings:
     weight_start: str = "relaxed"
     weight_head_cost: str = "norm"
     weight_mlp_cost: str = "inner"
-    # Robust aggregation (server.robust), on every aggregation, where the clients are averaged (after alignment).
+    # Robust aggregation (glmc.merging.robust), on every aggregation, where the clients are averaged (after alignment).
     # The defaults sit above every honest round measured (simulations/results/attacks): there they change nothing.
     # a node's num-examples is capped at this multiple of the round's lower median (0 = off); the published splits
     # reach 3.84 (drift, Dirichlet 0.1, seed 0)
@@ -239,7 +239,7 @@ class RunSettings:
 
     @property
     def robustness(self) -> Robustness:
-        """The robust-aggregation settings (:class:`server.robust.Robustness`)."""
+        """The robust-aggregation settings (:class:`glmc.merging.robust.Robustness`)."""
         return Robustness(max_examples_ratio=self.max_examples_ratio, max_examples=self.max_examples,
                           clip_ratio=self.clip_ratio, average=self.robust_average, trim_beta=self.trim_beta)
 
