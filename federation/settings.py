@@ -17,22 +17,53 @@ from typing import Any, cast
 
 from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
-from glmc.match.learned import TARGETS, WITHIN, Targets
-from glmc.match.weight import STARTS, WeightOptions
+from glmc.match.learned import TARGETS, WITHIN, LearnConfig, Targets, Within
+from glmc.match.options import MatchOptions
+from glmc.match.registry import METHODS
+from glmc.match.weight import STARTS, Start, WeightOptions
+from glmc.merging.corrections import ALL, Corrections
+from glmc.merging.options import MergeOptions
 from glmc.merging.robust import Robustness
 
-AGGREGATIONS = ("fedavg", "weight", "activation", "learned", "canonical", "fedavg-ft", "server-only")
-# need the server-held batch (`server-data`)
-DATA_AGGREGATIONS = ("activation", "learned", "fedavg-ft", "server-only")
-# The controls for the server-held data: what its samples are worth with no alignment. fedavg-ft trains FedAvg's
-# model on them, server-only the server's own model, ignoring the clients; both with the same budget.
-CONTROLS = ("fedavg-ft", "server-only")
-# Aggregations that read the server-held labels, not only its inputs (activation, refit and repair read inputs only).
-LABEL_AGGREGATIONS = ("learned", *CONTROLS)
-# Aggregations without alignment (HeteroFL width slices, or the server's own model); their clients get slices back.
-SLICED = ("fedavg", *CONTROLS)
-# Aggregations whose alignment min-alignment-gain may set aside for a round (matching only, no refinement).
-GUARDED = ("weight", "activation")
+
+@dataclass(frozen=True)
+class Aggregation:
+    """One FL aggregation: the glmc merge method its universe matching runs (glmc.match.registry), or None for the
+    aggregations that do not align (HeteroFL's width slices, or the server's own model)."""
+
+    name: str
+    method: str | None
+    # a control for the server-held data: what its samples are worth with no alignment. fedavg-ft trains FedAvg's
+    # model on them, server-only the server's own model, ignoring the clients; both with the same budget
+    control: bool = False
+    guarded: bool = False  # min-alignment-gain may set its alignment aside for a round (matching only, no refinement)
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether it reads the server-held batch (server-data)."""
+        return self.control or (self.method is not None and METHODS[self.method].reads_data)
+
+    @property
+    def reads_labels(self) -> bool:
+        """Whether it reads the server-held labels, not only the inputs (activation, refit and repair read inputs)."""
+        return self.control or (self.method is not None and METHODS[self.method].reads_labels)
+
+
+AGGREGATION_TABLE: dict[str, Aggregation] = {a.name: a for a in (
+    Aggregation("fedavg", None),
+    Aggregation("weight", "weight", guarded=True),
+    Aggregation("activation", "activation", guarded=True),
+    Aggregation("learned", "learned"),
+    Aggregation("canonical", "none"),  # the ablation: the aligned path's canonical form and merge, no matching
+    Aggregation("fedavg-ft", None, control=True),
+    Aggregation("server-only", None, control=True),
+)}
+AGGREGATIONS = tuple(AGGREGATION_TABLE)
+DATA_AGGREGATIONS = tuple(a.name for a in AGGREGATION_TABLE.values() if a.reads_data)
+CONTROLS = tuple(a.name for a in AGGREGATION_TABLE.values() if a.control)
+LABEL_AGGREGATIONS = tuple(a.name for a in AGGREGATION_TABLE.values() if a.reads_labels)
+SLICED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.method is None)
+GUARDED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.guarded)
 INITS = ("shared", "independent")
 SERVER_DATA_SOURCES = ("split", "generated")
 AUTO = "auto"  # refine-targets: chosen by the server data's source (RunSettings.targets)
@@ -247,6 +278,25 @@ class RunSettings:
     def weight_options(self) -> WeightOptions:
         """Weight matching's costs (:class:`glmc.match.weight.WeightOptions`)."""
         return WeightOptions(head_cost=self.weight_head_cost, mlp_cost=self.weight_mlp_cost)  # type: ignore[arg-type]
+
+    @property
+    def learn_options(self) -> LearnConfig:
+        """The learned refinement's options (:class:`glmc.match.learned.LearnConfig`)."""
+        return LearnConfig(concentration=self.refine_concentration, within=cast(Within, self.refine_within),
+                           targets=self.targets, steps=self.server_steps or None)
+
+    @property
+    def merge_options(self) -> MergeOptions:
+        """How the server merges (:class:`glmc.merging.options.MergeOptions`): the aggregation's method, its matching,
+        the universe iterations and workers, the corrections on all the server data, robustness and the device."""
+        method = AGGREGATION_TABLE[self.aggregation].method or "none"
+        match = MatchOptions(learn=self.learn_options, start=cast(Start, self.weight_start),
+                             weight=self.weight_options)
+        corrections = Corrections(restore_norms=self.restore_norms, refit=ALL if self.refit else 0,
+                                  repair=ALL if self.repair else 0)
+        return MergeOptions(method, match, max_iters=self.align_iters, workers=self.align_workers,
+                            corrections=corrections, robustness=self.robustness, min_gain=self.min_alignment_gain,
+                            device=self.server_device)
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, Any]) -> RunSettings:

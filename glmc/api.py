@@ -13,6 +13,7 @@ other targets), so that no dataset is read. ``device`` is where the work happens
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from glmc.archs import Arch, ModelConfig, State, cast
 from glmc.errors import ConfigError
 from glmc.interpolation import BarrierCurve
 from glmc.io.live import like, read_module
+from glmc.merging.options import MergeOptions
 from glmc.merging.widths import check_embeddable
 
 Data = Dataset | tuple[torch.Tensor, torch.Tensor] | torch.Tensor | str | Path | None
@@ -72,7 +74,7 @@ def _refuse_forms(options: dict[str, Any]) -> None:
 def align(model_a: nn.Module, model_b: nn.Module, method: str = "weight", data: Data = None, *,
           device: str = "cpu", **options: Any) -> nn.Module:
     """A new module of ``model_b``'s class and config computing ``model_b``'s function, moved next to
-    ``model_a`` by a symmetry found by ``method`` (glmc.match.align.METHODS; ``data`` for the data-driven ones).
+    ``model_a`` by a symmetry found by ``method`` (glmc.match.registry.METHODS; ``data`` for those that read data).
     ``options`` go to :func:`glmc.match.align.align_pair` (``batch``, ``start``, ``learn``).
 
     >>> import timm, torch, glmc
@@ -96,10 +98,11 @@ def align(model_a: nn.Module, model_b: nn.Module, method: str = "weight", data: 
 
 
 def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence[float] | None = None,
-          data: Data = None, *, device: str = "cpu", **options: Any) -> nn.Module:
+          data: Data = None, *, device: str = "cpu", options: MergeOptions | None = None) -> nn.Module:
     """The models aligned into one universe and averaged (``weights``: one per model, default equal), a module of
-    the widest model's class and config; narrower models are embedded into its width. ``options`` go to
-    :class:`glmc.merging.merge.MergeSetup` (``max_iters``, ``fill``, ``restore_norms``, ...).
+    the widest model's class and config; narrower models are embedded into its width. ``options``: the rest of
+    the merge (:class:`glmc.merging.options.MergeOptions`: iterations, fill, corrections, ...), with ``method`` and
+    ``device`` as given here.
 
     >>> import torch, glmc
     >>> from transformers import GPT2Config, GPT2LMHeadModel
@@ -116,8 +119,9 @@ def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence
     target = configs[widest]
     for cfg in configs:
         check_embeddable(cfg, target)
-    setup = MergeSetup(method, target, None if weights is None else [float(w) for w in weights],
-                       as_dataset(data, target, (states, configs), device), device=device, **options)
+    options = dataclasses.replace(options or MergeOptions(), method=method, device=device)
+    setup = MergeSetup(target, options, None if weights is None else [float(w) for w in weights],
+                       as_dataset(data, target, (states, configs), device))
     result = merge_states(states, configs, setup)
     return like(models[widest], arch.to_native(result.merged, target.depth))
 
@@ -137,7 +141,8 @@ def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "w
     (5, True)
     """
     from glmc.interpolation import barrier_curve
-    from glmc.match.align import DATA_METHODS, align_pair
+    from glmc.match.align import align_pair
+    from glmc.match.registry import get_method
 
     _refuse_forms(options)
     if points < 2:
@@ -149,8 +154,8 @@ def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "w
     if test is None:
         raise ConfigError("a barrier is measured on data: pass held-out data")
     fit = as_dataset(train, cfg, ([state_a, state_b], [cfg] * 2), device) if train is not None else test
-    aligned = align_pair(state_a, state_b, cfg, method, data=fit if method in DATA_METHODS else None, device=device,
-                         **options)
+    reads = get_method(method).reads_data
+    aligned = align_pair(state_a, state_b, cfg, method, data=fit if reads else None, device=device, **options)
     return barrier_curve(aligned.a, aligned.b, cfg, test, points, method=method, dtype=torch.float32)
 
 

@@ -39,17 +39,14 @@ import torch
 from torch.utils.data import Dataset
 
 from federation.restriction import wire_state
-from federation.settings import CONTROLS, GUARDED, SLICED
+from federation.settings import AGGREGATION_TABLE, CONTROLS, GUARDED, SLICED
 from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig, targets_for
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.merging import heterofl
 from glmc.merging.merge import PredictionMixture
-from glmc.merging.refit import refit as refit_layers
-from glmc.merging.repair import repair as repair_statistics
-from glmc.merging.rescale import restore_norms
+from glmc.merging.options import MergeOptions
 from glmc.merging.robust import Clipping, Robustness, clip, coordinatewise, screen, unclipped
 from glmc.merging.universe import universe_match
 from glmc.merging.widths import Placement, embed, lstsq_merge, place, project
@@ -57,11 +54,6 @@ from glmc.symmetry.canonical import canonicalize
 from glmc.train import TrainConfig, train
 
 log = logging.getLogger(__name__)
-
-# aggregation → (pairwise method of each universe iteration, finish with the learned refinement)
-UNIVERSE_METHODS = {"weight": ("weight", False), "activation": ("activation", False), "learned": ("weight", True),
-                    "canonical": ("none", False)}
-
 
 @dataclass(frozen=True)
 class Client:
@@ -151,31 +143,27 @@ def clients_teacher(states: Sequence[State], clients: Sequence[Client], full: Mo
     return PredictionMixture(client_models(held, full), get_arch(full.family), [c.weight for c in clients])
 
 
-def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anchor: State | None,
-          data: Dataset | None = None, iters: int = 1, workers: int = 1, learn: LearnConfig | None = None,
-          tune: TrainConfig | None = None, restore: bool = False, repair: bool = False,
-          refit: bool = False, min_gain: float = 0.0, robust: Robustness | None = None,
-          device: str = "cpu", weight_start: Start = DEFAULT_START, weight: WeightOptions | None = None) -> MergeResult:
-    """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring).
+def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, options: MergeOptions, *,
+          anchor: State | None, data: Dataset | None = None, tune: TrainConfig | None = None) -> MergeResult:
+    """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring), which sets
+    the method of ``options``; the rest of ``options`` says how (iterations, workers, matching, corrections on
+    ``data``, robustness: the clients' weights come already capped, and the device; the result comes back on the
+    CPU).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
-    ``tune``: how ``fedavg-ft`` trains the merged model (default: one epoch, one thread).
-    ``restore``: rescale the aligned units to the clients' mean norm (:func:`glmc.merging.rescale.restore_norms`).
-    ``refit``: then refit its linear layers to the clients' mean output on ``data`` (:func:`glmc.merging.refit.refit`).
-    ``repair``: then reset its channels' statistics to the clients' on ``data`` (:func:`glmc.merging.repair.repair`).
-    ``min_gain``: for weight and activation at equal widths, when matching brings the clients less than this fraction
-    closer, merge nothing and say ``unaligned``: the caller averages them as FedAvg (:func:`_gains_too_little`).
-    ``robust``: clipping around the anchor and the robust average (:mod:`glmc.merging.robust`; the clients' weights come
-    already capped); default off.
-    ``device``: where alignment, merging and fine-tuning run (``server-device``); the result comes back on the CPU.
-    ``weight_start``, ``weight``: where weight matching starts and its costs (also the learned methods' first step).
+    ``tune``: how ``fedavg-ft`` and ``server-only`` train on ``data`` (default: one epoch, one thread).
+    ``options.min_gain``: for weight and activation at equal widths, when matching brings the clients less than
+    this fraction closer, merge nothing and say ``unaligned``: the caller averages them as FedAvg
+    (:func:`_gains_too_little`).
     """
-    robust = robust or Robustness.off()
+    robust, device = options.robustness, options.device
     if aggregation in SLICED:
         tune = replace(tune or TrainConfig(threads=1), device=device)
         distil = (aggregation in CONTROLS and data is not None
-                  and targets_for(learn or LearnConfig(), data) == "endpoints")
+                  and targets_for(options.match.learn or LearnConfig(), data) == "endpoints")
         return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust, distil)
+    options = replace(options, method=AGGREGATION_TABLE[aggregation].method,
+                      match=replace(options.match, batch=len(data) if data is not None else 512))  # type: ignore[arg-type]
     arch = get_arch(full.family)
     states, configs = universe_states(clients, full)
     states = [to_device(s, device) for s in states]
@@ -185,25 +173,17 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, *, anc
     early = _around_anchor(screen, states, configs, starts, start, full, robust.clip_ratio)  # no runaway matched
     before = embedded_distance(early.states, configs, full, starts)
     weights = [c.weight for c in clients]
-    method, refine = UNIVERSE_METHODS[aggregation]
-    result = universe_match(early.states, full, method, weights=weights, anchor=start,
-                            reference=max(range(len(clients)), key=weights.__getitem__), configs=configs,
-                            max_iters=iters, data=data, batch=len(data) if data is not None else 512,  # type: ignore[arg-type]
-                            workers=workers, refine=refine, learn=learn, starts=starts, weight_start=weight_start,
-                            weight=weight)
+    result = universe_match(early.states, full, **options.universe(), weights=weights, anchor=start,
+                            reference=max(range(len(clients)), key=weights.__getitem__), configs=configs, data=data,
+                            starts=starts)
     seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
     after = mean_pairwise_distance(result.aligned)
-    if aggregation in GUARDED and _gains_too_little(before, after, min_gain, configs, full):
+    if aggregation in GUARDED and _gains_too_little(before, after, options.min_gain, configs, full):
         return MergeResult(None, seconds, before, before, [None] * len(clients), early.clipped)
     clipping = _around_anchor(clip, result.aligned, [full] * len(clients), result.placements, start, full,
                               robust.clip_ratio)  # the distance the average sees
     merged = _robust_merge(result.merged, clipping, result.placements, weights, robust)
-    if restore:
-        merged = restore_norms(merged, clipping.states, full, weights)
-    if refit:
-        merged = refit_layers(merged, clipping.states, full, data, weights=weights, placements=result.placements)
-    if repair:
-        merged = repair_statistics(merged, clipping.states, full, data, weights=weights)
+    merged = options.corrections.apply(merged, clipping.states, full, data, weights, result.placements)
     return MergeResult(wire_state(arch.to_native(merged, full.depth)), seconds, before, after, list(result.placements),
                        early.clipped, clipping)
 

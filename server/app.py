@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,7 @@ from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.data.generated import text_writer
 from glmc.device import resolve
 from glmc.io.checkpoint import CheckpointMeta, state_digest
-from glmc.match.learned import LearnConfig, Within
-from glmc.match.weight import Start
+from glmc.match.learned import LearnConfig
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.guard import set_aside_note
 from server.hooks import (
@@ -160,18 +158,11 @@ def main(grid: Grid, context: Context) -> None:
         log.info("%s already has %d of %d rounds; nothing to do", run_dir, done, settings.num_server_rounds)
         return
     num_nodes = len(list(grid.get_node_ids()))
-    learn = LearnConfig(concentration=settings.refine_concentration, within=typing.cast(Within, settings.refine_within),
-                        targets=settings.targets, steps=settings.server_steps or None)
     strategy = SymmetryAwareFedAvg(
-        settings.aggregation, reply_schema(settings, cfg), cfg, server_data=server_reads(settings),
-        generate=settings.generated,
-        align_iters=settings.align_iters, align_workers=settings.align_workers,
-        learn=learn, tune=server_tuning(settings, learn), restore_norms=settings.restore_norms,
-        repair=settings.repair, refit=settings.refit, narrow_placement=settings.narrow_placement,
-        min_alignment_gain=settings.min_alignment_gain, independent_init=settings.independent_start,
-        robust=settings.robustness, node_wait_timeout=settings.node_wait_timeout, round_offset=done,
-        device=settings.server_device, weight_start=typing.cast(Start, settings.weight_start),
-        weight=settings.weight_options,
+        settings.aggregation, reply_schema(settings, cfg), cfg, options=settings.merge_options,
+        server_data=server_reads(settings), generate=settings.generated,
+        tune=server_tuning(settings, settings.learn_options), narrow_placement=settings.narrow_placement,
+        independent_init=settings.independent_start, node_wait_timeout=settings.node_wait_timeout, round_offset=done,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
         min_available_nodes=settings.min_available_nodes or settings.min_train_nodes,

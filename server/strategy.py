@@ -36,9 +36,8 @@ from glmc.archs import ModelConfig, State, scale_width
 from glmc.data.generated import generated_text, writing_seconds
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
-from glmc.match.learned import LearnConfig
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions
-from glmc.merging.robust import Clipping, Robustness, cap_examples, clip, combine, unclipped
+from glmc.merging.options import MergeOptions
+from glmc.merging.robust import Clipping, cap_examples, clip, combine, unclipped
 from glmc.merging.widths import Placement
 from glmc.train import TrainConfig
 from server.aggregation import (
@@ -63,13 +62,12 @@ class SymmetryAwareFedAvg(FedAvg):
     """FedAvg with validated replies, symmetry-aware merging, per-round records and hooks."""
 
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
-                 server_data: Dataset | None = None, generate: int = 0, align_iters: int = 1, align_workers: int = 1,
-                 learn: LearnConfig | None = None, tune: TrainConfig | None = None, restore_norms: bool = False,
-                 repair: bool = False, refit: bool = False, narrow_placement: str = RunSettings.narrow_placement,
-                 min_alignment_gain: float = RunSettings.min_alignment_gain, independent_init: bool = False,
-                 robust: Robustness | None = None, node_wait_timeout: float = RunSettings.node_wait_timeout,
-                 round_offset: int = 0, hooks: Sequence[RoundHooks] = (), device: str = "cpu",
-                 weight_start: Start = DEFAULT_START, weight: WeightOptions | None = None, **fedavg: Any) -> None:
+                 options: MergeOptions | None = None, server_data: Dataset | None = None, generate: int = 0,
+                 tune: TrainConfig | None = None, narrow_placement: str = RunSettings.narrow_placement,
+                 independent_init: bool = False, node_wait_timeout: float = RunSettings.node_wait_timeout,
+                 round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
+        """``options``: how the server merges (default: the run config's defaults on the CPU), its method set by
+        ``aggregation``; ``tune``: how fedavg-ft and server-only train on the server data."""
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
         if aggregation not in AGGREGATIONS:
@@ -81,26 +79,18 @@ class SymmetryAwareFedAvg(FedAvg):
         self.model_config = model_config
         self.server_data = server_data
         self.generate = generate  # > 0: each round's server data is this many windows the clients' models write
-        self.align_iters = align_iters
-        self.align_workers = align_workers
-        self.learn = learn  # options of the learned refinement (LearnConfig's defaults if None)
+        options = options or RunSettings(server_device="cpu").merge_options
+        self.device = resolve(options.device)  # where the server aligns and merges (server-device)
+        self.options = dataclasses.replace(options, device=str(self.device))
         self.tune = tune  # how fedavg-ft trains the merged model on the server data (its seed moves by round)
-        self.restore_norms = restore_norms  # rescale the aligned merge's units to the clients' mean norm
-        self.repair = repair  # reset the aligned merge's channel statistics to the clients' on the server data
-        self.refit = refit  # refit the aligned merge's linear layers to the clients' mean output on the server data
         self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
         self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
         # where a narrow node gets the global model: the principal subspace, or where alignment last put it
         self.principal = places_principal(aggregation, narrow_placement)
-        self.min_alignment_gain = min_alignment_gain  # weight, activation: below this distance gain, average unaligned
         self._sent_state: State | None = None  # this round's global model, for nodes that restrict it themselves
         self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
-        self.robust = robust or RunSettings().robustness  # caps, clipping and the robust average (glmc.merging.robust)
         self.node_wait_timeout = node_wait_timeout  # seconds a round waits for enough nodes before it is skipped
-        self.device = resolve(device)  # where the server aligns and merges (server-device)
-        self.weight_start = weight_start  # where weight matching (and the learned methods' first matching) starts
-        self.weight = weight  # that matching's costs and stopping rule (glmc.match.weight.WeightOptions)
         self.round_offset = round_offset
         self.hooks = list(hooks)
         self.records: list[RoundRecord] = []
@@ -112,8 +102,8 @@ class SymmetryAwareFedAvg(FedAvg):
     def summary(self) -> None:
         super().summary()
         log.info("\t├──> Aggregation: %s (align iterations %d), width tiers %s", self.aggregation,
-                 self.align_iters, sorted(self.schema.shapes))
-        log.info("\t└──> %s", guard_note(self.aggregation, self.min_alignment_gain, self.schema.shapes))
+                 self.options.max_iters, sorted(self.schema.shapes))
+        log.info("\t└──> %s", guard_note(self.aggregation, self.options.min_gain, self.schema.shapes))
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -258,7 +248,7 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def _capped(self, clients: list[Client]) -> list[Client]:
         """The clients with their num-examples capped (:func:`glmc.merging.robust.cap_examples`)."""
-        weights = cap_examples([c.weight for c in clients], self.robust)
+        weights = cap_examples([c.weight for c in clients], self.options.robustness)
         return [c if c.weight == w else dataclasses.replace(c, weight=w)
                 for c, w in zip(clients, weights, strict=True)]
 
@@ -290,12 +280,12 @@ class SymmetryAwareFedAvg(FedAvg):
         clipped around the global model, or a robust average): then the robust average of the clients."""
         states = [c.state for c in clients]
         anchor = self.global_arrays.to_torch_state_dict() if self.global_arrays is not None else None
-        clipping = clip(states, [anchor] * len(states), self.robust.clip_ratio) \
+        clipping = clip(states, [anchor] * len(states), self.options.robustness.clip_ratio) \
             if anchor is not None else unclipped(states)
         _record_clipping(record, clipping)
-        if not (record.capped or clipping.clipped) and self.robust.weighted_mean:
+        if not (record.capped or clipping.clipped) and self.options.robustness.weighted_mean:
             return super().aggregate_train(record.round, valid)
-        merged = combine(clipping.states, [c.weight for c in clients], self.robust)
+        merged = combine(clipping.states, [c.weight for c in clients], self.options.robustness)
         metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
         return ArrayRecord(merged), metrics  # type: ignore[arg-type]
 
@@ -306,11 +296,7 @@ class SymmetryAwareFedAvg(FedAvg):
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
         tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
         data = self._round_data(global_round, clients)
-        result = merge(clients, self.model_config, self.aggregation, anchor=anchor, data=data,
-                     iters=self.align_iters, workers=self.align_workers, learn=self.learn, tune=tune,
-                     restore=self.restore_norms, repair=self.repair, refit=self.refit,
-                     min_gain=self.min_alignment_gain, robust=self.robust, device=str(self.device),
-                     weight_start=self.weight_start, weight=self.weight)
+        result = merge(clients, self.model_config, self.aggregation, self.options, anchor=anchor, data=data, tune=tune)
         return dataclasses.replace(result, align_seconds=result.align_seconds + writing_seconds(data))
 
     def _round_data(self, global_round: int, clients: list[Client]) -> Dataset | None:

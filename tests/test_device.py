@@ -18,7 +18,10 @@ from glmc.interpolation import barrier_curve
 from glmc.match.align import align_pair
 from glmc.match.common import sq_distance
 from glmc.match.learned import LearnConfig
+from glmc.match.options import MatchOptions
+from glmc.merging.corrections import Corrections
 from glmc.merging.merge import MergeSetup, merge_states
+from glmc.merging.options import MergeOptions
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import to_model
 from glmc.symmetry.exactness import TOLERANCE, invariance_errors
@@ -138,9 +141,11 @@ def test_merging_with_corrections_on_the_device_matches_the_cpu(device):
     which the refit's least squares amplifies in single weights.)"""
     cfg = MERGE_CONFIGS["vit"]
     natives = [random_native(cfg, s) for s in range(3)]
-    setup = MergeSetup("weight", cfg, train=synthetic_images(48), restore_norms=True, refit=32, repair=32)
+    options = MergeOptions("weight", corrections=Corrections(restore_norms=True, refit=32, repair=32))
+    setup = MergeSetup(cfg, options, train=synthetic_images(48))
     cpu = merge_states(natives, [cfg] * 3, setup)
-    moved = merge_states(natives, [cfg] * 3, dataclasses.replace(setup, device=device))
+    moved = merge_states(natives, [cfg] * 3, dataclasses.replace(setup, options=dataclasses.replace(options,
+                                                                                                   device=device)))
     assert _on(moved.merged, device)
     x = synthetic_images(16).tensors[0].double()
     arch = get_arch(cfg.family)
@@ -161,8 +166,8 @@ def test_server_aggregation_on_the_device_returns_a_cpu_model(aggregation, devic
     for _ in range(3):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        result = merge(clients, cfg, aggregation, anchor=clients[0].state, data=data, learn=learn, tune=tune,
-                       device=device)
+        options = MergeOptions(max_iters=1, match=MatchOptions(learn=learn), device=device)
+        result = merge(clients, cfg, aggregation, options, anchor=clients[0].state, data=data, tune=tune)
         peaks.append(peak_memory_mb(resolve(device)))
         assert result.state is not None and _on(result.state, "cpu")
         assert all(v.dtype == torch.float32 and bool(torch.isfinite(v).all()) for v in result.state.values())

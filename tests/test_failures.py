@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
-from test_strategy import as_numpy, good_replies, instruction, metrics, reply, state, strategy
+from test_strategy import as_numpy, good_replies, instruction, merge_options, metrics, reply, state, strategy
 
 from federation import protocol
 from federation.settings import RunSettings
@@ -23,15 +23,16 @@ from glmc.errors import ConfigError
 from glmc.merging.robust import Robustness
 from server.validation import check_evaluate_reply, check_model
 
-OFF = {"robust": Robustness.off()}  # the robust defences off: the failures as the audit saw them
+OFF = Robustness.off()  # the robust defences off: the failures as the audit saw them
 
 
 def _constant(value: float) -> dict[str, torch.Tensor]:
     return {k: torch.full_like(v, value) for k, v in state(0).items()}
 
 
-def _hostile_round(aggregation: str, **kwargs: object) -> tuple[ArrayRecord | None, object]:
-    s = strategy(aggregation, min_alignment_gain=0.0, **kwargs)
+def _hostile_round(aggregation: str, robustness: Robustness | None = None) -> tuple[ArrayRecord | None, object]:
+    changes = {} if robustness is None else {"robustness": robustness}
+    s = strategy(aggregation, options=merge_options(min_gain=0.0, **changes))
     s.global_arrays = ArrayRecord(state(7))  # type: ignore[arg-type]
     arrays, _ = s.aggregate_train(1, [*good_replies(), reply(_constant(9999.0), node=9)])
     return arrays, s
@@ -40,7 +41,7 @@ def _hostile_round(aggregation: str, **kwargs: object) -> tuple[ArrayRecord | No
 def test_any_exception_of_the_merge_keeps_the_global_model_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     """Weight matching raises scipy's ValueError on the all-9999 reply: the round keeps the global model."""
     with caplog.at_level(logging.ERROR):
-        arrays, s = _hostile_round("weight", **OFF)
+        arrays, s = _hostile_round("weight", OFF)
     assert arrays is None and not s.current.aggregated  # type: ignore[attr-defined]
     assert s.global_arrays is not None and np.array_equal(as_numpy(s.global_arrays)["head.weight"],  # type: ignore[attr-defined]
                                                           state(7)["head.weight"].numpy())
@@ -49,7 +50,7 @@ def test_any_exception_of_the_merge_keeps_the_global_model_and_says_why(caplog: 
 
 
 def test_a_merged_model_beyond_the_bound_is_rejected() -> None:
-    arrays, s = _hostile_round("canonical", **OFF)
+    arrays, s = _hostile_round("canonical", OFF)
     assert arrays is None and "merged model is rejected" in (s.current.failure or "")  # type: ignore[attr-defined]
     assert "beyond" in (s.current.failure or "")  # type: ignore[attr-defined]
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from conftest import synthetic_images
 from flwr.app import ArrayRecord, Message
-from test_strategy import CFG, metrics, reply, state
+from test_strategy import CFG, merge_options, metrics, reply, state
 
 from federation import protocol
 from glmc.archs import build_model, get_arch, scale_width
@@ -109,7 +109,7 @@ def hostile_cases() -> list[tuple[str, Message]]:
 def _strategy(aggregation: str) -> SymmetryAwareFedAvg:
     data = synthetic_images(48)
     s = SymmetryAwareFedAvg(aggregation, SCHEMA, CFG, min_train_nodes=2, server_data=data,
-                            learn=LearnConfig(steps=4, eval_every=2, batch_size=16, lr=0.05),
+                            options=merge_options(learn=LearnConfig(steps=4, eval_every=2, batch_size=16, lr=0.05)),
                             tune=TrainConfig(epochs=1, batch_size=16, lr=0.05, threads=1))
     s.global_arrays = ArrayRecord(GLOBAL)  # type: ignore[arg-type]
     s.node_tiers[ATTACKER] = 1.0  # heard from before at full width

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 from flwr.app import ArrayRecord
-from test_strategy import _permuted, metrics, reply, state, strategy
+from test_strategy import _permuted, merge_options, metrics, reply, state, strategy
 
 from server.guard import guard_note, set_aside_note
 from server.records import RoundRecord
@@ -22,10 +22,10 @@ def _summary(caplog: pytest.LogCaptureFixture, aggregation: str, **kwargs: objec
 
 
 def test_the_start_up_summary_explains_the_guard(caplog):
-    text = _summary(caplog, "weight", min_alignment_gain=0.05)
+    text = _summary(caplog, "weight", options=merge_options(min_gain=0.05))
     assert "Aggregation: weight" in text
     assert "less than 5% closer" in text and "as FedAvg" in text and "init='independent'" in text
-    assert "every round keeps its alignment" in _summary(caplog, "weight", min_alignment_gain=0.0)
+    assert "every round keeps its alignment" in _summary(caplog, "weight", options=merge_options(min_gain=0.0))
     assert "not used by aggregation 'learned'" in _summary(caplog, "learned")
 
 
@@ -37,7 +37,7 @@ def test_mixed_widths_are_never_guarded():
 def test_the_run_summary_counts_the_rounds_set_aside():
     """Round 1: fine-tunes of one model (matching gains nothing: set aside); round 2: permuted copies (kept)."""
     base = state(3)
-    guarded = strategy("weight", min_alignment_gain=0.05)
+    guarded = strategy("weight", options=merge_options(min_gain=0.05))
     guarded.global_arrays = ArrayRecord(base)  # type: ignore[arg-type]
     tuned = [{k: v + 0.01 * torch.randn_like(v) for k, v in base.items()} for _ in range(2)]
     rounds = [tuned, [base, _permuted(base, 1)]]

@@ -14,8 +14,10 @@ from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.io.formats import read
+from glmc.match.options import MatchOptions
 from glmc.match.weight import DEFAULT_START, WeightOptions
 from glmc.merging.merge import MergeSetup, PredictionMixture, grid_steps, merge_states, simplex_grid
+from glmc.merging.options import MergeOptions
 
 HAS_FASHION = find_fashion_mnist() is not None
 VIT = preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28, depth=1)
@@ -85,8 +87,8 @@ def test_merge_takes_the_weight_matchers_flags_and_reports_them(trio, tmp_path, 
     assert json.loads(report.read_text())["matcher"] == {"start": "identity", "head_cost": "squared",
                                                           "mlp_cost": "inner", "stop": "fixed"}
     natives, metas = zip(*(read(p) for p in trio[:2]), strict=True)
-    setup = MergeSetup("weight", metas[0].config, max_iters=1, weight_start="identity",
-                       weight=WeightOptions(head_cost="squared", stop="fixed"))
+    match = MatchOptions(start="identity", weight=WeightOptions(head_cost="squared", stop="fixed"))
+    setup = MergeSetup(metas[0].config, MergeOptions("weight", match, max_iters=1))
     expect = get_arch(VIT.family).to_native(merge_states(natives, [m.config for m in metas], setup).merged, VIT.depth)
     state, _ = load_checkpoint(out)
     assert all(torch.equal(state[k], v.float()) for k, v in expect.items())

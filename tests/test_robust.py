@@ -9,13 +9,15 @@ import pytest
 import scipy.stats
 import torch
 from flwr.app import ArrayRecord
-from test_strategy import CFG, _permuted, as_numpy, logits, metrics, reply, schema, state, strategy
+from test_strategy import CFG, _permuted, as_numpy, logits, merge_options, metrics, reply, schema, state, strategy
 from torch.utils.data import TensorDataset
 
 from client.attacks import attack
 from federation.settings import RunSettings
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
+from glmc.match.options import MatchOptions
+from glmc.merging.options import MergeOptions
 from glmc.merging.robust import Robustness, cap_examples, clip, coordinatewise, distance, screen
 from glmc.train import TrainConfig
 from server.aggregation import Client, merge
@@ -81,7 +83,7 @@ def test_fedmedian_and_fedtrimmedavg_are_numpys_median_and_scipys_trimmed_mean(n
 
 
 def _round(aggregation: str, replies: list, robust: Robustness, anchor: dict[str, torch.Tensor]) -> tuple:
-    s = strategy(aggregation, robust=robust, min_alignment_gain=0.0)
+    s = strategy(aggregation, options=merge_options(robustness=robust, min_gain=0.0))
     s.global_arrays = ArrayRecord(anchor)  # type: ignore[arg-type]
     arrays, _ = s.aggregate_train(1, replies)
     assert arrays is not None, s.current.failure
@@ -176,8 +178,8 @@ def _distilled(aggregation: str, states: list[dict[str, torch.Tensor]], robust: 
     data = TensorDataset(torch.randn(16, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.zeros(16).long())
     clients = [Client(s, 10.0, 1.0) for s in states]
     tune = TrainConfig(epochs=1, batch_size=8, lr=1e-2, seed=5, threads=1)
-    result = merge(clients, CFG, aggregation, anchor=anchor, data=data, learn=LearnConfig(targets="endpoints"),
-                   tune=tune, robust=robust)
+    options = MergeOptions(max_iters=1, match=MatchOptions(learn=LearnConfig(targets="endpoints")), robustness=robust)
+    result = merge(clients, CFG, aggregation, options, anchor=anchor, data=data, tune=tune)
     assert result.state is not None
     return result.state
 

@@ -13,6 +13,7 @@ import math
 import time
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,9 @@ from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.match.learned import LearnConfig
 from glmc.merging import heterofl
+from glmc.merging.corrections import ALL, Corrections
 from glmc.merging.merge import PredictionMixture
+from glmc.merging.options import MergeOptions
 from glmc.merging.refit import RIDGE, layer_rows
 from glmc.merging.repair import channel_stats
 from glmc.merging.robust import Robustness
@@ -80,6 +83,16 @@ def reply(arrays: dict[str, torch.Tensor] | ArrayRecord, record: MetricRecord | 
 def schema() -> ReplySchema:
     shapes = {k: tuple(v.shape) for k, v in state(0).items()}
     return ReplySchema({1.0: shapes})
+
+
+def merge_options(learn: LearnConfig | None = None, restore_norms: bool = False, refit: bool = False,
+                  repair: bool = False, **changes: Any) -> MergeOptions:
+    """The strategy's default merge options (the run config's, on the CPU) with ``changes`` to MergeOptions' fields;
+    ``learn`` is the matching's, and each correction asked for reads all the server data, as the run config's do."""
+    base = RunSettings(server_device="cpu").merge_options
+    corrections = Corrections(restore_norms, refit=ALL if refit else 0, repair=ALL if repair else 0)
+    match = dataclasses.replace(base.match, learn=learn) if learn is not None else base.match
+    return dataclasses.replace(base, match=match, corrections=corrections, **changes)
 
 
 def strategy(aggregation: str = "fedavg", **kwargs: object) -> SymmetryAwareFedAvg:
@@ -200,7 +213,7 @@ def test_min_alignment_gain_averages_already_aligned_clients_as_fedavg_does() ->
     base, counts = state(3), (10, 20, 30)
     tuned = [{k: v + 0.01 * torch.randn_like(v) for k, v in base.items()} for _ in counts]
     replies = [reply(t, metrics(examples=n), node=i + 1) for i, (t, n) in enumerate(zip(tuned, counts, strict=True))]
-    guarded = strategy("weight", min_alignment_gain=0.05)
+    guarded = strategy("weight", options=merge_options(min_gain=0.05))
     guarded.global_arrays = ArrayRecord(base)  # type: ignore[arg-type]
     arrays, _ = guarded.aggregate_train(1, replies)
     fedavg, _ = strategy().aggregate_train(1, replies)
@@ -208,7 +221,7 @@ def test_min_alignment_gain_averages_already_aligned_clients_as_fedavg_does() ->
     assert guarded.current.distance_after == guarded.current.distance_before
     for key, value in as_numpy(arrays).items():
         np.testing.assert_array_equal(value, as_numpy(fedavg)[key])
-    kept = strategy("weight", min_alignment_gain=0.05)
+    kept = strategy("weight", options=merge_options(min_gain=0.05))
     arrays, _ = kept.aggregate_train(1, [reply(base, node=1), reply(_permuted(base, 1), node=2)])
     assert arrays is not None and not kept.current.unaligned
     assert kept.current.distance_after < 0.5 * kept.current.distance_before  # type: ignore[operator]
@@ -224,7 +237,7 @@ def test_min_alignment_gain_is_checked_and_guards_only_data_free_matching() -> N
         RunSettings.from_run_config({"aggregation": "weight", "min-alignment-gain": 1.0})
     assert RunSettings.from_run_config({}).min_alignment_gain > 0
     replies = [reply(state(i), metrics(examples=n), node=i + 1) for i, n in enumerate((10, 20))]
-    canonical = strategy("canonical", min_alignment_gain=0.5)
+    canonical = strategy("canonical", options=merge_options(min_gain=0.5))
     arrays, _ = canonical.aggregate_train(1, replies)
     assert arrays is not None and not canonical.current.unaligned
     assert canonical.current.distance_after == pytest.approx(canonical.current.distance_before)
@@ -235,7 +248,7 @@ def test_restore_norms_gives_the_merged_neurons_the_clients_mean_norm() -> None:
     after the restoration the merge's total is the example-weighted mean of those totals."""
     states, counts = [state(i) for i in range(3)], (10, 20, 30)
     replies = [reply(s, metrics(examples=n), node=i + 1) for i, (s, n) in enumerate(zip(states, counts, strict=True))]
-    restored, _ = strategy("weight", restore_norms=True).aggregate_train(1, replies)
+    restored, _ = strategy("weight", options=merge_options(restore_norms=True)).aggregate_train(1, replies)
     plain, _ = strategy("weight").aggregate_train(1, replies)
     assert restored is not None and plain is not None
     arch = get_arch(CFG.family)
@@ -283,7 +296,8 @@ def test_with_endpoint_targets_the_controls_are_distilled_to_the_clients_mixed_p
     shuffled = TensorDataset(data.tensors[0], data.tensors[1].roll(1))  # the same inputs, other labels
 
     def round_3(server_data: TensorDataset) -> dict[str, np.ndarray]:
-        s = strategy(aggregation, server_data=server_data, tune=tune, learn=learn, robust=Robustness.off())
+        s = strategy(aggregation, server_data=server_data, tune=tune,
+                     options=merge_options(learn=learn, robustness=Robustness.off()))
         s.current, s.global_arrays = RoundRecord(3), ArrayRecord(state(7))  # type: ignore[arg-type]
         arrays, _ = s.aggregate_train(3, good_replies())
         assert arrays is not None
@@ -308,7 +322,8 @@ def test_with_endpoint_targets_the_controls_are_distilled_to_the_clients_mixed_p
     labelled = round_3(data)  # the same run again, and with the labels changed: the same model, bit for bit
     assert all(np.array_equal(ours[k], v) for k, v in labelled.items())
     assert all(np.array_equal(ours[k], v) for k, v in round_3(shuffled).items())
-    plain = strategy(aggregation, server_data=shuffled, tune=tune, robust=Robustness.off())  # labels: they count
+    plain = strategy(aggregation, server_data=shuffled, tune=tune,  # labels: they count
+                     options=merge_options(robustness=Robustness.off()))
     plain.current, plain.global_arrays = RoundRecord(3), ArrayRecord(state(7))  # type: ignore[arg-type]
     trained_on_labels, _ = plain.aggregate_train(3, good_replies())
     assert trained_on_labels is not None
@@ -325,7 +340,8 @@ def test_fedavg_ft_on_generated_text_trains_the_mean_on_what_the_clients_models_
         states.append({k: v.detach().clone() for k, v in build_model(cfg).state_dict().items()})
     tune = TrainConfig(epochs=1, batch_size=8, lr=1e-2, seed=5, threads=1)
     s = SymmetryAwareFedAvg("fedavg-ft", ReplySchema({1.0: {k: tuple(v.shape) for k, v in states[0].items()}}), cfg,
-                            generate=24, tune=tune, min_train_nodes=2, learn=LearnConfig(targets="labels"))
+                            generate=24, tune=tune, min_train_nodes=2,
+                            options=merge_options(learn=LearnConfig(targets="labels")))
     s.current = RoundRecord(3)
     replies = [reply(st, metrics(examples=10), node=i + 1) for i, st in enumerate(states)]
     arrays, _ = s.aggregate_train(3, replies)
@@ -620,7 +636,7 @@ def test_repair_gives_the_merged_channels_the_clients_statistics_on_the_server_d
     channels have, in total, the example-weighted mean of the clients' means and stds on the server data."""
     states, counts, data = [state(i) for i in range(3)], (10, 20, 30), synthetic_images(24)
     replies = [reply(s, metrics(examples=n), node=i + 1) for i, (s, n) in enumerate(zip(states, counts, strict=True))]
-    repaired, _ = strategy("weight", repair=True, server_data=data).aggregate_train(1, replies)
+    repaired, _ = strategy("weight", options=merge_options(repair=True), server_data=data).aggregate_train(1, replies)
     plain, _ = strategy("weight", server_data=data).aggregate_train(1, replies)
     assert repaired is not None and plain is not None
     arch, site = get_arch(CFG.family), [("blocks.{l}.mlp.fc1", 0)]
@@ -660,8 +676,8 @@ def test_refit_fits_the_global_head_to_the_clients_mean_logits_on_the_server_dat
         return torch.cat([seen[0], torch.ones(len(x), 1, dtype=torch.float64)], 1), logits, layer_rows(folded, "head")
 
     want = sum(n * head_fit(s)[1] for n, s in zip(counts, states, strict=True)) / sum(counts)
-    merges = {refit: strategy("weight", refit=refit, server_data=data).aggregate_train(1, replies)[0]
-              for refit in (True, False)}
+    merges = {refit: strategy("weight", options=merge_options(refit=refit),
+                              server_data=data).aggregate_train(1, replies)[0] for refit in (True, False)}
     heads = {k: head_fit({name: torch.from_numpy(v) for name, v in as_numpy(a).items()})  # type: ignore[arg-type]
              for k, a in merges.items()}
     start = heads[False][2]
@@ -733,7 +749,8 @@ def test_a_narrow_client_merged_alone_keeps_its_function_both_ways(aggregation: 
     """Exact embedding into the universe, then projection back onto where alignment put the client (the downlink
     of narrow-placement aligned; principal's echoes are the test below)."""
     learn = LearnConfig(steps=4, eval_every=2, batch_size=16, lr=0.05)
-    s = mixed_strategy(aggregation, server_data=synthetic_images(48), learn=learn, narrow_placement="aligned")
+    s = mixed_strategy(aggregation, server_data=synthetic_images(48), options=merge_options(learn=learn),
+                       narrow_placement="aligned")
     half = half_state(5)
     arrays, _ = s.aggregate_train(2, [reply(half, metrics(**{protocol.TIER_KEY: 0.5}), node=9)])
     assert arrays is not None

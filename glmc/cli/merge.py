@@ -13,6 +13,7 @@ from glmc.cli.export import add_format_argument, early_format, output_format
 from glmc.cli.learn_options import add_learn_arguments, count, learn_options, test_data, training_data
 from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
 from glmc.errors import ConfigError, check_weights
+from glmc.match.registry import MERGE_METHODS, get_method
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from glmc.archs import ModelConfig
     from glmc.io.checkpoint import CheckpointMeta
     from glmc.merging.merge import MergeSetup
+    from glmc.merging.options import MergeOptions
     from glmc.merging.universe import UniverseResult
 
 FILL_NAMES = ["zeros", "copies"]  # glmc.merging.widths.FILLS, without importing torch
@@ -103,28 +105,37 @@ def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
 def _setup(args: argparse.Namespace, method: str, target: Any, natives: list[dict], metas: list[CheckpointMeta],
            learn_samples: int | None = LEARN_SAMPLES) -> MergeSetup:
     """The MergeSetup of one method for the models ``natives``: training samples only for the data-driven ones and
-    REPAIR (never the test split; with --generated, text the models write); ``learn_samples`` is learned's default
-    (None: the whole training split)."""
-    from glmc.merging.merge import DATA_METHODS, MergeSetup
+    the corrections (never the test split; with --generated, text the models write); ``learn_samples`` is learned's
+    default (None: the whole training split)."""
+    from glmc.merging.merge import MergeSetup
 
+    options = merge_options(args, method)
     samples = args.batch or (learn_samples if method == "learned" else 512)
-    repair, refit = getattr(args, "repair", None) or 0, getattr(args, "refit", None) or 0
+    repair, refit = options.corrections.repair or 0, options.corrections.refit or 0
     train: Dataset | None
     meta, writers = dataclasses.replace(metas[0], config=target), (natives, [m.config for m in metas])
     if samples is None:  # the whole split, which covers REPAIR's and the refit's samples too
         train = training_data(meta, args, None, writers)
         samples = len(train)  # type: ignore[arg-type]
     else:
-        wanted = max(samples, repair, refit) if method in DATA_METHODS else max(repair, refit)  # first `samples` stay
+        wanted = max(samples, repair, refit) if options.reads_data else max(repair, refit)  # first `samples` stay
         train = training_data(meta, args, wanted, writers) if wanted else None
-    learn = learn_options(args)
+    options = dataclasses.replace(options, match=dataclasses.replace(options.match, batch=samples))
+    return MergeSetup(target, options, _weights(getattr(args, "weights", None), len(natives)), train)
+
+
+def merge_options(args: argparse.Namespace, method: str) -> MergeOptions:
+    """The MergeOptions the flags give (align has no universe or correction flags: MergeOptions' defaults)."""
+    from glmc.match.options import MatchOptions
+    from glmc.merging.corrections import Corrections
+    from glmc.merging.options import MergeOptions
+
     universe = {key: getattr(args, name) for key, name in (("max_iters", "iters"), ("tol", "tol"),
                                                            ("workers", "workers")) if hasattr(args, name)}
-    weights = _weights(getattr(args, "weights", None), len(natives))
-    return MergeSetup(method, target, weights, train, samples, learn=learn,
-                      restore_norms=getattr(args, "restore_norms", False), repair=repair, refit=refit, fill=args.fill,
-                      device=args.device, weight_start=weight_start(args), weight=weight_options(args),
-                      **universe)  # align has no universe options: MergeSetup's defaults
+    corrections = Corrections(restore_norms=getattr(args, "restore_norms", False),
+                              refit=getattr(args, "refit", None) or 0, repair=getattr(args, "repair", None) or 0)
+    match = MatchOptions(learn=learn_options(args), start=weight_start(args), weight=weight_options(args))
+    return MergeOptions(method, match, fill=args.fill, corrections=corrections, device=args.device, **universe)
 
 
 def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> Dataset:
@@ -147,10 +158,9 @@ def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
     from glmc.data.generated import writing_seconds
     from glmc.io.formats import check_output
-    from glmc.merging.merge import MERGE_METHODS, grid_steps
+    from glmc.merging.merge import grid_steps
 
-    if args.method not in MERGE_METHODS:
-        raise ConfigError(f"unknown merge method {args.method!r}; known: {', '.join(MERGE_METHODS)}")
+    get_method(args.method, merging=True)
     if len(args.checkpoints) < 2:
         raise ConfigError(f"merge needs at least 2 checkpoints, got {len(args.checkpoints)}")
     check_output(args.out, early_format(args), args.force)
@@ -182,17 +192,21 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     """Universe matching, then the merged model written as a standard checkpoint in ``fmt``, stored as --dtype."""
     from glmc.archs import get_arch
     from glmc.io.formats import write
+    from glmc.match.weight import matcher_record
     from glmc.merging.merge import merge_states
 
     result = merge_states(natives, [m.config for m in metas], setup)
     native = get_arch(setup.target.family).to_native(result.merged, setup.target.depth)
-    split = f"merged from {len(natives)} checkpoints by {setup.method}: {', '.join(p.name for p in args.checkpoints)}"
+    inputs = ", ".join(p.name for p in args.checkpoints)
+    split = f"merged from {len(natives)} checkpoints by {setup.options.method}: {inputs}"
     meta = dataclasses.replace(metas[0], config=setup.target, width_mult=mult, seed=None, split=split, metrics={},
                                train={})
     write(args.out, fmt, native, meta, args.dtype)
-    return result, {"out": str(args.out), "format": fmt, "dtype": args.dtype, "method": setup.method,
-                    "restore_norms": setup.restore_norms, "repair": setup.repair, "refit": setup.refit,
-                    "matcher": setup.matcher(), "target": setup.target.to_dict(),
+    options, corrections = setup.options, setup.options.corrections
+    return result, {"out": str(args.out), "format": fmt, "dtype": args.dtype, "method": options.method,
+                    "restore_norms": corrections.restore_norms, "repair": corrections.repair,
+                    "refit": corrections.refit, "matcher": matcher_record(options.match.start, options.match.weight),
+                    "target": setup.target.to_dict(),
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
 
 
@@ -246,7 +260,6 @@ def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[Chec
 def check_across_widths(args: argparse.Namespace, methods: list[str], flags: dict[str, Any]) -> None:
     """Refuse, before any work, the methods and the given ``flags`` that only pairs of one width support: a narrower
     B is embedded into A's width and aligned as ``glmc merge`` aligns an input (weight-matching flags included)."""
-    from glmc.merging.merge import MERGE_METHODS
 
     for flag, given in flags.items():
         if given:

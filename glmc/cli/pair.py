@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 from glmc.cli.learn_options import add_learn_arguments, learn_options, training_data
 from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
 from glmc.errors import ConfigError
+from glmc.match.registry import METHODS, get_method
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
-METHOD_NAMES = "none, weight, weight-perm, activation, learned, learned-perm, soft, dual"  # glmc.match.align.METHODS
+METHOD_NAMES = ", ".join(METHODS)
 FORM_NAMES = ["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]  # canonical.FORMS, torch-free
 
 if TYPE_CHECKING:
@@ -54,13 +55,14 @@ def load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointM
 def align_loaded(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
            form: Form = "standard") -> Alignment:
     from glmc.data.generated import writing_seconds
-    from glmc.match.align import DATA_METHODS, LEARNED_METHODS, align_pair
+    from glmc.match.align import align_pair
 
-    samples = args.batch or (None if method in LEARNED_METHODS else ACTIVATION_SAMPLES)
+    entry = get_method(method)
+    samples = args.batch or (None if entry.learns else ACTIVATION_SAMPLES)
     data = training_data(meta, args, samples, ([state_a, state_b], [meta.config] * 2)) \
-        if method in DATA_METHODS else None
+        if entry.reads_data else None
     written = writing_seconds(data)
-    learn = learn_options(args) if method in LEARNED_METHODS else None
+    learn = learn_options(args) if entry.learns else None
     aligned = align_pair(state_a, state_b, meta.config, method, form=form, data=data,
                          batch=samples or ACTIVATION_SAMPLES, learn=learn, start=weight_start(args),
                          device=args.device, weight=weight_options(args))

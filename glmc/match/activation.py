@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,10 +20,16 @@ from torch.utils.hooks import RemovableHandle
 
 from glmc.archs import Arch, ModelConfig, State, get_arch
 from glmc.device import device_of
-from glmc.match.common import MatchResult, sq_distance
+from glmc.match.common import MatchResult, require_data, sq_distance
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import Form, to_model
 from glmc.symmetry.transforms import Transform, apply
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from glmc.match.options import MatchOptions
+
 
 log = logging.getLogger(__name__)
 
@@ -183,3 +190,11 @@ def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, 
     objective = sq_distance(a, apply(b, get_arch(cfg.family).spec, t, cfg.heads))
     log.info("activation matching: ‖A − T(B)‖² = %.6g, correlations %s", objective, info)
     return MatchResult(t, [objective], time.perf_counter() - start, dict(info))
+
+
+# The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
+def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
+    """Activation matching on the first ``options.batch`` inputs of ``data``."""
+    from glmc.data.tasks import inputs_of
+
+    return activation_match(a, b, cfg, inputs_of(require_data(data), options.batch), form=options.form)

@@ -14,19 +14,16 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, cast, get_arch
-from glmc.data.tasks import inputs_of
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
 from glmc.match.learned import LearnConfig
+from glmc.match.options import MatchOptions
+from glmc.match.registry import get_method
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
-from glmc.symmetry.canonical import CENTRED, Form, canonicalize, fixes_ones
+from glmc.symmetry.canonical import CENTRED, Form, canonicalize
 from glmc.symmetry.spec import check_same_shapes
 from glmc.symmetry.transforms import Transform, apply
-
-METHODS = ("none", "weight", "weight-perm", "activation", "learned", "learned-perm", "soft", "dual")
-LEARNED_METHODS = ("learned", "learned-perm", "soft", "dual")
-DATA_METHODS = ("activation", *LEARNED_METHODS)
 
 
 @dataclass
@@ -37,44 +34,6 @@ class Alignment:
     b: State
     method: str
     result: MatchResult
-
-
-def _match(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset | None,
-           batch: int, learn: LearnConfig | None, start: Start = DEFAULT_START,
-           weight: WeightOptions | None = None) -> MatchResult:
-    arch = get_arch(cfg.family)
-    if method in LEARNED_METHODS:
-        assert data is not None
-        return _learned(method, a, b, cfg, form, data, learn, start, weight)
-    if method in ("weight", "weight-perm"):
-        from glmc.match.weight import weight_match
-
-        return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fixes_ones(form),
-                            permutations_only=method == "weight-perm", start=start, options=weight)
-    if method == "activation":
-        from glmc.match.activation import activation_match
-
-        assert data is not None
-        return activation_match(a, b, cfg, inputs_of(data, batch), form=form)
-    raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
-
-
-def _learned(method: str, a: State, b: State, cfg: ModelConfig, form: Form, data: Dataset,
-             learn: LearnConfig | None, start: Start, weight: WeightOptions | None) -> MatchResult:
-    """Learned matching (Algorithm 1), its permutation-only row, soft permutations, or dual learning, each from
-    weight matching at ``start`` with the options ``weight``."""
-    if method == "soft":
-        from glmc.match.soft import soft_match
-
-        return soft_match(a, b, cfg, data, form=form, options=learn, start=start, weight=weight)
-    if method == "dual":
-        from glmc.match.dual import dual_match
-
-        return dual_match(a, b, cfg, data, form=form, options=learn, start=start, weight=weight).result
-    from glmc.match.learned import learned_match
-
-    return learned_match(a, b, cfg, data, form=form, options=learn, permutations_only=method == "learned-perm",
-                         start=start, weight=weight)
 
 
 def align_pair(
@@ -93,9 +52,8 @@ def align_pair(
     In the circuit form the states stay standard (aligned as such) and the learned methods learn the circuit path.
     ``device`` is where the work happens and the aligned states stay (None: where the inputs are).
     """
-    if method not in METHODS:
-        raise ConfigError(f"unknown alignment method {method!r}; known: {', '.join(METHODS)}")
-    if method in DATA_METHODS and data is None:
+    entry = get_method(method)
+    if entry.reads_data and data is None:
         raise ConfigError(f"method {method!r} needs data: pass a batch of inputs (--data)")
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
@@ -106,5 +64,5 @@ def align_pair(
     a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))
     if method == "none":
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
-    result = _match(method, a, b, cfg, form, data, batch, learn, start, weight)
+    result = entry.match()(a, b, cfg, data, MatchOptions(form, batch, learn, start, weight))
     return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)

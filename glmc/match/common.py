@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from glmc.errors import NonFiniteError
+from glmc.errors import ConfigError, NonFiniteError
 from glmc.symmetry.spec import AxisKind, SpecTable, expand
 from glmc.symmetry.transforms import Transform
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
 
 @dataclass
@@ -81,3 +85,10 @@ def sq_norm(x: torch.Tensor, chunk: int = 1 << 20) -> float:
 def sq_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
     """‖θ_A − θ_B‖² over every shared parameter."""
     return float(sum(((a[k] - b[k]) ** 2).sum() for k in a))
+
+
+def require_data(data: Dataset | None) -> Dataset:
+    """The data a data-driven method reads, or a ConfigError saying it needs some."""
+    if data is None:
+        raise ConfigError("this method reads data: pass training samples (--data, --data-file or --generated)")
+    return data

@@ -16,16 +16,20 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.errors import ConfigError, check_weights
-from glmc.match.common import MatchResult
+from glmc.match.common import MatchResult, require_data
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn, pair_points
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.symmetry.canonical import Form, fixes_ones
 from glmc.symmetry.transforms import Transform, compose, invert
+
+if TYPE_CHECKING:
+    from glmc.match.options import MatchOptions
 
 
 @dataclass
@@ -94,3 +98,10 @@ def refine_universe(states: Sequence[State], cfg: ModelConfig, data: Dataset, we
     learned = learn(endpoints, cfg, data, mixing_sampler(w, options), _validation_points(w, reference), options,
                     form=form, validation=validation)
     return [t or Transform(cfg.depth) for t in learned.transforms]
+
+
+# The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
+def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
+    """Dual learned matching; B moved by π_A⁻¹ ∘ π_B, A in place."""
+    return dual_match(a, b, cfg, require_data(data), form=options.form, options=options.learn, start=options.start,
+                      weight=options.weight).result

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -32,12 +32,16 @@ from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.device import device_of
 from glmc.errors import ConfigError, check_options
 from glmc.interpolation import mix
-from glmc.match.common import MatchResult
+from glmc.match.common import MatchResult, require_data
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import CIRCUITS, Form, fixes_ones, to_circuit, to_model
 from glmc.symmetry.transforms import Transform, apply, require_folded
 from glmc.train import cosine_schedule, token_loss
+
+if TYPE_CHECKING:
+    from glmc.match.options import MatchOptions
+
 
 log = logging.getLogger(__name__)
 
@@ -530,3 +534,17 @@ def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: 
     assert transform is not None
     return MatchResult(transform, learned.history, time.perf_counter() - began,
                        learned.info | {"weight_objective": init.objective[-1]})
+
+
+# The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
+def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
+    """Learned matching (Algorithm 1) from weight matching at ``options.start``."""
+    return learned_match(a, b, cfg, require_data(data), form=options.form, options=options.learn, start=options.start,
+                         weight=options.weight)
+
+
+def pairwise_permutations(a: State, b: State, cfg: ModelConfig, data: Dataset | None,
+                          options: MatchOptions) -> MatchResult:
+    """Learned matching of permutations only."""
+    return learned_match(a, b, cfg, require_data(data), form=options.form, options=options.learn, start=options.start,
+                         weight=options.weight, permutations_only=True)

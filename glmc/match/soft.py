@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.match.common import MatchResult
+from glmc.match.common import MatchResult, require_data
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.symmetry.canonical import Form, fixes_ones
 from glmc.symmetry.exactness import TOLERANCE
 from glmc.symmetry.transforms import Transform
 from glmc.train import token_loss
+
+if TYPE_CHECKING:
+    from glmc.match.options import MatchOptions
+
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +72,10 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
                     "on the validation split)", error["endpoint_max_logit_error"], error["endpoint_loss_change"])
     info = learned.info | {"midpoint_gain": gain} | error
     return MatchResult(transform, learned.history, time.perf_counter() - began, info)
+
+
+# The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
+def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
+    """Soft permutations from weight matching at ``options.start``."""
+    return soft_match(a, b, cfg, require_data(data), form=options.form, options=options.learn, start=options.start,
+                      weight=options.weight)

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,13 @@ from glmc.match.descent import Descent, Layer
 from glmc.symmetry import groups
 from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable, expand
 from glmc.symmetry.transforms import Transform
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from glmc.archs import ModelConfig, State
+    from glmc.match.options import MatchOptions
+
 
 log = logging.getLogger(__name__)
 
@@ -380,3 +387,23 @@ def weight_match(
             break
         t, step, objective = candidate, candidate_step, [*objective, value]
     return MatchResult(_exact(t, fix_ones), objective, time.perf_counter() - began, {"sweeps": len(objective)})
+
+
+# The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
+def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
+    """Weight matching of B to A over every symmetry class of the family."""
+    return _pairwise(a, b, cfg, options, permutations_only=False)
+
+
+def pairwise_permutations(a: State, b: State, cfg: ModelConfig, data: Dataset | None,
+                          options: MatchOptions) -> MatchResult:
+    """Weight matching restricted to permutations (the residual, heads and MLP units)."""
+    return _pairwise(a, b, cfg, options, permutations_only=True)
+
+
+def _pairwise(a: State, b: State, cfg: ModelConfig, options: MatchOptions, permutations_only: bool) -> MatchResult:
+    from glmc.archs import get_arch
+    from glmc.symmetry.canonical import fixes_ones
+
+    return weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fixes_ones(options.form),
+                        permutations_only=permutations_only, start=options.start, options=options.weight)

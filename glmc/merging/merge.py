@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,22 +24,11 @@ from glmc.device import device_of, resolve, to_device
 from glmc.errors import ConfigError
 from glmc.interpolation import barrier_curve, evaluate_mixtures
 from glmc.io.checkpoint import CheckpointMeta
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
-from glmc.merging.refit import refit
-from glmc.merging.repair import repair
-from glmc.merging.rescale import restore_norms
+from glmc.merging.options import MergeOptions
 from glmc.merging.universe import UniverseResult, universe_match
 from glmc.merging.widths import WIDTH_FIELDS, check_embeddable
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.train import evaluate
-
-if TYPE_CHECKING:
-    from glmc.match.learned import LearnConfig
-
-# ``learned`` merges by weight-matching universe iterations and the multi-model learned refinement; its pairwise
-# width barriers use pairwise learned matching.
-MERGE_METHODS = ("none", "weight", "weight-perm", "activation", "learned")
-DATA_METHODS = ("activation", "learned")
 
 
 def _compositions(total: int, parts: int) -> list[tuple[int, ...]]:
@@ -152,30 +141,15 @@ def check_inputs(metas: Sequence[CheckpointMeta], target: ModelConfig) -> None:
         raise ConfigError("checkpoints have different vocabularies")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MergeSetup:
-    """How to merge: the method and its options, and the data it may read."""
+    """What to merge into, with what: the target config, the inputs' weights (None: equal), the training samples
+    that data-driven methods and the corrections read (never the held-out split), and the options."""
 
-    method: str
     target: ModelConfig
+    options: MergeOptions = field(default_factory=MergeOptions)
     weights: list[float] | None = None
-    train: Dataset | None = None  # training samples for data-driven methods (never the held-out split)
-    batch: int = 512  # activation matching's samples
-    max_iters: int = 5
-    tol: float = 1e-3
-    workers: int = 1
-    learn: LearnConfig | None = None
-    restore_norms: bool = False  # rescale the merged units to their inputs' mean norm (glmc.merging.rescale)
-    repair: int = 0  # reset the merged channels' statistics on this many of ``train``'s inputs (merging.repair); 0: off
-    refit: int = 0  # refit the merged layers to the inputs' mean outputs on this many of ``train``'s inputs; 0: off
-    fill: str = "zeros"  # how narrow inputs fill the target's extra heads and units (glmc.merging.widths.FILLS)
-    device: str = "cpu"  # where the merge is computed (glmc.device.resolve); the result stays there
-    weight_start: Start = DEFAULT_START  # where each weight matching (and learned's first matching) starts
-    weight: WeightOptions | None = None  # its costs and stopping rule (None: glmc's defaults)
-
-    def matcher(self) -> dict[str, str]:
-        """The weight matcher's start and options, for the report."""
-        return matcher_record(self.weight_start, self.weight)
+    train: Dataset | None = None
 
 
 def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
@@ -185,41 +159,31 @@ def _reference(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
 
 def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
                  ) -> UniverseResult:
-    """Canonicalise every native state (float64), embed it into the target and run universe matching (then, if
-    asked, restore the merged units' norms, refit its layers and REPAIR their statistics)."""
-    if setup.method not in MERGE_METHODS:
-        raise ConfigError(f"unknown merge method {setup.method!r}; known: {', '.join(MERGE_METHODS)}")
-    arch = get_arch(setup.target.family)
+    """Canonicalise every native state (float64), embed it into the target and run universe matching, then the
+    corrections asked for (:class:`glmc.merging.corrections.Corrections`)."""
+    options, target = setup.options, setup.target
+    arch = get_arch(target.family)
     # Vanilla averaging at one width takes the models as trained, like the paper's baseline; everything else
     # (and any embedding across widths) needs the standard form, LayerNorms folded.
-    raw = setup.method == "none" and all(c == setup.target for c in configs)
-    natives = [to_device(s, setup.device) for s in natives]
+    raw = options.method == "none" and all(c == target for c in configs)
+    natives = [to_device(s, options.device) for s in natives]
     states = [arch.to_canonical(cast(s, torch.float64), c.depth) if raw
               else canonicalize(arch, s, c.depth, dtype=torch.float64) for s, c in zip(natives, configs, strict=True)]
-    pairwise = "weight" if setup.method == "learned" else setup.method
-    result = universe_match(states, setup.target, pairwise, weights=setup.weights, configs=configs,
-                            reference=_reference(configs, setup.target), max_iters=setup.max_iters, tol=setup.tol,
-                            data=setup.train, batch=setup.batch, workers=setup.workers,
-                            refine=setup.method == "learned", learn=setup.learn, fill=setup.fill,
-                            weight_start=setup.weight_start, weight=setup.weight)
-    if setup.restore_norms:
-        result.merged = restore_norms(result.merged, result.aligned, setup.target, setup.weights)
-    if setup.refit:
-        result.merged = refit(result.merged, result.aligned, setup.target, setup.train, setup.refit, setup.weights,
-                              placements=result.placements)
-    if setup.repair:
-        result.merged = repair(result.merged, result.aligned, setup.target, setup.train, setup.repair, setup.weights)
+    result = universe_match(states, target, **options.universe(), weights=setup.weights, configs=configs,
+                            reference=_reference(configs, target), data=setup.train)
+    result.merged = options.corrections.apply(result.merged, result.aligned, target, setup.train, setup.weights,
+                                              result.placements)
     return result
 
 
 def align_to_wide(wide: State, native: Mapping[str, torch.Tensor], cfg: ModelConfig,
                   setup: MergeSetup) -> UniverseResult:
     """A narrower native model (``cfg``) embedded into the canonical ``wide`` model's width (``setup.target``) and
-    aligned to it by ``setup.method``: one universe step anchored at ``wide``, so it computes the narrow function."""
+    aligned to it by the method's own pairwise matching: one universe step anchored at ``wide``, so it computes the
+    narrow function."""
     narrow = canonicalize(get_arch(cfg.family), to_device(native, device_of(wide)), cfg.depth, dtype=torch.float64)
-    return universe_match([narrow], setup.target, setup.method, anchor=wide, configs=[cfg], max_iters=1,
-                          data=setup.train, batch=setup.batch, learn=setup.learn, fill=setup.fill,
-                          weight_start=setup.weight_start, weight=setup.weight)
+    keywords = setup.options.universe(pairwise=setup.options.method) | {"max_iters": 1, "workers": 1}
+    return universe_match([narrow], setup.target, **keywords, anchor=wide, configs=[cfg], data=setup.train)
 
 
 def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
@@ -228,14 +192,14 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
     ref = _reference(configs, setup.target)
     if configs[ref] != setup.target:
         return []
-    wide = canonicalize(get_arch(setup.target.family), to_device(natives[ref], setup.device), setup.target.depth,
-                        dtype=torch.float64)
+    wide = canonicalize(get_arch(setup.target.family), to_device(natives[ref], setup.options.device),
+                        setup.target.depth, dtype=torch.float64)
     rows = []
     for i, cfg in enumerate(configs):
         if cfg == setup.target:
             continue
         pair = align_to_wide(wide, natives[i], cfg, setup)
-        curve = barrier_curve(wide, pair.aligned[0], setup.target, test, points, method=setup.method,
+        curve = barrier_curve(wide, pair.aligned[0], setup.target, test, points, method=setup.options.method,
                               dtype=torch.float32)
         rows.append({"input": i, "width": cfg.width, "barrier": curve.barrier, "curve": curve.to_dict(),
                      "align_seconds": pair.seconds})
@@ -249,10 +213,11 @@ def evaluate_merge(result: UniverseResult, natives: Sequence[Mapping[str, torch.
     arch = get_arch(setup.target.family)
     models = []
     for native, cfg in zip(natives, configs, strict=True):
-        model = arch.build(cfg).to(resolve(setup.device))
+        model = arch.build(cfg).to(resolve(setup.options.device))
         model.load_state_dict(native)
         models.append(model.eval())
     merged = evaluate(to_model(cast(result.merged, torch.float32), setup.target), arch, test)
-    simplex = simplex_barrier(result.aligned, setup.target, test, steps, method=setup.method, dtype=torch.float32)
+    simplex = simplex_barrier(result.aligned, setup.target, test, steps, method=setup.options.method,
+                              dtype=torch.float32)
     return {"inputs": [evaluate(m, arch, test) for m in models], "merged": merged,
             "ensemble": ensemble_metrics(models, arch, test), "simplex": simplex.to_dict()}

@@ -86,10 +86,11 @@ class _Job:
 
 def _align_one(job: _Job, anchor: State, state: State) -> MatchResult:
     """The transform that brings ``state`` next to ``anchor`` (both canonical, standard form, width of cfg)."""
-    from glmc.match.align import _match
+    from glmc.match.options import MatchOptions
+    from glmc.match.registry import get_method
 
-    return _match(job.method, anchor, state, job.cfg, "standard", job.data, job.batch, job.learn,
-                  job.weight_start, job.weight)
+    options = MatchOptions("standard", job.batch, job.learn, job.weight_start, job.weight)
+    return get_method(job.method).match()(anchor, state, job.cfg, job.data, options)
 
 
 _SHARED: dict[str, Any] = {}  # a worker's copy of one iteration's job, anchor and states

@@ -31,7 +31,9 @@ from torch.utils.data import TensorDataset
 from glmc.archs import Arch, ModelConfig, build_model, get_arch, preset
 from glmc.device import peak_memory_mb, reset_peak_memory, resolve
 from glmc.match.learned import LearnConfig, learned_match
+from glmc.match.options import MatchOptions
 from glmc.match.weight import weight_match
+from glmc.merging.options import MergeOptions
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
@@ -144,8 +146,8 @@ def round_rows(section: dict[str, Any], device: torch.device) -> list[dict[str, 
     learn = LearnConfig(steps=section["steps"], batch_size=section["batch-size"], eval_every=section["steps"],
                         patience=0)
     reset_peak_memory(device)
-    seconds, result = timed(device, lambda: merge(clients, cfg, "learned", anchor=natives[0], data=server,
-                                                  learn=learn, device=str(device)))
+    options = MergeOptions(max_iters=1, match=MatchOptions(learn=learn), device=str(device))
+    seconds, result = timed(device, lambda: merge(clients, cfg, "learned", options, anchor=natives[0], data=server))
     return [{"row": f"{section['clients']}-client learned aggregation, {section['preset']} ({section['steps']} "
                     "refinement steps)", "unit": "s", "value": seconds, "align_seconds": result.align_seconds,
              "peak_gpu_mb": peak_memory_mb(device)}]

@@ -17,6 +17,7 @@ Writes simulations/results/hostile/summary.md and results.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -29,6 +30,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from federation import protocol
+from federation.settings import RunSettings
 from glmc.archs import build_model, preset
 from glmc.merging.robust import Robustness, distance
 from glmc.train import seed_everything
@@ -62,8 +64,8 @@ def _round(aggregation: str, robust: Robustness, attacker: State, examples: int)
     g = _model(0)
     honest = _honest(g)
     schema = ReplySchema({1.0: {k: tuple(v.shape) for k, v in g.items()}})
-    s = SymmetryAwareFedAvg(aggregation, schema, preset(MODEL), robust=robust, min_train_nodes=2,
-                            min_alignment_gain=0.0)
+    options = dataclasses.replace(RunSettings(server_device="cpu").merge_options, robustness=robust, min_gain=0.0)
+    s = SymmetryAwareFedAvg(aggregation, schema, preset(MODEL), options=options, min_train_nodes=2)
     s.global_arrays = ArrayRecord(g)  # type: ignore[arg-type]
     replies = [_reply(h, HONEST_EXAMPLES, i + 1) for i, h in enumerate(honest)] + [_reply(attacker, examples, 9)]
     arrays, _ = s.aggregate_train(1, replies)
