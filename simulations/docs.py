@@ -1,11 +1,12 @@
 """The generated parts of ``docs/``, rebuilt by one command from their sources, so they cannot drift from them:
 
-    .venv/bin/python -m simulations.docs           # rewrite docs/cli.md, docs/run-config.md, docs/results.md
+    .venv/bin/python -m simulations.docs           # rewrite docs/cli.md, run-config.md, results.md, registry.md
     .venv/bin/python -m simulations.docs --check   # exit 1, naming them, if any is stale (tests/test_docs.py)
 
 ``cli.md`` comes from the argparse definitions (:func:`glmc.cli.build_parser`), ``run-config.md`` from
 ``[tool.flwr.app.config]`` in pyproject.toml and :class:`federation.settings.RunSettings`, ``results.md`` from the
-committed ``simulations/results/*/results.json`` (:mod:`simulations.results_doc`).
+committed ``simulations/results/*/results.json`` (:mod:`simulations.results_doc`), ``registry.md`` from the method
+registry and the FL aggregation table.
 """
 
 from __future__ import annotations
@@ -124,6 +125,37 @@ def run_config_markdown() -> str:
     return "\n".join([*lines, ""])
 
 
+def _mark(flag: bool) -> str:
+    return "yes" if flag else ""
+
+
+def registry_markdown() -> str:
+    """docs/registry.md: every alignment method of :mod:`glmc.match.registry` and every FL aggregation of
+    :data:`federation.settings.AGGREGATION_TABLE`, with what each reads."""
+    from federation.settings import AGGREGATION_TABLE
+    from glmc.match.registry import METHODS
+
+    lines = [GENERATED_NOTE, "", "# Methods and aggregations", "",
+             "Every alignment method (`glmc align`, `glmc barrier`, `glmc merge`, the API) as `glmc/match/registry.py` "
+             "declares it, and every FL aggregation as `federation/settings.py` declares it; what an aggregation "
+             "reads follows from its method.", "", "## Alignment methods", "",
+             "| method | reads data | reads labels | learns its maps | exact | merges N models (pairwise, refined) | "
+             "function | what it does |", "|---|---|---|---|---|---|---|---|"]
+    for m in METHODS.values():
+        merges = f"`{m.merge_pairwise}`" + (", refined" if m.refines else "") if m.merge_pairwise else ""
+        lines.append(f"| `{m.name}` | {_mark(m.reads_data)} | {_mark(m.reads_labels)} | {_mark(m.learns)} | "
+                     f"{_mark(m.exact)} | {merges} | {f'`{m.function}`' if m.function else ''} | {_cell(m.summary)} |")
+    lines += ["", "Reads labels: when it learns against labels, the default on any data but text the models write.",
+              "", "## FL aggregations (`aggregation`)", "",
+              "| aggregation | aligns by | reads server data | reads its labels | control | guarded |",
+              "|---|---|---|---|---|---|"]
+    for a in AGGREGATION_TABLE.values():
+        method = f"`{a.method}`" if a.method else "no alignment"
+        lines.append(f"| `{a.name}` | {method} | {_mark(a.reads_data)} | {_mark(a.reads_labels)} | "
+                     f"{_mark(a.control)} | {_mark(a.guarded)} |")
+    return "\n".join([*lines, ""])
+
+
 def results_markdown() -> str:
     """docs/results.md: the tables of every committed results.json (:mod:`simulations.results_doc`)."""
     from simulations.results_doc import results_markdown as render
@@ -135,6 +167,7 @@ GENERATED: dict[str, Callable[[], str]] = {
     "docs/cli.md": cli_markdown,
     "docs/run-config.md": run_config_markdown,
     "docs/results.md": results_markdown,
+    "docs/registry.md": registry_markdown,
 }
 
 

@@ -16,7 +16,7 @@ from simulations import docs
 ROOT = Path(__file__).resolve().parent.parent
 README_LIMIT = 10_240  # bytes
 # A path outside the repository (the design notes it was built from) or an issue number: meaningless to a reader.
-OUTSIDE = re.compile(r"\.\./shared|shared/design|\b(?:symmetry|architecture|flower|style|data)\.md\b|"
+OUTSIDE = re.compile(r"\.\./shared|shared/design|(?<!docs/)\b(?:symmetry|architecture|flower|style|data)\.md\b|"
                      r"\bissues? #?\d", re.IGNORECASE)
 LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
 

@@ -1,0 +1,161 @@
+"""The layout the architecture page describes: packages named for their concern, imports that only go down, no
+import cycle, the map in docs/architecture.md true to the tree, and the method registry the single source of names."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from glmc.match.registry import MERGE_METHODS, METHODS, get_method
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("glmc", "federation", "server", "client", "simulations", "deploy")
+# What each package may import of the others: the library at the bottom, then what both apps share, then the apps,
+# then the experiments that drive them, and the deployment, which drives flwr through the experiments' engine.
+ALLOWED = {
+    "glmc": set(),
+    "federation": {"glmc"},
+    "client": {"glmc", "federation"},
+    "server": {"glmc", "federation"},
+    "simulations": {"glmc", "federation", "server", "client"},
+    "deploy": {"glmc", "federation", "server", "client", "simulations"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imported(path: Path, top_level_only: bool) -> set[str]:
+    """Every module name ``path`` imports (``from X import Y``: X.Y)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    names: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                      for a in node.names}
+    return names
+
+
+def _imports(path: Path, module: str, top_level_only: bool) -> set[str]:
+    """The project modules ``path`` imports: ``from X import Y`` counts as X.Y where that is a module. With
+    ``top_level_only``, the imports that run when the module is imported (none inside a function, or only for type
+    checking)."""
+    return {n for n in _imported(path, top_level_only) if n.split(".")[0] in PACKAGES and n != module}
+
+
+def test_the_library_top_level_holds_at_most_ten_modules():
+    top = sorted(p.name for p in (ROOT / "glmc").glob("*.py"))
+    assert len(top) <= 10, top
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_go_down_the_layers(module: str):
+    """glmc imports no other package of the project (and never flwr); client and server never import each other."""
+    package = module.split(".")[0]
+    path = MODULES[module]
+    upward = sorted(n for n in _imports(path, module, False) if n.split(".")[0] not in ALLOWED[package] | {package})
+    assert not upward, f"{module} imports {upward}"
+    if package == "glmc":
+        assert not {n for n in _imported(path, False) if n.split(".")[0] == "flwr"}, f"{module} imports flwr"
+
+
+def test_no_import_cycle():
+    """The imports that run at import time form no cycle (a function's own import is a lazy load, not a cycle)."""
+    graph = {m: _imports(p, m, True) & MODULES.keys() for m, p in MODULES.items()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1 and not cycle:
+                cycle.extend([*path[path.index(nxt):], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycle, " → ".join(cycle)
+
+
+ARCHITECTURE = (ROOT / "docs/architecture.md").read_text()
+
+
+def test_every_path_and_name_the_architecture_page_names_exists():
+    """`path` and `path: name` (a function, class or method defined in that file)."""
+    named = re.findall(r"`((?:glmc|federation|server|client|simulations|deploy|tests)/[\w/.]*)(?:: (\w+))?`",
+                       ARCHITECTURE)
+    assert len(named) > 20, "the page names few files"
+    missing = sorted(path for path, _ in named if not (ROOT / path).exists())
+    assert not missing, missing
+    undefined = sorted(f"{path}: {name}" for path, name in named
+                       if name and not re.search(rf"^\s*(def|class) {name}\b", (ROOT / path).read_text(), re.M))
+    assert not undefined, undefined
+
+
+def test_the_architecture_page_maps_every_package_and_module():
+    """A new module (or package) of the library or the apps must find its place on the map."""
+    for module, path in MODULES.items():
+        if module.split(".")[0] in ("simulations", "deploy") or path.name in ("__init__.py", "__main__.py"):
+            continue
+        rel = path.relative_to(ROOT).as_posix()
+        folder = path.parent.relative_to(ROOT).as_posix() + "/"
+        assert f"`{rel}`" in ARCHITECTURE or (f"`{path.name}`" in ARCHITECTURE and f"`{folder}`" in ARCHITECTURE), \
+            f"docs/architecture.md does not place {rel}"
+
+
+def test_the_api_names_stay_the_api_functions_whatever_is_imported():
+    import glmc
+    import glmc.api
+    import glmc.cli.align
+    import glmc.cli.merge
+
+    assert all(getattr(glmc, name) is getattr(glmc.api, name) for name in glmc.API)
+
+
+def test_every_registered_method_resolves_to_its_function():
+    for method in METHODS.values():
+        if method.function is None:
+            continue
+        assert callable(method.match()), method.name
+    assert set(MERGE_METHODS) <= set(METHODS)
+    assert all(METHODS[m].merge_pairwise in METHODS for m in MERGE_METHODS)
+    with pytest.raises(Exception, match="unknown merge method 'soft'; known: none, weight"):
+        get_method("soft", merging=True)
+
+
+def test_the_names_the_cli_lists_without_torch_match_their_sources():
+    """Choice lists the command line writes out so that `glmc --help` loads no torch, each against its source."""
+    from glmc.cli.export import DTYPE_NAMES, FORMAT_NAMES
+    from glmc.cli.merge import FILL_NAMES
+    from glmc.cli.pair import FORM_NAMES, METHOD_NAMES
+    from glmc.cli.train import PRECISIONS
+    from glmc.cli.weight_options import START_NAMES
+    from glmc.device import PRECISIONS as DEVICE_PRECISIONS
+    from glmc.io.formats import DTYPES, FORMATS
+    from glmc.match.weight import DEFAULT_START, STARTS
+    from glmc.merging.widths import FILLS
+    from glmc.symmetry.canonical import FORMS
+
+    assert (list(FORMATS), list(DTYPES), list(FILLS)) == (FORMAT_NAMES, DTYPE_NAMES, FILL_NAMES)
+    assert list(FORMS) == FORM_NAMES
+    assert list(DEVICE_PRECISIONS) == PRECISIONS
+    assert sorted(START_NAMES) == sorted(STARTS) and START_NAMES[0] == DEFAULT_START
+    assert ", ".join(METHODS) == METHOD_NAMES
