@@ -39,7 +39,7 @@ import torch
 from torch.utils.data import Dataset
 
 from federation.restriction import wire_state
-from federation.settings import AGGREGATION_TABLE, CONTROLS, GUARDED, SLICED
+from federation.settings import AGGREGATION_TABLE, CONTROLS, GUARDED
 from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
 from glmc.device import to_device
 from glmc.errors import ConfigError
@@ -157,13 +157,14 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, option
     (:func:`_gains_too_little`).
     """
     robust, device = options.robustness, options.device
-    if aggregation in SLICED:
+    method = AGGREGATION_TABLE[aggregation].method
+    if method is None:  # HeteroFL's slices, or the server's own model (SLICED)
         tune = replace(tune or TrainConfig(threads=1), device=device)
         distil = (aggregation in CONTROLS and data is not None
                   and targets_for(options.match.learn or LearnConfig(), data) == "endpoints")
         return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust, distil)
-    options = replace(options, method=AGGREGATION_TABLE[aggregation].method,
-                      match=replace(options.match, batch=len(data) if data is not None else 512))  # type: ignore[arg-type]
+    batch = len(data) if data is not None else 512  # type: ignore[arg-type]
+    options = replace(options, method=method, match=replace(options.match, batch=batch))
     arch = get_arch(full.family)
     states, configs = universe_states(clients, full)
     states = [to_device(s, device) for s in states]

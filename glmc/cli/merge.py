@@ -32,7 +32,7 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="+", type=Path,
                         help="two or more checkpoints to merge (glmc .safetensors, Hugging Face folders or timm state "
                              "dicts)")
-    parser.add_argument("--method", default="weight", help="none, weight, weight-perm, activation or learned")
+    parser.add_argument("--method", default="weight", help=f"one of {', '.join(MERGE_METHODS)}")
     width = parser.add_mutually_exclusive_group()
     width.add_argument("--width-of", type=Path, help="give the merged model this checkpoint's width")
     width.add_argument("--width-mult", type=float, help="give the merged model this tier of the preset")
