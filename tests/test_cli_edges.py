@@ -97,6 +97,14 @@ def test_merge_and_align_outputs_are_checked_before_any_work(command, tmp_path, 
                   str(tmp_path / "file" / "r.json")], capsys, "--json")
 
 
+@pytest.mark.parametrize("flag", ["--out", "--json"])
+def test_a_folder_that_cannot_be_created_is_refused_before_any_work(flag, tmp_path, capsys):
+    """/proc takes no new folder, even from root, whose permission bits say yes to everything."""
+    out = {"--out": "/proc/glmc-nope/m.safetensors", "--json": "/proc/glmc-nope/r.json"}[flag]
+    others = ["--out", str(tmp_path / "m.safetensors")] if flag == "--json" else []
+    _refused(["merge", "a.safetensors", "b.safetensors", *others, flag, out], capsys, f"{flag} {out} cannot be created")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_a_read_only_directory_is_refused(tmp_path, capsys):
     locked = tmp_path / "locked"
@@ -104,7 +112,7 @@ def test_a_read_only_directory_is_refused(tmp_path, capsys):
     locked.chmod(0o500)
     try:
         _refused(["merge", "a.safetensors", "b.safetensors", "--out", str(locked / "m.safetensors")], capsys,
-                 "is not writable")
+                 "cannot be created")
     finally:
         locked.chmod(0o700)
 

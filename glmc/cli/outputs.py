@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 from glmc.errors import ConfigError
@@ -17,8 +18,9 @@ PLOT_FORMATS = ("avif", "eps", "gif", "jpeg", "jpg", "pdf", "pgf", "png", "ps", 
 
 def check_writable(path: Path, flag: str, folder: bool = False) -> None:
     """ConfigError unless ``path`` can be written: not a directory (unless the output is a ``folder``, a Hugging Face
-    model), and either writable or new with a writable nearest existing ancestor (missing folders are created at
-    the end)."""
+    model), and either writable or new in a folder that exists or can be created. Probed by writing, not by
+    permission bits: root passes every ``os.access`` check, and a folder under ``/proc`` still cannot be made. Nothing
+    is left behind; missing folders are created at the end."""
     if path.is_dir() and not folder:
         raise ConfigError(f"{flag} {path} is a directory, not a file")
     if path.exists():
@@ -30,8 +32,13 @@ def check_writable(path: Path, flag: str, folder: bool = False) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise ConfigError(f"{flag} {path} cannot be created: {ancestor} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path} cannot be created: {ancestor} is not writable")
+    try:  # the missing folders (or, when there are none, the file) would be created in ``ancestor``
+        if ancestor == path.absolute().parent:
+            tempfile.TemporaryFile(dir=ancestor).close()
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=ancestor))
+    except OSError as err:
+        raise ConfigError(f"{flag} {path} cannot be created in {ancestor}: {err.strerror or err}") from None
 
 
 def check_plot_format(path: Path) -> None:
