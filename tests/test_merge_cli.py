@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from glmc.archs import build_model, get_arch, preset, scale_width
-from glmc.cli import main
+from glmc.cli import build_parser, main
+from glmc.cli.merge import simplex_points
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
@@ -59,6 +60,14 @@ def test_prediction_mixture_is_the_weighted_mean_of_the_models_probabilities_at_
     for weights in ([1.0], [1.0, -1.0], [0.0, 0.0]):
         with pytest.raises(ConfigError, match="one non-negative weight per model"):
             PredictionMixture(models, arch, weights)
+
+
+def test_a_pairs_merge_evaluates_eleven_points_by_default_and_grows_gently():
+    """The default grid: a pair's 11 λ, as its barrier curve, and few more points for each model added."""
+    args = build_parser().parse_args(["merge", "a.safetensors", "b.safetensors", "--out", "m.safetensors"])
+    sizes = {n: len(simplex_grid(n, grid_steps(n, simplex_points(args, n)))) for n in (2, 3, 5, 10)}
+    assert sizes == {2: 11, 3: 21, 5: 35, 10: 55}
+    assert simplex_points(build_parser().parse_args(["merge", "a", "b", "--out", "m", "--simplex-points", "4"]), 2) == 4
 
 
 def test_merge_of_mixed_widths_writes_a_standard_checkpoint_and_a_report(trio, tmp_path, capsys):
