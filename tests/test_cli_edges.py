@@ -159,3 +159,25 @@ def test_the_wheel_ships_py_typed_and_every_config(tmp_path):
     wanted = {"glmc/py.typed"} | {p.relative_to(ROOT).as_posix() for p in (ROOT / "simulations").rglob("*.toml")
                                   if "results" not in p.parts}
     assert len(wanted) > 10 and wanted <= shipped, sorted(wanted - shipped)
+
+
+def test_every_option_states_its_default_in_help():
+    """--help gives every option's default: argparse's value, or the help's own words where the default is a rule."""
+    import argparse
+
+    from glmc.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = []
+    for name, parser in sub.choices.items():
+        one_of = {a for g in parser._mutually_exclusive_groups if g.required for a in g._group_actions}
+        for action in parser._actions:
+            if action.required or action in one_of or not action.option_strings or isinstance(
+                    action, argparse._HelpAction | argparse._StoreTrueAction | argparse._VersionAction):
+                continue
+            text = (parser._get_formatter()._get_help_string(action) or "") if action.help else ""  # no help: no line
+            if "default" not in text or ("%(default)s" in text and action.default is None):
+                silent.append(f"{name} {action.option_strings[0]}")
+    assert not silent, silent
+    merge_help = sub.choices["merge"].format_help()
+    assert "(default: weight)" in merge_help and "(default: 5)" in merge_help  # --method, --iters

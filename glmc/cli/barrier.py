@@ -15,9 +15,9 @@ from glmc.errors import ConfigError
 
 def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
     add_pair_arguments(parser)
-    parser.add_argument("--method", action="append", help=f"repeatable: {METHOD_NAMES}")
+    parser.add_argument("--method", action="append", help=f"repeatable: {METHOD_NAMES}; default: weight")
     parser.add_argument("--points", type=int, default=21, help="λ grid size, both ends included")
-    parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
+    parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only (default: all)")
     parser.add_argument("--form", choices=FORM_NAMES, default="standard",
                         help="the parameters the path interpolates: standard (the models as they are), rmsnorm "
                              "(LayerNorm as RMSNorm, the residual aligned over the whole O(d)), circuit (each head "
@@ -25,11 +25,11 @@ def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
                              "the official GLMC code interpolates); all but standard change the architecture, as the "
                              "paper's barriers do")
     parser.add_argument("--json", required=True, type=Path, help="write the curves here")
-    parser.add_argument("--plot", type=Path, help="write a loss/accuracy plot here (.png)")
+    parser.add_argument("--plot", type=Path, help="write a loss/accuracy plot here (.png; default: none)")
     parser.add_argument("--repair", type=count, metavar="N",
                         help="REPAIR every point of the path first (Jordan et al. 2022): reset each channel's mean "
                              "and std to the λ-mean of A's and B's, measured on N training samples; each curve is "
-                             "named METHOD+repair")
+                             "named METHOD+repair (default: off)")
     cli_merge.add_simplex_arguments(parser)
 
 

@@ -14,12 +14,14 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", type=Path, nargs="?",
                         help="check this model's own weights: a glmc checkpoint, Hugging Face folder or timm state "
                              "dict (instead of a random --model)")
-    parser.add_argument("--model", help="preset name, e.g. vit-tiny or gpt2-bench")
+    parser.add_argument("--model", help="preset name, e.g. vit-tiny or gpt2-bench (default: none; give it or a "
+                                        "checkpoint)")
     for size in ("width", "depth", "heads", "mlp"):
-        parser.add_argument(f"--{size}", type=int, help=f"override the preset's {size}")
-    parser.add_argument("--activation", choices=["gelu", "relu"], help="relu adds the MLP scaling symmetry")
-    parser.add_argument("--form", choices=FORM_NAMES, default="standard")
-    parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument(f"--{size}", type=int, help=f"override the preset's {size} (default: the preset's)")
+    parser.add_argument("--activation", choices=["gelu", "relu"], help="relu adds the MLP scaling symmetry (default: "
+                                                                       "the preset's)")
+    parser.add_argument("--form", choices=FORM_NAMES, default="standard", help="the parameters the transforms act on")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the random model and transforms")
 
 
 def run_check(args: argparse.Namespace) -> int:

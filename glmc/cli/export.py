@@ -54,10 +54,12 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", type=Path, help="a glmc checkpoint, Hugging Face folder or timm state dict")
     out = parser.add_mutually_exclusive_group(required=True)
     out.add_argument("--hf", type=Path, metavar="DIR", help="write a Hugging Face folder (a GPT-2, or a ViT "
-                     "ViTForImageClassification can hold)")
+                     "ViTForImageClassification can hold); one of --hf, --timm, --glmc is required")
     out.add_argument("--timm", type=Path, metavar="PATH", help="write a timm ViT: a state dict PATH.safetensors "
-                     "with its create_model kwargs in PATH.json, or a timm Hub folder PATH (no .safetensors)")
-    out.add_argument("--glmc", type=Path, metavar="FILE", help="write a glmc checkpoint (.safetensors)")
+                     "with its create_model kwargs in PATH.json, or a timm Hub folder PATH (no .safetensors); or --hf, "
+                     "--glmc")
+    out.add_argument("--glmc", type=Path, metavar="FILE", help="write a glmc checkpoint (.safetensors); or --hf, "
+                                                               "--timm")
     add_dtype_argument(parser)
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
 

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 TARGET_NAMES = ["labels", "endpoints"]  # glmc.match.learned.TARGETS, without importing torch
 WITHIN_NAMES = ["fixed", "orthogonal", "invertible"]  # glmc.match.learned.WITHIN, without importing torch
+LEARN_LR = 3e-3  # glmc.match.learned.LearnConfig.lr, without importing torch
 DATA_HELP = "dataset directory (default: the dataset's own copy, under $GLMC_DATA, .data/ or the system path)"
 
 
@@ -64,8 +65,10 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     parser.add_argument("--batch", type=count, help=batch_help)
     parser.add_argument("--epochs", type=int, default=epochs,
                         help=f"learned methods: passes over the training samples (default {epochs or 2})")
-    parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs")
-    parser.add_argument("--lr", type=positive, help="learned methods: AdamW learning rate on the latents (> 0)")
+    parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs (default: "
+                                                  "--epochs decides)")
+    parser.add_argument("--lr", type=positive, help=f"learned methods: AdamW learning rate on the latents (> 0; "
+                                                    f"default {LEARN_LR:g})")
     parser.add_argument("--batch-size", type=int, help="learned methods: samples per step (default 128)")
     parser.add_argument("--weight-decay", type=float, help="learned methods: AdamW weight decay on the latents "
                         "(default 0)")
@@ -94,7 +97,7 @@ def add_data_file_arguments(parser: argparse.ArgumentParser) -> None:
     """--data-file and --train-file: the user's own data, for models glmc did not train (glmc.io.userdata)."""
     parser.add_argument("--data-file", type=Path, metavar="FILE",
                         help="held-out data to measure on instead of the checkpoint's dataset: a .npy of token ids "
-                             "(GPT-2) or a .npz of images and labels (ViT)")
+                             "(GPT-2) or a .npz of images and labels (ViT); default: the checkpoint's test split")
     parser.add_argument("--train-file", type=Path, metavar="FILE",
                         help="data for the data-driven methods (activation, learned, REPAIR, refit), same formats; "
                              "default: the checkpoint's training split, else --data-file")

@@ -33,6 +33,15 @@ class Command:
     single_threaded: bool = True
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Help that states every option's default: argparse's own where the help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        given = action.option_strings and not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        return f"{text} (default: %(default)s)" if given and "default" not in text else text
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage and exiting, so errors stay one line."""
 
@@ -62,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
-        command_parser = sub.add_parser(name, help=command.help, description=command.help)
+        command_parser = sub.add_parser(name, help=command.help, description=command.help, formatter_class=_Formatter)
         command.add_arguments(command_parser)
         if command.single_threaded:
             command_parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

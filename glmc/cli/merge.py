@@ -37,27 +37,30 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
                              "dicts)")
     parser.add_argument("--method", default="weight", help=f"one of {', '.join(MERGE_METHODS)}")
     width = parser.add_mutually_exclusive_group()
-    width.add_argument("--width-of", type=Path, help="give the merged model this checkpoint's width")
-    width.add_argument("--width-mult", type=float, help="give the merged model this tier of the preset")
+    width.add_argument("--width-of", type=Path, help="give the merged model this checkpoint's width (default: the "
+                                                     "widest input's)")
+    width.add_argument("--width-mult", type=float, help="give the merged model this tier of the preset (default: the "
+                                                        "widest input's)")
     parser.add_argument("--weights", help="comma-separated weights n1,n2,... (e.g. example counts; default equal)")
     parser.add_argument("--out", required=True, type=Path, help="merged standard checkpoint (.safetensors)")
-    parser.add_argument("--json", type=Path, help="write the full report here")
+    parser.add_argument("--json", type=Path, help="write the full report here (default: none)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     add_format_argument(parser)
     parser.add_argument("--simplex-points", type=int, help="at most this many weights on the simplex grid of the "
                         f"merge's barrier (Eq. 2); default {POINTS_PER_MODEL} per model beyond the first: a pair's 11 "
                         "λ, as its barrier curve; 3 models 21 points, 5 models 35, 10 models 55")
-    parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only")
+    parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only (default: all)")
     parser.add_argument("--restore-norms", action="store_true",
                         help="rescale every merged MLP neuron and head to its inputs' mean norm: a data-free repair "
                         "of the shrinkage that averaging imperfectly aligned units causes")
     parser.add_argument("--repair", type=count, metavar="N",
                         help="then reset every merged channel's mean and std to the inputs' weighted mean, measured on "
-                        "N training samples (REPAIR, Jordan et al. 2022); the merge then depends on data")
+                        "N training samples (REPAIR, Jordan et al. 2022); the merge then depends on data (default: "
+                        "off)")
     parser.add_argument("--refit", type=count, metavar="N",
                         help="refit every merged linear layer, in forward order, to the inputs' weighted mean output "
                         "by least squares on N training samples (labels unread; RegMean with the merged model's own "
-                        "inputs); across widths, to the mean of the models that hold each output")
+                        "inputs); across widths, to the mean of the models that hold each output (default: off)")
     add_learn_arguments(parser, f"training samples for activation (default 512) and learned (default {LEARN_SAMPLES}) "
                         "merging", epochs=1)
     add_weight_arguments(parser)
@@ -301,7 +304,7 @@ def align_across_widths(args: argparse.Namespace, natives: list[dict], metas: li
 def add_simplex_arguments(parser: argparse.ArgumentParser) -> None:
     """``glmc barrier --simplex A B C``: A is the flag's value, B and C the pair positionals."""
     parser.add_argument("--simplex", type=Path, metavar="A", help="with the positionals B C: loss over the simplex "
-                        "of three models A B C, merged per --method (paper Fig. 4)")
+                        "of three models A B C, merged per --method (paper Fig. 4; default: the pair's curves)")
     parser.add_argument("--simplex-steps", type=int, default=10, help="simplex grid: weights in multiples of 1/N")
     add_universe_arguments(parser)
 

@@ -22,8 +22,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", required=True,
                         help="fashion-mnist, shakespeare, shakespeare-bpe (byte-level BPE, the official GLMC "
                              "benchmark), or a fetched cifar10, cifar100 or tiny-imagenet")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the order of the data")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the training split")
     parser.add_argument("--width-mult", type=float, default=1.0,
                         help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2)")
     parser.add_argument("--dropout", type=float, help="dropout while training, in [0, 1) (embeddings, attention, "
@@ -36,7 +36,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "validation split")
     parser.add_argument("--eval-every", type=int, help="steps between validations (default: the dataset's, else 100)")
     parser.add_argument("--warmup", type=float, default=0.05, help="fraction of steps spent warming up")
-    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (default: --epochs "
+                                                      "decides)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32, or bf16 autocast of the forward passes (on a GPU; training and evaluation)")
