@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils.data import Dataset
+from tqdm import tqdm
 
 from glmc.archs import ModelConfig, State, cast, get_arch
 from glmc.errors import ConfigError
@@ -32,10 +33,11 @@ def interpolate(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], la
 def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequence[Sequence[float]],
                       cfg: ModelConfig, data: Dataset, batch_size: int = 256, form: Form = "standard",
                       dtype: torch.dtype | None = None, repair_data: Dataset | None = None,
-                      ) -> tuple[list[float], list[float]]:
+                      progress: bool | None = None) -> tuple[list[float], list[float]]:
     """Loss and accuracy of Σ w_i θ_i on ``data`` for every weight vector w of ``grid``, in ``dtype`` (default: the
     states' own); one model is built once and reloaded at each point. With ``repair_data`` (training samples),
-    each mixture is first REPAIRed to the w-mean of the states' channel statistics on all of them."""
+    each mixture is first REPAIRed to the w-mean of the states' channel statistics on all of them. ``progress``: a
+    bar with the time left, on stderr (None: when stderr is a terminal)."""
     if repair_data is not None and form != "standard":
         raise ConfigError(f"REPAIR needs the standard form, not {form!r}")
     arch = get_arch(cfg.family)
@@ -44,7 +46,8 @@ def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequen
     target = RepairTarget.measure(states, cfg, repair_data) if repair_data is not None else None
     model = to_model(states[0], cfg, form)
     losses, accuracies = [], []
-    for weights in grid:
+    for weights in tqdm(grid, desc="evaluate", unit="point", disable=None if progress is None else not progress,
+                        dynamic_ncols=True):
         mixed = mix(states, weights)
         model.load_state_dict(arch.to_native(target.repair(mixed, weights) if target else mixed, cfg.depth))
         metrics = evaluate(model, arch, data, batch_size)

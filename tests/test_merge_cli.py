@@ -13,6 +13,7 @@ from glmc.cli import build_parser, main
 from glmc.cli.merge import simplex_points
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
+from glmc.interpolation import evaluate_mixtures
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.io.formats import read
 from glmc.match.options import MatchOptions
@@ -68,6 +69,20 @@ def test_a_pairs_merge_evaluates_eleven_points_by_default_and_grows_gently():
     sizes = {n: len(simplex_grid(n, grid_steps(n, simplex_points(args, n)))) for n in (2, 3, 5, 10)}
     assert sizes == {2: 11, 3: 21, 5: 35, 10: 55}
     assert simplex_points(build_parser().parse_args(["merge", "a", "b", "--out", "m", "--simplex-points", "4"]), 2) == 4
+
+
+def test_an_evaluation_shows_its_progress_and_the_time_left(capsys):
+    """evaluate_mixtures' bar (on a terminal by default): points done of the grid, and the time left."""
+    cfg = preset("vit-tiny")
+    torch.manual_seed(0)
+    states = [get_arch(cfg.family).to_canonical(build_model(cfg).state_dict(), cfg.depth) for _ in range(2)]
+    data = torch.utils.data.TensorDataset(torch.randn(8, cfg.in_chans, cfg.img_size, cfg.img_size),
+                                          torch.zeros(8, dtype=torch.long))
+    evaluate_mixtures(states, simplex_grid(2, 3), cfg, data, progress=True)
+    bar = capsys.readouterr().err
+    assert "evaluate" in bar and "4/4" in bar and "<00:00" in bar  # done/total [elapsed<left]
+    evaluate_mixtures(states, simplex_grid(2, 1), cfg, data, progress=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_merge_of_mixed_widths_writes_a_standard_checkpoint_and_a_report(trio, tmp_path, capsys):
