@@ -7,7 +7,7 @@ import torch
 
 from glmc.archs import ARCHS, get_arch
 from glmc.cli.pair import FORM_NAMES
-from glmc.errors import SpecError
+from glmc.errors import NonFiniteError, SpecError
 from glmc.symmetry.canonical import FORMS, canonicalize, to_circuit, to_model
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.spec import check_coverage, check_same_shapes, expand
@@ -156,3 +156,21 @@ def test_circuit_form_absorbs_within_head_maps(name):
     moved_circuit, _ = to_circuit(moved, cfg)
     for k in circuit:
         torch.testing.assert_close(moved_circuit[k], circuit[k], rtol=0, atol=1e-10)
+
+
+def test_a_zero_layernorm_gain_before_a_bias_free_reader_is_refused_or_folded_exactly():
+    """GPT-2's ln_f feeds lm_head, which has no bias: where γ = 0 a nonzero β is a constant no folded form can
+    hold (it used to become inf / NaN by β/γ), so it is refused in one line; where β is 0 too it is folded exactly."""
+    cfg = CONFIGS["gpt2-odd"]
+    arch, x = get_arch(cfg.family), inputs(cfg, 3)
+    native = {k: v.double() for k, v in random_native(cfg, 0).items()}
+    native["transformer.ln_f.weight"][[0, 7]] = 0.0
+    native["transformer.ln_f.bias"][[0, 7]] = 0.0
+    folded = canonicalize(arch, native, cfg.depth)
+    assert all(bool(torch.isfinite(v).all()) for v in folded.values())
+    back = arch.to_native(folded, cfg.depth)
+    assert (logits_of(back, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-5
+    native["transformer.ln_f.bias"][7] = 0.5
+    with pytest.raises(NonFiniteError, match=r"^norm: 2 LayerNorm gain\(s\) are exactly 0") as err:
+        canonicalize(arch, native, cfg.depth)
+    assert "\n" not in str(err.value)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
+from glmc.errors import NonFiniteError
 from glmc.symmetry.spec import RES, expand
 
 Form = Literal["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]
@@ -61,8 +62,18 @@ def fold_layernorms(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -
             out[f"{r}.w"] = w * gamma
         out[f"{norm}.w"] = torch.ones_like(gamma)
         # A reader without a bias (GPT-2's lm_head) leaves β in the norm, rescaled so W diag γ (n + β/γ) = W(γn + β).
-        out[f"{norm}.b"] = torch.zeros_like(beta) if absorbs_bias else beta / gamma
+        out[f"{norm}.b"] = torch.zeros_like(beta) if absorbs_bias else _over_gain(beta, gamma, norm)
     return out
+
+
+def _over_gain(beta: torch.Tensor, gamma: torch.Tensor, norm: str) -> torch.Tensor:
+    """β/γ, refused where γ is 0: there the norm's bias reaches a bias-free reader as a constant that no folded
+    (γ → 1) form can hold, and dividing would put inf or NaN into the model."""
+    zeros = int((gamma == 0).sum())
+    if zeros and bool((beta[gamma == 0] != 0).any()):
+        raise NonFiniteError(f"{norm}: {zeros} LayerNorm gain(s) are exactly 0 where a bias-free reader follows; "
+                             "its bias there cannot be folded into a standard form")
+    return torch.where(gamma == 0, torch.zeros_like(beta), beta / torch.where(gamma == 0, 1, gamma))
 
 
 def _centre(x: torch.Tensor, axis: int) -> torch.Tensor:
