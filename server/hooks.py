@@ -13,6 +13,7 @@ Layout of ``outputs/<run>/``::
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import re
@@ -39,7 +40,8 @@ CHECKPOINT = re.compile(r"round-(\d+)\.safetensors")
 
 
 class MetricsWriter(RoundHooks):
-    """Rewrites metrics.json and metrics.csv after every round, so a killed run keeps what it measured."""
+    """Rewrites metrics.json and metrics.csv after every round, each atomically (a temporary file renamed over it), so
+    a run killed at any moment keeps what it measured."""
 
     def __init__(self, run_dir: Path, header: dict[str, Any], records: Sequence[RoundRecord] = ()) -> None:
         self.run_dir, self.header = run_dir, header
@@ -51,10 +53,11 @@ class MetricsWriter(RoundHooks):
         body = self.header | {"records": [r.to_dict() for r in self.records]}
         _atomic_write(self.run_dir / "metrics.json", json.dumps(body, indent=1))
         rows = [r.to_dict() | {"dropped": len(r.dropped)} for r in self.records]
-        with (self.run_dir / "metrics.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        table = io.StringIO(newline="")
+        writer = csv.DictWriter(table, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        _atomic_write(self.run_dir / "metrics.csv", table.getvalue())
 
     def on_run_end(self, records: Sequence[RoundRecord]) -> None:
         """accuracy.png over every round of the run, resumed ones included."""

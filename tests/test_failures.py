@@ -8,8 +8,10 @@ infeasible and makes the canonical merge reach about 4e8, with the robust defenc
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +23,8 @@ from federation import protocol
 from federation.settings import RunSettings
 from glmc.errors import ConfigError
 from glmc.merging.robust import Robustness
+from server.hooks import MetricsWriter
+from server.records import RoundRecord
 from server.validation import check_evaluate_reply, check_model
 
 OFF = Robustness.off()  # the robust defences off: the failures as the audit saw them
@@ -143,3 +147,20 @@ def test_run_names_are_plain_names(name: str) -> None:
 
 def test_cell_names_of_the_comparison_grid_are_plain_names() -> None:
     assert RunSettings(run_name="weight_dirichlet0.1_1-0.5-0.25_s0").run_name
+
+
+def test_metrics_files_survive_a_write_that_fails_half_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run killed while writing its metrics keeps the last complete files: metrics.csv is written atomically, as
+    metrics.json is (it used to be truncated first, then written row by row)."""
+    writer = MetricsWriter(tmp_path, {"title": "t"})
+    writer.on_round_end(RoundRecord(1, central_accuracy=0.5), ArrayRecord(state(0)))  # type: ignore[arg-type]
+    before = (tmp_path / "metrics.csv").read_text()
+
+    def dies(*_: object) -> None:
+        raise KeyboardInterrupt("killed while writing rows")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", dies)
+    with pytest.raises(KeyboardInterrupt):
+        writer.on_round_end(RoundRecord(2, central_accuracy=0.6), ArrayRecord(state(1)))  # type: ignore[arg-type]
+    assert (tmp_path / "metrics.csv").read_text() == before  # round 1, whole
+    assert "0.5" in before and len(before.splitlines()) == 2
