@@ -48,7 +48,16 @@ from deploy.processes import Process, launch, stop
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError, DeployError
 from glmc.io.checkpoint import load_checkpoint, state_digest
-from simulations.engine import descendants, flwr_env, flwr_json, free_port, listening_pid, run_status, running
+from simulations.engine import (
+    RunResult,
+    descendants,
+    flwr_env,
+    flwr_json,
+    free_port,
+    listening_pid,
+    run_status,
+    running,
+)
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +216,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
+@pytest.fixture(scope="module")
+def tls_run(cluster: Cluster, runs: Path) -> RunResult:
+    """Two rounds of weight-aligned merging over gRPC with TLS, run once for the module: the test that checks them
+    and the fault test, which resumes this run, each work alone as well as in order."""
+    result = run(cluster, RUN | {"num-server-rounds": 2, "output-dir": str(runs), "run-name": "tls"})
+    log.info("2 rounds over gRPC with TLS: %.1f s", result.seconds)
+    return result
+
+
 @pytest.mark.slow
-def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path) -> None:
+def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path, tls_run: RunResult) -> None:
     spec = cluster.spec
     superlink = cluster.process("superlink")
     assert listening_pid(spec.fleet_port) == superlink.pid
@@ -218,9 +236,7 @@ def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path) -> None:
         argv = cluster.process(node).argv
         assert "--grpc-rere" in argv and "--root-certificates" in argv and "--insecure" not in argv
 
-    result = run(cluster, RUN | {"num-server-rounds": 2, "output-dir": str(runs), "run-name": "tls"})
-    assert result.ok, f"{result.status}: {result.details}"
-    log.info("2 rounds over gRPC with TLS: %.1f s", result.seconds)
+    assert tls_run.ok, f"{tls_run.status}: {tls_run.details}"
     records = json.loads((runs / "tls" / "metrics.json").read_text())["records"]
     assert [r["round"] for r in records] == [0, 1, 2]
     for r in records[1:]:
@@ -232,15 +248,15 @@ def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path) -> None:
 
 
 @pytest.mark.slow
-def test_resume_after_a_superlink_restart_survives_a_stopped_node_and_a_nan_reply(cluster: Cluster, runs: Path) -> None:
+def test_resume_after_a_superlink_restart_survives_a_stopped_node_and_a_nan_reply(cluster: Cluster, runs: Path,
+                                                                                  tls_run: RunResult) -> None:
     """The SuperLink is stopped after round 2 and started again; ``resume=true`` continues from the round-2
     checkpoint bit for bit. In round 3 a SuperNode is stopped mid-round: the round finishes with the reply
     that arrived (min-train-nodes=1), and the restarted node is back in round 4 (which waits for 2 connected
     nodes), where its reply is NaN (the
     ``fault-partition`` test hook) and is dropped with the reason while the valid one is merged."""
     checkpoint = runs / "tls" / "checkpoints" / "round-002.safetensors"
-    if not checkpoint.is_file():
-        pytest.skip("needs the run of test_two_rounds_over_grpc_with_tls")
+    assert tls_run.ok and checkpoint.is_file(), f"the run it resumes: {tls_run.status}: {tls_run.details}"
     stopped = time.monotonic()
     restart(cluster, "superlink")
     wait_for(lambda: statuses(cluster) == ["online", "online"], cluster, "both nodes to reconnect", interval=2)
