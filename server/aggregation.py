@@ -231,7 +231,7 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
     ``distil`` both train against the clipped clients' mixed predictions (:func:`clients_teacher`), not labels."""
     states, configs = universe_states(clients, full)
     before = embedded_distance(states, configs, full, [c.placement for c in clients])
-    previous = anchor if anchor is not None else clients[0].state
+    previous = anchor if anchor is not None else _zeros(full)  # no global model yet: what no client holds is 0
     centers = [previous if cfg == full else heterofl.restrict(previous, full, cfg) for cfg in configs]
     natives = [c.state for c in clients]
     clipping = clip(natives, centers, robust.clip_ratio) if anchor is not None else unclipped(natives)
@@ -248,6 +248,14 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
     if aggregation == "fedavg-ft":
         native, seconds = finetune(native, full, data, tune, teacher)
     return MergeResult(native, seconds, before, before, [None] * len(clients), 0, clipping)
+
+
+def _zeros(cfg: ModelConfig) -> State:
+    """A native state of ``cfg`` that is zero everywhere: HeteroFL's base where there is no global model (round 1 of
+    independent inits), so the merge has the full width's shapes whoever replied first (the first client's state,
+    the base before, was narrow when that client was) and the coordinates no client holds are the exact
+    embedding's zeros."""
+    return {k: torch.zeros_like(v) for k, v in build_model(cfg).state_dict().items()}
 
 
 def _server_only(anchor: State | None) -> State:

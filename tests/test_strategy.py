@@ -43,7 +43,7 @@ from glmc.merging.robust import Robustness
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, evaluate, train
-from server.aggregation import Client
+from server.aggregation import Client, merge
 from server.hooks import ClientsWriter, EnsembleEvaluator
 from server.records import RoundHooks, RoundRecord
 from server.strategy import SymmetryAwareFedAvg
@@ -836,3 +836,22 @@ def test_clients_writer_saves_each_client_model_at_its_width(tmp_path: Path) -> 
         loaded, meta = load_checkpoint(path)
         assert meta.config == CFG and meta.metrics == {"round": 2.0, "examples": client.weight}
         assert all(torch.equal(loaded[k], v) for k, v in client.state.items())
+
+
+@pytest.mark.parametrize("aggregation", ["fedavg", "fedavg-ft"])
+def test_slices_merged_with_no_global_model_take_full_width_shapes_whoever_replied_first(aggregation: str) -> None:
+    """Round 1 of independent inits has no anchor: the HeteroFL merge used the first client's state as its base,
+    so a narrow first client gave the global model narrow shapes. Every coordinate some client holds is their
+    coverage-weighted mean, whatever the order; one no client holds is zero (the exact embedding's fill)."""
+    narrow_cfg = scale_width(CFG, 0.5)
+    narrow = heterofl.restrict(state(1), CFG, narrow_cfg)
+    clients = [Client(narrow, 10.0, 0.5), Client(state(2), 30.0, 1.0)]
+    tune = TrainConfig(epochs=1, batch_size=8, lr=1e-2, seed=5, threads=1)
+    data = synthetic_images(16)
+    results = [merge(order, CFG, aggregation, merge_options(), anchor=None, data=data, tune=tune)
+               for order in (clients, clients[::-1])]
+    shapes = {k: v.shape for k, v in state(0).items()}
+    for result in results:
+        assert result.state is not None and {k: v.shape for k, v in result.state.items()} == shapes
+    if aggregation == "fedavg":  # the full-width client covers every coordinate: the order cannot matter
+        assert all(torch.equal(results[0].state[k], results[1].state[k]) for k in shapes)  # type: ignore[index]
