@@ -39,6 +39,7 @@ class RoundRecord:
     clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (glmc.merging.robust.screen)
     clipped: int = 0  # clients clipped around the global model where they are averaged (after matching)
     spread: float | None = None  # the farthest client's distance from the global model over the lower median's
+    unmoved: int = 0  # valid clients that came back where the global model put them (free riders, no-step stragglers)
     server_peak_gpu_mb: float = 0.0  # peak GPU memory of the server's aggregation and evaluation (0 on a CPU)
     client_peak_gpu_mb: float = 0.0  # the largest peak GPU memory a valid client reported
 

@@ -350,7 +350,9 @@ class SymmetryAwareFedAvg(FedAvg):
 
 
 def _record_clipping(record: RoundRecord, clipping: Clipping) -> None:
-    record.clipped, record.spread = clipping.clipped, clipping.spread
+    record.clipped, record.spread, record.unmoved = clipping.clipped, clipping.spread, clipping.unmoved
+    if clipping.unmoved:
+        log.info("round %d: %d clients did not move from the global model", record.round, clipping.unmoved)
     if clipping.clipped:
         log.warning("round %d: %d clients clipped to the bound around the global model", record.round,
                     clipping.clipped)

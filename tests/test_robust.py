@@ -4,6 +4,8 @@ scipy), and the defaults leaving an honest round bit for bit as it was without t
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import scipy.stats
@@ -88,6 +90,35 @@ def _round(aggregation: str, replies: list, robust: Robustness, anchor: dict[str
     arrays, _ = s.aggregate_train(1, replies)
     assert arrays is not None, s.current.failure
     return as_numpy(arrays), s.current
+
+
+@pytest.mark.parametrize("aggregation", ["fedavg", "weight", "canonical"])
+def test_free_riders_do_not_freeze_a_round(aggregation: str) -> None:
+    """3 clients that trained and 3 that sent the global model back unchanged: the global model moves as FedAvg over
+    the six would (half the honest mean's step at equal weights; the aligned merges average LayerNorm-folded models,
+    which is not linear in the native weights, so there within 10%) and as the merge does with the defences off, not
+    0, which is what clipping at a multiple of a lower median of 0 gave. The round counts the clients that did not
+    move."""
+    anchor = state(0)
+    trained = [_tuned(anchor, i) for i in range(3)]
+    replies = [reply(s, metrics(examples=10), node=i + 1) for i, s in enumerate([*trained, anchor, anchor, anchor])]
+    merged, record = _round(aggregation, replies, Robustness(), anchor)
+    plain, _ = _round(aggregation, replies, Robustness.off(), anchor)
+    moved = math.sqrt(sum(float(((torch.from_numpy(merged[k]) - anchor[k]) ** 2).sum()) for k in anchor))
+    mean = {k: sum(s[k] for s in trained) / 3 for k in anchor}
+    assert moved == pytest.approx(distance(mean, anchor) / 2, rel=1e-3 if aggregation == "fedavg" else 0.1)
+    assert all(np.allclose(merged[k], plain[k], atol=1e-6) for k in plain) and record.clipped == 0
+    assert record.unmoved == 3
+
+
+def test_a_clipping_reference_is_taken_over_the_clients_that_moved() -> None:
+    center = state(0)
+    trained = [_tuned(center, i, scale=0.01 * (i + 1)) for i in range(3)]
+    result = clip([*trained, center, center, center, _tuned(center, 9, scale=1.0)], [center] * 7, ratio=5.0)
+    assert result.clipped == 1 and result.factors[:6] == [1.0] * 6
+    moved = sorted(distance(s, center) for s in [*trained, result.states[6]])
+    assert distance(result.states[6], center) == pytest.approx(5 * moved[1], rel=1e-6)  # 5 × the lower median
+    assert clip([center, center], [center, center], ratio=5.0).factors == [1.0, 1.0]  # nobody moved: nothing to clip
 
 
 @pytest.mark.parametrize("aggregation", ["fedavg", "weight", "canonical"])

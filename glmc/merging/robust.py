@@ -94,36 +94,52 @@ class Clipping:
     states: list[State]
     factors: list[float]
     spread: float | None  # None: nothing to measure against (no global model yet)
+    unmoved: int = 0  # clients at their center (UNMOVED): free riders, or stragglers that trained no step
 
     @property
     def clipped(self) -> int:
         return sum(f < 1.0 for f in self.factors)
 
 
+# A client whose distance from its center is at most this fraction of the center's norm did not move (a free rider,
+# or a straggler that trained no step): float32 round trips of an unchanged model stay far below it.
+UNMOVED = 1e-6
+
+
+def moved_median(distances: Sequence[float], centers: Sequence[Mapping[str, torch.Tensor]]) -> tuple[float | None, int]:
+    """The lower median distance of the clients that moved from their centers (None: none did), and how many did not.
+    Clients that did not move must not set the scale: half the nodes of a round replying the global model unchanged
+    made the lower median 0, which pulled every client that trained back onto the global model."""
+    moved = [d for d, c in zip(distances, centers, strict=True) if d > UNMOVED * _norm(c)]
+    return (statistics.median_low(moved) if moved else None), len(distances) - len(moved)
+
+
 def clip(states: Sequence[State], centers: Sequence[Mapping[str, torch.Tensor]], ratio: float) -> Clipping:
     """Each state pulled toward its center along its update so that ‖θ_i − c_i‖ ≤ ``ratio`` × the lower median
-    of those distances (``ratio`` 0: measured, never clipped)."""
+    of those distances among the clients that moved (``ratio`` 0: measured, never clipped)."""
     distances = [distance(s, c) for s, c in zip(states, centers, strict=True)]
-    median = statistics.median_low(distances)
-    spread = max(distances) / median if median > 0 else (1.0 if max(distances) == 0 else math.inf)
-    bound = ratio * median if ratio else math.inf
+    median, unmoved = moved_median(distances, centers)
+    spread = max(distances) / median if median else 1.0
+    bound = ratio * median if ratio and median else math.inf
     factors = [bound / d if d > bound else 1.0 for d in distances]
     out = [_toward(s, c, f) for s, c, f in zip(states, centers, factors, strict=True)]
     if any(f < 1.0 for f in factors):
-        log.warning("clipped %d of %d clients to %.3g (clip-ratio %g × the lower median distance %.3g); factors %s",
-                    sum(f < 1.0 for f in factors), len(factors), bound, ratio, median,
+        log.warning("clipped %d of %d clients to %.3g (clip-ratio %g × the lower median distance %.3g of those that "
+                    "moved); factors %s", sum(f < 1.0 for f in factors), len(factors), bound, ratio, median,
                     [f"{f:.3g}" for f in factors])
-    return Clipping(out, factors, spread)
+    return Clipping(out, factors, spread, unmoved)
 
 
 def screen(states: Sequence[State], centers: Sequence[Mapping[str, torch.Tensor]], ratio: float) -> Clipping:
     """Before matching: a state whose norm exceeds its center's by more than ``ratio`` × the lower median distance
-    to the centers is clipped to that distance. Norms do not change under the permutations and orthogonal maps
-    matching applies, and ‖θ‖ − ‖c‖ ≤ ‖T(θ) − c‖ for any such T, so this touches only clients the clipping after
-    matching would clip anyway; a client sent back in another basis is left alone. It keeps runaway values (a
-    reply of all 9999 made weight matching's assignment infeasible) out of the matching."""
+    to the centers (of the clients that moved) is clipped to that distance. Norms do not change under the
+    permutations and orthogonal maps matching applies, and ‖θ‖ − ‖c‖ ≤ ‖T(θ) − c‖ for any such T, so this touches
+    only clients the clipping after matching would clip anyway; a client sent back in another basis is left alone.
+    It keeps runaway values (a reply of all 9999 made weight matching's assignment infeasible) out of the
+    matching."""
     distances = [distance(s, c) for s, c in zip(states, centers, strict=True)]
-    bound = ratio * statistics.median_low(distances) if ratio else math.inf
+    median, _ = moved_median(distances, centers)
+    bound = ratio * median if ratio and median else math.inf
     flagged = [_norm(s) - _norm(c) > bound for s, c in zip(states, centers, strict=True)]
     factors = [bound / d if runaway else 1.0 for d, runaway in zip(distances, flagged, strict=True)]
     if any(flagged):
