@@ -157,6 +157,9 @@ class RunSettings:
     # only (HeteroFL's fedavg keeps its fixed slices). Over HeteroFL on 5 seeds, principal gave weight +1.5 and
     # learned +2.4 points where aligned gave −0.2 and (3 seeds) −1.1 (simulations/results/widths-principal, widths)
     narrow_placement: str = "principal"
+    # drop the replies identical to the model their node was sent (free riders, stragglers that trained no step) with
+    # that reason; false: they count, as FedAvg counts them, pulling the average toward the global model by their weight
+    drop_unchanged: bool = False
     # weight / activation at equal widths (others ignore it): when matching brings the clients less than this
     # fraction closer (mean pairwise distance, 1 − after / before), that round averages them unaligned, which is
     # FedAvg. 0 = always keep the alignment. Clients fine-tuned from one global model are already aligned (matching

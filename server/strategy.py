@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
@@ -64,7 +65,8 @@ class SymmetryAwareFedAvg(FedAvg):
     def __init__(self, aggregation: str, schema: ReplySchema, model_config: ModelConfig, *,
                  options: MergeOptions | None = None, server_data: Dataset | None = None, generate: int = 0,
                  tune: TrainConfig | None = None, narrow_placement: str = RunSettings.narrow_placement,
-                 independent_init: bool = False, node_wait_timeout: float = RunSettings.node_wait_timeout,
+                 independent_init: bool = False, drop_unchanged: bool = False,
+                 node_wait_timeout: float = RunSettings.node_wait_timeout,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         """``options``: how the server merges (default: the run config's defaults on the CPU), its method set by
         ``aggregation``; ``tune``: how fedavg-ft and server-only train on the server data."""
@@ -91,6 +93,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self._principal: dict[float, Placement] = {}  # tier → this round's principal placement
         self.independent_init = independent_init
         self.node_wait_timeout = node_wait_timeout  # seconds a round waits for enough nodes before it is skipped
+        self.drop_unchanged = drop_unchanged  # drop replies identical to what their node was sent (free riders)
         self.round_offset = round_offset
         self.hooks = list(hooks)
         self.records: list[RoundRecord] = []
@@ -184,6 +187,8 @@ class SymmetryAwareFedAvg(FedAvg):
         replies = list(replies)
         addressees = {m.metadata.message_id: m.metadata.dst_node_id for m in self.instructions}
         valid, dropped = split_replies(replies, self.schema, addressees, self.node_tiers)
+        if self.drop_unchanged:
+            valid, dropped = self._drop_unchanged(valid, dropped)
         record = self.current
         record.replies, record.valid = len(replies), len(valid)
         record.dropped = [f"node {node}: {reason}" for node, reason in dropped]
@@ -220,6 +225,29 @@ class SymmetryAwareFedAvg(FedAvg):
         if arrays is not None:
             self.global_arrays = arrays
         return arrays, metrics
+
+    def _drop_unchanged(self, valid: list[Message], dropped: list[tuple[int, str]],
+                        ) -> tuple[list[Message], list[tuple[int, str]]]:
+        """``drop-unchanged``: the valid replies that are, to the bit, the model their node was sent move to
+        ``dropped``."""
+        kept = []
+        for msg in valid:
+            node = msg.metadata.src_node_id
+            tier = self.schema.tier(float(_metrics(msg)[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
+            sent = self._sent_to(node, tier)
+            if sent is not None and all(torch.equal(v, sent[k]) for k, v in _state(msg).items()):
+                dropped.append((node, "identical to the model it was sent (drop-unchanged: a free rider)"))
+            else:
+                kept.append(msg)
+        return kept, dropped
+
+    def _sent_to(self, node: int, tier: float) -> State | None:
+        """The global model this round sent ``node``, at its width (None before the first global model)."""
+        state = self._sent_state if self._sent_state is not None else (
+            self.global_arrays.to_torch_state_dict() if self.global_arrays is not None else None)
+        if state is None or tier == 1.0:
+            return state
+        return restrict(state, self.model_config, tier, self.aggregation, self._placement(node, tier))
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """FedAvg's weighted metrics over the evaluate replies that pass :func:`check_evaluate_reply`; the others

@@ -111,6 +111,22 @@ def test_free_riders_do_not_freeze_a_round(aggregation: str) -> None:
     assert record.unmoved == 3
 
 
+def test_drop_unchanged_drops_the_free_riders_with_the_reason() -> None:
+    """drop-unchanged: replies identical to the model their node was sent are dropped, named; the round is then the
+    FedAvg of the clients that trained."""
+    anchor = state(0)
+    trained = [_tuned(anchor, i) for i in range(3)]
+    replies = [reply(s, metrics(examples=10), node=i + 1) for i, s in enumerate([*trained, anchor, anchor])]
+    s = strategy("fedavg", drop_unchanged=True)
+    s.global_arrays = ArrayRecord(anchor)  # type: ignore[arg-type]
+    arrays, _ = s.aggregate_train(1, replies)
+    assert arrays is not None and s.current.valid == 3 and len(s.current.dropped) == 2
+    assert all("identical to the model it was sent (drop-unchanged" in line for line in s.current.dropped)
+    mean = {k: sum(x[k] for x in trained) / 3 for k in anchor}
+    assert all(np.allclose(v, mean[k].numpy(), atol=1e-6) for k, v in as_numpy(arrays).items())
+    assert RunSettings.from_run_config({"drop-unchanged": True}).drop_unchanged
+
+
 def test_a_clipping_reference_is_taken_over_the_clients_that_moved() -> None:
     center = state(0)
     trained = [_tuned(center, i, scale=0.01 * (i + 1)) for i in range(3)]
