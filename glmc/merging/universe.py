@@ -31,6 +31,8 @@ from glmc.archs import ModelConfig, State, get_arch
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_options, check_weights
 from glmc.match.common import MatchResult, sq_distance
+from glmc.match.options import MatchOptions
+from glmc.match.registry import get_method
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.merging.widths import FILLS, Placement, embed, lstsq_merge, move, place, widen
 from glmc.symmetry.transforms import Transform, apply, compose, maps_to
@@ -78,19 +80,13 @@ class _Job:
     method: str
     cfg: ModelConfig
     data: Dataset | None
-    batch: int
-    learn: Any = None  # glmc.match.learned.LearnConfig for the learned methods
-    weight_start: Start = DEFAULT_START  # where weight matching (and the learned methods' first matching) starts
-    weight: WeightOptions | None = None  # that matching's costs and stopping rule
+    options: MatchOptions  # the pairwise matcher's (standard form)
 
 
 def _align_one(job: _Job, anchor: State, state: State) -> MatchResult:
-    """The transform that brings ``state`` next to ``anchor`` (both canonical, standard form, width of cfg)."""
-    from glmc.match.options import MatchOptions
-    from glmc.match.registry import get_method
-
-    options = MatchOptions("standard", job.batch, job.learn, job.weight_start, job.weight)
-    return get_method(job.method).match()(anchor, state, job.cfg, job.data, options)
+    """The transform that brings ``state`` next to ``anchor`` (both canonical, standard form, width of cfg), by the
+    registry's pairwise function of ``job.method``."""
+    return get_method(job.method).match()(anchor, state, job.cfg, job.data, job.options)
 
 
 _SHARED: dict[str, Any] = {}  # a worker's copy of one iteration's job, anchor and states
@@ -215,7 +211,7 @@ def universe_match(
     universe = dict(anchor) if anchor is not None else aligned[reference]
     if workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
         data = _small_dataset(data, batch if method == "activation" else None)
-    job = _Job(method, cfg, data, batch, learn, weight_start, weight)
+    job = _Job(method, cfg, data, MatchOptions("standard", batch, learn, weight_start, weight))
     result = UniverseResult(aligned, placements, transforms, universe)
     for iteration in range(1, max_iters + 1):
         _iterate(result, job, workers, iteration, weights)
@@ -259,7 +255,8 @@ def _refine(result: UniverseResult, job: _Job, weights: Sequence[float] | None, 
     if job.data is None:
         raise ConfigError("learned refinement needs data: pass training samples")
     start = time.perf_counter()
-    transforms = refine_universe(result.aligned, job.cfg, job.data, weights, reference=reference, options=job.learn)
+    transforms = refine_universe(result.aligned, job.cfg, job.data, weights, reference=reference,
+                                 options=job.options.learn)
     return _move_and_merge(result, dataclasses.replace(job, method="refine"), transforms, weights,
                            len(result.history) + 1, start)
 
