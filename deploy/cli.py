@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,9 @@ import click
 from flwr.common.config import parse_config_args
 
 from deploy.certs import certificate_names, make_certificates
-from deploy.cluster import INSECURE_WARNING, Cluster, ClusterSpec, describe, down, run, up
+from deploy.cluster import INSECURE_WARNING, Cluster, ClusterSpec, deployed_config, describe, down, run, up
 from deploy.connection import default_flwr_home, write_connection
+from deploy.follow import follow, run_dir
 from deploy.keys import make_node_key
 from federation.settings import parse_tiers
 from glmc.errors import ConfigError, GlmcError
@@ -79,7 +81,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    result = run(Cluster.load(args.name, args.output_dir), parse_overrides(args.run_config))
+    """Submit the run, report each round as the ServerApp writes it, then its status and where its outputs are."""
+    cluster = Cluster.load(args.name, args.output_dir)
+    config = deployed_config(cluster, parse_overrides(args.run_config))
+    start = time.monotonic()
+    started = run(cluster, config, wait=False)
+    if started.run_id is None:
+        print(f"run not started: {started.details}")
+        return 1
+    print(f"run {started.run_id} submitted", flush=True)
+    result = follow(started.run_id, run_dir(config, started.run_id), cluster.env, cluster.spec.name,
+                    lambda line: print(line, flush=True), start)
     print(f"run {result.run_id}: {result.status} in {result.seconds:.0f} s {'' if result.ok else result.details}")
     return 0 if result.ok else 1
 
@@ -131,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                           ("status", "which recorded processes run; exit 1 if one does not")):
         _name(sub.add_parser(command, help=text))
 
-    p = sub.add_parser("run", help="flwr run . NAME --stream, then check the run's status with flwr ls")
+    p = sub.add_parser("run", help="flwr run . NAME, each round reported as it ends, then the run's status (flwr ls) "
+                       "and where its outputs are")
     _name(p)
     p.add_argument("--run-config", action="append", default=[], help="'key=value ...' overrides (TOML values)")
     return parser

@@ -276,9 +276,14 @@ def run(cluster: Cluster, run_config: Mapping[str, Any], *, wait: bool = True, t
     run's ``width-tiers`` default to the deployment's tiers, so every node's reply fits the schema.
     Without ``wait`` it returns once the run is submitted.
     """
-    config = {"output-dir": str((PROJECT / "outputs").resolve()),
-              "width-tiers": ",".join(f"{t:g}" for t in cluster.spec.tiers)} | dict(run_config)
-    return run_app(config, cluster.env, superlink=cluster.spec.name, wait=wait, timeout=timeout)
+    return run_app(deployed_config(cluster, run_config), cluster.env, superlink=cluster.spec.name, wait=wait,
+                   timeout=timeout)
+
+
+def deployed_config(cluster: Cluster, run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``run_config`` with the deployment's defaults: this project's ``outputs/`` and the deployment's tiers."""
+    return {"output-dir": str((PROJECT / "outputs").resolve()),
+            "width-tiers": ",".join(f"{t:g}" for t in cluster.spec.tiers)} | dict(run_config)
 
 
 def wait_until(ready: Callable[[], bool], process: Process, what: str, timeout: float = READY_TIMEOUT,

@@ -10,6 +10,8 @@ process they start is stopped by its recorded PID in a ``finally``. Measured fig
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -49,7 +51,6 @@ from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError, DeployError
 from glmc.io.checkpoint import load_checkpoint, state_digest
 from simulations.engine import (
-    RunResult,
     descendants,
     flwr_env,
     flwr_json,
@@ -57,6 +58,7 @@ from simulations.engine import (
     listening_pid,
     run_status,
     running,
+    toml_value,
 )
 
 log = logging.getLogger(__name__)
@@ -173,6 +175,20 @@ def test_stop_ends_the_recorded_process_and_its_children_and_nothing_else(tmp_pa
         stop(parent, grace=1)
 
 
+def test_a_deployed_round_is_reported_in_one_line_with_what_was_dropped() -> None:
+    from deploy.follow import round_line, run_dir
+    from server.records import RoundRecord
+
+    first = RoundRecord(3, replies=2, valid=1, central_accuracy=0.5123, dropped=["node 7: NaN or Inf values"])
+    assert round_line(first.to_dict()) == ("round 3: accuracy 51.2%, 1/2 valid replies; dropped node 7: NaN or Inf "
+                                           "values")
+    kept = RoundRecord(4, replies=1, valid=0, failure="only 1 of the 2 nodes the round needs connected")
+    assert round_line(kept.to_dict()).endswith("0/1 valid replies, global model kept: only 1 of the 2 nodes the "
+                                               "round needs connected")
+    assert run_dir({"output-dir": "/o"}, "12") == Path("/o/run-12")
+    assert run_dir({"output-dir": "/o", "run-name": "tls"}, "12") == Path("/o/tls")
+
+
 # A real deployment on loopback: TLS, node authentication, two SuperNodes with width tiers 1 and 0.5.
 
 @pytest.fixture(scope="module")
@@ -217,16 +233,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tls_run(cluster: Cluster, runs: Path) -> RunResult:
-    """Two rounds of weight-aligned merging over gRPC with TLS, run once for the module: the test that checks them
-    and the fault test, which resumes this run, each work alone as well as in order."""
-    result = run(cluster, RUN | {"num-server-rounds": 2, "output-dir": str(runs), "run-name": "tls"})
-    log.info("2 rounds over gRPC with TLS: %.1f s", result.seconds)
-    return result
+def tls_run(cluster: Cluster, runs: Path) -> tuple[int, str]:
+    """Two rounds of weight-aligned merging over gRPC with TLS, through ``python -m deploy run`` (its exit status and
+    what it printed), run once for the module: the test that checks them and the fault test, which resumes this
+    run, each work alone as well as in order."""
+    config = RUN | {"num-server-rounds": 2, "output-dir": str(runs), "run-name": "tls"}
+    printed, start = io.StringIO(), time.monotonic()
+    with contextlib.redirect_stdout(printed):
+        status = cli.main(["run", "--name", cluster.spec.name, "--output-dir", str(cluster.spec.output_dir),
+                           "--run-config", " ".join(f"{k}={toml_value(v)}" for k, v in config.items())])
+    log.info("2 rounds over gRPC with TLS: %.1f s", time.monotonic() - start)
+    return status, printed.getvalue()
 
 
 @pytest.mark.slow
-def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path, tls_run: RunResult) -> None:
+def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path, tls_run: tuple[int, str]) -> None:
     spec = cluster.spec
     superlink = cluster.process("superlink")
     assert listening_pid(spec.fleet_port) == superlink.pid
@@ -236,7 +257,12 @@ def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path, tls_run: Ru
         argv = cluster.process(node).argv
         assert "--grpc-rere" in argv and "--root-certificates" in argv and "--insecure" not in argv
 
-    assert tls_run.ok, f"{tls_run.status}: {tls_run.details}"
+    status, printed = tls_run
+    assert status == 0, printed
+    lines = printed.splitlines()  # round by round as the run goes, then where its outputs are
+    assert lines[1].startswith("round 0: accuracy") and lines[2].startswith("round 1: accuracy"), printed
+    assert ", 2/2 valid replies" in lines[3] and "finished:completed" in lines[-1], printed
+    assert f"metrics: {runs / 'tls' / 'metrics.json'}" in lines and f"plot: {runs / 'tls' / 'accuracy.png'}" in lines
     records = json.loads((runs / "tls" / "metrics.json").read_text())["records"]
     assert [r["round"] for r in records] == [0, 1, 2]
     for r in records[1:]:
@@ -249,14 +275,14 @@ def test_two_rounds_over_grpc_with_tls(cluster: Cluster, runs: Path, tls_run: Ru
 
 @pytest.mark.slow
 def test_resume_after_a_superlink_restart_survives_a_stopped_node_and_a_nan_reply(cluster: Cluster, runs: Path,
-                                                                                  tls_run: RunResult) -> None:
+                                                                                  tls_run: tuple[int, str]) -> None:
     """The SuperLink is stopped after round 2 and started again; ``resume=true`` continues from the round-2
     checkpoint bit for bit. In round 3 a SuperNode is stopped mid-round: the round finishes with the reply
     that arrived (min-train-nodes=1), and the restarted node is back in round 4 (which waits for 2 connected
     nodes), where its reply is NaN (the
     ``fault-partition`` test hook) and is dropped with the reason while the valid one is merged."""
     checkpoint = runs / "tls" / "checkpoints" / "round-002.safetensors"
-    assert tls_run.ok and checkpoint.is_file(), f"the run it resumes: {tls_run.status}: {tls_run.details}"
+    assert tls_run[0] == 0 and checkpoint.is_file(), f"the run it resumes: {tls_run[1]}"
     stopped = time.monotonic()
     restart(cluster, "superlink")
     wait_for(lambda: statuses(cluster) == ["online", "online"], cluster, "both nodes to reconnect", interval=2)
