@@ -119,14 +119,14 @@ def _setup(args: argparse.Namespace, method: str, target: Any, natives: list[dic
 
     options = merge_options(args, method)
     samples = args.batch or (learn_samples if method == "learned" else 512)
-    repair, refit = options.corrections.repair or 0, options.corrections.refit or 0
+    corrected = options.corrections.samples or 0  # the CLI's corrections always name their count
     train: Dataset | None
     meta, writers = dataclasses.replace(metas[0], config=target), (natives, [m.config for m in metas])
     if samples is None:  # the whole split, which covers REPAIR's and the refit's samples too
         train = training_data(meta, args, None, writers)
         samples = len(train)  # type: ignore[arg-type]
     else:
-        wanted = max(samples, repair, refit) if options.reads_data else max(repair, refit)  # first `samples` stay
+        wanted = max(samples, corrected) if options.reads_data else corrected  # the first `samples` stay
         train = training_data(meta, args, wanted, writers) if wanted else None
     options = dataclasses.replace(options, match=dataclasses.replace(options.match, batch=samples))
     return MergeSetup(target, options, _weights(getattr(args, "weights", None), len(natives)), train)
