@@ -27,9 +27,9 @@ from flwr.common.config import parse_config_args
 from deploy.certs import certificate_names, make_certificates
 from deploy.cluster import INSECURE_WARNING, Cluster, ClusterSpec, deployed_config, describe, down, run, up
 from deploy.connection import default_flwr_home, write_connection
-from deploy.follow import follow, run_dir
+from deploy.follow import follow
 from deploy.keys import make_node_key
-from federation.settings import parse_tiers
+from federation.settings import RunSettings, parse_tiers
 from glmc.errors import ConfigError, GlmcError
 
 log = logging.getLogger("deploy")
@@ -84,13 +84,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Submit the run, report each round as the ServerApp writes it, then its status and where its outputs are."""
     cluster = Cluster.load(args.name, args.output_dir)
     config = deployed_config(cluster, parse_overrides(args.run_config))
+    settings = RunSettings.from_run_config(config)  # a bad key fails here, before the run is submitted
     start = time.monotonic()
     started = run(cluster, config, wait=False)
     if started.run_id is None:
         print(f"run not started: {started.details}")
         return 1
     print(f"run {started.run_id} submitted", flush=True)
-    result = follow(started.run_id, run_dir(config, started.run_id), cluster.env, cluster.spec.name,
+    result = follow(started.run_id, settings.run_dir(int(started.run_id)), cluster.env, cluster.spec.name,
                     lambda line: print(line, flush=True), start)
     print(f"run {result.run_id}: {result.status} in {result.seconds:.0f} s {'' if result.ok else result.details}")
     return 0 if result.ok else 1

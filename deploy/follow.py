@@ -16,11 +16,6 @@ from simulations.engine import RunResult, run_status
 POLL_SECONDS = 2.0
 
 
-def run_dir(config: Mapping[str, Any], run_id: str) -> Path:
-    """Where the ServerApp writes run ``run_id`` of this run config (federation.settings.RunSettings.run_dir)."""
-    return Path(str(config.get("output-dir", "outputs"))) / (str(config.get("run-name") or "") or f"run-{run_id}")
-
-
 def round_line(record: Mapping[str, Any]) -> str:
     """One round of metrics.json in words."""
     accuracy = record.get("central_accuracy")

@@ -176,7 +176,7 @@ def test_stop_ends_the_recorded_process_and_its_children_and_nothing_else(tmp_pa
 
 
 def test_a_deployed_round_is_reported_in_one_line_with_what_was_dropped() -> None:
-    from deploy.follow import round_line, run_dir
+    from deploy.follow import round_line
     from server.records import RoundRecord
 
     first = RoundRecord(3, replies=2, valid=1, central_accuracy=0.5123, dropped=["node 7: NaN or Inf values"])
@@ -185,8 +185,6 @@ def test_a_deployed_round_is_reported_in_one_line_with_what_was_dropped() -> Non
     kept = RoundRecord(4, replies=1, valid=0, failure="only 1 of the 2 nodes the round needs connected")
     assert round_line(kept.to_dict()).endswith("0/1 valid replies, global model kept: only 1 of the 2 nodes the "
                                                "round needs connected")
-    assert run_dir({"output-dir": "/o"}, "12") == Path("/o/run-12")
-    assert run_dir({"output-dir": "/o", "run-name": "tls"}, "12") == Path("/o/tls")
 
 
 # A real deployment on loopback: TLS, node authentication, two SuperNodes with width tiers 1 and 0.5.
