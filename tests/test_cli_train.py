@@ -86,7 +86,7 @@ def _fails_with_one_line(argv: list[str], capsys, expect: str) -> None:
         (["--model", "vit-huge", "--dataset", "fashion-mnist"], "unknown preset 'vit-huge'"),
         (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--width-mult", "0.25"], "does not divide the 2 heads"),
         (["--model", "vit-tiny", "--dataset", "mnist"], "unknown dataset 'mnist'"),
-        (["--model", "gpt2-tiny", "--dataset", "fashion-mnist"], "needs a vit preset"),
+        (["--model", "gpt2-tiny", "--dataset", "fashion-mnist"], "needs an image model preset"),
         (["--model", "vit-tiny"], "required: --dataset"),
         (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--epochs", "0", "--lr", "nan"],
          "argument --lr: must be a finite number > 0, got nan"),

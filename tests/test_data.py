@@ -314,7 +314,7 @@ def test_hub_task_reads_glmc_data_and_missing_copies_say_how_to_fetch(
     task = load_task("cifar10", preset("vit-tiny"))
     assert (task.config.img_size, task.config.in_chans, task.config.num_classes, task.config.patch) == (32, 3, 10, 4)
     assert len(task.train) == 40 and len(task.test) == 10
-    with pytest.raises(ConfigError, match="needs a vit preset"):
+    with pytest.raises(ConfigError, match="needs an image model preset"):
         load_task("cifar10", preset("gpt2-tiny"))
 
 

@@ -85,7 +85,7 @@ def test_default_weight_matching_recovers_a_trained_model_to_float_precision(tra
     without circuits, and its circuits then agree too."""
     state, meta = load_checkpoint(trained)
     cfg, arch = meta.config, get_arch(meta.config.family)
-    fix_ones = fixes_ones(form)
+    fix_ones = fixes_ones(form, arch)
     a = canonicalize(arch, cast(state, torch.float64), cfg.depth, form)
     size = sum(float((v**2).sum()) for v in a.values())
     for seed in PLANTED_SEEDS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
@@ -54,6 +55,15 @@ class Arch:
     activation_residual: bool = True
     # LayerScale prefix -> the residual writer whose output rows it scales (folded into it when canonicalising)
     scales: Mapping[str, str] = field(default_factory=dict)
+    # The stream's norm once its gain is folded: a LayerNorm commutes with the orthogonal maps that fix the ones
+    # vector, an RMSNorm with all of O(d).
+    norm: Literal["layer", "rms"] = "layer"
+    # The transformers class whose ``save_pretrained`` folders glmc reads and writes through ``from_pretrained`` and
+    # ``build`` alone (no family-specific reader); "" where a family has its own (GPT-2's tied heads, ViT's names).
+    hf_class: str = ""
+    # What the model reads: images (a classifier) or token ids (a causal language model); tasks and checks ask this,
+    # not the family's name.
+    modality: Literal["image", "text"] = "text"
 
     @property
     def optional(self) -> frozenset[str]:

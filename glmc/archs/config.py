@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 from glmc.errors import ConfigError, check_options
 
-Family = Literal["vit", "gpt2"]
+Family = Literal["vit", "gpt2", "llama", "mistral", "qwen2"]
 
-# Each family's own LayerNorm eps (timm ViT, HF GPT-2); an exact width embedding rescales it.
-DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5}
+# Each family's own norm eps (timm ViT, HF GPT-2, HF's RMSNorm families); an exact width embedding rescales it.
+DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6}
 POOLS = ("token", "avg")  # the timm ViT poolings glmc covers
 
 
@@ -27,7 +27,8 @@ class ModelConfig:
     heads: int  # attention heads H
     mlp: int  # MLP hidden width f
     head_dim: int = 0  # d_h; 0 means width // heads
-    activation: Literal["gelu", "relu"] = "gelu"
+    kv_heads: int = 0  # key/value heads H_kv (grouped-query attention); 0 means heads
+    activation: Literal["gelu", "relu", "silu"] = "gelu"  # silu: the gated SwiGLU MLP of the Llama families
     norm_eps: float = 0.0  # LayerNorm eps; 0 means the family default
     dropout: float = 0.0  # on the embeddings, attention weights and residual writes while training (no parameters)
     # ViT only
@@ -45,15 +46,20 @@ class ModelConfig:
     qkv_bias: bool = True
     layer_scale: bool = False
     no_embed_class: bool = False
-    # GPT-2 only
+    # Language models
     vocab_size: int = 0
     context: int = 0
+    # Rotary positions (the Llama families): the share of each head's dimensions they rotate (0: none) and their base
+    rotary_pct: float = 0.0
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.heads > 0:  # heads ≤ 0 is reported with the other sizes below
             if self.width % self.heads:
                 raise ConfigError(f"width {self.width} is not divisible by heads {self.heads}")
             object.__setattr__(self, "head_dim", self.width // self.heads)
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
         if self.norm_eps == 0.0:
             object.__setattr__(self, "norm_eps", DEFAULT_NORM_EPS[self.family])
         for sizes in (("width", "depth", "heads", "mlp"), ("head_dim",)):  # head_dim after the sizes it comes from
@@ -64,16 +70,34 @@ class ModelConfig:
             raise ConfigError("global_pool 'token' needs the class token (class_token=False pools by 'avg')")
         check_options("model config", [("≥ 0", lambda v: v >= 0, {"reg_tokens": self.reg_tokens})])
         check_options("model config", [("in [0, 1)", lambda v: 0 <= v < 1, {"dropout": self.dropout})])
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if not 0 <= self.rotary_pct <= 1 or self.rotary_dim % 2:
+            raise ConfigError(f"rotary_pct {self.rotary_pct} must be in [0, 1] and rotate an even number of the "
+                              f"{self.head_dim} head dimensions")
 
     @property
     def attn_dim(self) -> int:
         """Width of the concatenated heads, H·d_h (equal to d unless d_h is set apart)."""
         return self.heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions rotary positions rotate (HF: ``int(head_dim · rotary_pct)``)."""
+        return int(self.head_dim * self.rotary_pct)
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head, G = H / H_kv."""
+        return self.heads // self.kv_heads
+
     def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed; head_dim is re-derived unless given."""
+        """A copy with some fields changed; head_dim (and kv_heads, where it equalled heads) re-derived unless
+        given."""
         if "head_dim" not in changes and ({"width", "heads"} & changes.keys()):
             changes["head_dim"] = 0
+        if "kv_heads" not in changes and "heads" in changes and self.kv_heads == self.heads:
+            changes["kv_heads"] = 0
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,6 +120,9 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt2-bench": ModelConfig("gpt2", width=128, depth=4, heads=4, mlp=512, context=128),
     # The official GLMC code's GPT-2 (n_embd 256, 6 layers, 4 heads, MLP 1024, context 256), trained with dropout 0.1.
     "gpt2-paper": ModelConfig("gpt2", width=256, depth=6, heads=4, mlp=1024, context=256, dropout=0.1),
+    # A Llama of the same size as gpt2-tiny: RMSNorm, SwiGLU, rotary positions, two query heads per KV head.
+    "llama-tiny": ModelConfig("llama", width=32, depth=2, heads=4, kv_heads=2, mlp=64, activation="silu",
+                              qkv_bias=False, rotary_pct=1.0, context=32),
 }
 
 

@@ -157,5 +157,6 @@ VIT = Arch(
     module_names=_MODULES,
     check_inputs=check_inputs,
     config_of=config_of,
+    modality="image",
     scales={"blocks.{l}.ls1": "blocks.{l}.attn.proj", "blocks.{l}.ls2": "blocks.{l}.mlp.fc2"},
 )

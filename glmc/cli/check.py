@@ -32,12 +32,12 @@ def run_check(args: argparse.Namespace) -> int:
         return _check_checkpoint(args)
     if args.model is None:
         raise ConfigError("give a checkpoint to check, or --model PRESET for a random model of a preset")
-    from glmc.archs import preset
+    from glmc.archs import get_arch, preset
 
     changes = {k: getattr(args, k) for k in ("width", "depth", "heads", "mlp", "activation")
                if getattr(args, k) is not None}  # --width 0 is an error to report, not "no override"
     cfg = preset(args.model).replace(**changes)
-    if cfg.family == "gpt2":
+    if get_arch(cfg.family).modality == "text":
         cfg = cfg.replace(vocab_size=67)  # any vocabulary will do for an invariance check
     errors = invariance_errors(cfg, args.form, args.seed, device=args.device)
     ok = max(errors.values()) <= TOLERANCE

@@ -41,9 +41,13 @@ class Task:
     val: Dataset | None = None  # a validation split for early stopping, where the dataset defines one
 
 
-def _require_family(dataset: str, cfg: ModelConfig, family: str) -> None:
-    if cfg.family != family:
-        raise ConfigError(f"dataset {dataset!r} needs a {family} preset, got a {cfg.family} config")
+def _require_modality(dataset: str, cfg: ModelConfig, modality: str) -> None:
+    """ConfigError unless the config's family reads what the dataset holds (images, or token ids)."""
+    from glmc.archs import get_arch
+
+    if get_arch(cfg.family).modality != modality:
+        kind = "an image model" if modality == "image" else "a language model"
+        raise ConfigError(f"dataset {dataset!r} needs {kind} preset, got a {cfg.family} config")
 
 
 def _vision_task(cfg: ModelConfig, data: VisionSplits) -> Task:
@@ -60,13 +64,13 @@ def fashion_mnist_task(cfg: ModelConfig, path: str | Path | None = None, seed: i
     """Fashion-MNIST's official 60k/10k split for a ViT; ``seed`` is unused (the split is fixed)."""
     from glmc.data import load_fashion_mnist
 
-    _require_family("fashion-mnist", cfg, "vit")
+    _require_modality("fashion-mnist", cfg, "image")
     return _vision_task(cfg, load_fashion_mnist(path))
 
 
 def hub_task(dataset: str, cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:
     """A fetched hub set (CIFAR-10/100, Tiny ImageNet) and its official split; ``seed`` is unused."""
-    _require_family(dataset, cfg, "vit")
+    _require_modality(dataset, cfg, "image")
     return _vision_task(cfg, load_hub_copy(dataset, path))
 
 
@@ -74,7 +78,7 @@ def shakespeare_task(cfg: ModelConfig, path: str | Path | None = None, seed: int
     """Char-level Shakespeare, the tail 10% of every play held out; ``seed`` sets the window phase."""
     from glmc.data import load_shakespeare
 
-    _require_family("shakespeare", cfg, "gpt2")
+    _require_modality("shakespeare", cfg, "text")
     corpus = load_shakespeare(path, context=cfg.context, seed=seed)
     config = cfg.replace(vocab_size=corpus.vocab.size)
     split = (
@@ -102,7 +106,7 @@ def shakespeare_bpe_task(cfg: ModelConfig, path: str | Path | None = None, seed:
     whatever the seed."""
     from glmc.data import load_shakespeare_bpe
 
-    _require_family("shakespeare-bpe", cfg, "gpt2")
+    _require_modality("shakespeare-bpe", cfg, "text")
     corpus = load_shakespeare_bpe(path, context=cfg.context)
     split = (f"shakespeare-bpe: contiguous 90/5/5 split, byte-level BPE vocab {corpus.vocab.size}; blocks of "
              f"{corpus.context} tokens: {len(corpus.train)} train / {len(corpus.val)} validation / "

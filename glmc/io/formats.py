@@ -3,7 +3,8 @@
 - ``glmc``: one .safetensors with JSON metadata (:mod:`glmc.io.checkpoint`);
 - ``hf``: a folder with ``config.json`` and ``model.safetensors`` (or a sharded index) of a ``GPT2LMHeadModel`` or
   ``GPT2Model``, as ``save_pretrained`` writes it; a tied head is untied on reading (one INFO line) and tied again
-  on writing only if it is still equal to the embedding bit for bit;
+  on writing only if it is still equal to the embedding bit for bit; or of any family that names its transformers
+  class (``Arch.hf_class``: Llama, Mistral, Qwen2), read by ``from_pretrained`` and written by its own build;
 - ``timm``: a ViT's ``state_dict`` as .safetensors, with ``timm.create_model``'s kwargs, model name included, in a
   JSON file of the same stem beside it (``vit.safetensors`` + ``vit.json``); or a timm Hub folder, as
   ``timm.models.save_for_hf`` writes it and the Hub serves it (``config.json`` naming an ``architecture``, and
@@ -31,7 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from glmc.archs import ModelConfig, State, cast, hf_vit
+from glmc.archs import ARCHS, ModelConfig, State, cast, get_arch, hf_vit
 from glmc.errors import CheckpointError, ConfigError, first_line
 from glmc.io.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
 from glmc.io.live import read_module
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 FORMATS = ("glmc", "hf", "timm")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # what a writer can store
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-HF_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "ViTForImageClassification": "vit"}  # → model_type
+HF_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "ViTForImageClassification": "vit"} | {
+    arch.hf_class: family for family, arch in ARCHS.items() if arch.hf_class}  # → model_type
 HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers saved with GPT-2's weights
 GLMC_JSON = "glmc.json"  # glmc's metadata (dataset, vocabulary, metrics) in an HF or timm folder it wrote
 SIDE_FILES = ("preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -149,30 +151,33 @@ def read_hf(folder: Path) -> tuple[State, CheckpointMeta]:
         raise CheckpointError(f"{folder} is a folder without config.json: not a Hugging Face model folder")
     config = _load_json(folder / "config.json", "config.json")
     architecture = _hf_architecture(folder, config)
-    model = _hf_vit(folder) if architecture == hf_vit.ARCHITECTURE else _hf_gpt2(folder, config, architecture)
+    if architecture == hf_vit.ARCHITECTURE or get_arch(HF_ARCHITECTURES[architecture]).hf_class:
+        model = _pretrained(folder, architecture)
+    else:
+        model = _hf_gpt2(folder, config, architecture)
     _, cfg, state = read_module(model)
     meta = _meta(cfg, _saved(folder), f"read from the Hugging Face folder {folder}",
                  {"format": "hf", "config": config, "path": str(folder)})
     return state, meta
 
 
-def _hf_vit(folder: Path) -> nn.Module:
-    """The folder's ViTForImageClassification, loaded by transformers itself, which also renames the Hub's older
-    weight names; safetensors only."""
-    from transformers import ViTForImageClassification
+def _pretrained(folder: Path, architecture: str) -> nn.Module:
+    """The folder's model, loaded by its transformers class itself (which also renames the Hub's older weight
+    names); safetensors only, and every weight present and expected."""
+    import transformers
 
     _safetensors_files(folder)
     try:
         with _quiet_transformers():
-            loaded: Any = ViTForImageClassification.from_pretrained(
+            loaded: Any = getattr(transformers, architecture).from_pretrained(
                 str(folder), use_safetensors=True, local_files_only=True, dtype=torch.float32, output_loading_info=True)
             model, info = loaded
     except (OSError, ValueError, RuntimeError, KeyError) as err:
-        raise CheckpointError(f"{folder} does not hold its config's ViT: {first_line(err)}") from err
+        raise CheckpointError(f"{folder} does not hold its config's {architecture}: {first_line(err)}") from err
     if off := [f"lacks {k!r}" for k in info["missing_keys"]] + [f"has an unexpected {k!r}"
                                                                 for k in info["unexpected_keys"]]:
-        raise CheckpointError(f"{folder} does not hold its config's ViT: it {sorted(off)[0]}")
-    return model
+        raise CheckpointError(f"{folder} does not hold its config's {architecture}: it {sorted(off)[0]}")
+    return model.eval()
 
 
 def _hf_gpt2(folder: Path, config: dict[str, Any], architecture: str) -> nn.Module:
@@ -222,6 +227,11 @@ def hf_model(native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Any:
     cfg = meta.config
     if cfg.family == "vit":
         return hf_vit.hf_module(native, cfg, meta.origin.get("config"))
+    if get_arch(cfg.family).hf_class:
+        model = build_model(cfg)
+        model.config.architectures = [get_arch(cfg.family).hf_class]
+        model.load_state_dict(dict(native), strict=True)
+        return model.eval()
     if cfg.attn_dim != cfg.width:
         raise ConfigError(f"this GPT-2's heads are {cfg.head_dim} wide, not width/heads: transformers cannot load it; "
                           "write --format glmc")

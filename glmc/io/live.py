@@ -33,8 +33,9 @@ def describe(model: nn.Module) -> tuple[Arch, ModelConfig]:
         cfg = arch.config_of(model)
         if cfg is not None:
             return arch, cfg
+    hf = ", ".join(["GPT2LMHeadModel", "ViTForImageClassification", *(a.hf_class for a in ARCHS.values() if a.hf_class)])
     raise ConfigError(f"unsupported model class {type(model).__name__}: glmc reads timm VisionTransformer and "
-                      "Hugging Face GPT2LMHeadModel and ViTForImageClassification models")
+                      f"Hugging Face {hf} models")
 
 
 def shared_names(state: Mapping[str, torch.Tensor]) -> dict[str, str]:

@@ -24,11 +24,11 @@ import torch
 from glmc.archs.base import State
 from glmc.match.common import cross, kind_first, sq_distance, sq_norm
 from glmc.symmetry import groups
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, AxisKind, SpecTable, expand
+from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
 from glmc.symmetry.transforms import Transform, apply, require_folded
 
-HEAD_KINDS: tuple[AxisKind, ...] = (QKV, HEADS)
-MLP_KINDS: tuple[AxisKind, ...] = (MLP, MLP_IN)
+HEAD_KINDS: tuple[AxisKind, ...] = (QKV, Q, K, V, HEADS)
+MLP_KINDS: tuple[AxisKind, ...] = (MLP, MLP_GATE, MLP_IN)
 # Entries of a float32 cost are off by far less than this share of ‖a_i‖·‖b_j‖; a certificate must beat it.
 ROUNDING = 1e-4
 
@@ -125,7 +125,7 @@ def _row_norms(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int) -
     for name, (_, template) in expand(spec, depth).items():
         axes = spec[template]
         if name in state and any(k in axes for k in MLP_KINDS):
-            kind = MLP if MLP in axes else MLP_IN
+            kind = next(k for k in MLP_KINDS if k in axes)
             sq = kind_first(state[name], axes, kind).square().sum(1)
             total = sq if total is None else total + sq
     if total is None:
@@ -180,8 +180,8 @@ class Descent:
     fixed ones and each layer's unit groups, and the products kept between sweeps."""
 
     def __init__(self, a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 heads: int) -> None:
-        self.a, self.b, self.spec, self.depth, self.heads = a, b, spec, depth, heads
+                 heads: int, rotary: int = 0) -> None:
+        self.a, self.b, self.spec, self.depth, self.heads, self.rotary = a, b, spec, depth, heads, rotary
         self.layers = [Layer(layer) for layer in range(depth)]
         self.fixed_names: list[str] = []
         for name, (layer, template) in expand(spec, depth).items():
@@ -240,7 +240,7 @@ class Descent:
         """The unit-touched tensors' part of the next Procrustes input, Σ X_A U(X_B)ᵀ / m over their residual-side
         ones (U the unit maps of ``t``; each (d, m) block divided by m so that every tensor counts per entry; the
         fixed tensors' part is ``fixed.scaled``), and ‖A − T(B)‖² at ``t``."""
-        units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp)
+        units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp, group=t.group)
         per_layer = groups.side_by_side(functools.partial(self._layer_products, units=units), self.layers)
         parts = [part for pair in per_layer for part in pair]
         scaled = torch.stack([part.scaled for part in parts]).sum(0)

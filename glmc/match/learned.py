@@ -524,9 +524,10 @@ def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: 
     """
     options = options or LearnConfig()
     began = time.perf_counter()
-    arch, fix_ones = get_arch(cfg.family), fixes_ones(form)
+    arch = get_arch(cfg.family)
+    fix_ones = fixes_ones(form, arch)
     init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, permutations_only=permutations_only,
-                        start=start, options=weight)
+                        start=start, options=weight, rotary=cfg.rotary_dim)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, residual_perm=permutations_only)
     learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
                     pair_points(options), options, form=form, validation=validation)

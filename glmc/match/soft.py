@@ -57,9 +57,9 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
     """
     options = options or LearnConfig()
     began = time.perf_counter()
-    fix_ones = fixes_ones(form)
+    fix_ones = fixes_ones(form, get_arch(cfg.family))
     init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start,
-                        options=weight)
+                        options=weight, rotary=cfg.rotary_dim)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, soft=True)
     learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
                     pair_points(options), options, form=form, validation=validation)

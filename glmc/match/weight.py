@@ -29,7 +29,7 @@ from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, gather, kind_first, require_finite
 from glmc.match.descent import Descent, Layer
 from glmc.symmetry import groups
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, SpecTable, expand
+from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, K, Q, SpecTable, V, expand
 from glmc.symmetry.transforms import Transform
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
     map touches, and the others grouped by the unit map they share (per layer: q and k; v and the head outputs;
     the MLP), with the unit axis as columns."""
     linear: list[Block] = []
-    shared: defaultdict[tuple[int | None, str], list[Block]] = defaultdict(list)
+    shared: defaultdict[tuple[int | None, str, int], list[Block]] = defaultdict(list)
     for name, (layer, template) in expand(spec, depth).items():
         axes = spec[template]
         if RES not in axes or name not in a:
@@ -119,10 +119,11 @@ def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
             linear.append((xa, xb, weight))
         elif unit == QKV:  # the fused axis is (3, H, d_h): q and k share a map, v shares the head outputs'
             (qa, ka, va), (qb, kb, vb) = xa.chunk(3, 1), xb.chunk(3, 1)
-            shared[layer, "qk"] += [(qa, qb, weight), (ka, kb, weight)]
-            shared[layer, "vo"].append((va, vb, weight))
-        else:
-            shared[layer, "vo" if unit == HEADS else "mlp"].append((xa, xb, weight))
+            shared[layer, "qk", qa.shape[1]] += [(qa, qb, weight), (ka, kb, weight)]
+            shared[layer, "vo", va.shape[1]].append((va, vb, weight))
+        else:  # separate q and k share a relaxed map where they are as wide (no grouped queries), as v and o do
+            share = "qk" if unit in (Q, K) else "vo" if unit in (V, HEADS) else "mlp"
+            shared[layer, share, xa.shape[1]].append((xa, xb, weight))
     return linear, list(shared.values())
 
 
@@ -226,11 +227,21 @@ def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor
 
 
 def _head_factors(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int, heads: int,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(3, H, d_h, d+1) q|k|v factors [W | b] and (H, d_h, d) output factors W_Oᵀ of one layer."""
-    qkv = gather(state, spec, depth, QKV, layer)
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(3, H, d_h, m) q|k|v factors [W | b] per query head (a KV head's k and v repeated for each query of its
+    group), (H, d_h, d) output factors W_Oᵀ, and the number of KV heads, of one layer: fused (QKV) or separate
+    (Q, K, V) projections alike."""
     out = gather(state, spec, depth, HEADS, layer)
-    return qkv.reshape(3, heads, -1, qkv.shape[1]), out.reshape(heads, -1, out.shape[1])
+    out = out.reshape(heads, -1, out.shape[1])
+    if any(QKV in axes for template, axes in spec.items() if template.startswith("blocks.")):
+        qkv = gather(state, spec, depth, QKV, layer)
+        return qkv.reshape(3, heads, -1, qkv.shape[1]), out, heads
+    q, k, v = (gather(state, spec, depth, kind, layer) for kind in (Q, K, V))
+    head_dim = out.shape[1]
+    kv = k.shape[0] // head_dim
+    q = q.reshape(heads, head_dim, -1)
+    k, v = (x.reshape(kv, head_dim, -1).repeat_interleave(heads // kv, 0) for x in (k, v))
+    return torch.stack([q, k, v]), out, kv
 
 
 def _circuit_gram(x: torch.Tensor, y: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -257,29 +268,60 @@ def head_cost(fa: tuple[torch.Tensor, torch.Tensor], fb: tuple[torch.Tensor, tor
     return cost
 
 
-def _within_head(fa: list[torch.Tensor], fb: list[torch.Tensor]) -> torch.Tensor:
+def _grouped_assignment(cost: torch.Tensor, kv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The KV heads' permutation and each group's query permutation minimising a (H, H) query-head cost: an inner
+    assignment for every pair of groups, an outer one on their totals (G = 1: one assignment, no groups)."""
+    if kv == cost.shape[0]:
+        return groups.assignment(-cost), None
+    g = cost.shape[0] // kv
+    blocks = cost.reshape(kv, g, kv, g).permute(0, 2, 1, 3)  # (i, j, a, b): query a of A's group i, b of B's j
+    inner = [[groups.assignment(-blocks[i, j]) for j in range(kv)] for i in range(kv)]
+    totals = torch.tensor([[float(blocks[i, j, torch.arange(g), inner[i][j]].sum()) for j in range(kv)]
+                           for i in range(kv)], dtype=torch.float64)
+    perm = groups.assignment(-totals)
+    return perm, torch.stack([inner[i][int(perm[i])] for i in range(kv)])
+
+
+def _within_head(fa: list[torch.Tensor], fb: list[torch.Tensor], rotary: int = 0) -> torch.Tensor:
     """Per-head orthogonal maps R_i = argmin ‖F_A,i − R_i F_B,i‖ for each pair of stacked factors (H, d_h, m_k),
-    solved in one batched SVD: (K, H, d_h, d_h)."""
-    return groups.polar(torch.stack([x @ y.mT for x, y in zip(fa, fb, strict=True)]))
+    solved in one batched SVD: (K, H, d_h, d_h); the first map (q, k) commuting with rotary positions on the
+    first ``rotary`` dimensions."""
+    maps = groups.polar(torch.stack([x @ y.mT for x, y in zip(fa, fb, strict=True)]))
+    if rotary:
+        maps[0] = groups.rotary_polar(fa[0] @ fb[0].mT, rotary)
+    return maps
+
+
+def _by_group(x: torch.Tensor, kv: int) -> torch.Tensor:
+    """(H, d_h, m) per query head → (H_kv, d_h, G·m): a group's queries side by side."""
+    return x.reshape(kv, -1, *x.shape[1:]).permute(0, 2, 1, 3).reshape(kv, x.shape[1], -1)
 
 
 def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                layer: int, heads: int, within: bool, options: WeightOptions = WeightOptions(),
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Head permutation by LAP on circuit distances, then within-head orthogonal maps M (q, k) and N (v, o)."""
-    fa, fb = _head_factors(a, spec, depth, layer, heads), _head_factors(b, spec, depth, layer, heads)
-    perm = groups.assignment(-head_cost(fa, fb, squared=options.head_cost == "squared"))
+                layer: int, heads: int, within: bool, options: WeightOptions = WeightOptions(), rotary: int = 0,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Head permutation by LAP on circuit distances (KV heads and the queries within their groups), then the
+    within-head orthogonal maps M (q, k) and N (v, o), one per KV head."""
+    (qkv_a, o_a, kv), (qkv_b, o_b, _) = (_head_factors(s, spec, depth, layer, heads) for s in (a, b))
+    perm, group = _grouped_assignment(head_cost((qkv_a, o_a), (qkv_b, o_b), squared=options.head_cost == "squared"),
+                                      kv)
     if not within:
-        return perm, None, None
-    (qkv_a, o_a), (qkv_b, o_b) = fa, (fb[0][:, perm], fb[1][perm])
-    qk, ov = _within_head([torch.cat([qkv_a[0], qkv_a[1]], -1), torch.cat([qkv_a[2], o_a], -1)],
-                          [torch.cat([qkv_b[0], qkv_b[1]], -1), torch.cat([qkv_b[2], o_b], -1)])
-    return perm, qk, ov
+        return perm, group, None, None
+    g = heads // kv
+    order = perm.repeat_interleave(g) * g + (torch.arange(heads) % g if group is None else group.reshape(-1))
+    qkv_b, o_b = qkv_b[:, order], o_b[order]
+    first = torch.arange(0, heads, g)  # a group's k and v, once
+    qk, ov = _within_head(
+        [torch.cat([_by_group(qkv_a[0], kv), qkv_a[1, first]], -1), torch.cat([qkv_a[2, first], _by_group(o_a, kv)], -1)],
+        [torch.cat([_by_group(qkv_b[0], kv), qkv_b[1, first]], -1), torch.cat([qkv_b[2, first], _by_group(o_b, kv)], -1)],
+        rotary)
+    return perm, group, qk, ov
 
 
 def _unit_rows(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int) -> torch.Tensor:
     """Each MLP unit's fc1 row, bias and fc2 column as one row of unit L2 norm: (f, m)."""
-    rows = torch.cat([gather(state, spec, depth, kind, layer) for kind in (MLP, MLP_IN)], dim=1)
+    rows = torch.cat([gather(state, spec, depth, kind, layer) for kind in (MLP, MLP_GATE, MLP_IN)
+                      if any(kind in axes for axes in spec.values())], dim=1)
     return F.normalize(rows, dim=1)
 
 
@@ -291,10 +333,12 @@ def l1_mlp_permutation(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tens
 
 
 def _solve_layer(work: Descent, layer: Layer, residual: torch.Tensor | None, within: bool, options: WeightOptions,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Given the residual map, one layer's head permutation and within-head maps, and its MLP permutation."""
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Given the residual map, one layer's head and query permutations and within-head maps, and its MLP
+    permutation."""
     i = layer.index
-    heads = solve_heads(*work.rotated(layer.heads, residual), work.spec, work.depth, i, work.heads, within, options)
+    heads = solve_heads(*work.rotated(layer.heads, residual), work.spec, work.depth, i, work.heads, within, options,
+                        work.rotary)
     mlp = (work.mlp_permutation(layer, residual) if options.mlp_cost == "inner"
            else l1_mlp_permutation(*work.rotated(layer.mlp, residual), work.spec, work.depth, i))
     return (*heads, mlp)
@@ -305,8 +349,9 @@ def _solve_units(work: Descent, residual: torch.Tensor | None, within: bool, opt
     t = Transform(work.depth, residual=residual)
     solve = functools.partial(_solve_layer, work, residual=residual, within=within, options=options)
     solved = groups.side_by_side(solve, work.layers)
-    for layer, (heads, qk, ov, mlp) in zip(work.layers, solved, strict=True):
-        t.heads[layer.index], t.qk[layer.index], t.ov[layer.index], t.mlp[layer.index] = heads, qk, ov, mlp
+    for layer, (heads, group, qk, ov, mlp) in zip(work.layers, solved, strict=True):
+        i = layer.index
+        t.heads[i], t.group[i], t.qk[i], t.ov[i], t.mlp[i] = heads, group, qk, ov, mlp
     return t
 
 
@@ -325,12 +370,12 @@ def _converged(work: Descent, last: Transform, new: Transform, before: float, af
     return moved <= 10 * torch.finfo(new.residual.dtype).eps
 
 
-def _exact(t: Transform, fix_ones: bool) -> Transform:
+def _exact(t: Transform, fix_ones: bool, rotary: int) -> Transform:
     """Re-project the continuous maps in float64, so a search in float32 still yields an exact group element."""
     residual = None if t.residual is None else groups.procrustes(t.residual.double(), fix_ones)
-    qk = [None if m is None else groups.polar(m.double()) for m in t.qk]
+    qk = [None if m is None else groups.rotary_polar(m.double(), rotary) for m in t.qk]
     ov = [None if m is None else groups.polar(m.double()) for m in t.ov]
-    return Transform(t.depth, residual=residual, heads=t.heads, qk=qk, ov=ov, mlp=t.mlp)
+    return Transform(t.depth, residual=residual, heads=t.heads, qk=qk, ov=ov, mlp=t.mlp, group=t.group)
 
 
 def _start_residual(work: Descent, fix_ones: bool, start: Start | torch.Tensor, dtype: torch.dtype,
@@ -349,9 +394,10 @@ def weight_match(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, heads: int,
     *, fix_ones: bool = True, permutations_only: bool = False, max_sweeps: int = 15, tol: float = 1e-3,
     dtype: torch.dtype = torch.float32, start: Start | torch.Tensor = DEFAULT_START,
-    options: WeightOptions | None = None,
+    options: WeightOptions | None = None, rotary: int = 0,
 ) -> MatchResult:
     """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` leaves the residual and within-head maps alone (ablation).
+    ``rotary``: the head dimensions rotary positions rotate, where the q/k maps must commute with them.
 
     ``start``: the residual map the first sweep assumes: the ``relaxed`` solution (:func:`relaxed_residual`, the
     default), the identity, the ``embeddings``' Procrustes (:func:`embedding_residual`) or a given map. Each can
@@ -370,7 +416,7 @@ def weight_match(
     require_finite(a, "A")
     require_finite(b, "B")
     a, b = (cast(s, dtype) for s in (a, b))
-    work = Descent(a, b, spec, depth, heads)
+    work = Descent(a, b, spec, depth, heads, rotary)
     residual = None if permutations_only else _start_residual(work, fix_ones, start, dtype)
     t = _solve_units(work, residual, not permutations_only, options)
     step, value = work.residual_step(t)
@@ -386,7 +432,7 @@ def weight_match(
                 t, objective = candidate, [*objective, value]
             break
         t, step, objective = candidate, candidate_step, [*objective, value]
-    return MatchResult(_exact(t, fix_ones), objective, time.perf_counter() - began, {"sweeps": len(objective)})
+    return MatchResult(_exact(t, fix_ones, rotary), objective, time.perf_counter() - began, {"sweeps": len(objective)})
 
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
@@ -405,5 +451,7 @@ def _pairwise(a: State, b: State, cfg: ModelConfig, options: MatchOptions, permu
     from glmc.archs import get_arch
     from glmc.symmetry.canonical import fixes_ones
 
-    return weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fixes_ones(options.form),
-                        permutations_only=permutations_only, start=options.start, options=options.weight)
+    arch = get_arch(cfg.family)
+    return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fixes_ones(options.form, arch),
+                        permutations_only=permutations_only, start=options.start, options=options.weight,
+                        rotary=cfg.rotary_dim)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
-from glmc.errors import NonFiniteError
+from glmc.errors import ConfigError, NonFiniteError
 from glmc.symmetry.spec import RES, expand
 
 Form = Literal["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]
@@ -27,10 +27,11 @@ CENTRED: frozenset[Form] = frozenset({"rmsnorm", "circuit-rmsnorm"})
 CIRCUITS: frozenset[Form] = frozenset({"circuit", "circuit-rmsnorm"})
 
 
-def fixes_ones(form: Form) -> bool:
-    """Whether the residual maps of ``form`` must fix 1: LayerNorm needs it, so every form whose stream is not
-    centred (a centred one has the whole O(d); a circuit form is aligned as its form without circuits)."""
-    return form not in CENTRED
+def fixes_ones(form: Form, arch: Arch) -> bool:
+    """Whether the residual maps of ``form`` must fix 1: LayerNorm needs it, so every form of a LayerNorm family
+    whose stream is not centred (a centred one has the whole O(d), as an RMSNorm family has in its standard form; a
+    circuit form is aligned as its form without circuits)."""
+    return arch.norm == "layer" and form not in CENTRED
 
 
 def fold_scales(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
@@ -52,15 +53,17 @@ def fold_layernorms(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -
     for norm, (layer, template) in expand(arch.folds, depth).items():
         if f"{norm}.w" not in out:  # a norm this variant does not have (a ViT pooling before its fc_norm)
             continue
-        gamma, beta = out[f"{norm}.w"], out[f"{norm}.b"]
+        gamma, beta = out[f"{norm}.w"], out.get(f"{norm}.b")  # an RMSNorm has no bias
         readers = [r.format(l=layer) for r in arch.folds[template]]
         absorbs_bias = all(f"{r}.b" in out for r in readers)
         for r in readers:
             w = out[f"{r}.w"]
-            if absorbs_bias:
+            if absorbs_bias and beta is not None:
                 out[f"{r}.b"] = out[f"{r}.b"] + w @ beta
             out[f"{r}.w"] = w * gamma
         out[f"{norm}.w"] = torch.ones_like(gamma)
+        if beta is None:
+            continue
         # A reader without a bias (GPT-2's lm_head) leaves β in the norm, rescaled so W diag γ (n + β/γ) = W(γn + β).
         out[f"{norm}.b"] = torch.zeros_like(beta) if absorbs_bias else _over_gain(beta, gamma, norm)
     return out
@@ -98,6 +101,9 @@ def canonicalize(
 
     The circuit form changes d_h, so it has its own entry point, :func:`to_circuit`, applied after alignment.
     """
+    if form in CENTRED and arch.norm == "rms":
+        raise ConfigError(f"form {form!r} centres a LayerNorm stream; a {arch.family} model's RMSNorm stream has "
+                          "the whole O(d) in its standard form already")
     state = arch.to_canonical(native, depth)
     if dtype is not None:
         state = cast(state, dtype)

@@ -26,16 +26,17 @@ def random_native(cfg: ModelConfig, seed: int) -> State:
 
 
 def random_inputs(cfg: ModelConfig, n: int = 6, seed: int = 0) -> torch.Tensor:
-    """Model inputs: images for a ViT, token ids for GPT-2."""
+    """Model inputs: images for an image model, token ids for a language model."""
     g = torch.Generator().manual_seed(seed)
-    if cfg.family == "vit":
+    if get_arch(cfg.family).modality == "image":
         return torch.randn(n, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g, dtype=torch.float64)
     return torch.randint(0, cfg.vocab_size, (n, cfg.context), generator=g)
 
 
 def classes_for(cfg: ModelConfig) -> tuple[str, ...]:
-    """The symmetry classes of this model: positive MLP scaling only for ReLU (paper §3.1)."""
-    return tuple(c for c in SYMMETRY_CLASSES if c != "mlp-scale" or cfg.activation == "relu")
+    """The symmetry classes of this model: MLP scaling only for ReLU (paper §3.1) and the gated SwiGLU, whose
+    ``up`` is linear."""
+    return tuple(c for c in SYMMETRY_CLASSES if c != "mlp-scale" or cfg.activation in ("relu", "silu"))
 
 
 def _logits(state: State, cfg: ModelConfig, form: Form, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,7 @@ def invariance_errors(cfg: ModelConfig, form: Form = "standard", seed: int = 0,
     classes = classes_for(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     for name, group in [*((c, (c,)) for c in classes), ("all", classes)]:
-        t = random_transform(cfg, group, g, fixes_ones(form))
+        t = random_transform(cfg, group, g, fixes_ones(form, arch))
         moved = apply(state, arch.spec, t, cfg.heads)
         errors[name] = float((_logits(moved, cfg, form, x) - reference).abs().max())
     return errors

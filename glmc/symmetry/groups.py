@@ -127,3 +127,47 @@ def assignment(score: torch.Tensor) -> torch.Tensor:
     perm = torch.empty(len(rows), dtype=torch.long)
     perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
     return perm
+
+
+def rotary_halves(rotary: int) -> tuple[slice, slice]:
+    """The two halves of a head's first ``rotary`` dimensions that rotary positions pair up: dimension i with
+    i + rotary/2 (Hugging Face's ``rotate_half``, in Llama, Mistral, Qwen2 and GPT-NeoX alike)."""
+    half = rotary // 2
+    return slice(0, half), slice(half, 2 * half)
+
+
+def random_rotary(head_dim: int, rotary: int, generator: torch.Generator, orthogonal: bool) -> torch.Tensor:
+    """A random (d_h, d_h) map that commutes with every rotary position: on each rotated pair a rotation (times a
+    positive scale unless ``orthogonal``), on the dimensions left alone any orthogonal (or invertible) map."""
+    first, second = rotary_halves(rotary)
+    half = rotary // 2
+    angle = 2 * torch.pi * torch.rand(half, generator=generator, dtype=torch.float64)
+    scale = torch.ones(half, dtype=torch.float64) if orthogonal else torch.exp(
+        0.3 * torch.randn(half, generator=generator, dtype=torch.float64))
+    m = torch.zeros(head_dim, head_dim, dtype=torch.float64)
+    m[first, first] = m[second, second] = torch.diag(scale * torch.cos(angle))
+    m[second, first], m[first, second] = torch.diag(scale * torch.sin(angle)), torch.diag(-scale * torch.sin(angle))
+    rest = head_dim - rotary
+    if rest:
+        m[rotary:, rotary:] = (random_orthogonal(rest, generator, fix_ones=False) if orthogonal
+                               else random_invertible(rest, generator))
+    return m
+
+
+def rotary_polar(m: torch.Tensor, rotary: int) -> torch.Tensor:
+    """argmax_R ⟨M, R⟩ over the orthogonal maps that commute with rotary positions on the first ``rotary``
+    dimensions, batched over leading axes: per rotated pair the rotation of angle atan2(M_ba − M_ab, M_aa + M_bb),
+    on the other dimensions the polar factor (:func:`polar` when ``rotary`` is 0)."""
+    if rotary == 0:
+        return polar(m)
+    first, second = rotary_halves(rotary)
+    diag = functools.partial(torch.diagonal, dim1=-2, dim2=-1)
+    angle = torch.atan2(diag(m[..., second, first]) - diag(m[..., first, second]),
+                        diag(m[..., first, first]) + diag(m[..., second, second]))
+    out = torch.zeros_like(m)
+    cos, sin = torch.diag_embed(torch.cos(angle)), torch.diag_embed(torch.sin(angle))
+    out[..., first, first], out[..., second, second] = cos, cos
+    out[..., second, first], out[..., first, second] = sin, -sin
+    if rotary < m.shape[-1]:
+        out[..., rotary:, rotary:] = polar(m[..., rotary:, rotary:])
+    return out

@@ -5,10 +5,15 @@ stored (out, in). Axis kinds:
 
 - ``RES``: the residual stream, x → Q x (orthogonal, so readers and writers transform alike);
 - ``QKV``: the fused q|k|v rows, factorised (3, H, d_h): head permutation, then M on q, M⁻ᵀ on k, N on v;
-- ``HEADS``: the concatenated head outputs read by ``proj``, factorised (H, d_h): permutation, then N⁻ᵀ;
-- ``MLP``: hidden units produced by fc1 (permutation, then positive scale s for ReLU);
+- ``Q``, ``K``, ``V``: separate q, k, v rows. K and V are factorised (H_kv, d_h): the KV heads' permutation, then
+  M⁻ᵀ on k and N on v; Q is (H_kv, G, d_h) for G = H / H_kv query heads per KV head (grouped-query attention):
+  the KV heads' permutation, the queries' permutation within each group, then the group's M on each of them;
+- ``HEADS``: the concatenated head outputs read by ``proj``, factorised (H_kv, G, d_h) like Q: permutations, then
+  the group's N⁻ᵀ (G = 1 without grouped queries);
+- ``MLP``: hidden units produced by fc1 (SwiGLU's ``up``): permutation, then the per-unit scale s (ReLU or gated);
+- ``MLP_GATE``: hidden units produced by a gated MLP's ``gate``: the same permutation, no scale;
 - ``MLP_IN``: hidden units read by fc2 (permutation, then 1/s);
-- ``NORM``: a LayerNorm gain; must be folded (all ones) before the residual stream moves.
+- ``NORM``: a LayerNorm or RMSNorm gain; must be folded (all ones) before the residual stream moves.
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ import torch
 
 from glmc.errors import SpecError
 
-AxisKind = Literal["RES", "QKV", "HEADS", "MLP", "MLP_IN", "NORM"]
+AxisKind = Literal["RES", "QKV", "Q", "K", "V", "HEADS", "MLP", "MLP_GATE", "MLP_IN", "NORM"]
 Axes = tuple[AxisKind | None, ...]
 SpecTable = Mapping[str, Axes]
 
 RES: AxisKind = "RES"
 QKV: AxisKind = "QKV"
+Q: AxisKind = "Q"
+K: AxisKind = "K"
+V: AxisKind = "V"
 HEADS: AxisKind = "HEADS"
 MLP: AxisKind = "MLP"
+MLP_GATE: AxisKind = "MLP_GATE"
 MLP_IN: AxisKind = "MLP_IN"
 NORM: AxisKind = "NORM"
 

@@ -3,7 +3,9 @@
 A transform acts as: residual stream x → Q x; heads of layer l reordered by ``heads[l]`` (new head i is
 old head ``heads[l][i]``), then q_i → M_i q_i, k_i → M_i⁻ᵀ k_i, v_i → N_i v_i with W_O,i → W_O,i N_i⁻¹;
 MLP units reordered by ``mlp[l]`` then scaled by ``mlp_scale[l]`` (ReLU only). Every one of these leaves
-the network function unchanged (paper §3.2).
+the network function unchanged (paper §3.2). With grouped-query attention, ``heads[l]`` and the maps act on the
+KV heads, and ``group[l]`` (H_kv, G) reorders the query heads inside each group after the groups have moved (new
+query j of group i is old query ``group[l][i, j]`` of the moved group i); the group's M acts on each of its queries.
 
 A reordering may also be a dense (n, n) matrix P acting as new = P @ old: a hard permutation matrix with a
 straight-through gradient, or a soft (doubly stochastic) one (paper App. D). ``apply`` accepts both forms;
@@ -20,7 +22,7 @@ import torch
 from glmc.archs.base import State
 from glmc.archs.config import ModelConfig
 from glmc.errors import SpecError
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, SpecTable, expand
+from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, NORM, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
 
 Layered = list[torch.Tensor | None]
 
@@ -35,14 +37,15 @@ class Transform:
 
     depth: int
     residual: torch.Tensor | None = None  # (d, d) orthogonal
-    heads: Layered = field(default_factory=list)  # per layer (H,) long, or a dense (H, H) matrix
-    qk: Layered = field(default_factory=list)  # per layer (H, d_h, d_h) invertible M
-    ov: Layered = field(default_factory=list)  # per layer (H, d_h, d_h) invertible N
+    heads: Layered = field(default_factory=list)  # per layer (H_kv,) long, or a dense (H_kv, H_kv) matrix
+    qk: Layered = field(default_factory=list)  # per layer (H_kv, d_h, d_h) invertible M
+    ov: Layered = field(default_factory=list)  # per layer (H_kv, d_h, d_h) invertible N
     mlp: Layered = field(default_factory=list)  # per layer (f,) long, or a dense (f, f) matrix
-    mlp_scale: Layered = field(default_factory=list)  # per layer (f,) positive
+    mlp_scale: Layered = field(default_factory=list)  # per layer (f,) positive (ReLU) or nonzero (gated)
+    group: Layered = field(default_factory=list)  # per layer (H_kv, G) long: queries reordered within each group
 
     def __post_init__(self) -> None:
-        for name in ("heads", "qk", "ov", "mlp", "mlp_scale"):
+        for name in ("heads", "qk", "ov", "mlp", "mlp_scale", "group"):
             if not getattr(self, name):
                 setattr(self, name, _nones(self.depth))
 
@@ -73,38 +76,63 @@ def _inv_t(m: torch.Tensor) -> torch.Tensor:
     return torch.where(orthogonal, m, torch.linalg.inv_ex(m).inverse.mT)
 
 
-def _apply_qkv(x: torch.Tensor, t: Transform, layer: int, heads: int) -> torch.Tensor:
-    """x: (3·H·d_h, rest), laid out q heads | k heads | v heads (timm qkv, HF c_attn alike)."""
+def _maybe_inv_t(m: torch.Tensor | None) -> torch.Tensor | None:
+    """M⁻ᵀ, or None for the identity: what k rows take of the q map, and the head outputs of the v map."""
+    return None if m is None else _inv_t(m)
+
+
+def _apply_kv(y: torch.Tensor, t: Transform, layer: int, kind: AxisKind) -> torch.Tensor:
+    """y: (H_kv, d_h, rest), one KV head per entry: the heads' permutation, then M⁻ᵀ (k) or N (v)."""
+    if t.heads[layer] is not None:
+        y = _reorder(y, t.heads[layer])  # type: ignore[arg-type]
+    maps = _maybe_inv_t(t.qk[layer]) if kind == K else t.ov[layer]
+    return y if maps is None else _batched(maps, y)
+
+
+def _apply_grouped(y: torch.Tensor, t: Transform, layer: int, maps: torch.Tensor | None) -> torch.Tensor:
+    """y: (H_kv, G, d_h, rest), query heads (or their outputs) by group: the groups' permutation, the queries'
+    within each group, then the group's map on each of its queries."""
+    if t.heads[layer] is not None:
+        y = _reorder(y, t.heads[layer])  # type: ignore[arg-type]
+    group = t.group[layer]
+    if group is not None:
+        y = torch.gather(y, 1, group.to(y.device)[:, :, None, None].expand(y.shape))
+    return y if maps is None else torch.einsum("hab,hgbr->hgar", maps.to(y.device, y.dtype), y)
+
+
+def _kv_heads(t: Transform, layer: int) -> int | None:
+    """The number of KV heads of ``layer`` as its entries give it (None: they are all the identity)."""
+    for entry in (t.heads[layer], t.qk[layer], t.ov[layer], t.group[layer]):
+        if entry is not None:
+            return entry.shape[0]
+    return None
+
+
+def _apply_attention(x: torch.Tensor, t: Transform, layer: int, heads: int, kind: AxisKind) -> torch.Tensor:
+    """x: (rows, rest) of an attention axis. QKV: 3·H·d_h rows, q heads | k heads | v heads (timm qkv, HF c_attn
+    alike); Q and HEADS: H·d_h rows in KV groups; K and V: H_kv·d_h rows."""
+    kv = _kv_heads(t, layer)
+    if kv is None:
+        return x
     rest = x.shape[1]
-    y = x.reshape(3, heads, -1, rest)
-    perm, qk, ov = t.heads[layer], t.qk[layer], t.ov[layer]
-    if perm is not None:
-        y = _reorder(y, perm, 1)
-    q, k, v = y[0], y[1], y[2]
-    if qk is not None:
-        q, k = _batched(qk, q), _batched(_inv_t(qk), k)
-    if ov is not None:
-        v = _batched(ov, v)
-    return torch.stack([q, k, v]).reshape(x.shape)
+    if kind == QKV:
+        q, k, v = x.reshape(3, kv, -1, rest)
+        parts = [_apply_grouped(q[:, None], t, layer, t.qk[layer])[:, 0], _apply_kv(k, t, layer, K),
+                 _apply_kv(v, t, layer, V)]
+        return torch.stack(parts).reshape(x.shape)
+    if kind in (K, V):
+        return _apply_kv(x.reshape(kv, -1, rest), t, layer, kind).reshape(x.shape)
+    maps = t.qk[layer] if kind == Q else _maybe_inv_t(t.ov[layer])
+    return _apply_grouped(x.reshape(kv, heads // kv, -1, rest), t, layer, maps).reshape(x.shape)
 
 
-def _apply_heads_in(x: torch.Tensor, t: Transform, layer: int, heads: int) -> torch.Tensor:
-    """x: (H·d_h, rest), the columns of ``proj`` read per head; W_O → W_O N⁻¹ is x_i → N_i⁻ᵀ x_i."""
-    y = x.reshape(heads, -1, x.shape[1])
-    perm, ov = t.heads[layer], t.ov[layer]
-    if perm is not None:
-        y = _reorder(y, perm)
-    if ov is not None:
-        y = _batched(_inv_t(ov), y)
-    return y.reshape(x.shape)
-
-
-def _apply_mlp(x: torch.Tensor, t: Transform, layer: int, reader: bool) -> torch.Tensor:
+def _apply_mlp(x: torch.Tensor, t: Transform, layer: int, kind: AxisKind) -> torch.Tensor:
+    """MLP units: the permutation, then the scale on what fc1 (``up``) writes and its inverse on what fc2 reads."""
     perm = t.mlp[layer]
     if perm is not None:
         x = _reorder(x, perm)
-    scale = t.mlp_scale[layer]
-    if scale is not None:
+    scale, reader = t.mlp_scale[layer], kind == MLP_IN
+    if scale is not None and kind != MLP_GATE:
         s = scale.to(x.device, x.dtype).unsqueeze(1)
         x = x / s if reader else x * s
     return x
@@ -119,12 +147,10 @@ def _apply_axis(
     y = y.reshape(shape[0], -1)
     if kind == RES and t.residual is not None:
         y = t.residual.to(y.device, y.dtype) @ y
-    elif layer is not None and kind == QKV:
-        y = _apply_qkv(y, t, layer, heads)
-    elif layer is not None and kind == HEADS:
-        y = _apply_heads_in(y, t, layer, heads)
-    elif layer is not None and kind in (MLP, MLP_IN):
-        y = _apply_mlp(y, t, layer, reader=kind == MLP_IN)
+    elif layer is not None and kind in (QKV, Q, K, V, HEADS):
+        y = _apply_attention(y, t, layer, heads, kind)
+    elif layer is not None and kind in (MLP, MLP_GATE, MLP_IN):
+        y = _apply_mlp(y, t, layer, kind)
     return y.reshape(shape).movedim(0, axis)
 
 
@@ -162,7 +188,8 @@ def maps_to(t: Transform, device: torch.device) -> Transform:
         return x if x is None or not x.is_floating_point() else x.to(device)
 
     return Transform(t.depth, residual=on(t.residual), heads=[on(p) for p in t.heads], qk=[on(m) for m in t.qk],
-                     ov=[on(m) for m in t.ov], mlp=[on(p) for p in t.mlp], mlp_scale=[on(s) for s in t.mlp_scale])
+                     ov=[on(m) for m in t.ov], mlp=[on(p) for p in t.mlp], mlp_scale=[on(s) for s in t.mlp_scale],
+                     group=t.group)
 
 
 def _compose_perm(p2: torch.Tensor | None, p1: torch.Tensor | None) -> torch.Tensor | None:
@@ -197,7 +224,23 @@ def compose(t2: Transform, t1: Transform) -> Transform:
         ov=[_compose_maps(t2.ov[i], t1.ov[i], t2.heads[i]) for i in layers],
         mlp=[_compose_perm(t2.mlp[i], t1.mlp[i]) for i in layers],
         mlp_scale=[_compose_maps(t2.mlp_scale[i], t1.mlp_scale[i], t2.mlp[i]) for i in layers],
+        group=[_compose_groups(t2.group[i], t1.group[i], t2.heads[i]) for i in layers],
     )
+
+
+def _compose_groups(g2: torch.Tensor | None, g1: torch.Tensor | None, p2: torch.Tensor | None,
+                    ) -> torch.Tensor | None:
+    """Queries reordered by g1 within groups, the groups then moved by p2 and reordered by g2: query j of group i
+    is old query g1[p2[i], g2[i, j]]."""
+    if g1 is None:
+        return g2
+    moved = g1 if p2 is None else g1[_indices(p2)]
+    return moved if g2 is None else torch.gather(moved, 1, _indices(g2))
+
+
+def _indices(p: torch.Tensor) -> torch.Tensor:
+    _require_indices(p)
+    return p
 
 
 def _invert_maps(m: torch.Tensor | None, inv_perm: torch.Tensor | None) -> torch.Tensor | None:
@@ -233,7 +276,16 @@ def invert(t: Transform) -> Transform:
         ov=[_invert_maps(t.ov[i], head_inv[i]) for i in layers],
         mlp=mlp_inv,
         mlp_scale=[_invert_maps(t.mlp_scale[i], mlp_inv[i]) for i in layers],
+        group=[_invert_group(t.group[i], head_inv[i]) for i in layers],
     )
+
+
+def _invert_group(group: torch.Tensor | None, inv_perm: torch.Tensor | None) -> torch.Tensor | None:
+    """The within-group reordering of T⁻¹: each group's inverse, taken where the inverse moves that group."""
+    if group is None:
+        return None
+    moved = group if inv_perm is None else group[inv_perm]
+    return torch.argsort(_indices(moved), dim=1)
 
 
 SYMMETRY_CLASSES = ("residual", "head-perm", "within-head-orthogonal", "within-head-invertible", "mlp-perm",
@@ -246,26 +298,34 @@ MATCHABLE = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
 
 def random_transform(cfg: ModelConfig, classes: tuple[str, ...], generator: torch.Generator,
                      fix_ones: bool = True) -> Transform:
-    """A random group element of ``cfg``'s sizes made of the named symmetry classes (for invariance checks)."""
+    """A random group element of ``cfg``'s sizes made of the named symmetry classes (for invariance checks): maps
+    per KV head, queries permuted within their groups, q/k maps commuting with rotary positions where the model
+    has them."""
     from glmc.symmetry import groups
 
-    depth, width, heads, head_dim, mlp = cfg.depth, cfg.width, cfg.heads, cfg.head_dim, cfg.mlp
+    depth, kv, head_dim, mlp = cfg.depth, cfg.kv_heads, cfg.head_dim, cfg.mlp
 
     def per_layer(make):  # type: ignore[no-untyped-def]
         return [make() for _ in range(depth)]
 
     def head_maps(make):  # type: ignore[no-untyped-def]
-        return per_layer(lambda: torch.stack([make(head_dim, generator) for _ in range(heads)]))
+        return per_layer(lambda: torch.stack([make(head_dim) for _ in range(kv)]))
 
     t = Transform(depth)
     if "residual" in classes:
-        t.residual = groups.random_orthogonal(width, generator, fix_ones)
+        t.residual = groups.random_orthogonal(cfg.width, generator, fix_ones)
     if "head-perm" in classes:
-        t.heads = per_layer(lambda: groups.random_permutation(heads, generator))
+        t.heads = per_layer(lambda: groups.random_permutation(kv, generator))
+        if cfg.group > 1:
+            t.group = per_layer(lambda: torch.stack([groups.random_permutation(cfg.group, generator)
+                                                     for _ in range(kv)]))
     if "within-head-orthogonal" in classes or "within-head-invertible" in classes:
         orth = "within-head-invertible" not in classes
-        make = (lambda n, g: groups.random_orthogonal(n, g, fix_ones=False)) if orth else groups.random_invertible
-        t.qk, t.ov = head_maps(make), head_maps(make)
+        free = ((lambda n: groups.random_orthogonal(n, generator, fix_ones=False)) if orth
+                else (lambda n: groups.random_invertible(n, generator)))
+        t.qk = head_maps(lambda n: groups.random_rotary(n, cfg.rotary_dim, generator, orth) if cfg.rotary_dim
+                         else free(n))
+        t.ov = head_maps(free)
     if "mlp-perm" in classes:
         t.mlp = per_layer(lambda: groups.random_permutation(mlp, generator))
     if "mlp-scale" in classes:
