@@ -1,4 +1,4 @@
-"""Small float64 models of both families, with odd sizes, for invariance tests."""
+"""Small float64 models of every family, with odd sizes, for invariance tests."""
 
 from __future__ import annotations
 
@@ -24,13 +24,23 @@ CONFIGS: dict[str, ModelConfig] = {
                                              context=12),
 }
 
+# The RMSNorm families (Llama, Mistral, Qwen2). Grouped queries (3 KV heads of 2), one KV head with head_dim set apart from width/heads, q/k/v biases.
+RMS_CONFIGS: dict[str, ModelConfig] = {
+    "llama-gqa": preset("llama-tiny").replace(width=36, heads=6, kv_heads=3, mlp=70, vocab_size=VOCAB, context=12),
+    "mistral-mqa": preset("llama-tiny").replace(family="mistral", width=45, heads=3, kv_heads=1, head_dim=8, mlp=37,
+                                                vocab_size=VOCAB, context=12),
+    "qwen2-bias": preset("llama-tiny").replace(family="qwen2", width=30, heads=5, kv_heads=5, mlp=37, qkv_bias=True,
+                                               vocab_size=VOCAB, context=12, depth=3),
+}
+ALL_CONFIGS = CONFIGS | RMS_CONFIGS
+
 # Two-block models of both families, for the corrections of a merge (REPAIR, refit).
 MERGE_CONFIGS: dict[str, ModelConfig] = {
     "vit": preset("vit-bench").replace(depth=2, img_size=8, patch=4, in_chans=1, num_classes=3),
     "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
 }
 
-__all__ = ["CONFIGS", "MERGE_CONFIGS", "canonical", "dataset", "inputs", "logits_of", "merge_data", "random_native"]
+__all__ = ["ALL_CONFIGS", "CONFIGS", "RMS_CONFIGS", "MERGE_CONFIGS", "canonical", "dataset", "inputs", "logits_of", "merge_data", "random_native"]
 
 
 def canonical(cfg: ModelConfig, seed: int) -> State:

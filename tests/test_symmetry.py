@@ -8,17 +8,24 @@ import torch
 from glmc.archs import ARCHS, get_arch
 from glmc.cli.pair import FORM_NAMES
 from glmc.errors import NonFiniteError, SpecError
-from glmc.symmetry.canonical import FORMS, canonicalize, to_circuit, to_model
+from glmc.symmetry.canonical import FORMS, canonicalize, fixes_ones, forms_for, to_circuit, to_model
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.spec import check_coverage, check_same_shapes, expand
 from glmc.symmetry.transforms import SYMMETRY_CLASSES, Transform, apply, compose, invert, random_transform
-from tests.symmetry_models import CONFIGS, inputs, logits_of, random_native
+from tests.symmetry_models import ALL_CONFIGS, CONFIGS, inputs, logits_of, random_native
 
 TOL = 1e-5  # the project's bar for "same function", in float64; we observe ~1e-15
 
 
 def _classes(cfg):
-    return tuple(c for c in SYMMETRY_CLASSES if c != "mlp-scale" or cfg.activation == "relu")
+    """MLP scales hold for ReLU and for SwiGLU's linear ``up`` only."""
+    return tuple(c for c in SYMMETRY_CLASSES if c != "mlp-scale" or cfg.activation in ("relu", "silu"))
+
+
+def _cases(forms=("standard", "rmsnorm")):
+    """(config name, form) for every config and each of ``forms`` that its family has."""
+    return [(name, form) for name, cfg in ALL_CONFIGS.items() for form in forms
+            if form in forms_for(get_arch(cfg.family))]
 
 
 def _random(cfg, classes, seed, fix_ones=True):
@@ -35,27 +42,25 @@ def test_the_cli_offers_every_form_the_library_has():
     assert list(FORMS) == FORM_NAMES  # the CLI lists them without importing torch, so they are written twice
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("form", ["standard", "rmsnorm"])
+@pytest.mark.parametrize(("name", "form"), _cases())
 def test_canonical_form_preserves_function(name, form):
-    cfg = CONFIGS[name]
+    cfg = ALL_CONFIGS[name]
     native, x = random_native(cfg, 0), inputs(cfg)
     state = canonicalize(get_arch(cfg.family), native, cfg.depth, form)
     err = (_run(state, cfg, form, x) - logits_of(native, cfg, x)).abs().max()
     assert err <= TOL
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("form", ["standard", "rmsnorm"])
+@pytest.mark.parametrize(("name", "form"), _cases())
 def test_every_symmetry_class_preserves_function(name, form):
-    cfg = CONFIGS[name]
+    cfg = ALL_CONFIGS[name]
     arch = get_arch(cfg.family)
     native, x = random_native(cfg, 1), inputs(cfg)
     state = canonicalize(arch, native, cfg.depth, form)
     reference = logits_of(native, cfg, x)
     classes = _classes(cfg)
     for i, cls in enumerate([*((c,) for c in classes), classes]):
-        t = _random(cfg, cls, seed=10 + i, fix_ones=form == "standard")
+        t = _random(cfg, cls, seed=10 + i, fix_ones=fixes_ones(form, arch))
         moved = apply(state, arch.spec, t, cfg.heads)
         assert max((moved[k] - state[k]).abs().max() for k in state) > 1e-3, f"{cls} did not move anything"
         assert (_run(moved, cfg, form, x) - reference).abs().max() <= TOL, cls
@@ -97,9 +102,9 @@ def test_a_layer_mixing_orthogonal_and_invertible_head_maps_keeps_the_function(n
     assert (_run(moved, cfg, "standard", x) - logits_of(native, cfg, x)).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", ALL_CONFIGS)
 def test_compose_and_invert(name):
-    cfg = CONFIGS[name]
+    cfg = ALL_CONFIGS[name]
     arch = get_arch(cfg.family)
     state = canonicalize(arch, random_native(cfg, 4), cfg.depth)
     t1, t2 = _random(cfg, _classes(cfg), 5), _random(cfg, _classes(cfg), 6)
@@ -115,7 +120,7 @@ def test_compose_and_invert(name):
 
 @pytest.mark.parametrize("family", ARCHS)
 def test_spec_covers_every_parameter_exactly_once(family):
-    cfg = next(c for c in CONFIGS.values() if c.family == family)
+    cfg = next(c for c in ALL_CONFIGS.values() if c.family == family)
     arch = get_arch(family)
     state = arch.to_canonical(random_native(cfg, 5), cfg.depth)
     check_coverage(arch.spec, state, cfg.depth, arch.optional)
@@ -124,8 +129,8 @@ def test_spec_covers_every_parameter_exactly_once(family):
     with pytest.raises(SpecError, match=r"'blocks\.0\.extra\.w'"):
         check_coverage(arch.spec, {**state, "blocks.0.extra.w": torch.zeros(1)}, cfg.depth, arch.optional)
     missing = dict(state)
-    missing.pop("blocks.1.mlp.fc1.b")
-    with pytest.raises(SpecError, match=r"'blocks\.1\.mlp\.fc1\.b'"):
+    missing.pop("blocks.1.mlp.fc2.w")
+    with pytest.raises(SpecError, match=r"'blocks\.1\.mlp\.fc2\.w'"):
         check_coverage(arch.spec, missing, cfg.depth, arch.optional)
 
 
@@ -136,10 +141,9 @@ def test_shape_mismatch_names_the_first_offending_key():
         check_same_shapes(a, b)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("form", ["standard", "rmsnorm", "circuit"])
+@pytest.mark.parametrize(("name", "form"), _cases(("standard", "rmsnorm", "circuit")))
 def test_self_check_passes_in_every_form(name, form):
-    errors = invariance_errors(CONFIGS[name], form, seed=3)
+    errors = invariance_errors(ALL_CONFIGS[name], form, seed=3)
     assert set(errors) >= {"canonical-form", "residual", "head-perm", "mlp-perm", "all"}
     assert max(errors.values()) <= TOL, errors
 

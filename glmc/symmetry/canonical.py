@@ -27,6 +27,12 @@ CENTRED: frozenset[Form] = frozenset({"rmsnorm", "circuit-rmsnorm"})
 CIRCUITS: frozenset[Form] = frozenset({"circuit", "circuit-rmsnorm"})
 
 
+def forms_for(arch: Arch) -> tuple[Form, ...]:
+    """The forms a family has: all four for a LayerNorm family; only the standard one for an RMSNorm family, whose
+    stream needs no centring and whose separate projections have no fused circuit layout."""
+    return FORMS if arch.norm == "layer" else ("standard",)
+
+
 def fixes_ones(form: Form, arch: Arch) -> bool:
     """Whether the residual maps of ``form`` must fix 1: LayerNorm needs it, so every form of a LayerNorm family
     whose stream is not centred (a centred one has the whole O(d), as an RMSNorm family has in its standard form; a
@@ -101,9 +107,9 @@ def canonicalize(
 
     The circuit form changes d_h, so it has its own entry point, :func:`to_circuit`, applied after alignment.
     """
-    if form in CENTRED and arch.norm == "rms":
-        raise ConfigError(f"form {form!r} centres a LayerNorm stream; a {arch.family} model's RMSNorm stream has "
-                          "the whole O(d) in its standard form already")
+    if form not in forms_for(arch):
+        raise ConfigError(f"a {arch.family} model has only the standard form: its RMSNorm stream has the whole "
+                          f"O(d) without centring (form {form!r})")
     state = arch.to_canonical(native, depth)
     if dtype is not None:
         state = cast(state, dtype)

