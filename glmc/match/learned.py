@@ -183,11 +183,15 @@ class Latents(nn.Module):
             lambda p, n: permutation_latent(p, n, options.noise, g))
         make_residual = permutation_latent if residual_perm else orthogonal_latent
         self.residual = nn.Parameter(make_residual(init.residual, cfg.width, options.noise, g))
-        self.heads = nn.ParameterList([units(p, cfg.heads) for p in init.heads])
+        self.heads = nn.ParameterList([units(p, cfg.kv_heads) for p in init.heads])  # queries keep their groups
         self.mlp = nn.ParameterList([units(p, cfg.mlp) for p in init.mlp])
         self.within: Within = "fixed" if residual_perm else options.within
+        self.rotary = cfg.rotary_dim  # q/k maps commuting with rotary positions: rotations per frequency pair
+        if self.rotary and self.within == "invertible":
+            raise ConfigError("learned invertible within-head maps would break rotary positions; learn orthogonal "
+                              "ones (within='orthogonal') or keep them fixed")
         maps = (None if self.within == "fixed" else
-                lambda m: head_latents(m, cfg.heads, cfg.head_dim, options.noise, g))
+                lambda m: head_latents(m, cfg.kv_heads, cfg.head_dim, options.noise, g))
         self.qk = nn.ParameterList([maps(m) for m in init.qk] if maps else [])
         self.ov = nn.ParameterList([maps(m) for m in init.ov] if maps else [])
 
@@ -200,6 +204,8 @@ class Latents(nn.Module):
         if self.within == "invertible":
             return [torch.clone(z) for z in self.qk], [torch.clone(z) for z in self.ov]
         maps: list[torch.Tensor | None] = list(projected if projected is not None else project([self])[0])
+        if self.rotary:  # the nearest maps that commute with rotary positions, differentiable as the polar factor is
+            maps[:len(self.qk)] = [groups.rotary_polar(z, self.rotary) for z in self.qk]
         return maps[:len(self.qk)], maps[len(self.qk):]
 
     def _residual(self) -> torch.Tensor:
@@ -218,7 +224,7 @@ class Latents(nn.Module):
         qk, ov = self._maps(projected)
         heads, mlp = self._units()
         return Transform(self.init.depth, residual=self._residual(), heads=list(heads), qk=qk, ov=ov,
-                         mlp=list(mlp))
+                         mlp=list(mlp), group=self.init.group)
 
     @torch.no_grad()
     def harden(self) -> Transform:
@@ -230,7 +236,7 @@ class Latents(nn.Module):
             (lambda z: sinkhorn(z, self.iters)) if self.soft else groups.assignment)
         qk, ov = self._maps()
         return Transform(self.init.depth, residual=self._residual().detach(), heads=[units(z) for z in self.heads],
-                         qk=qk, ov=ov, mlp=[units(z) for z in self.mlp])
+                         qk=qk, ov=ov, mlp=[units(z) for z in self.mlp], group=self.init.group)
 
 
 def project(latents: Sequence[Latents]) -> list[list[torch.Tensor]]:

@@ -68,11 +68,18 @@ def check_embeddable(narrow: ModelConfig, wide: ModelConfig) -> None:
     for name, label in (("num_classes", "class counts"), ("vocab_size", "vocabularies")):
         if getattr(narrow, name) != getattr(wide, name):
             raise ConfigError(f"{label} differ ({getattr(narrow, name)} vs {getattr(wide, name)})")
-    unit: dict[str, Any] = {f: 1 for f in WIDTH_FIELDS}
-    a, b = (dataclasses.replace(c, **unit) for c in (narrow, wide))
-    if a != b:
-        diff = [k for k, v in a.to_dict().items() if b.to_dict()[k] != v]
+    a, b = narrow.to_dict(), wide.to_dict()
+    if diff := [k for k, v in a.items() if b[k] != v and k not in (*WIDTH_FIELDS, "kv_heads")]:
         raise ConfigError(f"models differ in {', '.join(diff)}; only widths may differ")
+    if narrow.group != wide.group:
+        raise ConfigError(f"query heads per KV head differ ({narrow.group} vs {wide.group}): a narrower model must "
+                          "keep its groups")
+    if narrow != wide and not any(QKV in axes for axes in get_arch(wide.family).spec.values()):
+        raise ConfigError(f"a {wide.family} model's widths cannot differ: embedding separate q, k, v projections "
+                          "into a wider model is not implemented (equal widths only)")
+    if wide.rotary_dim and narrow.head_dim != wide.head_dim:
+        raise ConfigError(f"head sizes differ ({narrow.head_dim} vs {wide.head_dim}) under rotary positions: their "
+                          "frequencies follow the head size, so a padded head would not rotate as the wide one")
     for name, label in WIDE_SIZES:
         if getattr(narrow, name) > getattr(wide, name):
             raise ConfigError(f"the target is narrower than an input: {label} {getattr(wide, name)} < "
@@ -90,7 +97,7 @@ def residual_embedding(d: int, big: int, dtype: torch.dtype = torch.float64) -> 
 def place(narrow: ModelConfig, wide: ModelConfig, dtype: torch.dtype = torch.float64) -> Placement:
     """The default placement: residual by :func:`residual_embedding`, the first H heads, d_h coordinates, f units."""
     check_embeddable(narrow, wide)
-    first = [torch.arange(narrow.heads) for _ in range(narrow.depth)]
+    first = [torch.arange(narrow.kv_heads) for _ in range(narrow.depth)]  # heads move by KV head, as transforms do
     return Placement(narrow, wide, residual_embedding(narrow.width, wide.width, dtype), first,
                      torch.arange(narrow.head_dim), [torch.arange(narrow.mlp) for _ in range(narrow.depth)])
 
