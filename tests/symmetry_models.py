@@ -24,7 +24,8 @@ CONFIGS: dict[str, ModelConfig] = {
                                              context=12),
 }
 
-# The RMSNorm families (Llama, Mistral, Qwen2). Grouped queries (3 KV heads of 2), one KV head with head_dim set apart from width/heads, q/k/v biases.
+# The RMSNorm families (Llama, Mistral, Qwen2): grouped queries (3 KV heads of 2), one KV head with head_dim set apart
+# from width/heads, q/k/v biases.
 RMS_CONFIGS: dict[str, ModelConfig] = {
     "llama-gqa": preset("llama-tiny").replace(width=36, heads=6, kv_heads=3, mlp=70, vocab_size=VOCAB, context=12),
     "mistral-mqa": preset("llama-tiny").replace(family="mistral", width=45, heads=3, kv_heads=1, head_dim=8, mlp=37,
@@ -40,7 +41,8 @@ MERGE_CONFIGS: dict[str, ModelConfig] = {
     "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
 }
 
-__all__ = ["ALL_CONFIGS", "CONFIGS", "RMS_CONFIGS", "MERGE_CONFIGS", "canonical", "dataset", "inputs", "logits_of", "merge_data", "random_native"]
+__all__ = ["ALL_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "RMS_CONFIGS", "canonical", "dataset", "inputs", "logits_of",
+           "merge_data", "random_native"]
 
 
 def canonical(cfg: ModelConfig, seed: int) -> State:

@@ -11,13 +11,13 @@ from torch.utils.data import TensorDataset
 from glmc.archs import ModelConfig, get_arch, scale_width
 from glmc.errors import ConfigError
 from glmc.interpolation import barrier_curve, mix
-from glmc.merging.repair import SITES, channel_stats, repair
+from glmc.merging.repair import channel_stats, repair, sites
 from glmc.merging.widths import embed, place
 from glmc.symmetry.canonical import to_model
 from glmc.train import evaluate
 from tests.symmetry_models import MERGE_CONFIGS, canonical, merge_data
 
-SITES_OF = {family: [(s, layer) for layer in range(cfg.depth) for s in SITES] for family, cfg in MERGE_CONFIGS.items()}
+SITES_OF = {family: sites(cfg) for family, cfg in MERGE_CONFIGS.items()}
 
 
 def _stats(state: dict[str, torch.Tensor], cfg: ModelConfig, sites: list[tuple[str, int]]) -> dict:
@@ -78,7 +78,7 @@ def test_statistics_stop_the_forward_pass_at_the_last_site_and_match_a_full_pass
     later = []
     get_arch(cfg.family).module(model, "blocks.{l}", cfg.depth - 1).register_forward_hook(
         lambda *_: later.append(1))
-    first = [(s, 0) for s in SITES]
+    first = [(s, layer) for s, layer in SITES_OF[family] if layer == 0]
     early = channel_stats(model, cfg, merge_data(cfg).tensors[0], first, 16)
     assert not later
     full = _stats(state, cfg, SITES_OF[family])

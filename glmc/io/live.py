@@ -33,7 +33,8 @@ def describe(model: nn.Module) -> tuple[Arch, ModelConfig]:
         cfg = arch.config_of(model)
         if cfg is not None:
             return arch, cfg
-    hf = ", ".join(["GPT2LMHeadModel", "ViTForImageClassification", *(a.hf_class for a in ARCHS.values() if a.hf_class)])
+    hf = ", ".join(["GPT2LMHeadModel", "ViTForImageClassification",
+                    *(a.hf_class for a in ARCHS.values() if a.hf_class)])
     raise ConfigError(f"unsupported model class {type(model).__name__}: glmc reads timm VisionTransformer and "
                       f"Hugging Face {hf} models")
 

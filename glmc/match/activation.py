@@ -15,13 +15,12 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
-
-from glmc.errors import ConfigError
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from glmc.archs import Arch, ModelConfig, State, get_arch
 from glmc.device import device_of
+from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, require_data, sq_distance
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import Form, to_model

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from glmc.errors import ConfigError, NonFiniteError
-from glmc.symmetry.spec import AxisKind, SpecTable, expand
+from glmc.symmetry.spec import HEADS, QKV, AxisKind, K, Q, SpecTable, V, expand
 from glmc.symmetry.transforms import Transform
 
 if TYPE_CHECKING:
@@ -43,6 +43,24 @@ def gather(
             continue
         blocks.append(kind_first(state[name], axes, kind))
     return torch.cat(blocks, dim=1)
+
+
+def head_factors(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int, heads: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(3, H, d_h, m) q|k|v factors [W | b] per query head (a KV head's k and v repeated for each query of its
+    group), (H, d_h, d) output factors W_Oᵀ, and the number of KV heads, of one layer: fused (QKV) or separate
+    (Q, K, V) projections alike."""
+    out = gather(state, spec, depth, HEADS, layer)
+    out = out.reshape(heads, -1, out.shape[1])
+    if any(QKV in axes for template, axes in spec.items() if template.startswith("blocks.")):
+        qkv = gather(state, spec, depth, QKV, layer)
+        return qkv.reshape(3, heads, -1, qkv.shape[1]), out, heads
+    q, k, v = (gather(state, spec, depth, kind, layer) for kind in (Q, K, V))
+    head_dim = out.shape[1]
+    kv = k.shape[0] // head_dim
+    q = q.reshape(heads, head_dim, -1)
+    k, v = (x.reshape(kv, head_dim, -1).repeat_interleave(heads // kv, 0) for x in (k, v))
+    return torch.stack([q, k, v]), out, kv
 
 
 def cross(

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from glmc.archs.base import cast
 from glmc.errors import ConfigError
-from glmc.match.common import MatchResult, gather, kind_first, require_finite
+from glmc.match.common import MatchResult, gather, head_factors, kind_first, require_finite
 from glmc.match.descent import Descent, Layer
 from glmc.symmetry import groups
 from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, K, Q, SpecTable, V, expand
@@ -226,24 +226,6 @@ def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor
     return q
 
 
-def _head_factors(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int, heads: int,
-                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(3, H, d_h, m) q|k|v factors [W | b] per query head (a KV head's k and v repeated for each query of its
-    group), (H, d_h, d) output factors W_Oᵀ, and the number of KV heads, of one layer: fused (QKV) or separate
-    (Q, K, V) projections alike."""
-    out = gather(state, spec, depth, HEADS, layer)
-    out = out.reshape(heads, -1, out.shape[1])
-    if any(QKV in axes for template, axes in spec.items() if template.startswith("blocks.")):
-        qkv = gather(state, spec, depth, QKV, layer)
-        return qkv.reshape(3, heads, -1, qkv.shape[1]), out, heads
-    q, k, v = (gather(state, spec, depth, kind, layer) for kind in (Q, K, V))
-    head_dim = out.shape[1]
-    kv = k.shape[0] // head_dim
-    q = q.reshape(heads, head_dim, -1)
-    k, v = (x.reshape(kv, head_dim, -1).repeat_interleave(heads // kv, 0) for x in (k, v))
-    return torch.stack([q, k, v]), out, kv
-
-
 def _circuit_gram(x: torch.Tensor, y: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """⟨X_iᵀ U_i, Y_jᵀ V_j⟩ for all head pairs i, j, through (d_h × d_h) products: (H, H)."""
     return (torch.einsum("iae,jbe->ijab", x, y) * torch.einsum("iaf,jbf->ijab", u, v)).sum((2, 3))
@@ -302,7 +284,7 @@ def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], sp
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Head permutation by LAP on circuit distances (KV heads and the queries within their groups), then the
     within-head orthogonal maps M (q, k) and N (v, o), one per KV head."""
-    (qkv_a, o_a, kv), (qkv_b, o_b, _) = (_head_factors(s, spec, depth, layer, heads) for s in (a, b))
+    (qkv_a, o_a, kv), (qkv_b, o_b, _) = (head_factors(s, spec, depth, layer, heads) for s in (a, b))
     perm, group = _grouped_assignment(head_cost((qkv_a, o_a), (qkv_b, o_b), squared=options.head_cost == "squared"),
                                       kv)
     if not within:
@@ -311,10 +293,12 @@ def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], sp
     order = perm.repeat_interleave(g) * g + (torch.arange(heads) % g if group is None else group.reshape(-1))
     qkv_b, o_b = qkv_b[:, order], o_b[order]
     first = torch.arange(0, heads, g)  # a group's k and v, once
-    qk, ov = _within_head(
-        [torch.cat([_by_group(qkv_a[0], kv), qkv_a[1, first]], -1), torch.cat([qkv_a[2, first], _by_group(o_a, kv)], -1)],
-        [torch.cat([_by_group(qkv_b[0], kv), qkv_b[1, first]], -1), torch.cat([qkv_b[2, first], _by_group(o_b, kv)], -1)],
-        rotary)
+    def stacked(qkv: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
+        """Per KV head, the factors its q/k map and its v/o map act on: its queries and k; v and its outputs."""
+        return [torch.cat([_by_group(qkv[0], kv), qkv[1, first]], -1),
+                torch.cat([qkv[2, first], _by_group(out, kv)], -1)]
+
+    qk, ov = _within_head(stacked(qkv_a, o_a), stacked(qkv_b, o_b), rotary)
     return perm, group, qk, ov
 
 

@@ -34,10 +34,9 @@ from glmc.errors import ConfigError, check_weights
 from glmc.merging.activations import AllSitesRecorded, Hook, Site, hooked_passes
 from glmc.merging.widths import Placement, axis_mask, embedding_config
 from glmc.symmetry.canonical import to_model
-from glmc.symmetry.spec import RES, AxisKind
+from glmc.symmetry.spec import RES, AxisKind, block_linears
 
-# The linear layers refitted (canonical prefixes), in forward order within a block; then the head.
-LAYERS = ("blocks.{l}.attn.qkv", "blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")
+# After every block's linear layers (the spec's, in forward order), the head.
 TOP_LAYERS = ("head",)
 RIDGE = 1e-3
 
@@ -45,7 +44,8 @@ RIDGE = 1e-3
 def stages(cfg: ModelConfig) -> list[list[Site]]:
     """The refitted layers in forward order, one stage per block and one for the head: the aligned models' outputs
     are held for one stage at a time."""
-    blocks: list[list[Site]] = [[(s, layer) for s in LAYERS] for layer in range(cfg.depth)]
+    layers = block_linears(get_arch(cfg.family).spec)
+    blocks: list[list[Site]] = [[(s, layer) for s in layers] for layer in range(cfg.depth)]
     return [*blocks, [(s, None) for s in TOP_LAYERS]]
 
 

@@ -22,11 +22,13 @@ from glmc.data.tasks import inputs_of
 from glmc.errors import ConfigError
 from glmc.merging.activations import AllSitesRecorded, Hook, hooked_passes
 from glmc.symmetry.canonical import to_model
+from glmc.symmetry.spec import MLP, RES, block_linears
 
-# The linear layers whose output channels are repaired, block by block in forward order (canonical prefixes): the
-# MLP's pre-activations and both residual writers. Not qkv: q and k act only through their product, which
-# per-channel moments do not describe; on 5 vit-bench seeds, adding it cost 2 points (77.0% → 75.0%).
-SITES = ("blocks.{l}.attn.proj", "blocks.{l}.mlp.fc1", "blocks.{l}.mlp.fc2")
+# The linear layers whose output channels are repaired, block by block in forward order: those whose output is the
+# MLP's units (fc1; a gated MLP's ``up``) or the residual stream (its writers). Not q and k: they act only through
+# their product, which per-channel moments do not describe; on 5 vit-bench seeds, adding qkv cost 2 points
+# (77.0% → 75.0%). Not a gate: its units are read through the activation, not as they are.
+SITE_OUTPUTS = (MLP, RES)
 
 Stats = tuple[torch.Tensor, torch.Tensor]  # per output channel: mean, standard deviation
 
@@ -110,7 +112,7 @@ class RepairTarget:
             raise ConfigError("REPAIR needs training inputs to measure activation statistics")
         batch = inputs_of(data, len(data) if samples is None else samples)  # type: ignore[arg-type]
         get_arch(cfg.family).check_inputs(cfg, batch)
-        measured = [channel_stats(to_model(s, cfg), cfg, batch, _sites(cfg), batch_size) for s in inputs]
+        measured = [channel_stats(to_model(s, cfg), cfg, batch, sites(cfg), batch_size) for s in inputs]
         return cls(cfg, batch, measured, batch_size)
 
     def repair(self, merged: Mapping[str, torch.Tensor], weights: Sequence[float] | None = None) -> State:
@@ -120,24 +122,30 @@ class RepairTarget:
         repaired (what re-measuring after each site gives, without a pass per site)."""
         arch = get_arch(self.cfg.family)
         n = torch.tensor([1.0] * len(self.measured) if weights is None else list(weights), dtype=torch.float64)
-        out, model, sites = dict(merged), to_model(merged, self.cfg), _sites(self.cfg)
+        out, model, order = dict(merged), to_model(merged, self.cfg), sites(self.cfg)
 
         def correct(site: str, layer: int) -> Hook:
             def hook(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
                 have = _moments(*_sums(output))
                 scale, shift = _reset(out, site, layer, have, _target([m[site, layer] for m in self.measured], n))
-                if (site, layer) == sites[-1]:
+                if (site, layer) == order[-1]:
                     raise AllSitesRecorded  # the layers after the last site change nothing
                 return output * scale.to(output.dtype) + shift.to(output.dtype)
             return hook
 
-        hooked_passes(arch, model, {key: correct(*key) for key in sites}, [self.batch])
+        hooked_passes(arch, model, {key: correct(*key) for key in order}, [self.batch])
         return out
 
 
-def _sites(cfg: ModelConfig) -> list[tuple[str, int]]:
-    """Every repaired site, block by block in forward order."""
-    return [(site, layer) for layer in range(cfg.depth) for site in SITES]
+def sites(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """Every repaired site, block by block in forward order; ConfigError where a site has no bias to shift its
+    channels' mean by (the Llama families)."""
+    arch = get_arch(cfg.family)
+    prefixes = block_linears(arch.spec, SITE_OUTPUTS)
+    if unbiased := [s for s in prefixes if f"{s}.b" not in arch.spec]:
+        raise ConfigError(f"REPAIR shifts each channel by its layer's bias; a {cfg.family} model's "
+                          f"{unbiased[0]} has none (restore-norms or refit instead)")
+    return [(site, layer) for layer in range(cfg.depth) for site in prefixes]
 
 
 def repair(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConfig,

@@ -4,9 +4,10 @@ Averaging units that are only approximately aligned cancels their misaligned par
 shorter than any input's: pre-activations and attention logits shrink, the "variance collapse" that REPAIR
 (Jordan et al., 2022) measures in activations and mends with data. Here the weights alone are used: each
 merged unit is rescaled so that its norm is the weighted mean of the inputs' norms of that unit. The units are
-the MLP neurons, read by fc1's rows [w | b] and written by fc2's columns, and the heads, whose QK and OV
-circuits over x̃ = [x; 1] set the q rows and the proj columns. An input that does not hold a unit (a narrower
-model embedded in the universe, whose unit is zero) is left out of that unit's mean.
+the MLP neurons, read by fc1's rows [w | b] (a gated MLP's ``up``) and written by fc2's columns, and the query
+heads, whose QK and OV circuits over x̃ = [x; 1] set the q rows and the proj columns; every tensor is found by its
+axis kind. An input that does not hold a unit (a narrower model embedded in the universe, whose unit is zero) is left
+out of that unit's mean.
 """
 
 from __future__ import annotations
@@ -15,69 +16,69 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from glmc.archs import ModelConfig, State
+from glmc.archs import ModelConfig, State, get_arch
+from glmc.match.common import gather, head_factors
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, AxisKind, Q, expand
 
 # A unit family: the merged state and one layer → a (units,) norm per unit, and the rescaling by (units,) factors.
 Norms = Callable[[Mapping[str, torch.Tensor], int, ModelConfig], torch.Tensor]
 Scale = Callable[[State, int, ModelConfig, torch.Tensor], None]
 
 
-def _augmented(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    """[W | b] of a linear layer (out, in + 1); b is zero for a layer without one (a ViT without qkv biases)."""
-    w = state[f"{name}.w"]
-    return torch.cat([w, state.get(f"{name}.b", w.new_zeros(w.shape[0]))[:, None]], 1)
-
-
-def _heads(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
-    """(3, H, d_h, d + 1): the q, k and v factors of every head, bias column last."""
-    return _augmented(state, f"blocks.{layer}.attn.qkv").reshape(3, cfg.heads, -1, cfg.width + 1)
+def _spec(cfg: ModelConfig) -> Mapping[str, tuple[AxisKind | None, ...]]:
+    return get_arch(cfg.family).spec
 
 
 def _mlp_in_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
-    return _augmented(state, f"blocks.{layer}.mlp.fc1").norm(dim=1)
+    """Each unit's row [w | b] of fc1 (a gated MLP's ``up``, the linear side)."""
+    return gather(state, _spec(cfg), cfg.depth, MLP, layer).norm(dim=1)
 
 
 def _mlp_out_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
-    return state[f"blocks.{layer}.mlp.fc2.w"].norm(dim=0)
+    return gather(state, _spec(cfg), cfg.depth, MLP_IN, layer).norm(dim=1)
 
 
 def _qk_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
-    f = _heads(state, layer, cfg)
+    """Each query head's QK circuit over x̃ = [x; 1] (with its KV head's k under grouped queries)."""
+    f, _, _ = head_factors(state, _spec(cfg), cfg.depth, layer, cfg.heads)
     return torch.einsum("hae,haf->hef", f[0], f[1]).flatten(1).norm(dim=1)
 
 
 def _ov_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
-    proj = state[f"blocks.{layer}.attn.proj.w"].reshape(cfg.width, cfg.heads, -1)
-    return torch.einsum("dha,hae->hde", proj, _heads(state, layer, cfg)[2]).flatten(1).norm(dim=1)
+    f, out, _ = head_factors(state, _spec(cfg), cfg.depth, layer, cfg.heads)
+    return torch.einsum("had,hae->hde", out, f[2]).flatten(1).norm(dim=1)
 
 
-def _scale_rows(state: State, name: str, factor: torch.Tensor) -> None:
-    """Scale each output row of linear layer ``name``, weight and bias alike."""
-    state[f"{name}.w"] = state[f"{name}.w"] * factor[:, None]
-    if f"{name}.b" in state:
-        state[f"{name}.b"] = state[f"{name}.b"] * factor
+def _scale_kind(state: State, layer: int, cfg: ModelConfig, kind: AxisKind, factor: torch.Tensor) -> None:
+    """Multiply the ``kind`` axis of every tensor of ``layer`` that has one by ``factor`` (one entry per index)."""
+    spec = _spec(cfg)
+    for name, (lay, template) in expand(spec, cfg.depth).items():
+        axes = spec[template]
+        if lay == layer and name in state and kind in axes:
+            shape = [1] * len(axes)
+            shape[axes.index(kind)] = -1
+            state[name] = state[name] * factor.to(state[name].dtype).reshape(shape)
 
 
 def _scale_mlp_in(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
-    _scale_rows(state, f"blocks.{layer}.mlp.fc1", s)
+    _scale_kind(state, layer, cfg, MLP, s)
 
 
 def _scale_mlp_out(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
-    name = f"blocks.{layer}.mlp.fc2.w"
-    state[name] = state[name] * s[None, :]
+    _scale_kind(state, layer, cfg, MLP_IN, s)
 
 
 def _scale_q(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
-    """Scale head h's q rows (the first third of qkv, head by head) by s[h]; k and v stay."""
-    q = s.repeat_interleave(state[f"blocks.{layer}.attn.qkv.w"].shape[0] // (3 * cfg.heads))
-    ones = torch.ones(2 * q.numel(), dtype=s.dtype, device=s.device)
-    _scale_rows(state, f"blocks.{layer}.attn.qkv", torch.cat([q, ones]))
+    """Scale query head h's q rows by s[h] (the first third of a fused qkv, head by head); k and v stay."""
+    q = s.repeat_interleave(cfg.head_dim)
+    if any(QKV in axes for axes in _spec(cfg).values()):
+        _scale_kind(state, layer, cfg, QKV, torch.cat([q, torch.ones(2 * q.numel(), dtype=s.dtype)]))
+    else:
+        _scale_kind(state, layer, cfg, Q, q)
 
 
 def _scale_proj(state: State, layer: int, cfg: ModelConfig, s: torch.Tensor) -> None:
-    name = f"blocks.{layer}.attn.proj.w"
-    w = state[name].reshape(cfg.width, cfg.heads, -1)
-    state[name] = (w * s[None, :, None]).reshape(cfg.width, -1)
+    _scale_kind(state, layer, cfg, HEADS, s.repeat_interleave(cfg.head_dim))
 
 
 UNITS: tuple[tuple[Norms, Scale], ...] = (

@@ -68,6 +68,13 @@ BLOCK_FOLDS: dict[str, tuple[str, ...]] = {
 BLOCK_WRITERS: tuple[str, ...] = ("blocks.{l}.attn.proj", "blocks.{l}.mlp.fc2")
 
 
+def block_linears(spec: SpecTable, outputs: Collection[AxisKind] | None = None) -> tuple[str, ...]:
+    """A block's linear layers as canonical prefixes (``blocks.{l}.mlp.fc1``), in the spec's order, which is
+    forward order; ``outputs``: only those whose output axis is of these kinds."""
+    return tuple(t[:-2] for t, axes in spec.items() if t.startswith("blocks.{l}.") and t.endswith(".w")
+                 and len(axes) == 2 and (outputs is None or axes[0] in outputs))
+
+
 def expand(templates: Mapping[str, object], depth: int) -> Mapping[str, tuple[int | None, str]]:
     """Concrete name → (layer or None, template) for every template, with ``{l}`` over the layers."""
     return _expand(tuple(templates), depth)
