@@ -159,3 +159,29 @@ def test_the_names_the_cli_lists_without_torch_match_their_sources():
     assert list(DEVICE_PRECISIONS) == PRECISIONS
     assert sorted(START_NAMES) == sorted(STARTS) and START_NAMES[0] == DEFAULT_START
     assert ", ".join(METHODS) == METHOD_NAMES
+
+
+# The algorithm packages read the families' declarations only: no family is named in their code, and no canonical
+# module of one (docstrings and comments may name them as examples).
+ALGORITHMS = ("glmc/match", "glmc/merging", "glmc/symmetry", "glmc/interpolation.py")
+FAMILY_WORDS = re.compile(r"\b(vit|gpt2|gpt-2|llama|mistral|qwen2|neox|bert)\b|\b(attn|mlp)\.[a-z]|\bln[12]\b",
+                          re.IGNORECASE)
+
+
+def _code_strings(path: Path) -> list[tuple[int, str]]:
+    """Every string constant of a module that is not a docstring, with its line."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_no_algorithm_names_a_family_or_its_modules() -> None:
+    paths = [p for root in ALGORITHMS for p in ((ROOT / root).rglob("*.py") if (ROOT / root).is_dir()
+                                               else [ROOT / root])]
+    assert len(paths) > 20
+    named = [f"{p.relative_to(ROOT)}:{line}: {text!r}" for p in paths for line, text in _code_strings(p)
+             if FAMILY_WORDS.search(text)]
+    assert not named, "\n".join(named)

@@ -19,6 +19,7 @@ from glmc.merging.widths import (
     principal_place,
     project,
     widen,
+    widths_may_differ,
 )
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
@@ -42,6 +43,8 @@ def _tier_pairs() -> list[tuple[str, ModelConfig, ModelConfig]]:
     """(narrow, wide) for every preset (one block, tiny inputs) and every pair of its valid width tiers."""
     pairs = []
     for name, cfg in PRESETS.items():
+        if not widths_may_differ(cfg.family):
+            continue
         small_inputs = {"img_size": 8, "patch": 4} if cfg.family == "vit" else {"vocab_size": VOCAB, "context": 6}
         base = cfg.replace(depth=1, **small_inputs)
         tiers = {}

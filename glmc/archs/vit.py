@@ -12,8 +12,9 @@ from torch import nn
 
 from glmc.archs.base import Arch, KeyRule, require_inputs
 from glmc.archs.config import ModelConfig
+from glmc.archs.prenorm import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS
 from glmc.errors import ConfigError
-from glmc.symmetry.spec import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS, NORM, RES, Axes
+from glmc.symmetry.spec import NORM, RES, Axes
 
 _BLOCK_KEYS = {
     "ln1": "norm1",

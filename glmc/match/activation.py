@@ -24,6 +24,7 @@ from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, require_data, sq_distance
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import Form, to_model
+from glmc.symmetry.spec import HEADS, MLP_IN, block_linears
 from glmc.symmetry.transforms import Transform, apply
 
 if TYPE_CHECKING:
@@ -34,10 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Where each feature is read, as canonical module prefixes: the input of fc2 (MLP hidden), the input of proj
-# (concatenated heads, (H, d_h) head-major in timm and HF alike) and the output of each block (residual).
-MLP_SITE = "blocks.{l}.mlp.fc2"
-HEADS_SITE = "blocks.{l}.attn.proj"
+# Where each feature is read: the input of the layer that reads the MLP units (MLP hidden), the input of the one that
+# reads the heads (concatenated heads, (H, d_h) head-major in timm and HF alike), the output of each block (residual).
 RESIDUAL_SITE = "blocks.{l}"
 
 Key = tuple[str, int]  # (feature kind, layer); the residual uses layer -1 (all layers stacked as rows)
@@ -84,10 +83,11 @@ def _hooks(arch: Arch, model: nn.Module, depth: int, store: dict[Key, torch.Tens
         return lambda module, args, out: store.__setitem__(key, _rows(out))
 
     handles = []
+    (mlp_site,), (heads_site,) = block_linears(arch.spec, inputs=(MLP_IN,)), block_linears(arch.spec, inputs=(HEADS,))
     for layer in range(depth):
         handles += [
-            arch.module(model, MLP_SITE, layer).register_forward_pre_hook(save_input(("mlp", layer))),
-            arch.module(model, HEADS_SITE, layer).register_forward_pre_hook(save_input(("heads", layer))),
+            arch.module(model, mlp_site, layer).register_forward_pre_hook(save_input(("mlp", layer))),
+            arch.module(model, heads_site, layer).register_forward_pre_hook(save_input(("heads", layer))),
             arch.module(model, RESIDUAL_SITE, layer).register_forward_hook(save_output(("residual", layer))),
         ]
     return handles

@@ -23,8 +23,9 @@ import torch
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.errors import ConfigError, SpecError
+from glmc.match.common import head_factors, kind_first
 from glmc.symmetry.groups import ones_complement
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
+from glmc.symmetry.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, block_linears, expand
 from glmc.symmetry.transforms import Transform
 
 # How a narrow model fills the universe's extra heads and MLP units: zero heads and dead neurons (the exact
@@ -57,6 +58,12 @@ class Placement:
         return self.residual @ self.residual.T
 
 
+def widths_may_differ(family: str) -> bool:
+    """Whether models of ``family`` embed into wider ones: the fused q|k|v families (embedding separate q, k, v
+    projections, with grouped queries and rotary positions, is not implemented)."""
+    return any(QKV in axes for axes in get_arch(family).spec.values())
+
+
 def check_embeddable(narrow: ModelConfig, wide: ModelConfig) -> None:
     """ConfigError (one line) unless ``narrow`` fits inside ``wide``: same family, depth and data, no larger size."""
     if narrow.family != wide.family:
@@ -73,7 +80,7 @@ def check_embeddable(narrow: ModelConfig, wide: ModelConfig) -> None:
     if narrow.group != wide.group:
         raise ConfigError(f"query heads per KV head differ ({narrow.group} vs {wide.group}): a narrower model must "
                           "keep its groups")
-    if narrow != wide and not any(QKV in axes for axes in get_arch(wide.family).spec.values()):
+    if narrow != wide and not widths_may_differ(wide.family):
         raise ConfigError(f"a {wide.family} model's widths cannot differ: embedding separate q, k, v projections "
                           "into a wider model is not implemented (equal widths only)")
     if wide.rotary_dim and narrow.head_dim != wide.head_dim:
@@ -108,7 +115,7 @@ def principal_place(state: Mapping[str, torch.Tensor], narrow: ModelConfig, wide
     check_embeddable(narrow, wide)
     d_h = torch.arange(narrow.head_dim)
     heads = [_top(_head_energy(state, wide, layer), narrow.heads) for layer in range(wide.depth)]
-    mlp = [_top(_unit_energy(state, layer), narrow.mlp) for layer in range(wide.depth)]
+    mlp = [_top(_unit_energy(state, wide, layer), narrow.mlp) for layer in range(wide.depth)]
     return Placement(narrow, wide, _principal_residual(state, narrow.width, wide), heads, d_h, mlp)
 
 
@@ -119,15 +126,19 @@ def _top(energy: torch.Tensor, k: int) -> torch.Tensor:
 
 def _head_energy(state: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int) -> torch.Tensor:
     """(H,) ‖W_O,h W_V,h‖_F: what each head can write into the residual stream (its weights sum to one)."""
-    v = state[f"blocks.{layer}.attn.qkv.w"].reshape(3, cfg.heads, cfg.head_dim, -1)[2]
-    o = state[f"blocks.{layer}.attn.proj.w"].reshape(-1, cfg.heads, cfg.head_dim)
-    return torch.stack([torch.linalg.matrix_norm(o[:, h] @ v[h]) for h in range(cfg.heads)])
+    factors, out, _ = head_factors(state, get_arch(cfg.family).spec, cfg.depth, layer, cfg.heads)
+    v = factors[2][..., :cfg.width]  # the weights, not the bias column
+    return torch.stack([torch.linalg.matrix_norm(out[h].T @ v[h]) for h in range(cfg.heads)])
 
 
-def _unit_energy(state: Mapping[str, torch.Tensor], layer: int) -> torch.Tensor:
-    """(f,) ‖fc1 row‖·‖fc2 column‖ of every MLP unit."""
-    read = torch.linalg.vector_norm(state[f"blocks.{layer}.mlp.fc1.w"], dim=1)
-    return read * torch.linalg.vector_norm(state[f"blocks.{layer}.mlp.fc2.w"], dim=0)
+def _unit_energy(state: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int) -> torch.Tensor:
+    """(f,) ‖fc1 row‖·‖fc2 column‖ of every MLP unit (the weights that write and read it, biases aside)."""
+    spec = get_arch(cfg.family).spec
+    read, written = (torch.linalg.vector_norm(kind_first(state[f"{name.format(l=layer)}.w"], spec[f"{name}.w"], kind),
+                                              dim=1)
+                     for name, kind in ((block_linears(spec, outputs=(MLP,))[0], MLP),
+                                        (block_linears(spec, inputs=(MLP_IN,))[0], MLP_IN)))
+    return read * written
 
 
 def _principal_residual(state: Mapping[str, torch.Tensor], d: int, wide: ModelConfig) -> torch.Tensor:

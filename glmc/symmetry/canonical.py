@@ -18,7 +18,7 @@ from torch import nn
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.errors import ConfigError, NonFiniteError
-from glmc.symmetry.spec import RES, expand
+from glmc.symmetry.spec import HEADS, QKV, RES, block_linears, expand
 
 Form = Literal["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]
 FORMS: tuple[Form, ...] = get_args(Form)
@@ -140,13 +140,14 @@ def _circuit_layer(qkv_w: torch.Tensor, qkv_b: torch.Tensor, proj_w: torch.Tenso
 
 def to_circuit(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[State, ModelConfig]:
     """Standard canonical state → circuit form, with the config whose heads have size d+1."""
+    spec = get_arch(cfg.family).spec
+    (qkv,), (proj,) = block_linears(spec, outputs=(QKV,)), block_linears(spec, inputs=(HEADS,))
     out = dict(state)
     for layer in range(cfg.depth):
-        p = f"blocks.{layer}.attn"
-        w = state[f"{p}.qkv.w"]
-        bias = state.get(f"{p}.qkv.b", w.new_zeros(w.shape[0]))  # a variant without qkv biases: zeros
-        out[f"{p}.qkv.w"], out[f"{p}.qkv.b"], out[f"{p}.proj.w"] = _circuit_layer(w, bias, state[f"{p}.proj.w"],
-                                                                                cfg.heads)
+        q, p = qkv.format(l=layer), proj.format(l=layer)
+        w = state[f"{q}.w"]
+        bias = state.get(f"{q}.b", w.new_zeros(w.shape[0]))  # a variant without qkv biases: zeros
+        out[f"{q}.w"], out[f"{q}.b"], out[f"{p}.w"] = _circuit_layer(w, bias, state[f"{p}.w"], cfg.heads)
     return out, cfg.replace(head_dim=cfg.width + 1, qkv_bias=True)
 
 

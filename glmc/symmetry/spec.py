@@ -1,7 +1,8 @@
 """Symmetry specs as data: each canonical parameter template maps to the group acting on each axis.
 
-Canonical names are shared by every family (``blocks.{l}.attn.qkv.w`` …); linear weights are
-stored (out, in). Axis kinds:
+Canonical names are shared by the families (``blocks.{l}.attn.proj.w`` …) and declared by each in
+:mod:`glmc.archs`; linear weights are stored (out, in). The algorithms find a tensor by its axis kinds, never by
+its name. Axis kinds:
 
 - ``RES``: the residual stream, x → Q x (orthogonal, so readers and writers transform alike);
 - ``QKV``: the fused q|k|v rows, factorised (3, H, d_h): head permutation, then M on q, M⁻ᵀ on k, N on v;
@@ -42,37 +43,13 @@ MLP_GATE: AxisKind = "MLP_GATE"
 MLP_IN: AxisKind = "MLP_IN"
 NORM: AxisKind = "NORM"
 
-# One pre-norm Transformer block, the same in timm's ViT and HF's GPT-2 once names are canonical.
-BLOCK_SPEC: dict[str, Axes] = {
-    "blocks.{l}.ln1.w": (NORM,),
-    "blocks.{l}.ln1.b": (RES,),
-    "blocks.{l}.attn.qkv.w": (QKV, RES),
-    "blocks.{l}.attn.qkv.b": (QKV,),
-    "blocks.{l}.attn.proj.w": (RES, HEADS),
-    "blocks.{l}.attn.proj.b": (RES,),
-    "blocks.{l}.ln2.w": (NORM,),
-    "blocks.{l}.ln2.b": (RES,),
-    "blocks.{l}.mlp.fc1.w": (MLP, RES),
-    "blocks.{l}.mlp.fc1.b": (MLP,),
-    "blocks.{l}.mlp.fc2.w": (RES, MLP_IN),
-    "blocks.{l}.mlp.fc2.b": (RES,),
-}
-
-# Which linear layers read each LayerNorm: its gain (and bias, where the reader has one) folds into them.
-BLOCK_FOLDS: dict[str, tuple[str, ...]] = {
-    "blocks.{l}.ln1": ("blocks.{l}.attn.qkv",),
-    "blocks.{l}.ln2": ("blocks.{l}.mlp.fc1",),
-}
-
-# Parameters that write into the residual stream (centred in the rmsnorm form).
-BLOCK_WRITERS: tuple[str, ...] = ("blocks.{l}.attn.proj", "blocks.{l}.mlp.fc2")
-
-
-def block_linears(spec: SpecTable, outputs: Collection[AxisKind] | None = None) -> tuple[str, ...]:
-    """A block's linear layers as canonical prefixes (``blocks.{l}.mlp.fc1``), in the spec's order, which is
-    forward order; ``outputs``: only those whose output axis is of these kinds."""
+def block_linears(spec: SpecTable, outputs: Collection[AxisKind] | None = None,
+                  inputs: Collection[AxisKind] | None = None) -> tuple[str, ...]:
+    """A block's linear layers as canonical prefixes, in the spec's order, which is forward order; only those whose
+    output (input) axis is of the kinds ``outputs`` (``inputs``), where given."""
     return tuple(t[:-2] for t, axes in spec.items() if t.startswith("blocks.{l}.") and t.endswith(".w")
-                 and len(axes) == 2 and (outputs is None or axes[0] in outputs))
+                 and len(axes) == 2 and (outputs is None or axes[0] in outputs)
+                 and (inputs is None or axes[1] in inputs))
 
 
 def expand(templates: Mapping[str, object], depth: int) -> Mapping[str, tuple[int | None, str]]:
