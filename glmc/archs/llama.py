@@ -152,7 +152,8 @@ def _config_of(variant: _Variant, model: nn.Module) -> ModelConfig | None:
         return None
     hf: Any = model.config
     _refuse_unmodelled(variant, hf)
-    attn: Any = model.model.layers[0].self_attn  # type: ignore[union-attr]
+    live: Any = model
+    attn: Any = live.model.layers[0].self_attn
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     biased = attn.q_proj.bias is not None
     return ModelConfig(variant.family, width=hf.hidden_size, depth=hf.num_hidden_layers,  # type: ignore[arg-type]

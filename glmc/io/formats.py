@@ -228,7 +228,7 @@ def hf_model(native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Any:
     if cfg.family == "vit":
         return hf_vit.hf_module(native, cfg, meta.origin.get("config"))
     if get_arch(cfg.family).hf_class:
-        model = build_model(cfg)
+        model: Any = build_model(cfg)
         model.config.architectures = [get_arch(cfg.family).hf_class]
         model.load_state_dict(dict(native), strict=True)
         return model.eval()
