@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -250,3 +251,24 @@ def test_each_family_goes_in_and_out_as_transformers_saves_it(family: str, tmp_p
     x = torch.randint(0, 20, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_the_library_api_takes_live_llamas_and_gives_back_their_class() -> None:
+    """glmc.check, align, barrier and merge on modules transformers built (grouped queries, RoPE, SwiGLU)."""
+    import glmc
+
+    torch.manual_seed(0)
+    a, b = (_hf_llama(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2) for _ in range(2))
+    assert glmc.check(a) <= TOL
+    moved = glmc.align(a, b)
+    assert type(moved) is LlamaForCausalLM
+    x = torch.randint(0, 20, (8, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # the aligned B computes B's function
+        assert float((moved(input_ids=x).logits - b(input_ids=x).logits).abs().max()) <= 1e-4
+    data = TensorDataset(x[:, :-1], x[:, 1:])
+    curve = glmc.barrier(a, b, data, method="weight")
+    with torch.no_grad():  # the path's ends are the two models as they are
+        ends = [float(torch.nn.functional.cross_entropy(m(input_ids=x[:, :-1]).logits.flatten(0, 1),
+                                                         x[:, 1:].flatten())) for m in (b, a)]
+    assert curve.losses[0] == pytest.approx(ends[0], abs=1e-4) and curve.losses[-1] == pytest.approx(ends[1], abs=1e-4)
+    assert type(glmc.merge([a, b, moved])) is LlamaForCausalLM
