@@ -11,7 +11,8 @@ ratios) and attack (10⁹ examples, ×1000, all 9999, a ×10 sign flip of the ho
 ‖A − H‖ / max_h ‖A_h − H‖: A the aggregate with the attacker, H the honest clients' own, A_h the aggregate with a
 copy of honest client h added instead (0 where neither moves: server-only ignores the clients). At most 1 meets
 the target. It also prints the largest share of the round's weight any reply keeps (the inflating attacker's).
-Writes outputs/bench/single-attacker.json.
+Writes summary.md and results.json to outputs/bench/single-attacker/, or with ``--publish`` to
+simulations/results/single-attacker/.
 """
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import platform
+import shlex
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord
@@ -37,7 +43,8 @@ from server.strategy import SymmetryAwareFedAvg
 from server.validation import ReplySchema
 from simulations.bench.hostile import HONEST_EXAMPLES, MODEL, STEP, State, _honest, _model, _reply
 
-OUT = Path("outputs/bench/single-attacker.json")
+OUT = Path("outputs/bench/single-attacker")  # --publish: simulations/results/single-attacker
+RESULTS = Path("simulations/results/single-attacker")
 OLD = Robustness(peer_examples_ratio=0.0, max_examples_share=0.0, center_clip_ratio=0.0)  # before the peer and share
 DEFENCES = {  # caps and the centred clipping
     "defaults (cap 5, peer cap 1.6, share 0.49, clip 5, centred clip 1)": Robustness(),
@@ -108,24 +115,45 @@ def largest_share(robust: Robustness, replies: int = 4) -> float:
     return max(weights) / sum(weights)
 
 
+def table(rows: dict[str, dict[str, float]]) -> list[str]:
+    """The markdown table of :func:`main`'s rows: ``"aggregation | defence"`` → figure → value."""
+    names = list(next(iter(rows.values())))
+    return ["| aggregation | defence | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names),
+            *(f"| {row} | " + " | ".join(f"{values[n]:.2f}" for n in names) + " |" for row, values in rows.items())]
+
+
+def markdown(data: dict[str, Any]) -> list[str]:
+    """summary.md's body from results.json (also docs/results.md's section)."""
+    meta = data["meta"]
+    return [f"Command: `{meta['command']}`. Machine: {meta['machine']}; wall time {meta['seconds']:.0f} s. Model "
+            f"{MODEL}; seeds 0 (global), 2 (honest), 1 (attacker), 3 (server images); three honest clients of "
+            f"{HONEST_EXAMPLES} examples and one attacker, one round through SymmetryAwareFedAvg.aggregate_train.",
+            "Each attack column: ‖A − H‖ / max_h ‖A_h − H‖ (the target: at most 1); largest weight share: the "
+            "inflating attacker's share of the round's weight after the caps (the target: below 0.5).", "",
+            *table(data["rows"])]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.bench.single_attacker", description=__doc__)
     parser.add_argument("--aggregations", nargs="+", default=list(AGGREGATIONS), choices=AGGREGATIONS)
     parser.add_argument("--defences", nargs="+", default=list(DEFENCES), choices=DEFENCES, metavar="LABEL")
+    parser.add_argument("--publish", action="store_true", help=f"write to {RESULTS}/ instead of {OUT}/")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     start = time.perf_counter()
     rows = {f"{aggregation} | {label}": influence(aggregation, DEFENCES[label]) | {
         "largest weight share": largest_share(DEFENCES[label])}
         for aggregation in args.aggregations for label in args.defences}
-    names = list(next(iter(rows.values())))
-    print("| aggregation | defence | " + " | ".join(names) + " |")
-    print("|---|---|" + "---|" * len(names))
-    for row, values in rows.items():
-        print(f"| {row} | " + " | ".join(f"{values[n]:.2f}" for n in names) + " |")
-    print(f"wall time {time.perf_counter() - start:.0f} s")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"rows": rows, "seconds": time.perf_counter() - start}, indent=1))
+    meta = {"command": "python -m " + shlex.join(["simulations.bench.single_attacker", *(argv or sys.argv[1:])]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
+                       f"{torch.__version__}", "seconds": time.perf_counter() - start}
+    data = {"rows": rows, "meta": meta}
+    text = "\n".join(["# One attacker among three honest clients, per aggregation and defence", "", *markdown(data)])
+    print(text)
+    out = RESULTS if args.publish else OUT
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(data, indent=1))
     return 0
 
 
