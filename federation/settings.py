@@ -173,14 +173,22 @@ class RunSettings:
     weight_head_cost: str = "norm"
     weight_mlp_cost: str = "inner"
     # Robust aggregation (glmc.merging.robust), on every aggregation, where the clients are averaged (after alignment).
-    # The defaults sit above every honest round measured (simulations/results/attacks): there they change nothing.
+    # The defaults hold one attacker among three honest clients (simulations/results/single-attacker).
     # a node's num-examples is capped at this multiple of the round's lower median (0 = off); the published splits
     # reach 3.84 (drift, Dirichlet 0.1, seed 0)
     max_examples_ratio: float = 5.0
+    # ... at this multiple of the largest other node's (0 = off; the published splits reach 1.54) ...
+    peer_examples_ratio: float = 1.6
+    # ... and, with four or more replies, at a common level under which no node keeps more than this share of the
+    # round (0 = off; none then takes half; the published splits reach 0.46)
+    max_examples_share: float = 0.49
     max_examples: int = 0  # a declared per-node budget of num-examples, the cap of every node (0 = none)
     # a client farther from the global model than this multiple of the lower median client's distance is pulled back
     # to it along its update, before and after matching (0 = off)
     clip_ratio: float = 5.0
+    # then, at equal widths, a client farther from the round's coordinate-wise median than this multiple of the lower
+    # median client's distance is pulled back toward it (0 = off)
+    center_clip_ratio: float = 1.0
     # fedavg (the weighted mean) | fedmedian | fedtrimmedavg: Flower's FedMedian and FedTrimmedAvg, unweighted, of the
     # aligned clients; equal widths only
     robust_average: str = "fedavg"
@@ -275,7 +283,10 @@ class RunSettings:
     def robustness(self) -> Robustness:
         """The robust-aggregation settings (:class:`glmc.merging.robust.Robustness`)."""
         return Robustness(max_examples_ratio=self.max_examples_ratio, max_examples=self.max_examples,
-                          clip_ratio=self.clip_ratio, average=self.robust_average, trim_beta=self.trim_beta)
+                          clip_ratio=self.clip_ratio, peer_examples_ratio=self.peer_examples_ratio,
+                          max_examples_share=self.max_examples_share,
+                          center_clip_ratio=self.center_clip_ratio, average=self.robust_average,
+                          trim_beta=self.trim_beta)
 
     @property
     def weight_options(self) -> WeightOptions:

@@ -38,6 +38,8 @@ class RoundRecord:
     capped: int = 0  # replies whose num-examples the cap lowered (glmc.merging.robust)
     clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (glmc.merging.robust.screen)
     clipped: int = 0  # clients clipped around the global model where they are averaged (after matching)
+    recentred: int = 0  # clients then pulled toward the round's coordinate-wise median (equal widths)
+    center_spread: float | None = None  # the farthest client's distance from that median over the lower median's
     spread: float | None = None  # the farthest client's distance from the global model over the lower median's
     unmoved: int = 0  # valid clients that came back where the global model put them (free riders, no-step stragglers)
     server_peak_gpu_mb: float = 0.0  # peak GPU memory of the server's aggregation and evaluation (0 on a CPU)

@@ -38,7 +38,7 @@ from glmc.data.generated import generated_text, writing_seconds
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
 from glmc.merging.options import MergeOptions
-from glmc.merging.robust import Clipping, cap_examples, clip, combine, unclipped
+from glmc.merging.robust import Clipping, cap_examples, clip, combine, recentre, unclipped
 from glmc.merging.widths import Placement
 from glmc.train import TrainConfig
 from server.aggregation import (
@@ -305,15 +305,19 @@ class SymmetryAwareFedAvg(FedAvg):
     def _fedavg(self, record: RoundRecord, valid: list[Message],
                 clients: list[Client]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """flwr's own FedAvg of the replies, bit for bit, unless a defence acts (a weight capped, a client
-        clipped around the global model, or a robust average): then the robust average of the clients."""
+        clipped around the global model or recentred, or a robust average): then the robust average of the
+        clients."""
         states = [c.state for c in clients]
         anchor = self.global_arrays.to_torch_state_dict() if self.global_arrays is not None else None
-        clipping = clip(states, [anchor] * len(states), self.options.robustness.clip_ratio) \
-            if anchor is not None else unclipped(states)
+        robust = self.options.robustness
+        if anchor is None:  # no global model yet (a test's first round): nothing to clip around, as in merge
+            clipping = unclipped(states)
+        else:
+            clipping = recentre(clip(states, [anchor] * len(states), robust.clip_ratio), robust.center_clip_ratio)
         _record_clipping(record, clipping)
-        if not (record.capped or clipping.clipped) and self.options.robustness.weighted_mean:
+        if not (record.capped or clipping.acted) and robust.weighted_mean:
             return super().aggregate_train(record.round, valid)
-        merged = combine(clipping.states, [c.weight for c in clients], self.options.robustness)
+        merged = combine(clipping.states, [c.weight for c in clients], robust)
         metrics = self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
         return ArrayRecord(merged), metrics  # type: ignore[arg-type]
 
@@ -379,6 +383,7 @@ class SymmetryAwareFedAvg(FedAvg):
 
 def _record_clipping(record: RoundRecord, clipping: Clipping) -> None:
     record.clipped, record.spread, record.unmoved = clipping.clipped, clipping.spread, clipping.unmoved
+    record.recentred, record.center_spread = clipping.recentred, clipping.center_spread
     if clipping.unmoved:
         log.info("round %d: %d clients did not move from the global model", record.round, clipping.unmoved)
     if clipping.clipped:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 REFERENCE = ("no-attack", "fedavg-undefended")  # FedAvg with no attacker and no defence
+DEFAULT_RESULTS = Path("simulations/results/attacks/results.json")
 
 
 def final_accuracy(row: dict[str, Any]) -> float | None:
@@ -48,15 +49,18 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.attack_table", description=__doc__.split("\n")[0])
-    parser.add_argument("--results", type=Path, default=Path("simulations/results/attacks/results.json"))
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     args = parser.parse_args(argv)
     body = json.loads(args.results.read_text())
     rows = body["rows"] if isinstance(body, dict) else body
     seeds = sorted({r["seed"] for r in rows})
+    experiment = body["experiment"] if isinstance(body, dict) else "attacks"
+    results_flag = "" if args.results == DEFAULT_RESULTS else f" --results {args.results}"
     text = "\n".join([
         "# Attack benchmark: final accuracy %, one attacker among 5 clients", "",
-        f"From `{args.results}` (`python -m simulations.compare --config simulations/configs/attacks.toml --publish`, "
-        f"then `python -m simulations.attack_table`); seeds {seeds}. In brackets: points against FedAvg with no "
+        f"From `{args.results}` (`python -m simulations.compare --config simulations/configs/{experiment}.toml "
+        f"--publish`, then `python -m simulations.attack_table{results_flag}`); seeds {seeds}. In brackets: points "
+        f"against FedAvg with no "
         f"attacker ({REFERENCE[1]} in the {REFERENCE[0]} row). Machine, wall time and load: summary.md.", "",
         table(rows), ""])
     out = args.results.parent / "table.md"

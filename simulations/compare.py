@@ -281,13 +281,14 @@ def unaligned_share(row: dict[str, Any]) -> float | None:
 
 def defences(row: dict[str, Any]) -> str:
     """What the robust defences did over the trained rounds: rounds that capped a num-examples or clipped a client
-    (after matching; before it in brackets), rounds kept for a failure, and the largest spread (the farthest client's
-    distance from the global model over the lower median's), which the clip-ratio must clear."""
+    (after matching; before it in brackets), rounds that recentred one (center-clip-ratio), rounds kept for a
+    failure, and the largest spread (the farthest client's distance from the global model over the lower median's),
+    which the clip-ratio must clear."""
     rounds = trained(row)
     spreads = [r["spread"] for r in rounds if r.get("spread") is not None]
-    return (f"{sum(r.get('capped', 0) > 0 for r in rounds)}, {sum(r.get('clipped', 0) > 0 for r in rounds)} "
-            f"({sum(r.get('clipped_before', 0) > 0 for r in rounds)}), {sum(bool(r.get('failure')) for r in rounds)}; "
-            f"{max(spreads):.2f}" if spreads else "–")
+    acted = {k: sum(r.get(k, 0) > 0 for r in rounds) for k in ("capped", "clipped", "clipped_before", "recentred")}
+    return (f"{acted['capped']}, {acted['clipped']} ({acted['clipped_before']}), {acted['recentred']}, "
+            f"{sum(bool(r.get('failure')) for r in rounds)}; {max(spreads):.2f}" if spreads else "–")
 
 
 def _fmt(values: Sequence[float | None], scale: float = 100.0, digits: int = 1) -> str:
@@ -365,7 +366,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
                 "distance before → after": f"{_fmt([final(r, 'distance_before') for r in ok], 1, 2)} → "
                                            f"{_fmt([final(r, 'distance_after') for r in ok], 1, 2)}",
                 **({SET_ASIDE: _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
-                **({"rounds capped, clipped (before matching), failed; max spread": " / ".join(
+                **({"rounds capped, clipped (before matching), recentred, failed; max spread": " / ".join(
                     defences(r) for r in ok)} if defended else {}),
             })
     return table

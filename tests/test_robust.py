@@ -20,7 +20,7 @@ from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
 from glmc.match.options import MatchOptions
 from glmc.merging.options import MergeOptions
-from glmc.merging.robust import Robustness, cap_examples, clip, coordinatewise, distance, screen
+from glmc.merging.robust import Robustness, cap_examples, clip, coordinatewise, distance, recentre, screen, unclipped
 from glmc.train import TrainConfig
 from server.aggregation import Client, merge
 from server.validation import check_reply
@@ -35,10 +35,37 @@ def _tuned(base: dict[str, torch.Tensor], seed: int, scale: float = 0.01) -> dic
 
 def test_num_examples_are_capped_at_a_multiple_of_the_lower_median_and_at_the_budget() -> None:
     claimed = [20_000, 20_000, 20_000, 10**9]
-    assert cap_examples(claimed, Robustness()) == [20_000, 20_000, 20_000, 100_000]
-    assert cap_examples(claimed, Robustness(max_examples=30_000)) == [20_000, 20_000, 20_000, 30_000]
+    median_only = Robustness(peer_examples_ratio=0.0, max_examples_share=0.0)
+    assert cap_examples(claimed, median_only) == [20_000, 20_000, 20_000, 100_000]
+    budget = Robustness(max_examples=30_000, peer_examples_ratio=0.0, max_examples_share=0.0)
+    assert cap_examples(claimed, budget) == [20_000] * 3 + [30_000]
     assert cap_examples(claimed, Robustness.off()) == claimed
-    assert cap_examples([10**9, 5], Robustness()) == [25, 5]  # the lower median: one of two cannot set its own cap
+    assert cap_examples([10**9, 5], median_only) == [25, 5]  # the lower median: one of two cannot set its own cap
+
+
+def test_no_node_outweighs_the_heaviest_other_by_more_than_the_peer_ratio() -> None:
+    """The peer cap (1.6, the default): an inflated claim weighs at most 1.6 × the heaviest honest node; the
+    published splits' heaviest node holds at most 1.54 × the second's, so they pass untouched."""
+    assert cap_examples([20_000, 20_000, 20_000, 10**9], Robustness()) == [20_000] * 3 + [32_000]
+    assert cap_examples([1_296, 2_000, 4_980, 3_000], Robustness()) == [1_296, 2_000, 4_800, 3_000]
+    assert cap_examples([10, 40, 20], Robustness(peer_examples_ratio=1.5, max_examples_share=0.0)) == [10, 30, 20]
+    assert cap_examples([30, 10], Robustness()) == [30, 10]  # a pair: one node is no peer to judge the other by
+    split = [2_966, 3_965, 7_174, 18_064, 27_831]  # drift's Dirichlet 0.1 over 5 nodes: 1.54 ×, 0.46 of the round
+    assert cap_examples(split, Robustness()) == split
+
+
+def test_no_node_keeps_half_of_a_round_of_four_or_more() -> None:
+    """The share cap (0.49, the default): with four or more replies, a common level under which no node keeps more
+    than 0.49 of the round, whatever the others claim (the peer and median caps alone let 1.6 × the second heaviest
+    outweigh a round whose other nodes are light)."""
+    only = Robustness(max_examples_ratio=0.0, peer_examples_ratio=0.0)
+    capped = cap_examples([100, 1, 1, 1], only)
+    assert capped[1:] == [1, 1, 1] and max(capped) / sum(capped) == pytest.approx(0.49, abs=1e-9)
+    assert max(capped) / sum(capped) <= 0.49
+    for weights in ([1, 5, 5, 10**9], [3, 1, 1, 1, 10**9], [100, 100, 1, 1], [10**9, 10**9, 1, 1]):
+        shares = cap_examples(weights, Robustness())
+        assert max(shares) / sum(shares) < 0.5, weights
+    assert cap_examples([10, 20, 30], only) == [10, 20, 30]  # three replies: an honest half is left alone
 
 
 def test_clipping_pulls_a_far_client_back_along_its_update_to_the_bound() -> None:
@@ -61,6 +88,42 @@ def test_one_attacker_cannot_raise_the_clipping_bound_past_the_largest_honest_di
     for scale in (10.0, 1e3):
         result = clip([*honest, _tuned(center, 9, scale=scale)], [center] * 4, ratio=1.0)
         assert distance(result.states[3], center) <= max(distance(h, center) for h in honest) * (1 + 1e-6)
+
+
+def test_recentring_pulls_a_client_beyond_the_median_distance_back_toward_the_coordinatewise_median() -> None:
+    center = state(0)
+    states = [_tuned(center, i, scale=0.01 * (i + 1)) for i in range(3)] + [_tuned(center, 9, scale=1.0)]
+    result = recentre(unclipped(states), ratio=1.0)
+    median = coordinatewise(states, "fedmedian", 0.0)
+    distances = [distance(s, median) for s in states]
+    bound = sorted(distances)[1]  # the lower median
+    assert result.recentred == sum(d > bound * (1 + 1e-9) for d in distances) >= 1
+    for before, after, d in zip(states, result.states, distances, strict=True):
+        assert after is before if d <= bound else distance(after, median) == pytest.approx(bound, rel=1e-5)
+    assert recentre(unclipped(states), ratio=0.0).states == states  # off
+    assert recentre(unclipped(states[:2]), ratio=1.0).recentred == 0  # two clients: nothing to take a median of
+
+
+def test_recentring_leaves_free_riders_out_of_the_center_and_the_scale() -> None:
+    center = state(0)
+    trained = [_tuned(center, i, scale=0.01 * (i + 1)) for i in range(3)]
+    clipping = clip([*trained, center, center, center], [center] * 6, ratio=5.0)
+    result = recentre(clipping, ratio=1.0)
+    assert all(s is center for s in result.states[3:]) and result.unmoved == 3 and result.recentred >= 1
+    alone = recentre(unclipped(trained), ratio=1.0).states
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(result.states[:3], alone, strict=True) for k in center)
+
+
+def test_one_attacker_cannot_raise_the_recentring_bound_past_the_farthest_honest_client() -> None:
+    """Among three honest clients, an attacker of any size ends no farther from the round's median than the farthest
+    honest client sits from it: the lower median of four distances is at most the second largest."""
+    center = state(0)
+    honest = [_tuned(center, i, scale=0.02) for i in range(3)]
+    for scale in (0.03, 1.0, 1e3):
+        states = [*honest, _tuned(center, 9, scale=scale)]
+        median = coordinatewise(states, "fedmedian", 0.0)
+        result = recentre(unclipped(states), ratio=1.0)
+        assert distance(result.states[3], median) <= max(distance(h, median) for h in honest) * (1 + 1e-6)
 
 
 def test_screen_leaves_a_client_in_another_basis_alone_and_clips_a_runaway() -> None:
@@ -95,25 +158,26 @@ def _round(aggregation: str, replies: list, robust: Robustness, anchor: dict[str
 @pytest.mark.parametrize("aggregation", ["fedavg", "weight", "canonical"])
 def test_free_riders_do_not_freeze_a_round(aggregation: str) -> None:
     """3 clients that trained and 3 that sent the global model back unchanged: the global model moves as FedAvg over
-    the six would (half the honest mean's step at equal weights; the aligned merges average LayerNorm-folded models,
-    which is not linear in the native weights, so there within 10%) and as the merge does with the defences off, not
-    0, which is what clipping at a multiple of a lower median of 0 gave. The round counts the clients that did not
-    move."""
+    the six would (half the step of the trained clients' mean, those as recentring leaves them: the free riders set
+    neither its center nor its scale; the aligned merges average LayerNorm-folded models, which is not linear in the
+    native weights, so there within 10%), not 0, which is what clipping at a multiple of a lower median of 0 gave.
+    The round counts the clients that did not move."""
     anchor = state(0)
     trained = [_tuned(anchor, i) for i in range(3)]
     replies = [reply(s, metrics(examples=10), node=i + 1) for i, s in enumerate([*trained, anchor, anchor, anchor])]
     merged, record = _round(aggregation, replies, Robustness(), anchor)
-    plain, _ = _round(aggregation, replies, Robustness.off(), anchor)
+    held = recentre(unclipped(trained), Robustness().center_clip_ratio).states
     moved = math.sqrt(sum(float(((torch.from_numpy(merged[k]) - anchor[k]) ** 2).sum()) for k in anchor))
-    mean = {k: sum(s[k] for s in trained) / 3 for k in anchor}
+    mean = {k: sum(s[k] for s in held) / 3 for k in anchor}
     assert moved == pytest.approx(distance(mean, anchor) / 2, rel=1e-3 if aggregation == "fedavg" else 0.1)
-    assert all(np.allclose(merged[k], plain[k], atol=1e-6) for k in plain) and record.clipped == 0
-    assert record.unmoved == 3
+    if aggregation == "fedavg":
+        assert all(np.allclose(merged[k], ((mean[k] + anchor[k]) / 2).numpy(), atol=1e-6) for k in anchor)
+    assert record.clipped == 0 and record.unmoved == 3
 
 
 def test_drop_unchanged_drops_the_free_riders_with_the_reason() -> None:
     """drop-unchanged: replies identical to the model their node was sent are dropped, named; the round is then the
-    FedAvg of the clients that trained."""
+    FedAvg of the clients that trained (as recentring leaves them)."""
     anchor = state(0)
     trained = [_tuned(anchor, i) for i in range(3)]
     replies = [reply(s, metrics(examples=10), node=i + 1) for i, s in enumerate([*trained, anchor, anchor])]
@@ -122,7 +186,7 @@ def test_drop_unchanged_drops_the_free_riders_with_the_reason() -> None:
     arrays, _ = s.aggregate_train(1, replies)
     assert arrays is not None and s.current.valid == 3 and len(s.current.dropped) == 2
     assert all("identical to the model it was sent (drop-unchanged" in line for line in s.current.dropped)
-    mean = {k: sum(x[k] for x in trained) / 3 for k in anchor}
+    mean = {k: sum(x[k] for x in recentre(unclipped(trained), 1.0).states) / 3 for k in anchor}
     assert all(np.allclose(v, mean[k].numpy(), atol=1e-6) for k, v in as_numpy(arrays).items())
     assert RunSettings.from_run_config({"drop-unchanged": True}).drop_unchanged
 
@@ -137,15 +201,41 @@ def test_a_clipping_reference_is_taken_over_the_clients_that_moved() -> None:
     assert clip([center, center], [center, center], ratio=5.0).factors == [1.0, 1.0]  # nobody moved: nothing to clip
 
 
+def _honest_replies(anchor: dict[str, torch.Tensor]) -> tuple[list, list]:
+    """Three honest clients of 10, 20 and 25 examples: under every cap (the heaviest holds 1.25 × the second's and
+    0.45 of the round)."""
+    tuned = [_tuned(anchor, i, scale=0.01 * (i + 1)) for i in range(3)]
+    return tuned, [reply(s, metrics(examples=n), node=i + 1) for i, (s, n) in enumerate(zip(tuned, (10, 20, 25),
+                                                                                          strict=True))]
+
+
 @pytest.mark.parametrize("aggregation", ["fedavg", "weight", "canonical"])
-def test_the_defaults_leave_an_honest_round_bit_for_bit(aggregation: str) -> None:
+def test_the_caps_and_the_global_clip_leave_an_honest_round_bit_for_bit(aggregation: str) -> None:
+    """The caps and clip-ratio 5 sit above this honest round: without the centred clipping it ends on the bits of no
+    defence."""
     anchor = state(0)
-    replies = [reply(_tuned(anchor, i, scale=0.01 * (i + 1)), metrics(examples=n), node=i + 1)
-               for i, n in enumerate((10, 20, 30))]
-    defended, record = _round(aggregation, replies, Robustness(), anchor)
+    _, replies = _honest_replies(anchor)
+    defended, record = _round(aggregation, replies, Robustness(center_clip_ratio=0.0), anchor)
     plain, _ = _round(aggregation, replies, Robustness.off(), anchor)
     assert all(np.array_equal(defended[k], plain[k]) for k in plain)
-    assert record.capped == record.clipped == record.clipped_before == 0 and 1 < record.spread < 5
+    assert record.capped == record.clipped == record.clipped_before == record.recentred == 0
+    assert 1 < record.spread < 5
+
+
+@pytest.mark.parametrize("aggregation", ["fedavg", "weight", "canonical"])
+def test_at_the_defaults_an_honest_round_changes_by_the_recentring_alone(aggregation: str) -> None:
+    """The centred clipping touches an honest round: the clients farther from the round's median than the lower
+    median's distance are pulled in to it; nothing is capped or clipped around the global model. Under fedavg the
+    round is then the weighted mean of those clients by hand."""
+    anchor = state(0)
+    tuned, replies = _honest_replies(anchor)
+    defended, record = _round(aggregation, replies, Robustness(), anchor)
+    assert record.recentred == 1 and record.capped == record.clipped == record.clipped_before == 0
+    assert record.center_spread is not None and record.center_spread > 1
+    if aggregation == "fedavg":
+        held = recentre(unclipped(tuned), 1.0).states
+        by_hand = {k: (10 * held[0][k] + 20 * held[1][k] + 25 * held[2][k]) / 55 for k in anchor}
+        assert all(np.allclose(defended[k], by_hand[k].numpy(), atol=1e-6) for k in anchor)
 
 
 def test_clipping_is_measured_after_alignment() -> None:

@@ -216,7 +216,9 @@ def test_min_alignment_gain_averages_already_aligned_clients_as_fedavg_does() ->
     guarded = strategy("weight", options=merge_options(min_gain=0.05))
     guarded.global_arrays = ArrayRecord(base)  # type: ignore[arg-type]
     arrays, _ = guarded.aggregate_train(1, replies)
-    fedavg, _ = strategy().aggregate_train(1, replies)
+    plain = strategy()
+    plain.global_arrays = ArrayRecord(base)  # type: ignore[arg-type]  # the same global model: the same defences
+    fedavg, _ = plain.aggregate_train(1, replies)
     assert arrays is not None and fedavg is not None and guarded.current.unaligned
     assert guarded.current.distance_after == guarded.current.distance_before
     for key, value in as_numpy(arrays).items():

@@ -10,7 +10,8 @@ Three honest clients of 20,000 examples each (vit-tiny, seeded fine-tunes: the g
 - model replacement: the global model's distance from the attacker's target t after a reply g + 4·(t − g);
 - a reply of all 9999 under weight aggregation (it crashed the ServerApp) and under canonical (it reached 4e8);
 
-each with the defences off, at the defaults, and with FedMedian (the defaults and ``robust-average=fedmedian``).
+each with the defences off, at the old defaults (cap 5, clip 5), at the defaults, and with FedMedian (the old
+defaults and ``robust-average=fedmedian``).
 
 Writes simulations/results/hostile/summary.md and results.json.
 """
@@ -32,7 +33,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, 
 from federation import protocol
 from federation.settings import RunSettings
 from glmc.archs import build_model, preset
-from glmc.merging.robust import Robustness, distance
+from glmc.merging.robust import Robustness, cap_examples, distance
 from glmc.train import seed_everything
 from server.strategy import SymmetryAwareFedAvg
 from server.validation import ReplySchema
@@ -94,8 +95,8 @@ def _radius() -> float:
 def inflation(robust: Robustness) -> dict[str, Any]:
     torch.manual_seed(1)
     result = _round("fedavg", robust, {k: v + STEP * torch.randn_like(v) for k, v in _model(0).items()}, 10**9)
-    claimed = robust.max_examples_ratio * HONEST_EXAMPLES if robust.max_examples_ratio else 10**9
-    return {"attacker_weight_share": claimed / (claimed + 3 * HONEST_EXAMPLES)} | result
+    weights = cap_examples([HONEST_EXAMPLES] * 3 + [10**9], robust)  # as the strategy caps them
+    return {"attacker_weight_share": weights[-1] / sum(weights)} | result
 
 
 def scaling(robust: Robustness) -> dict[str, Any]:
@@ -127,7 +128,9 @@ CASES = {"inflation (10^9 examples)": inflation, "scaling (x1000)": scaling, "mo
 def main() -> int:
     torch.set_num_threads(1)
     start = time.perf_counter()
-    settings = (("off", Robustness.off()), ("defaults", Robustness()), ("fedmedian", Robustness(average="fedmedian")))
+    old = Robustness(peer_examples_ratio=0.0, max_examples_share=0.0, center_clip_ratio=0.0)
+    settings = (("off", Robustness.off()), ("old defaults", old), ("defaults", Robustness()),
+                ("fedmedian", dataclasses.replace(old, average="fedmedian")))
     results = {name: {label: {k: v for k, v in measure(robust).items() if k != "merged"} for label, robust in settings}
                for name, measure in CASES.items()}
     radius = _radius()
@@ -136,8 +139,9 @@ def main() -> int:
              f"cores, python {platform.python_version()}, torch {torch.__version__}; wall time "
              f"{time.perf_counter() - start:.0f} s. Model {MODEL}; seeds 0 (global), 2 (honest), 1 (attacker), "
              f"123 (target); three honest clients of {HONEST_EXAMPLES} examples, one attacker.",
-             "'off': max-examples-ratio 0, clip-ratio 0 (the merged-model check stays on); 'defaults': 5 and 5; "
-             "'fedmedian': the defaults and robust-average fedmedian.",
+             "'off': every defence 0 (the merged-model check stays on); 'old defaults': max-examples-ratio 5, "
+             "clip-ratio 5; 'defaults': those and peer-examples-ratio 1.6, max-examples-share 0.49, "
+             "center-clip-ratio 1; 'fedmedian': the old defaults and robust-average fedmedian.",
              f"R, the largest honest distance from the global model: {radius:.2f}; the bound of the defaults "
              f"(robust.py): (clip-ratio + 1) R = {6 * radius:.2f} from the honest clients' own aggregate.", "",
              "| attack | defences | kept global model (why) | capped | clipped (before matching) | global norm | "

@@ -1,13 +1,18 @@
 """One attacker among three honest clients, against the target a robust default must meet: it moves the aggregate no
-further from the honest-only aggregate than the farthest honest client does when it is the one added.
+further from the honest-only aggregate than the farthest honest client does when it is the one added, and it takes
+less than half of the round's weight.
 
-    .venv/bin/python -m simulations.bench.single_attacker [--aggregations fedavg canonical weight]
+    .venv/bin/python -m simulations.bench.single_attacker [--aggregations fedavg canonical weight ...]
 
 The clients are :mod:`simulations.bench.hostile`'s (vit-tiny, seeded fine-tunes of one global model, 20,000
-examples each), through the real strategy. For each defence (the defaults, FedMedian, FedTrimmedAvg, lower cap and
-clip ratios) and attack (10⁹ examples, ×1000, all 9999, a ×10 sign flip of the honest mean update) it prints
+examples each), through the real strategy; the aggregations that read server data get 64 seeded random images
+(:func:`server_data`). For each defence (the defaults, the old defaults, FedMedian, FedTrimmedAvg, lower cap and clip
+ratios) and attack (10⁹ examples, ×1000, all 9999, a ×10 sign flip of the honest mean update) it prints
 ‖A − H‖ / max_h ‖A_h − H‖: A the aggregate with the attacker, H the honest clients' own, A_h the aggregate with a
-copy of honest client h added instead. At most 1 meets the target. Writes outputs/bench/single-attacker.json.
+copy of honest client h added instead (0 where neither moves: server-only ignores the clients). At most 1 meets
+the target. It also prints the largest share of the round's weight any reply keeps (the inflating attacker's).
+Writes summary.md and results.json to outputs/bench/single-attacker/, or with ``--publish`` to
+simulations/results/single-attacker/.
 """
 
 from __future__ import annotations
@@ -15,36 +20,64 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
+import platform
+import shlex
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord
+from torch.utils.data import Dataset, TensorDataset
 
-from federation.settings import RunSettings
+from federation.settings import AGGREGATIONS, DATA_AGGREGATIONS, RunSettings
 from glmc.archs import preset
-from glmc.merging.robust import Robustness, distance
+from glmc.match.learned import LearnConfig
+from glmc.merging.robust import Robustness, cap_examples, distance
+from glmc.train import TrainConfig
 from server.strategy import SymmetryAwareFedAvg
 from server.validation import ReplySchema
 from simulations.bench.hostile import HONEST_EXAMPLES, MODEL, STEP, State, _honest, _model, _reply
 
-OUT = Path("outputs/bench/single-attacker.json")
-DEFENCES = {
-    "defaults (cap 5, clip 5)": Robustness(),
-    "fedmedian": Robustness(average="fedmedian"),
-    "fedtrimmedavg 0.25": Robustness(average="fedtrimmedavg", trim_beta=0.25),
-    "cap 2, clip 2": Robustness(max_examples_ratio=2.0, clip_ratio=2.0),
-    "cap 1, clip 1": Robustness(max_examples_ratio=1.0, clip_ratio=1.0),
+OUT = Path("outputs/bench/single-attacker")  # --publish: simulations/results/single-attacker
+RESULTS = Path("simulations/results/single-attacker")
+OLD = Robustness(peer_examples_ratio=0.0, max_examples_share=0.0, center_clip_ratio=0.0)  # before the peer and share
+DEFENCES = {  # caps and the centred clipping
+    "defaults (cap 5, peer cap 1.6, share 0.49, clip 5, centred clip 1)": Robustness(),
+    "peer cap 1 (and the other defaults)": Robustness(peer_examples_ratio=1.0),
+    "centred clip 1.2 (and the other defaults)": Robustness(center_clip_ratio=1.2),
+    "old defaults (cap 5, clip 5)": OLD,
+    "fedmedian": dataclasses.replace(OLD, average="fedmedian"),
+    "fedtrimmedavg 0.25": dataclasses.replace(OLD, average="fedtrimmedavg", trim_beta=0.25),
+    "cap 2, clip 2": dataclasses.replace(OLD, max_examples_ratio=2.0, clip_ratio=2.0),
+    "cap 1, clip 1": dataclasses.replace(OLD, max_examples_ratio=1.0, clip_ratio=1.0),
 }
+
+
+def server_data(aggregation: str) -> Dataset | None:
+    """64 seeded random images (labels 0) for an aggregation that reads server data, else None."""
+    if aggregation not in DATA_AGGREGATIONS:
+        return None
+    cfg = preset(MODEL)
+    images = torch.randn(64, cfg.in_chans, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(3))
+    return TensorDataset(images, torch.zeros(64, dtype=torch.long))
 
 
 def _aggregate(aggregation: str, robust: Robustness, g: State, states: Sequence[State],
                examples: Sequence[int]) -> State:
-    """The strategy's global model after one round of these replies (the old one if it kept it)."""
+    """The strategy's global model after one round of these replies (the old one if it kept it); the learned
+    refinement and the fine-tuning of the controls take a few steps on :func:`server_data`."""
     schema = ReplySchema({1.0: {k: tuple(v.shape) for k, v in g.items()}})
     options = dataclasses.replace(RunSettings(server_device="cpu").merge_options, robustness=robust, min_gain=0.0)
-    strategy = SymmetryAwareFedAvg(aggregation, schema, preset(MODEL), options=options, min_train_nodes=2)
+    options = dataclasses.replace(options, match=dataclasses.replace(
+        options.match, learn=LearnConfig(steps=4, batch_size=32, val_max=16, eval_every=2)))
+    strategy = SymmetryAwareFedAvg(aggregation, schema, preset(MODEL), options=options, min_train_nodes=2,
+                                   server_data=server_data(aggregation),
+                                   tune=TrainConfig(epochs=1, batch_size=32, lr=1e-3, seed=5, threads=1))
     strategy.global_arrays = ArrayRecord(g)  # type: ignore[arg-type]
     replies = [_reply(s, n, i + 1) for i, (s, n) in enumerate(zip(states, examples, strict=True))]
     arrays, _ = strategy.aggregate_train(1, replies)
@@ -70,26 +103,57 @@ def influence(aggregation: str, robust: Robustness) -> dict[str, float]:
     alone = _aggregate(aggregation, robust, g, honest, counts)
     reference = max(distance(_aggregate(aggregation, robust, g, [*honest, h], [*counts, HONEST_EXAMPLES]), alone)
                     for h in honest)
-    return {name: distance(_aggregate(aggregation, robust, g, [*honest, reply], [*counts, n]), alone) / reference
-            for name, (reply, n) in attacks(g, honest).items()}
+    moved = {name: distance(_aggregate(aggregation, robust, g, [*honest, reply], [*counts, n]), alone)
+             for name, (reply, n) in attacks(g, honest).items()}
+    return {name: d / reference if reference else (0.0 if d == 0 else math.inf) for name, d in moved.items()}
+
+
+def largest_share(robust: Robustness, replies: int = 4) -> float:
+    """The largest share of a round's weight one reply keeps when it claims 10⁹ examples beside ``replies`` − 1
+    honest ones of HONEST_EXAMPLES (:func:`glmc.merging.robust.cap_examples`, as the strategy caps them)."""
+    weights = cap_examples([HONEST_EXAMPLES] * (replies - 1) + [10**9], robust)
+    return max(weights) / sum(weights)
+
+
+def table(rows: dict[str, dict[str, float]]) -> list[str]:
+    """The markdown table of :func:`main`'s rows: ``"aggregation | defence"`` → figure → value."""
+    names = list(next(iter(rows.values())))
+    return ["| aggregation | defence | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names),
+            *(f"| {row} | " + " | ".join(f"{values[n]:.2f}" for n in names) + " |" for row, values in rows.items())]
+
+
+def markdown(data: dict[str, Any]) -> list[str]:
+    """summary.md's body from results.json (also docs/results.md's section)."""
+    meta = data["meta"]
+    return [f"Command: `{meta['command']}`. Machine: {meta['machine']}; wall time {meta['seconds']:.0f} s. Model "
+            f"{MODEL}; seeds 0 (global), 2 (honest), 1 (attacker), 3 (server images); three honest clients of "
+            f"{HONEST_EXAMPLES} examples and one attacker, one round through SymmetryAwareFedAvg.aggregate_train.",
+            "Each attack column: ‖A − H‖ / max_h ‖A_h − H‖ (the target: at most 1); largest weight share: the "
+            "inflating attacker's share of the round's weight after the caps (the target: below 0.5).", "",
+            *table(data["rows"])]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulations.bench.single_attacker", description=__doc__)
-    parser.add_argument("--aggregations", nargs="+", default=["fedavg", "canonical"])
+    parser.add_argument("--aggregations", nargs="+", default=list(AGGREGATIONS), choices=AGGREGATIONS)
+    parser.add_argument("--defences", nargs="+", default=list(DEFENCES), choices=DEFENCES, metavar="LABEL")
+    parser.add_argument("--publish", action="store_true", help=f"write to {RESULTS}/ instead of {OUT}/")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     start = time.perf_counter()
-    rows = {f"{aggregation} | {label}": influence(aggregation, robust)
-            for aggregation in args.aggregations for label, robust in DEFENCES.items()}
-    names = list(next(iter(rows.values())))
-    print("| aggregation | defence | " + " | ".join(names) + " |")
-    print("|---|---|" + "---|" * len(names))
-    for row, values in rows.items():
-        print(f"| {row} | " + " | ".join(f"{values[n]:.2f}" for n in names) + " |")
-    print(f"wall time {time.perf_counter() - start:.0f} s")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"rows": rows, "seconds": time.perf_counter() - start}, indent=1))
+    rows = {f"{aggregation} | {label}": influence(aggregation, DEFENCES[label]) | {
+        "largest weight share": largest_share(DEFENCES[label])}
+        for aggregation in args.aggregations for label in args.defences}
+    meta = {"command": "python -m " + shlex.join(["simulations.bench.single_attacker", *(argv or sys.argv[1:])]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch "
+                       f"{torch.__version__}", "seconds": time.perf_counter() - start}
+    data = {"rows": rows, "meta": meta}
+    text = "\n".join(["# One attacker among three honest clients, per aggregation and defence", "", *markdown(data)])
+    print(text)
+    out = RESULTS if args.publish else OUT
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(data, indent=1))
     return 0
 
 
