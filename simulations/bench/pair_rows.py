@@ -86,9 +86,8 @@ def markdown(pair: dict[str, Any], rows: list[dict[str, Any]], meta: dict[str, A
 
 def run_pair(config: dict[str, Any], config_path: str, rows: list[str] | None, command: str) -> int:
     """Measure the config's rows (or only the named ones, the others kept where results.json has them) and write
-    summary.md and results.json to the run's ``results``."""
-    from simulations.bench.barriers import machine
-
+    summary.md and results.json to the run's ``results`` after each row, so a run stopped early keeps what it
+    measured."""
     pair, run = config["pair"], config["run"]
     began = time.perf_counter()
     results = Path(run["results"])
@@ -96,18 +95,28 @@ def run_pair(config: dict[str, Any], config_path: str, rows: list[str] | None, c
     kept_by_name = {r["name"]: r for r in kept}
     if unknown := sorted(set(rows or []) - {r["name"] for r in config["rows"]}):
         raise SystemExit(f"not in the rows of {config_path}: {', '.join(unknown)}")
-    entries = []
+    entries: dict[str, dict[str, Any]] = {}
+    for row in config["rows"]:  # the rows not asked for first: kept as stored, if they are
+        if rows and row["name"] not in rows and row["name"] in kept_by_name:
+            entries[row["name"]] = kept_by_name[row["name"]]
     for row in config["rows"]:
-        if rows and row["name"] not in rows:  # not asked for: kept as stored, if it is
-            entries += [kept_by_name[row["name"]]] if row["name"] in kept_by_name else []
+        if rows and row["name"] not in rows:
             continue
-        entries.append(row_entry(row, measure_row(pair, run, row)))
-        print(f"{row['name']}: barrier {entries[-1]['barrier']:.4f}", flush=True)
-    meta = {"command": command, "config": config_path, "machine": machine(), "points": run["points"],
-            "wall_minutes": (time.perf_counter() - began) / 60,
-            "load": ", ".join(f"{x:.1f}" for x in os.getloadavg())}
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "results.json").write_text(json.dumps({"meta": meta, "rows": entries}, indent=1))
-    (results / "summary.md").write_text("\n".join(markdown(pair, entries, meta)) + "\n")
+        entries[row["name"]] = row_entry(row, measure_row(pair, run, row))
+        print(f"{row['name']}: barrier {entries[row['name']]['barrier']:.4f}", flush=True)
+        ordered = [entries[r["name"]] for r in config["rows"] if r["name"] in entries]
+        write(pair, run, ordered, command, time.perf_counter() - began)
     print((results / "summary.md").read_text())
     return 0
+
+
+def write(pair: dict[str, Any], run: dict[str, Any], rows: list[dict[str, Any]], command: str, seconds: float) -> None:
+    """summary.md and results.json of the rows measured so far."""
+    from simulations.bench.barriers import machine
+
+    meta = {"command": command, "machine": machine(), "points": run["points"], "wall_minutes": seconds / 60,
+            "load": ", ".join(f"{x:.1f}" for x in os.getloadavg())}
+    results = Path(run["results"])
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (results / "summary.md").write_text("\n".join(markdown(pair, rows, meta)) + "\n")
