@@ -66,9 +66,11 @@ def markdown(pair: dict[str, Any], rows: list[dict[str, Any]], meta: dict[str, A
     vanilla = next((r["barrier"] for r in rows if r["method"] == "none"), None)
     official_vanilla = figures.barrier("vanilla")
     lines = [f"# Loss barriers on {pair['name']}", "",
-             f"Command: `{meta['command']}`. Machine: {meta['machine']}; wall time {meta['wall_minutes']:.1f} min "
-             f"(this run; rows cached from an earlier run keep their own wall time); load average at the end "
-             f"{meta['load']}.",
+             f"Reproduce: `python -m simulations.bench.barriers --config {meta['config']}`; this summary was written "
+             f"by `{meta['command']}`. Machine: {meta['machine']}; the rows' wall times together "
+             f"{sum(r['wall_seconds'] for r in rows) / 60:.0f} min (each row's below, measured when it ran; this run "
+             f"{meta['wall_minutes']:.1f} min); load average at the end {meta['load']}.",
+             *([f"Rows of the config not measured yet: {', '.join(meta['missing'])}."] if meta.get("missing") else []),
              f"Barrier = max over {meta['points']} λ of L(θ(λ)) − [λ L(θ_A) + (1−λ) L(θ_B)] on the pair's test split "
              "(nats per token). The official figures are read from the pair's README.", "",
              "| row | form | barrier | ÷ vanilla | official | official ÷ vanilla | align s | row wall s |",
@@ -105,17 +107,20 @@ def run_pair(config: dict[str, Any], config_path: str, rows: list[str] | None, c
         entries[row["name"]] = row_entry(row, measure_row(pair, run, row))
         print(f"{row['name']}: barrier {entries[row['name']]['barrier']:.4f}", flush=True)
         ordered = [entries[r["name"]] for r in config["rows"] if r["name"] in entries]
-        write(pair, run, ordered, command, time.perf_counter() - began)
+        missing = [r["name"] for r in config["rows"] if r["name"] not in entries]
+        write(pair, run, ordered, {"command": command, "config": config_path, "missing": missing},
+              time.perf_counter() - began)
     print((results / "summary.md").read_text())
     return 0
 
 
-def write(pair: dict[str, Any], run: dict[str, Any], rows: list[dict[str, Any]], command: str, seconds: float) -> None:
-    """summary.md and results.json of the rows measured so far."""
+def write(pair: dict[str, Any], run: dict[str, Any], rows: list[dict[str, Any]], given: dict[str, Any],
+          seconds: float) -> None:
+    """summary.md and results.json of the rows measured so far; ``given``: the command, config and rows left."""
     from simulations.bench.barriers import machine
 
-    meta = {"command": command, "machine": machine(), "points": run["points"], "wall_minutes": seconds / 60,
-            "load": ", ".join(f"{x:.1f}" for x in os.getloadavg())}
+    meta = given | {"machine": machine(), "points": run["points"], "wall_minutes": seconds / 60,
+                    "load": ", ".join(f"{x:.1f}" for x in os.getloadavg())}
     results = Path(run["results"])
     results.mkdir(parents=True, exist_ok=True)
     (results / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
