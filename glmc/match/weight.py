@@ -70,8 +70,9 @@ class WeightOptions:
     ``max_sweeps`` and keep the last (``fixed``, the official's 15: no better, and slower).
     ``biases``: the stream's biases (tensors of the residual axis alone: LayerNorm and output biases), each
     weighted in the residual Procrustes as a whole tensor, are read (``read``) or left out of the matching, as the
-    official code's Procrustes reads weights only (``skip``). On the official GLMC GPT-2 pair, standard form, skip
-    gives 0.082 at λ = 0.5 against 0.105 for read (docs/matching.md).
+    official code's Procrustes reads weights only (``skip``). On the official GLMC GPT-2 pair skip leaves a
+    barrier of 0.0824 in the standard form (read: 0.1050) and 0.0677 in the circuit-rmsnorm form (read: 0.0716;
+    simulations/results/official-pair).
     These are four of the official code's choices; it differs in more (docs/matching.md).
     """
 
