@@ -339,13 +339,13 @@ def test_learned_flags_reach_learn_config_in_every_command():
     parser = build_parser()
     flags = ["--lr", "0.01", "--batch-size", "32", "--steps", "7", "--lam", "0.1", "0.9", "--val-points", "5",
              "--within", "invertible", "--patience", "0", "--weight-decay", "0.01", "--dropout", "0.1", "--quiet",
-             "--targets", "endpoints"]
+             "--targets", "endpoints", "--val-max", "16"]
     commands = {"align": ["a", "b", "--out", "o"], "barrier": ["a", "b", "--json", "o"], "merge": ["a", "--out", "o"]}
     for command, rest in commands.items():
         learn = learn_options(parser.parse_args([command, *rest, *flags]))
         assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.val_points, learn.within, learn.patience,
-                learn.weight_decay, learn.dropout, learn.progress, learn.targets) == (
-            0.01, 32, 7, (0.1, 0.9), 5, "invertible", 0, 0.01, 0.1, False, "endpoints"), command
+                learn.weight_decay, learn.dropout, learn.progress, learn.targets, learn.val_max) == (
+            0.01, 32, 7, (0.1, 0.9), 5, "invertible", 0, 0.01, 0.1, False, "endpoints", 16), command
     default = learn_options(parser.parse_args(["align", "a", "b", "--out", "o"]))
     assert (default.epochs, default.lam, default.val_points, default.within, default.patience, default.targets) == (
         LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal", LearnConfig().patience, None)  # None: by the data

@@ -55,8 +55,8 @@ def positive(text: str) -> float:
 
 def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
     """--data, --data-file, --train-file, --generated, --batch (``batch_help``), --epochs (default ``epochs``, else
-    LearnConfig's 2), --steps, --lr, --batch-size, --weight-decay, --dropout, --lam, --val-points, --patience,
-    --targets, --within and --quiet."""
+    LearnConfig's 2), --steps, --lr, --batch-size, --weight-decay, --dropout, --lam, --val-points, --val-max,
+    --patience, --targets, --within and --quiet."""
     parser.add_argument("--data", help=DATA_HELP)
     add_data_file_arguments(parser)
     parser.add_argument("--generated", action="store_true",
@@ -77,6 +77,9 @@ def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs
     parser.add_argument("--lam", type=float, nargs=2, metavar=("LO", "HI"),
                         help="learned methods on a pair: train at λ ~ U(LO, HI), the weight of A (default 0.4 0.6, "
                              "the paper's; a wide-to-narrow pair peaks nearer the narrow end, so widen it there)")
+    parser.add_argument("--val-max", type=count, metavar="N",
+                        help="learned methods: hold out at most N training samples for validation (default 1000, at "
+                             "most a tenth of them); each validation reads them all, at the first step and the last")
     parser.add_argument("--val-points", type=count,
                         help="learned methods on a pair: validate at this many λ evenly spaced over --lam for early "
                              "stopping (default 1, the midpoint)")
@@ -110,8 +113,8 @@ def learn_options(args: argparse.Namespace) -> LearnConfig:
 
     flags = {"lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size,
              "concentration": getattr(args, "concentration", None), "lam": tuple(args.lam) if args.lam else None,
-             "val_points": args.val_points, "within": args.within, "targets": args.targets, "patience": args.patience,
-             "weight_decay": args.weight_decay, "dropout": args.dropout}
+             "val_points": args.val_points, "val_max": args.val_max, "within": args.within, "targets": args.targets,
+             "patience": args.patience, "weight_decay": args.weight_decay, "dropout": args.dropout}
     given = {k: v for k, v in flags.items() if v is not None}
     return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
 

@@ -1,5 +1,7 @@
 """Barrier benchmark of the symmetry core: trains the configured seeds (once), measures every pair's loss
-barrier for every method through ``glmc barrier``, times weight matching, and writes a summary.
+barrier for every method through ``glmc barrier``, times weight matching, and writes a summary. A config with a
+``[pair]`` table names two given checkpoints instead, and its ``[[rows]]`` are measured on them
+(:mod:`simulations.bench.pair_rows`; the official GLMC pair: ``configs/official-pair.toml``).
 
     .venv/bin/python -m simulations.bench.barriers [--config simulations/bench/configs/barriers.toml]
 """
@@ -276,8 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="*", help="measure only these model entries (by name, else preset; their "
                         "pair reports are cached); the others' rows, and the timing under --no-timing, stay as before")
     parser.add_argument("--no-timing", action="store_true", help="skip the weight-matching timing")
+    parser.add_argument("--rows", nargs="+", help="a [pair] config: measure only these rows (by name; the others "
+                        "are kept from its results.json)")
     args = parser.parse_args(argv)
     config = config_or_exit(parser, args.config)
+    if "pair" in config:
+        from simulations.bench.pair_rows import run_pair
+
+        torch.set_num_threads(config["run"]["threads"])
+        return run_pair(config, args.config, args.rows, command_line(sys.argv[1:] if argv is None else argv,
+                                                                     keep_config=True))
     run, start = config["run"], time.perf_counter()
     torch.set_num_threads(run["threads"])
     learned = config.get("learned", {"methods": [], "args": []})
@@ -349,9 +359,10 @@ def measure_timing(config: dict[str, Any]) -> dict[str, Any]:
     return timing
 
 
-def command_line(argv: list[str]) -> str:
-    """The command as run, without ``--config`` (the summary names the config on its own)."""
-    flags = [a for a, before in zip(argv, ["", *argv], strict=False) if "--config" not in (a, before)]
+def command_line(argv: list[str], keep_config: bool = False) -> str:
+    """The command as run, without ``--config`` (the summary names the config on its own) unless ``keep_config``."""
+    flags = argv if keep_config else [a for a, before in zip(argv, ["", *argv], strict=False)
+                                      if "--config" not in (a, before)]
     return " ".join(["python -m simulations.bench.barriers", *flags])
 
 

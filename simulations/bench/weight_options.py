@@ -83,7 +83,8 @@ HEADING = ["# Weight matching: this project's choices against the official GLMC 
            "RMSNorm form (`--form circuit-rmsnorm`), takes its first residual step from the embeddings and the head "
            "alone (`--start embeddings`), scores heads by unsquared circuit distances (`--head-cost norm`) and MLP "
            "units by the L1 distance of their L2-normalised rows (`--mlp-cost l1`), and runs 15 sweeps "
-           "(`--stop fixed`).", ""]
+           "(`--stop fixed`). The official matcher differs in more (docs/matching.md), so these five together "
+           "(`official (all five)`) are not it.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
