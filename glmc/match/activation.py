@@ -157,9 +157,6 @@ def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtyp
            ) -> tuple[Transform, dict[str, float]]:
     """Every LAP from the correlations: the residual permutation (if ``residual``), MLP permutations, heads with
     within-head maps."""
-    if cfg.group > 1:
-        raise ConfigError(f"activation matching reads one output per head; grouped-query attention ({cfg.heads} "
-                          f"query heads on {cfg.kv_heads} KV heads) is not covered: match by weight or learned")
     t = Transform(cfg.depth)
     res = torch.arange(cfg.width)
     if residual:
@@ -186,6 +183,9 @@ def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, 
     ``residual``: permute the residual stream too (default: the family's ``activation_residual``).
     The objective is ‖θ_A − T(θ_B)‖², comparable with weight matching; ``info`` holds mean matched correlations.
     """
+    if cfg.group > 1:
+        raise ConfigError(f"activation matching reads one output per head; grouped-query attention ({cfg.heads} "
+                          f"query heads on {cfg.kv_heads} KV heads) is not covered: match by weight or learned")
     start = time.perf_counter()
     corr = correlations(a, b, cfg, batch, batch_size=batch_size, form=form)
     dtype = next(iter(b.values())).dtype

@@ -83,9 +83,6 @@ def check_embeddable(narrow: ModelConfig, wide: ModelConfig) -> None:
     if narrow != wide and not widths_may_differ(wide.family):
         raise ConfigError(f"a {wide.family} model's widths cannot differ: embedding separate q, k, v projections "
                           "into a wider model is not implemented (equal widths only)")
-    if wide.rotary_dim and narrow.head_dim != wide.head_dim:
-        raise ConfigError(f"head sizes differ ({narrow.head_dim} vs {wide.head_dim}) under rotary positions: their "
-                          "frequencies follow the head size, so a padded head would not rotate as the wide one")
     for name, label in WIDE_SIZES:
         if getattr(narrow, name) > getattr(wide, name):
             raise ConfigError(f"the target is narrower than an input: {label} {getattr(wide, name)} < "
