@@ -25,15 +25,15 @@ def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier:
     if aggregation in SLICED:
         return wire_state(heterofl.restrict(global_native, full, narrow))
     arch = get_arch(full.family)
-    canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)
-    return wire_state(arch.to_native(project(canonical, placement or place(narrow, full)), full.depth))
+    canonical = canonicalize(arch, global_native, full, dtype=torch.float64)
+    return wire_state(arch.to_native(project(canonical, placement or place(narrow, full)), full))
 
 
 def principal_placement(global_native: Mapping[str, torch.Tensor], full: ModelConfig, tier: float) -> Placement:
     """Where a narrow client gets the global model with ``narrow-placement=principal``: the heads, MLP units and
     residual subspace holding most of its weights (:func:`glmc.merging.widths.principal_place`)."""
     arch = get_arch(full.family)
-    canonical = canonicalize(arch, global_native, full.depth, dtype=torch.float64)
+    canonical = canonicalize(arch, global_native, full, dtype=torch.float64)
     return principal_place(canonical, scale_width(full, tier), full)
 
 

@@ -94,7 +94,7 @@ def align(model_a: nn.Module, model_b: nn.Module, method: str = "weight", data: 
         raise ConfigError("glmc.align takes two models of one config; glmc.merge also takes different widths")
     fit = as_dataset(data, cfg, ([state_a, state_b], [cfg] * 2), device)
     aligned = align_pair(state_a, state_b, cfg, method, data=fit, device=device, **options)
-    return like(model_b, arch.to_native(aligned.b, cfg.depth))
+    return like(model_b, arch.to_native(aligned.b, cfg))
 
 
 def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence[float] | None = None,
@@ -123,7 +123,7 @@ def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence
     setup = MergeSetup(target, options, None if weights is None else [float(w) for w in weights],
                        as_dataset(data, target, (states, configs), device))
     result = merge_states(states, configs, setup)
-    return like(models[widest], arch.to_native(result.merged, target.depth))
+    return like(models[widest], arch.to_native(result.merged, target))
 
 
 def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "weight", points: int = 11, *,

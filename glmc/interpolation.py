@@ -49,7 +49,7 @@ def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequen
     for weights in tqdm(grid, desc="evaluate", unit="point", disable=None if progress is None else not progress,
                         dynamic_ncols=True):
         mixed = mix(states, weights)
-        model.load_state_dict(arch.to_native(target.repair(mixed, weights) if target else mixed, cfg.depth))
+        model.load_state_dict(arch.to_native(target.repair(mixed, weights) if target else mixed, cfg))
         metrics = evaluate(model, arch, data, batch_size)
         losses.append(metrics["loss"])
         accuracies.append(metrics["accuracy"])

@@ -96,7 +96,7 @@ def universe_states(clients: Sequence[Client], full: ModelConfig) -> tuple[list[
     """Every client canonical (float64, LayerNorms folded) at its own width, with its config."""
     arch = get_arch(full.family)
     configs = [scale_width(full, c.tier) for c in clients]
-    return [canonicalize(arch, c.state, full.depth, dtype=torch.float64) for c in clients], configs
+    return [canonicalize(arch, c.state, full, dtype=torch.float64) for c in clients], configs
 
 
 def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], full: ModelConfig,
@@ -169,7 +169,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, option
     states, configs = universe_states(clients, full)
     states = [to_device(s, device) for s in states]
     starts = [c.placement for c in clients]
-    start = (canonicalize(arch, to_device(anchor, device), full.depth, dtype=torch.float64)
+    start = (canonicalize(arch, to_device(anchor, device), full, dtype=torch.float64)
              if anchor is not None else None)
     early = _around_anchor(screen, states, configs, starts, start, full, robust.clip_ratio)  # no runaway matched
     before = embedded_distance(early.states, configs, full, starts)
@@ -186,7 +186,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, option
     clipping = _recentred(clipping, configs, full, robust, start)
     merged = _robust_merge(result.merged, clipping, result.placements, weights, robust)
     merged = options.corrections.apply(merged, clipping.states, full, data, weights, result.placements)
-    return MergeResult(wire_state(arch.to_native(merged, full.depth)), seconds, before, after, list(result.placements),
+    return MergeResult(wire_state(arch.to_native(merged, full)), seconds, before, after, list(result.placements),
                        early.clipped, clipping)
 
 

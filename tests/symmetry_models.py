@@ -47,7 +47,7 @@ __all__ = ["ALL_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "RMS_CONFIGS", "canonical"
 
 def canonical(cfg: ModelConfig, seed: int) -> State:
     """A random model of ``cfg`` in the standard canonical form, float64."""
-    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg.depth, dtype=torch.float64)
+    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg, dtype=torch.float64)
 
 
 def merge_data(cfg: ModelConfig) -> TensorDataset:

@@ -28,7 +28,7 @@ def random_state(cfg: ModelConfig, seed: int) -> State:
             if isinstance(module, nn.LayerNorm):
                 module.weight.copy_(1 + 0.3 * torch.randn_like(module.weight))
                 module.bias.copy_(0.1 * torch.randn_like(module.bias))
-    return canonicalize(get_arch(cfg.family), model.state_dict(), cfg.depth, dtype=torch.float64)
+    return canonicalize(get_arch(cfg.family), model.state_dict(), cfg, dtype=torch.float64)
 
 
 def random_batch(cfg: ModelConfig, n: int = 24) -> torch.Tensor:

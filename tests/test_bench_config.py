@@ -131,7 +131,7 @@ def test_the_forms_bench_refuses_a_table_without_the_standard_form_before_measur
 def test_the_sites_split_every_moved_tensor_once_and_leave_out_the_unmoved(name: str) -> None:
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
-    a, b = (canonicalize(arch, random_native(cfg, seed), cfg.depth) for seed in (0, 1))
+    a, b = (canonicalize(arch, random_native(cfg, seed), cfg) for seed in (0, 1))
     sites = barrier_sites.sites(arch.spec, cfg.depth, a, b)
     names = [n for group in sites.values() for n in group]
     assert len(names) == len(set(names))
@@ -147,9 +147,9 @@ def test_a_model_and_its_transformed_copy_cost_nothing_at_any_site_once_weight_m
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
     native = random_native(cfg, 7)
-    moved = apply(canonicalize(arch, native, cfg.depth), arch.spec,
+    moved = apply(canonicalize(arch, native, cfg), arch.spec,
                   random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(7)), cfg.heads)
-    copy = arch.to_native(moved, cfg.depth)
+    copy = arch.to_native(moved, cfg)
     weight, none = (barrier_sites.pair_sites((native, copy), cfg, dataset(cfg), method)
                     for method in ("weight", "none"))
     assert weight["loss_a"] == pytest.approx(weight["loss_b"], abs=1e-5)

@@ -84,7 +84,7 @@ def test_weight_matching_on_the_device_undoes_a_planted_transform(name, device):
     native = random_native(cfg, 3)
     a = canonical(cfg, 3)
     t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(5))
-    moved = arch.to_native(apply(a, arch.spec, t, cfg.heads), cfg.depth)
+    moved = arch.to_native(apply(a, arch.spec, t, cfg.heads), cfg)
     aligned = align_pair(native, moved, cfg, "weight", device=device)
     assert _on(aligned.a, device) and _on(aligned.b, device)
     assert sq_distance(aligned.a, aligned.b) < 1e-8  # the float32 search, to its precision

@@ -163,13 +163,13 @@ def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_llama(tr
 def test_an_aligned_llama_written_by_glmc_reloads_and_computes_what_was_aligned(trained: Path, tmp_path: Path) -> None:
     state, meta = formats.read(trained)
     cfg, arch = meta.config, get_arch(meta.config.family)
-    a = canonicalize(arch, state, cfg.depth, dtype=torch.float64)
+    a = canonicalize(arch, state, cfg, dtype=torch.float64)
     b = apply(a, arch.spec, random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(4),
                                             fixes_ones("standard", arch)), cfg.heads)
     result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=False, rotary=cfg.rotary_dim)
     aligned = apply(b, arch.spec, result.transform, cfg.heads)
     assert max(float((aligned[k] - a[k]).abs().max()) for k in a) <= 1e-5
-    formats.write(tmp_path / "out", "hf", arch.to_native(aligned, cfg.depth), meta)
+    formats.write(tmp_path / "out", "hf", arch.to_native(aligned, cfg), meta)
     reloaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).double().eval()
     x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     original = LlamaForCausalLM.from_pretrained(str(trained)).double().eval()
@@ -218,7 +218,7 @@ def test_the_standard_form_is_the_only_form_of_an_rms_family() -> None:
     cfg = RMS_CONFIGS["llama-gqa"]
     arch = get_arch(cfg.family)
     with pytest.raises(ConfigError, match="only the standard form"):
-        canonicalize(arch, build_model(cfg).state_dict(), cfg.depth, "rmsnorm")
+        canonicalize(arch, build_model(cfg).state_dict(), cfg, "rmsnorm")
 
 
 FAMILY_MODELS = {

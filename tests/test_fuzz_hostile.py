@@ -118,7 +118,7 @@ def _strategy(aggregation: str) -> SymmetryAwareFedAvg:
 
 def _canonical(arrays: ArrayRecord | State) -> State:
     native = arrays.to_torch_state_dict() if isinstance(arrays, ArrayRecord) else arrays
-    return canonicalize(get_arch(CFG.family), native, CFG.depth, dtype=torch.float64)
+    return canonicalize(get_arch(CFG.family), native, CFG, dtype=torch.float64)
 
 
 def _honest_replies() -> list[Message]:

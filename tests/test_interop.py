@@ -55,22 +55,22 @@ def test_every_symmetry_class_is_exact_on_timm_variants(name):
             p.add_(0.1 * torch.randn_like(p))
     arch, cfg, native = read_module(model)
     x = TIMM.inputs(model).double()
-    state, reference = canonicalize(arch, native, cfg.depth), logits(model, x)
+    state, reference = canonicalize(arch, native, cfg), logits(model, x)
     g = torch.Generator().manual_seed(2)
     classes = classes_for(cfg)
     for group in [*((c,) for c in classes), classes]:
         moved = copy.deepcopy(model)
         moved.load_state_dict(arch.to_native(apply(state, arch.spec, random_transform(cfg, group, g), cfg.heads),
-                                             cfg.depth), strict=True)
+                                             cfg), strict=True)
         assert (logits(moved, x) - reference).abs().max() <= TOLERANCE, group
 
 
 def _plant(model, seed=5):
     """A copy of the model moved by a random symmetry of every matchable class (glmc.symmetry.transforms), float32."""
     arch, cfg, native = read_module(model)
-    state = canonicalize(arch, native, cfg.depth, dtype=torch.float64)
+    state = canonicalize(arch, native, cfg, dtype=torch.float64)
     t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(seed))
-    return like(model, cast(arch.to_native(apply(state, arch.spec, t, cfg.heads), cfg.depth), torch.float32))
+    return like(model, cast(arch.to_native(apply(state, arch.spec, t, cfg.heads), cfg), torch.float32))
 
 
 def _roundtrip_paths(tmp_path, lib: Library, model, kwargs):
@@ -98,7 +98,7 @@ def test_round_trip_through_the_command_line(tmp_path, name):
         assert (logits(reloaded, x) - want).abs().max() <= F32, command[0]
     aligned, _ = read(tmp_path / f"align{lib.suffix}")
     arch = get_arch(meta.config.family)
-    folded = arch.to_native(canonicalize(arch, state, meta.config.depth), meta.config.depth)
+    folded = arch.to_native(canonicalize(arch, state, meta.config), meta.config)
     assert max((aligned[k] - folded[k]).abs().max() for k in folded) <= F32  # the planted transform is undone
 
 
@@ -123,7 +123,7 @@ def test_half_precision_checkpoints_are_read_as_float32_and_written_as_asked(tmp
     x = lib.inputs(model)
     assert (logits(lib.load(out).float(), x) - logits(model, x)).abs().max() <= 3 * HALF
     arch = get_arch(meta.config.family)
-    folded = arch.to_native(canonicalize(arch, state, meta.config.depth), meta.config.depth)
+    folded = arch.to_native(canonicalize(arch, state, meta.config), meta.config)
     assert max((read(out)[0][k] - folded[k]).abs().max() for k in folded) <= HALF  # the plant is undone
 
 
@@ -200,7 +200,7 @@ def test_an_independently_written_permutation_is_undone(tmp_path):
     assert main(["align", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--out", str(out),
                  "--method", "weight-perm", "--format", "timm"]) == 0
     aligned, (arch, cfg, native) = TIMM.load(out).state_dict(), read_module(model)
-    folded = arch.to_native(canonicalize(arch, native, cfg.depth), cfg.depth)  # glmc writes LayerNorms folded
+    folded = arch.to_native(canonicalize(arch, native, cfg), cfg)  # glmc writes LayerNorms folded
     assert max((aligned[k] - v).abs().max() for k, v in folded.items()) <= 1e-6
 
 

@@ -76,14 +76,14 @@ def trained(request) -> Trained:
         model = build_model(cfg)
         train(model, arch, data, TrainConfig(epochs=2, batch_size=16, lr=3e-3, threads=1), progress=False)
         natives.append(model.state_dict())
-    states = [canonicalize(arch, n, cfg.depth, dtype=torch.float64) for n in natives]
+    states = [canonicalize(arch, n, cfg, dtype=torch.float64) for n in natives]
     return Trained(cfg, arch, data, natives, states)
 
 
 def _pair(cfg, seeds=(1, 2)):
     arch = get_arch(cfg.family)
     natives = [random_native(cfg, s) for s in seeds]
-    return arch, natives, [canonicalize(arch, n, cfg.depth) for n in natives]
+    return arch, natives, [canonicalize(arch, n, cfg) for n in natives]
 
 
 def _gap(state, native, cfg) -> float:
@@ -186,7 +186,7 @@ def test_a_path_refuses_to_move_an_unfolded_endpoint_once_not_at_every_step(trai
     """The path checks its moved endpoints' LayerNorm gains when it is built (then applies transforms without the
     per-call check, a device sync on a GPU): an unfolded one is a one-line SpecError there."""
     cfg, (a, b) = trained.cfg, trained.states
-    raw = trained.arch.to_canonical(random_native(cfg, 3), cfg.depth)
+    raw = trained.arch.to_canonical(random_native(cfg, 3), cfg)
     latents = Latents(Transform.identity(cfg.depth), cfg, LearnConfig(), fix_ones=True)
     Path([Endpoint(raw), Endpoint(b)], cfg, "standard", torch.float64)  # A stays put: no check needed
     with pytest.raises(SpecError, match="not folded"):
@@ -312,7 +312,7 @@ def test_soft_permutations_report_their_endpoint_error():
 @pytest.mark.parametrize("within", ["orthogonal", "invertible"])
 def test_refine_universe_keeps_the_reference_and_every_function(trained, within):
     cfg, arch = trained.cfg, trained.arch
-    third = canonicalize(arch, random_native(cfg, 3), cfg.depth)
+    third = canonicalize(arch, random_native(cfg, 3), cfg)
     states, natives = [*trained.states, third], [*trained.natives, random_native(cfg, 3)]
     options = replace(FAST, within=within)
     transforms = refine_universe(states, cfg, trained.data, weights=[3, 2, 1], options=options)

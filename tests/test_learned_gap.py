@@ -29,11 +29,11 @@ def test_every_crossing_of_two_transforms_computes_the_same_function(name: str) 
     weight = random_transform(cfg, MATCHABLE, g)  # orthogonal within-head maps, as weight matching's
     learned = random_transform(cfg, (*MATCHABLE, "within-head-invertible"), g)  # learned --within invertible
     x = inputs(cfg, 4, 3)
-    expected = logits_of(arch.to_native(state, cfg.depth), cfg, x)
+    expected = logits_of(arch.to_native(state, cfg), cfg, x)
     for label, t in crossed(weight, learned).items():
         moved = apply(state, arch.spec, t, cfg.heads)
         assert any(not torch.allclose(moved[k], state[k]) for k in state), label  # the weights did move
-        got = logits_of(arch.to_native(moved, cfg.depth), cfg, x)
+        got = logits_of(arch.to_native(moved, cfg), cfg, x)
         assert (got - expected).abs().max().item() <= 1e-5, label
 
 

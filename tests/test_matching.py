@@ -38,7 +38,7 @@ FAMILIES = ["vit-odd", "gpt2-odd"]
 
 def _transformed_copy(cfg, classes, seed=7):
     arch = get_arch(cfg.family)
-    a = canonicalize(arch, random_native(cfg, seed), cfg.depth)
+    a = canonicalize(arch, random_native(cfg, seed), cfg)
     g = torch.Generator().manual_seed(seed)
     t = random_transform(cfg, classes, g)
     return arch, a, apply(a, arch.spec, t, cfg.heads)
@@ -95,7 +95,7 @@ def test_weight_matching_with_the_official_choices_recovers_a_transformed_copy(n
 def test_skipping_the_biases_leaves_out_exactly_the_tensors_of_the_residual_axis_alone(name):
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
-    state = canonicalize(arch, random_native(cfg, 3), cfg.depth)
+    state = canonicalize(arch, random_native(cfg, 3), cfg)
     kept = without_stream_biases(state, arch.spec, cfg.depth)
     left = {n for n, (_, t) in expand(arch.spec, cfg.depth).items() if n in state and arch.spec[t] == (RES,)}
     assert left and set(kept) == set(state) - left and all(kept[n] is state[n] for n in kept)
@@ -107,7 +107,7 @@ def test_the_l1_mlp_cost_matches_units_by_their_normalised_rows():
     exactly."""
     cfg = CONFIGS["vit-odd"]
     arch = get_arch(cfg.family)
-    a = canonicalize(arch, random_native(cfg, 4), cfg.depth, dtype=torch.float64)
+    a = canonicalize(arch, random_native(cfg, 4), cfg, dtype=torch.float64)
     g = torch.Generator().manual_seed(4)
     perm = torch.randperm(cfg.mlp, generator=g)
     scale = torch.exp(2 * torch.randn(cfg.mlp, generator=g, dtype=torch.float64))
@@ -148,7 +148,7 @@ def test_weight_matching_of_independent_models_is_exact_and_descends(name, start
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
     native_b, x = random_native(cfg, 9), inputs(cfg)
-    a, b = (canonicalize(arch, s, cfg.depth) for s in (random_native(cfg, 8), native_b))
+    a, b = (canonicalize(arch, s, cfg) for s in (random_native(cfg, 8), native_b))
     q = start if isinstance(start, str) else groups.random_orthogonal(cfg.width, torch.Generator().manual_seed(start))
     result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=q)
     aligned = apply(b, arch.spec, result.transform, cfg.heads)
@@ -168,7 +168,7 @@ def test_relaxed_start_recovers_the_residual_map_of_a_transformed_copy(name, fix
     residual group, so weight matching from it recovers A at once."""
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
-    a = canonicalize(arch, random_native(cfg, 7), cfg.depth, "standard" if fix_ones else "rmsnorm")
+    a = canonicalize(arch, random_native(cfg, 7), cfg, "standard" if fix_ones else "rmsnorm")
     t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(7), fix_ones=fix_ones)
     b = apply(a, arch.spec, t, cfg.heads)
     q = relaxed_residual(a, b, arch.spec, cfg.depth, fix_ones)
@@ -184,7 +184,7 @@ def test_weight_matching_is_the_same_side_by_side_and_the_threads_come_back():
     one thread): the maps are those the sequential loops find, and torch's thread count is restored."""
     cfg = CONFIGS["gpt2-odd"]
     arch = get_arch(cfg.family)
-    a, b = (canonicalize(arch, random_native(cfg, seed), cfg.depth) for seed in (3, 4))
+    a, b = (canonicalize(arch, random_native(cfg, seed), cfg) for seed in (3, 4))
     found = []
     before = torch.get_num_threads()
     try:
@@ -208,7 +208,7 @@ def test_the_relaxed_start_reads_the_descents_fixed_products(name):
     multiplied once): the same start as the one the relaxed start computes alone."""
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
-    a, b = (canonicalize(arch, random_native(cfg, seed), cfg.depth) for seed in (5, 6))
+    a, b = (canonicalize(arch, random_native(cfg, seed), cfg) for seed in (5, 6))
     given = Descent(a, b, arch.spec, cfg.depth, cfg.heads).fixed.scaled
     torch.testing.assert_close(relaxed_residual(a, b, arch.spec, cfg.depth, True, linear=given),
                                relaxed_residual(a, b, arch.spec, cfg.depth, True), rtol=0, atol=1e-10)
@@ -219,8 +219,8 @@ def test_weight_matching_rotates_only_folded_models():
     fixed products are first read); permutations alone never rotate the stream and match it."""
     cfg = CONFIGS["vit-odd"]
     arch = get_arch(cfg.family)
-    a = canonicalize(arch, random_native(cfg, 1), cfg.depth)
-    raw = arch.to_canonical(random_native(cfg, 2), cfg.depth)
+    a = canonicalize(arch, random_native(cfg, 1), cfg)
+    raw = arch.to_canonical(random_native(cfg, 2), cfg)
     for start in ("identity", "relaxed"):
         with pytest.raises(SpecError, match="not folded"):
             weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, start=start)

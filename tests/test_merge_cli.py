@@ -75,7 +75,7 @@ def test_an_evaluation_shows_its_progress_and_the_time_left(capsys):
     """evaluate_mixtures' bar (on a terminal by default): points done of the grid, and the time left."""
     cfg = preset("vit-tiny")
     torch.manual_seed(0)
-    states = [get_arch(cfg.family).to_canonical(build_model(cfg).state_dict(), cfg.depth) for _ in range(2)]
+    states = [get_arch(cfg.family).to_canonical(build_model(cfg).state_dict(), cfg) for _ in range(2)]
     data = torch.utils.data.TensorDataset(torch.randn(8, cfg.in_chans, cfg.img_size, cfg.img_size),
                                           torch.zeros(8, dtype=torch.long))
     evaluate_mixtures(states, simplex_grid(2, 3), cfg, data, progress=True)
@@ -113,7 +113,7 @@ def test_merge_takes_the_weight_matchers_flags_and_reports_them(trio, tmp_path, 
     natives, metas = zip(*(read(p) for p in trio[:2]), strict=True)
     match = MatchOptions(start="identity", weight=WeightOptions(head_cost="squared", stop="fixed"))
     setup = MergeSetup(metas[0].config, MergeOptions("weight", match, max_iters=1))
-    expect = get_arch(VIT.family).to_native(merge_states(natives, [m.config for m in metas], setup).merged, VIT.depth)
+    expect = get_arch(VIT.family).to_native(merge_states(natives, [m.config for m in metas], setup).merged, VIT)
     state, _ = load_checkpoint(out)
     assert all(torch.equal(state[k], v.float()) for k, v in expect.items())
 
@@ -228,7 +228,7 @@ def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp
     loaded = [load_checkpoint(p) for p in (out, *trio[:2])]
     x = inputs_of(train_subset(loaded[0][1], None, 48), 48)  # the merge's own draw of the training split
     site = [("blocks.{l}.mlp.fc2", 0)]  # the last site repaired: every earlier site is already as it ends
-    stats = [channel_stats(to_model(canonicalize(get_arch("vit"), s, 1, dtype=torch.float64), VIT), VIT, x, site,
+    stats = [channel_stats(to_model(canonicalize(get_arch("vit"), s, VIT, dtype=torch.float64), VIT), VIT, x, site,
                            16)[site[0]]
              for s, _ in loaded]
     for i in range(2):  # mean, std

@@ -53,10 +53,10 @@ def plant(path: Path, seed: int, fix_ones: bool = True) -> Path:
     permutations and within-head orthogonal maps (float64, saved in float32 like any checkpoint)."""
     state, meta = load_checkpoint(path)
     cfg, arch = meta.config, get_arch(meta.config.family)
-    a = canonicalize(arch, state, cfg.depth, dtype=torch.float64)
+    a = canonicalize(arch, state, cfg, dtype=torch.float64)
     t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(seed), fix_ones)
     out = path.with_name(f"planted{seed}.safetensors")
-    save_checkpoint(out, cast(arch.to_native(apply(a, arch.spec, t, cfg.heads), cfg.depth), torch.float32), meta,
+    save_checkpoint(out, cast(arch.to_native(apply(a, arch.spec, t, cfg.heads), cfg), torch.float32), meta,
                     overwrite=True)
     return out
 
@@ -86,7 +86,7 @@ def test_default_weight_matching_recovers_a_trained_model_to_float_precision(tra
     state, meta = load_checkpoint(trained)
     cfg, arch = meta.config, get_arch(meta.config.family)
     fix_ones = fixes_ones(form, arch)
-    a = canonicalize(arch, cast(state, torch.float64), cfg.depth, form)
+    a = canonicalize(arch, cast(state, torch.float64), cfg, form)
     size = sum(float((v**2).sum()) for v in a.values())
     for seed in PLANTED_SEEDS:
         b = apply(a, arch.spec, random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(seed), fix_ones),
@@ -108,7 +108,7 @@ def test_the_identity_start_fails_where_the_default_recovers(trained: Path) -> N
     cfg, arch = meta.config, get_arch(meta.config.family)
     if cfg.family != "vit":
         pytest.skip("the identity start recovers the trained gpt2-tiny's copies: no hard case to show")
-    a = canonicalize(arch, cast(state, torch.float64), cfg.depth)
+    a = canonicalize(arch, cast(state, torch.float64), cfg)
     stuck = [seed for seed in PLANTED_SEEDS if weight_match(
         a, apply(a, arch.spec, random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(seed)), cfg.heads),
         arch.spec, cfg.depth, cfg.heads, start="identity").objective[-1] > 1.0]

@@ -20,7 +20,7 @@ CONFIGS = {
 
 
 def _canonical(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg.depth, dtype=torch.float64)
+    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg, dtype=torch.float64)
 
 
 def _unit_norms(state: dict[str, torch.Tensor], cfg: ModelConfig, layer: int) -> dict[str, torch.Tensor]:

@@ -188,8 +188,8 @@ def test_canonical_is_the_example_weighted_mean_of_the_folded_clients() -> None:
                                                           for i, (s, n) in enumerate(zip(states, counts, strict=True))])
     assert arrays is not None
     arch = get_arch(CFG.family)
-    folded = [canonicalize(arch, s, CFG.depth, dtype=torch.float64) for s in states]
-    merged = canonicalize(arch, {k: torch.from_numpy(v) for k, v in as_numpy(arrays).items()}, CFG.depth,
+    folded = [canonicalize(arch, s, CFG, dtype=torch.float64) for s in states]
+    merged = canonicalize(arch, {k: torch.from_numpy(v) for k, v in as_numpy(arrays).items()}, CFG,
                           dtype=torch.float64)
     for key, value in merged.items():
         by_hand = sum(n * f[key] for n, f in zip(counts, folded, strict=True)) / sum(counts)
@@ -203,8 +203,8 @@ def _permuted(native: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Ten
     """The same function with its heads, MLP units and residual stream moved by a random symmetry."""
     arch, g = get_arch(CFG.family), torch.Generator().manual_seed(seed)
     t = random_transform(CFG, MATCHABLE, g)
-    moved = apply(canonicalize(arch, native, CFG.depth, dtype=torch.float64), arch.spec, t, CFG.heads)
-    return {k: v.float() for k, v in arch.to_native(moved, CFG.depth).items()}
+    moved = apply(canonicalize(arch, native, CFG, dtype=torch.float64), arch.spec, t, CFG.heads)
+    return {k: v.float() for k, v in arch.to_native(moved, CFG).items()}
 
 
 def test_min_alignment_gain_averages_already_aligned_clients_as_fedavg_does() -> None:
@@ -256,7 +256,7 @@ def test_restore_norms_gives_the_merged_neurons_the_clients_mean_norm() -> None:
     arch = get_arch(CFG.family)
 
     def total(native: dict[str, torch.Tensor]) -> float:
-        folded = canonicalize(arch, native, CFG.depth, dtype=torch.float64)
+        folded = canonicalize(arch, native, CFG, dtype=torch.float64)
         rows = torch.cat([folded["blocks.0.mlp.fc1.w"], folded["blocks.0.mlp.fc1.b"][:, None]], 1)
         return float(rows.norm(dim=1).sum())
 
@@ -644,7 +644,7 @@ def test_repair_gives_the_merged_channels_the_clients_statistics_on_the_server_d
     arch, site = get_arch(CFG.family), [("blocks.{l}.mlp.fc1", 0)]
 
     def totals(native: dict[str, torch.Tensor]) -> torch.Tensor:
-        folded = canonicalize(arch, {k: v.double() for k, v in native.items()}, CFG.depth, dtype=torch.float64)
+        folded = canonicalize(arch, {k: v.double() for k, v in native.items()}, CFG, dtype=torch.float64)
         mean, std = channel_stats(to_model(folded, CFG), CFG, data.tensors[0], site, 8)[site[0]]
         return torch.stack([mean.sum(), std.sum()])
 
@@ -670,7 +670,7 @@ def test_refit_fits_the_global_head_to_the_clients_mean_logits_on_the_server_dat
     arch, x = get_arch(CFG.family), data.tensors[0].double()
 
     def head_fit(native: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        folded = canonicalize(arch, {k: v.double() for k, v in native.items()}, CFG.depth, dtype=torch.float64)
+        folded = canonicalize(arch, {k: v.double() for k, v in native.items()}, CFG, dtype=torch.float64)
         model, seen = to_model(folded, CFG), []
         arch.module(model, "head").register_forward_hook(lambda m, args, out: seen.append(args[0]))
         with torch.no_grad():

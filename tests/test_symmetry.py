@@ -46,7 +46,7 @@ def test_the_cli_offers_every_form_the_library_has():
 def test_canonical_form_preserves_function(name, form):
     cfg = ALL_CONFIGS[name]
     native, x = random_native(cfg, 0), inputs(cfg)
-    state = canonicalize(get_arch(cfg.family), native, cfg.depth, form)
+    state = canonicalize(get_arch(cfg.family), native, cfg, form)
     err = (_run(state, cfg, form, x) - logits_of(native, cfg, x)).abs().max()
     assert err <= TOL
 
@@ -56,7 +56,7 @@ def test_every_symmetry_class_preserves_function(name, form):
     cfg = ALL_CONFIGS[name]
     arch = get_arch(cfg.family)
     native, x = random_native(cfg, 1), inputs(cfg)
-    state = canonicalize(arch, native, cfg.depth, form)
+    state = canonicalize(arch, native, cfg, form)
     reference = logits_of(native, cfg, x)
     classes = _classes(cfg)
     for i, cls in enumerate([*((c,) for c in classes), classes]):
@@ -72,7 +72,7 @@ def test_general_orthogonal_breaks_layernorm_models(name):
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
     native, x = random_native(cfg, 2), inputs(cfg)
-    state = canonicalize(arch, native, cfg.depth)
+    state = canonicalize(arch, native, cfg)
     general = apply(state, arch.spec, _random(cfg, ("residual",), 3, fix_ones=False), cfg.heads)
     assert (_run(general, cfg, "standard", x) - logits_of(native, cfg, x)).abs().max() > 1e-3
 
@@ -80,7 +80,7 @@ def test_general_orthogonal_breaks_layernorm_models(name):
 def test_rotating_an_unfolded_model_is_refused():
     cfg = CONFIGS["vit-odd"]
     arch = get_arch(cfg.family)
-    raw = arch.to_canonical(random_native(cfg, 3), cfg.depth)
+    raw = arch.to_canonical(random_native(cfg, 3), cfg)
     with pytest.raises(SpecError, match="not folded"):
         apply(raw, arch.spec, _random(cfg, ("residual",), 4), cfg.heads)
 
@@ -92,7 +92,7 @@ def test_a_layer_mixing_orthogonal_and_invertible_head_maps_keeps_the_function(n
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
     native, x = random_native(cfg, 5), inputs(cfg)
-    state = canonicalize(arch, native, cfg.depth)
+    state = canonicalize(arch, native, cfg)
     t = _random(cfg, ("within-head-invertible",), 6)
     orthogonal = _random(cfg, ("within-head-orthogonal",), 7)
     for maps, rotations in ((t.qk, orthogonal.qk), (t.ov, orthogonal.ov)):
@@ -106,7 +106,7 @@ def test_a_layer_mixing_orthogonal_and_invertible_head_maps_keeps_the_function(n
 def test_compose_and_invert(name):
     cfg = ALL_CONFIGS[name]
     arch = get_arch(cfg.family)
-    state = canonicalize(arch, random_native(cfg, 4), cfg.depth)
+    state = canonicalize(arch, random_native(cfg, 4), cfg)
     t1, t2 = _random(cfg, _classes(cfg), 5), _random(cfg, _classes(cfg), 6)
     twice = apply(apply(state, arch.spec, t1, cfg.heads), arch.spec, t2, cfg.heads)
     once = apply(state, arch.spec, compose(t2, t1), cfg.heads)
@@ -122,7 +122,7 @@ def test_compose_and_invert(name):
 def test_spec_covers_every_parameter_exactly_once(family):
     cfg = next(c for c in ALL_CONFIGS.values() if c.family == family)
     arch = get_arch(family)
-    state = arch.to_canonical(random_native(cfg, 5), cfg.depth)
+    state = arch.to_canonical(random_native(cfg, 5), cfg)
     check_coverage(arch.spec, state, cfg.depth, arch.optional)
     present = {name for name, (_, template) in expand(arch.spec, cfg.depth).items() if template not in arch.optional}
     assert present <= set(state) <= set(expand(arch.spec, cfg.depth))
@@ -153,7 +153,7 @@ def test_circuit_form_absorbs_within_head_maps(name):
     """QK and OV circuits are invariant under within-head invertible maps (paper §3.2.2)."""
     cfg = CONFIGS[name]
     arch = get_arch(cfg.family)
-    state = canonicalize(arch, random_native(cfg, 6), cfg.depth)
+    state = canonicalize(arch, random_native(cfg, 6), cfg)
     circuit, circuit_cfg = to_circuit(state, cfg)
     assert circuit_cfg.head_dim == cfg.width + 1
     moved = apply(state, arch.spec, _random(cfg, ("within-head-invertible",), 7), cfg.heads)
@@ -170,11 +170,11 @@ def test_a_zero_layernorm_gain_before_a_bias_free_reader_is_refused_or_folded_ex
     native = {k: v.double() for k, v in random_native(cfg, 0).items()}
     native["transformer.ln_f.weight"][[0, 7]] = 0.0
     native["transformer.ln_f.bias"][[0, 7]] = 0.0
-    folded = canonicalize(arch, native, cfg.depth)
+    folded = canonicalize(arch, native, cfg)
     assert all(bool(torch.isfinite(v).all()) for v in folded.values())
-    back = arch.to_native(folded, cfg.depth)
+    back = arch.to_native(folded, cfg)
     assert (logits_of(back, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-5
     native["transformer.ln_f.bias"][7] = 0.5
     with pytest.raises(NonFiniteError, match=r"^norm: 2 LayerNorm gain\(s\) are exactly 0") as err:
-        canonicalize(arch, native, cfg.depth)
+        canonicalize(arch, native, cfg)
     assert "\n" not in str(err.value)

@@ -35,7 +35,7 @@ def _logits(state, cfg, x):
 def test_merging_transformed_copies_gives_back_the_model(name, workers):
     cfg = CONFIGS[name]
     native, x = random_native(cfg, 1), inputs(cfg, n=3)
-    copies = _copies(cfg, canonicalize(get_arch(cfg.family), native, cfg.depth), 4)
+    copies = _copies(cfg, canonicalize(get_arch(cfg.family), native, cfg), 4)
     result = universe_match(copies[::-1], cfg, "weight", reference=3, weights=[1, 2, 3, 4], workers=workers)
     assert sq_distance(result.merged, copies[0]) < 1e-9  # weight matching searches in float32
     assert (_logits(result.merged, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-6
@@ -46,7 +46,7 @@ def test_merging_copies_across_widths_gives_back_the_narrow_model():
     wide = CONFIGS["gpt2-odd"]
     narrow = wide.replace(width=28, heads=2, head_dim=15, mlp=40)
     native, x = random_native(narrow, 2), inputs(narrow, n=3)
-    state = canonicalize(get_arch(narrow.family), native, narrow.depth)
+    state = canonicalize(get_arch(narrow.family), native, narrow)
     p = place(narrow, wide)
     copies = _copies(wide, embed(state, p), 3, seed=5)
     result = universe_match([state, *copies[1:]], wide, "weight", configs=[narrow, wide, wide])
@@ -59,7 +59,7 @@ def test_merging_copies_across_widths_with_net2net_fill_gives_back_the_narrow_mo
     wide = CONFIGS["vit-odd"]
     narrow = wide.replace(width=wide.width - 5, heads=wide.heads - 1, head_dim=wide.head_dim, mlp=wide.mlp // 2 + 1)
     native, x = random_native(narrow, 2), inputs(narrow, n=3)
-    state = canonicalize(get_arch(narrow.family), native, narrow.depth)
+    state = canonicalize(get_arch(narrow.family), native, narrow)
     widened, cfg = widen(state, narrow, wide)
     p = place(cfg, wide)
     copies = _copies(wide, embed(widened, p), 3, seed=5)
@@ -75,7 +75,7 @@ def test_fill_options_are_checked_in_one_line():
     assert list(FILLS) == FILL_NAMES  # the CLI lists them without importing torch
     wide = CONFIGS["vit-odd"]
     narrow = wide.replace(width=wide.width - 5, head_dim=wide.head_dim)
-    state = canonicalize(get_arch(wide.family), random_native(narrow, 2), narrow.depth)
+    state = canonicalize(get_arch(wide.family), random_native(narrow, 2), narrow)
     for kwargs, message in (({"fill": "ones"}, "unknown fill 'ones'"),
                             ({"fill": "copies", "starts": [place(narrow, wide)]}, "start placements")):
         with pytest.raises(ConfigError, match=message) as err:
@@ -86,7 +86,7 @@ def test_fill_options_are_checked_in_one_line():
 def test_merge_is_invariant_to_input_order_given_the_reference():
     cfg = CONFIGS["vit-odd"]
     arch = get_arch(cfg.family)
-    states = [canonicalize(arch, random_native(cfg, s), cfg.depth) for s in range(3)]
+    states = [canonicalize(arch, random_native(cfg, s), cfg) for s in range(3)]
     weights, order = [3.0, 1.0, 2.0], [2, 0, 1]
     first = universe_match(states, cfg, "weight", weights=weights, reference=0, max_iters=3)
     second = universe_match([states[i] for i in order], cfg, "weight", weights=[weights[i] for i in order],
@@ -98,7 +98,7 @@ def test_merge_is_invariant_to_input_order_given_the_reference():
 def test_vanilla_merge_is_fedavg_by_hand():
     cfg = CONFIGS["gpt2-relu"]
     arch = get_arch(cfg.family)
-    states = [canonicalize(arch, random_native(cfg, s), cfg.depth) for s in range(3)]
+    states = [canonicalize(arch, random_native(cfg, s), cfg) for s in range(3)]
     result = universe_match(states, cfg, "none", weights=[1.0, 1.0, 2.0])
     for k, v in result.merged.items():
         assert torch.allclose(v, (states[0][k] + states[1][k] + 2 * states[2][k]) / 4, atol=1e-12)
@@ -112,7 +112,7 @@ def test_learned_refinement_keeps_every_model_exact():
     cfg = CONFIGS["vit-odd"]
     arch, x = get_arch(cfg.family), inputs(cfg, n=3)
     natives = [random_native(cfg, s) for s in range(3)]
-    states = [canonicalize(arch, n, cfg.depth) for n in natives]
+    states = [canonicalize(arch, n, cfg) for n in natives]
     options = LearnConfig(steps=2, eval_every=1, batch_size=8, val_max=8)
     result = universe_match(states, cfg, "weight", max_iters=1, data=dataset(cfg, n=24), refine=True,
                             learn=options)
@@ -128,7 +128,7 @@ def test_the_weight_matchers_choices_reach_every_pairwise_matching():
     from glmc.match.weight import WeightOptions
 
     cfg = CONFIGS["vit-odd"]
-    copies = _copies(cfg, canonicalize(get_arch(cfg.family), random_native(cfg, 1), cfg.depth), 3)
+    copies = _copies(cfg, canonicalize(get_arch(cfg.family), random_native(cfg, 1), cfg), 3)
     old = WeightOptions(head_cost="squared", mlp_cost="inner")
     result = universe_match(copies, cfg, "weight", weight_start="identity", weight=old)
     assert sq_distance(result.merged, copies[0]) < 1e-9

@@ -59,14 +59,14 @@ PAIRS = _tier_pairs() + [(f"{fam}-odd", *ODD[fam]) for fam in ODD]
 
 
 def _canonical(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg.depth)
+    return canonicalize(get_arch(cfg.family), random_native(cfg, seed), cfg)
 
 
 @pytest.mark.parametrize(("name", "small", "big"), PAIRS, ids=[p[0] for p in PAIRS])
 def test_embedding_computes_the_same_function(name, small, big):
     native, x = random_native(small, 3), inputs(small, n=3)
     p = place(small, big)
-    wide = embed(canonicalize(get_arch(small.family), native, small.depth), p)
+    wide = embed(canonicalize(get_arch(small.family), native, small), p)
     with torch.no_grad():
         out = get_arch(big.family).logits(to_model(wide, embedding_config(p)), x)
     assert (out - logits_of(native, small, x)).abs().max() <= 1e-5
@@ -77,7 +77,7 @@ def test_embedding_computes_the_same_function(name, small, big):
 def test_widening_then_embedding_computes_the_same_function(name, small, big):
     """Net2Net copies fill every head and unit of the wide model (the counts need not divide) and change nothing."""
     native, x = random_native(small, 3), inputs(small, n=3)
-    state, cfg = widen(canonicalize(get_arch(small.family), native, small.depth), small, big)
+    state, cfg = widen(canonicalize(get_arch(small.family), native, small), small, big)
     assert (cfg.heads, cfg.mlp, cfg.width, cfg.head_dim) == (big.heads, big.mlp, small.width, small.head_dim)
     p = place(cfg, big)
     with torch.no_grad():
@@ -160,7 +160,7 @@ def test_moved_placement_follows_the_transformed_model():
     p = place(small, big)
     g = torch.Generator().manual_seed(0)
     t = random_transform(big, MATCHABLE, g)
-    state = canonicalize(get_arch(small.family), native, small.depth)
+    state = canonicalize(get_arch(small.family), native, small)
     back = project(apply(embed(state, p), get_arch(big.family).spec, t, big.heads), move(p, t))
     with torch.no_grad():
         out = get_arch(small.family).logits(to_model(back, small), x)
@@ -179,7 +179,7 @@ def test_principal_placement_finds_a_narrow_model_embedded_anywhere(family):
     native, x = random_native(small, 6), inputs(small, n=3)
     t = random_transform(big, ("residual", "head-perm", "mlp-perm"), torch.Generator().manual_seed(1))
     p = place(small, big)
-    wide = apply(embed(canonicalize(get_arch(family), native, small.depth), p), get_arch(family).spec, t, big.heads)
+    wide = apply(embed(canonicalize(get_arch(family), native, small), p), get_arch(family).spec, t, big.heads)
     where, found = move(p, t), principal_place(wide, small, big)
     for layer in range(big.depth):
         assert torch.equal(found.heads[layer], torch.sort(where.heads[layer]).values)

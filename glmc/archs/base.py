@@ -70,8 +70,9 @@ class Arch:
         """The canonical templates some variants of the family go without."""
         return frozenset(name for name, rule in self.keys.items() if rule.optional)
 
-    def to_canonical(self, native: Mapping[str, torch.Tensor], depth: int) -> State:
+    def to_canonical(self, native: Mapping[str, torch.Tensor], cfg: ModelConfig) -> State:
         """Rename a native (timm / HF) state dict to canonical names, weights as (out, in)."""
+        depth = cfg.depth
         out: State = {}
         for name, (layer, template) in expand(self.keys, depth).items():
             rule = self.keys[template]
@@ -86,10 +87,10 @@ class Arch:
             raise CheckpointError(f"unexpected parameter {sorted(extra)[0]!r} for a {self.family} of depth {depth}")
         return out
 
-    def to_native(self, canonical: Mapping[str, torch.Tensor], depth: int) -> State:
+    def to_native(self, canonical: Mapping[str, torch.Tensor], cfg: ModelConfig) -> State:
         """Inverse of :meth:`to_canonical`: the key table read the other way (keys a form dropped are skipped)."""
         out: State = {}
-        for name, (layer, template) in expand(self.keys, depth).items():
+        for name, (layer, template) in expand(self.keys, cfg.depth).items():
             if name not in canonical:
                 continue
             rule = self.keys[template]

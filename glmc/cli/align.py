@@ -39,7 +39,7 @@ def run_align(args: argparse.Namespace) -> int:
         moved, result = aligned.b, aligned.result
         report = {"seconds": round(result.seconds, 3), "objective": result.objective,
                   **{k: v for k, v in result.info.items() if k != "sweeps"}}
-    native = get_arch(config.family).to_native(moved, config.depth)
+    native = get_arch(config.family).to_native(moved, config)
     split = f"{meta_b.split}; aligned to {args.a.name} by {args.method}"
     out_meta = dataclasses.replace(meta_b, config=config, width_mult=meta.width_mult, split=split)
     write(args.out, fmt, native, out_meta, args.dtype)

@@ -210,7 +210,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     from glmc.merging.merge import merge_states
 
     result = merge_states(natives, [m.config for m in metas], setup)
-    native = get_arch(setup.target.family).to_native(result.merged, setup.target.depth)
+    native = get_arch(setup.target.family).to_native(result.merged, setup.target)
     inputs = ", ".join(p.name for p in args.checkpoints)
     split = f"merged from {len(natives)} checkpoints by {setup.options.method}: {inputs}"
     meta = dataclasses.replace(metas[0], config=setup.target, width_mult=mult, seed=None, split=split, metrics={},
@@ -295,7 +295,7 @@ def align_across_widths(args: argparse.Namespace, natives: list[dict], metas: li
 
     check_across_widths(args, [args.method], {})
     target = metas[0].config
-    wide = canonicalize(get_arch(target.family), natives[0], target.depth, dtype=torch.float64)
+    wide = canonicalize(get_arch(target.family), natives[0], target, dtype=torch.float64)
     pair = align_to_wide(wide, natives[1], metas[1].config, _setup(args, args.method, target, natives, metas,
                                                                    learn_samples=None))
     return pair.aligned[0], embedding_config(pair.placements[0]), pair.seconds

@@ -59,9 +59,9 @@ def align_pair(
     check_same_shapes(native_a, native_b)
     native_a, native_b = to_device(native_a, device), to_device(native_b, device)
     if method == "none" and form not in CENTRED:  # the models' own parameters: LayerNorm folding is bilinear
-        a, b = (arch.to_canonical(cast(s, dtype), cfg.depth) for s in (native_a, native_b))
+        a, b = (arch.to_canonical(cast(s, dtype), cfg) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
-    a, b = (canonicalize(arch, s, cfg.depth, form, dtype) for s in (native_a, native_b))
+    a, b = (canonicalize(arch, s, cfg, form, dtype) for s in (native_a, native_b))
     if method == "none":
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     result = entry.match()(a, b, cfg, data, MatchOptions(form, batch, learn, start, weight))

@@ -306,7 +306,7 @@ class Path:
 
     def logits(self, state: State, x: torch.Tensor) -> torch.Tensor:
         """Logits of the model holding the canonical ``state`` (no new module: ``functional_call``)."""
-        native = self.arch.to_native(state, self.cfg.depth)
+        native = self.arch.to_native(state, self.cfg)
         x = x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
         return functional_call(self.module, {f"model.{k}": v for k, v in native.items()}, (x,))
 

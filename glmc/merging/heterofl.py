@@ -50,24 +50,24 @@ def _canonical_positions(full_state: Mapping[str, torch.Tensor], narrow: ModelCo
 def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, narrow: ModelConfig) -> State:
     """The narrow client's leading slice of the global model (native keys, the client's shapes)."""
     arch = get_arch(full.family)
-    canonical = arch.to_canonical(global_native, full.depth)
+    canonical = arch.to_canonical(global_native, full)
     where = _canonical_positions(canonical, narrow, full)
-    return arch.to_native({k: v.reshape(-1)[where[k]] for k, v in canonical.items()}, full.depth)
+    return arch.to_native({k: v.reshape(-1)[where[k]] for k, v in canonical.items()}, full)
 
 
 def merge(states: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], weights: Sequence[float],
           full: ModelConfig, previous: Mapping[str, torch.Tensor]) -> State:
     """Coverage-weighted average of the clients' slices; uncovered entries keep ``previous`` (native keys)."""
     arch = get_arch(full.family)
-    base = arch.to_canonical(previous, full.depth)
+    base = arch.to_canonical(previous, full)
     total = {k: torch.zeros(v.numel(), dtype=torch.float64) for k, v in base.items()}
     count = {k: torch.zeros(v.numel(), dtype=torch.float64) for k, v in base.items()}
     for state, cfg, weight in zip(states, configs, weights, strict=True):
         where = _canonical_positions(base, cfg, full)
-        for name, value in arch.to_canonical(state, full.depth).items():
+        for name, value in arch.to_canonical(state, full).items():
             total[name].index_add_(0, where[name].reshape(-1), weight * value.reshape(-1).double())
             count[name].index_add_(0, where[name].reshape(-1), torch.full((value.numel(),), float(weight),
                                                                           dtype=torch.float64))
     merged = {k: torch.where(count[k] > 0, total[k] / count[k].clamp_min(1e-300), v.reshape(-1).double())
               .reshape(v.shape).to(v.dtype) for k, v in base.items()}
-    return arch.to_native(merged, full.depth)
+    return arch.to_native(merged, full)

@@ -167,8 +167,8 @@ def merge_states(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequenc
     # (and any embedding across widths) needs the standard form, LayerNorms folded.
     raw = options.method == "none" and all(c == target for c in configs)
     natives = [to_device(s, options.device) for s in natives]
-    states = [arch.to_canonical(cast(s, torch.float64), c.depth) if raw
-              else canonicalize(arch, s, c.depth, dtype=torch.float64) for s, c in zip(natives, configs, strict=True)]
+    states = [arch.to_canonical(cast(s, torch.float64), c) if raw
+              else canonicalize(arch, s, c, dtype=torch.float64) for s, c in zip(natives, configs, strict=True)]
     result = universe_match(states, target, **options.universe(), weights=setup.weights, configs=configs,
                             reference=_reference(configs, target), data=setup.train)
     result.merged = options.corrections.apply(result.merged, result.aligned, target, setup.train, setup.weights,
@@ -181,7 +181,7 @@ def align_to_wide(wide: State, native: Mapping[str, torch.Tensor], cfg: ModelCon
     """A narrower native model (``cfg``) embedded into the canonical ``wide`` model's width (``setup.target``) and
     aligned to it by the method's own pairwise matching: one universe step anchored at ``wide``, so it computes the
     narrow function."""
-    narrow = canonicalize(get_arch(cfg.family), to_device(native, device_of(wide)), cfg.depth, dtype=torch.float64)
+    narrow = canonicalize(get_arch(cfg.family), to_device(native, device_of(wide)), cfg, dtype=torch.float64)
     keywords = setup.options.universe(pairwise=setup.options.method) | {"max_iters": 1, "workers": 1}
     return universe_match([narrow], setup.target, **keywords, anchor=wide, configs=[cfg], data=setup.train)
 
@@ -193,7 +193,7 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
     if configs[ref] != setup.target:
         return []
     wide = canonicalize(get_arch(setup.target.family), to_device(natives[ref], setup.options.device),
-                        setup.target.depth, dtype=torch.float64)
+                        setup.target, dtype=torch.float64)
     rows = []
     for i, cfg in enumerate(configs):
         if cfg == setup.target:

@@ -100,7 +100,7 @@ def centre_writers(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) ->
 
 
 def canonicalize(
-    arch: Arch, native: Mapping[str, torch.Tensor], depth: int, form: Form = "standard",
+    arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelConfig, form: Form = "standard",
     dtype: torch.dtype | None = None,
 ) -> State:
     """Native state dict → canonical names, LayerNorms folded; for ``rmsnorm``, writers centred and gains dropped.
@@ -110,7 +110,8 @@ def canonicalize(
     if form not in forms_for(arch):
         raise ConfigError(f"a {arch.family} model has only the standard form: its RMSNorm stream has the whole "
                           f"O(d) without centring (form {form!r})")
-    state = arch.to_canonical(native, depth)
+    depth = cfg.depth
+    state = arch.to_canonical(native, cfg)
     if dtype is not None:
         state = cast(state, dtype)
     state = fold_layernorms(arch, fold_scales(arch, state, depth), depth)
@@ -179,5 +180,5 @@ def to_model(state: Mapping[str, torch.Tensor], cfg: ModelConfig, form: Form = "
     if form in CENTRED:
         _swap_layernorms(model)
     first = next(iter(state.values()))
-    model.to(first.device, first.dtype).load_state_dict(arch.to_native(state, cfg.depth), strict=True)
+    model.to(first.device, first.dtype).load_state_dict(arch.to_native(state, cfg), strict=True)
     return model.eval()

@@ -60,7 +60,7 @@ def invariance_errors(cfg: ModelConfig, form: Form = "standard", seed: int = 0,
     model.load_state_dict(native)
     with torch.no_grad():
         reference = arch.logits(model, x)
-    state = canonicalize(arch, native, cfg.depth, form)
+    state = canonicalize(arch, native, cfg, form)
     errors = {"canonical-form": float((_logits(state, cfg, form, x) - reference).abs().max())}
     classes = classes_for(cfg)
     g = torch.Generator().manual_seed(seed + 1)

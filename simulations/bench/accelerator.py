@@ -113,7 +113,7 @@ def _canonical_pair(cfg: ModelConfig, device: torch.device) -> tuple[dict, dict]
     for seed in (0, 1):
         seed_everything(seed)
         states.append(canonicalize(arch, {k: v.to(device) for k, v in build_model(cfg).state_dict().items()},
-                                   cfg.depth, dtype=torch.float64))
+                                   cfg, dtype=torch.float64))
     return states[0], states[1]
 
 

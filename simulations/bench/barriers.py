@@ -183,7 +183,7 @@ def time_weight_matching(preset_name: str, repeats: int, pair: tuple[Path, Path]
         (first, meta), (second, _) = (load_checkpoint(path) for path in pair)
         cfg, natives = meta.config, [first, second]
     arch = get_arch(cfg.family)
-    a, b = (canonicalize(arch, native, cfg.depth) for native in natives)
+    a, b = (canonicalize(arch, native, cfg) for native in natives)
     times, cpu, sweeps = [], [], []
     for _ in range(repeats):
         began = time.process_time()

@@ -151,7 +151,7 @@ def pair_gap(names: tuple[str, str], natives: tuple[State, State], cfg: ModelCon
     (:func:`plane_rows`), the eigen-angles of Q and of the learned correction Q_wᵀ Q_l, and the units whose
     assignment learning changed; Q_w and Q_l saved in ``maps``."""
     arch = get_arch(cfg.family)
-    a, b = (canonicalize(arch, s, cfg.depth, dtype=torch.float64) for s in natives)  # as align_pair matches them
+    a, b = (canonicalize(arch, s, cfg, dtype=torch.float64) for s in natives)  # as align_pair matches them
     weight = align_pair(*natives, cfg, "weight").result
     learned = align_pair(*natives, cfg, "learned", data=train, learn=options).result
     barriers = {name: barrier(a, apply(b, arch.spec, t, cfg.heads), cfg, test)

@@ -79,7 +79,7 @@ def timing_states(run: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict]
     loaded = [load_checkpoint(p) for p in checkpoints(run, [[spec["group"], spec["seeds"]]])]
     cfg = loaded[0][1].config
     arch, g = get_arch(cfg.family), torch.Generator().manual_seed(0)
-    states = [canonicalize(arch, s, cfg.depth, dtype=torch.float64) for s, _ in loaded]
+    states = [canonicalize(arch, s, cfg, dtype=torch.float64) for s, _ in loaded]
     for i in range(spec["copies"]):
         t = random_transform(cfg, MATCHABLE, g)
         states.append(apply(states[i % len(loaded)], arch.spec, t, cfg.heads))

@@ -129,20 +129,20 @@ def seed_rows(run: Path, iters: Sequence[int], start: Start = DEFAULT_START,
     alone = [100 * accuracy(n, cfg, test) for n in natives]
     rows = {"clients (mean)": statistics.fmean(alone), "largest client alone": alone[weights.index(max(weights))],
             "ensemble": 100 * float(ensemble_metrics(models, arch, test)["accuracy"])}
-    states = [canonicalize(arch, n, cfg.depth, dtype=torch.float64) for n in natives]
+    states = [canonicalize(arch, n, cfg, dtype=torch.float64) for n in natives]
     ref = weights.index(max(weights))
     mean = {k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) / sum(weights) for k in states[0]}
     for t in (0.25, 0.5, 1.0):  # the control of the rows below: the same path to the unaligned mean
         between = {k: (1 - t) * states[ref][k] + t * v for k, v in mean.items()}
         rows[f"no alignment, {t:g} of the way from the largest client"] = 100 * accuracy(
-            arch.to_native(between, cfg.depth), cfg, test)
+            arch.to_native(between, cfg), cfg, test)
     for n in iters:
         result = universe_match(states, cfg, "weight", weights=weights, max_iters=n,
                                 reference=max(range(len(states)), key=weights.__getitem__), weight_start=start,
                                 weight=options)
         for name, finish in variants(weights, counts, cfg).items():
             merged = finish(result.merged, result.aligned)
-            rows[f"weight ({n} iters){name}"] = 100 * accuracy(arch.to_native(merged, cfg.depth), cfg, test)
+            rows[f"weight ({n} iters){name}"] = 100 * accuracy(arch.to_native(merged, cfg), cfg, test)
             log.info("%s: weight (%d iters)%s %.2f%%", run.name, n, name, rows[f"weight ({n} iters){name}"])
     return rows
 

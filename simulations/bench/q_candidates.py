@@ -92,7 +92,7 @@ def pair_candidates(names: tuple[str, str], natives: tuple[State, State], cfg: M
         raise SystemExit(f"missing {maps}: run simulations.bench.learned_gap on this model first")
     saved = load_file(str(maps))
     arch = get_arch(cfg.family)
-    a, b = (canonicalize(arch, s, cfg.depth, dtype=torch.float64) for s in natives)  # as align_pair matches them
+    a, b = (canonicalize(arch, s, cfg, dtype=torch.float64) for s in natives)  # as align_pair matches them
     weight = align_pair(*natives, cfg, "weight").result.transform
     assert weight.residual is not None
     if not torch.allclose(weight.residual.double(), saved["q_weight"].double(), atol=1e-6):

@@ -50,7 +50,7 @@ def planted_pair(cfg: ModelConfig, classes: tuple[str, ...], seed: int) -> tuple
     """A (the seeded initialisation, canonical float32), B = T(A) and T."""
     arch = get_arch(cfg.family)
     torch.manual_seed(seed)
-    a = canonicalize(arch, build_model(cfg).state_dict(), cfg.depth, dtype=torch.float32)
+    a = canonicalize(arch, build_model(cfg).state_dict(), cfg, dtype=torch.float32)
     t = random_transform(cfg, classes, torch.Generator().manual_seed(seed))
     return a, apply(a, arch.spec, t, cfg.heads), t
 

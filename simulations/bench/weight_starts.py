@@ -46,7 +46,7 @@ def pair_starts(names: tuple[str, str], natives: tuple[State, State], cfg: Model
     """The vanilla barrier, then weight matching (``options``) from ``count`` starts: each one's objective, sweeps
     and barrier."""
     arch = get_arch(cfg.family)
-    a, b = (canonicalize(arch, s, cfg.depth) for s in natives)
+    a, b = (canonicalize(arch, s, cfg) for s in natives)
     generator = torch.Generator().manual_seed(seed)
     starts = []
     for index in range(count):
