@@ -20,8 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from glmc.archs import Arch, ModelConfig, State, get_arch
 from glmc.device import device_of
-from glmc.errors import ConfigError
-from glmc.match.common import MatchResult, require_data, sq_distance
+from glmc.match.common import MatchResult, grouped_assignment, matched_order, require_data, sq_distance
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import Form, to_model
 from glmc.symmetry.spec import HEADS, MLP_IN, block_linears
@@ -137,20 +136,28 @@ def _matched(corr: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return corr[torch.arange(len(perm)), perm]
 
 
-def solve_heads(corr: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two-stage head LAP (Eq. 5–6, Alg. 1) on a (H·d_h, H·d_h) correlation.
+def solve_heads(corr: torch.Tensor, heads: int, kv: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Two-stage head LAP (Eq. 5–6, Alg. 1) on a (H·d_h, H·d_h) correlation of the query heads' outputs.
 
-    Returns the outer permutation (H,), each new head's inner permutation (H, d_h) and matched correlations (H, d_h).
+    With grouped queries (``kv`` KV heads below ``heads``) a KV head moves with its group: the outer assignment is
+    over KV heads, on the totals of in-group query assignments, and each KV head's dimensions get one permutation,
+    its v being shared by the group, solved on the group's matched correlations summed. Returns the KV-head
+    permutation (H_kv,), the in-group query permutation (H_kv, G) or None, each KV head's dimension permutation
+    (H_kv, d_h) and the matched correlations (H, d_h).
     """
-    d_h = corr.shape[0] // heads
+    kv = kv or heads
+    d_h, g = corr.shape[0] // heads, heads // kv
     blocks = corr.reshape(heads, d_h, heads, d_h).transpose(1, 2)  # (H_A, H_B, d_h, d_h)
     inner = [[groups.assignment(blocks[i, j]) for j in range(heads)] for i in range(heads)]
     score = torch.tensor([[float(_matched(blocks[i, j], inner[i][j]).sum()) for j in range(heads)]
                           for i in range(heads)])
-    outer = groups.assignment(score)
-    chosen = torch.stack([inner[i][int(outer[i])] for i in range(heads)])
-    values = torch.stack([_matched(blocks[i, int(outer[i])], chosen[i]) for i in range(heads)])
-    return outer, chosen, values
+    perm, group = grouped_assignment(score, kv)
+    order = matched_order(perm, group, heads)
+    shared = torch.stack([inner[k][int(order[k])] if g == 1 else groups.assignment(
+        torch.stack([blocks[i, int(order[i])] for i in range(k * g, (k + 1) * g)]).sum(0)) for k in range(kv)])
+    values = torch.stack([_matched(blocks[i, int(order[i])], shared[i // g]) for i in range(heads)])
+    return perm, group, shared, values
 
 
 def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype, residual: bool,
@@ -167,7 +174,7 @@ def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtyp
         perm = groups.assignment(corr["mlp", layer])
         t.mlp[layer] = perm
         mlp.append(_matched(corr["mlp", layer], perm))
-        t.heads[layer], inner, values = solve_heads(corr["heads", layer], cfg.heads)
+        t.heads[layer], t.group[layer], inner, values = solve_heads(corr["heads", layer], cfg.heads, cfg.kv_heads)
         t.ov[layer] = torch.stack([_permutation_matrix(p, dtype) for p in inner])
         head.append(values.flatten())
     info = {"corr_residual": float(_matched(corr["residual", -1], res).mean()),
@@ -183,9 +190,6 @@ def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, 
     ``residual``: permute the residual stream too (default: the family's ``activation_residual``).
     The objective is ‖θ_A − T(θ_B)‖², comparable with weight matching; ``info`` holds mean matched correlations.
     """
-    if cfg.group > 1:
-        raise ConfigError(f"activation matching reads one output per head; grouped-query attention ({cfg.heads} "
-                          f"query heads on {cfg.kv_heads} KV heads) is not covered: match by weight or learned")
     start = time.perf_counter()
     corr = correlations(a, b, cfg, batch, batch_size=batch_size, form=form)
     dtype = next(iter(b.values())).dtype

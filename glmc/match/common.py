@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from glmc.errors import ConfigError, NonFiniteError
+from glmc.symmetry import groups
 from glmc.symmetry.spec import HEADS, QKV, AxisKind, K, Q, SpecTable, V, expand
 from glmc.symmetry.transforms import Transform
 
@@ -61,6 +62,26 @@ def head_factors(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
     q = q.reshape(heads, head_dim, -1)
     k, v = (x.reshape(kv, head_dim, -1).repeat_interleave(heads // kv, 0) for x in (k, v))
     return torch.stack([q, k, v]), out, kv
+
+
+def grouped_assignment(score: torch.Tensor, kv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The KV heads' permutation and each group's query permutation maximising a (H, H) query-head score: an inner
+    assignment for every pair of groups, an outer one on their totals (G = 1: one assignment, no groups)."""
+    if kv == score.shape[0]:
+        return groups.assignment(score), None
+    g = score.shape[0] // kv
+    blocks = score.reshape(kv, g, kv, g).permute(0, 2, 1, 3)  # (i, j, a, b): query a of A's group i, b of B's j
+    inner = [[groups.assignment(blocks[i, j]) for j in range(kv)] for i in range(kv)]
+    totals = torch.tensor([[float(blocks[i, j, torch.arange(g), inner[i][j]].sum()) for j in range(kv)]
+                           for i in range(kv)], dtype=torch.float64)
+    perm = groups.assignment(totals)
+    return perm, torch.stack([inner[i][int(perm[i])] for i in range(kv)])
+
+
+def matched_order(perm: torch.Tensor, group: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """For every query head of A, the query head of B assigned to it by a KV-head and in-group permutation."""
+    g = heads // len(perm)
+    return perm.repeat_interleave(g) * g + (torch.arange(heads) % g if group is None else group.reshape(-1))
 
 
 def cross(

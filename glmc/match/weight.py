@@ -26,7 +26,15 @@ import torch.nn.functional as F
 
 from glmc.archs.base import cast
 from glmc.errors import ConfigError
-from glmc.match.common import MatchResult, gather, head_factors, kind_first, require_finite
+from glmc.match.common import (
+    MatchResult,
+    gather,
+    grouped_assignment,
+    head_factors,
+    kind_first,
+    matched_order,
+    require_finite,
+)
 from glmc.match.descent import Descent, Layer
 from glmc.symmetry import groups
 from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, K, Q, SpecTable, V, expand
@@ -265,20 +273,6 @@ def head_cost(fa: tuple[torch.Tensor, torch.Tensor], fb: tuple[torch.Tensor, tor
     return cost
 
 
-def _grouped_assignment(cost: torch.Tensor, kv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The KV heads' permutation and each group's query permutation minimising a (H, H) query-head cost: an inner
-    assignment for every pair of groups, an outer one on their totals (G = 1: one assignment, no groups)."""
-    if kv == cost.shape[0]:
-        return groups.assignment(-cost), None
-    g = cost.shape[0] // kv
-    blocks = cost.reshape(kv, g, kv, g).permute(0, 2, 1, 3)  # (i, j, a, b): query a of A's group i, b of B's j
-    inner = [[groups.assignment(-blocks[i, j]) for j in range(kv)] for i in range(kv)]
-    totals = torch.tensor([[float(blocks[i, j, torch.arange(g), inner[i][j]].sum()) for j in range(kv)]
-                           for i in range(kv)], dtype=torch.float64)
-    perm = groups.assignment(-totals)
-    return perm, torch.stack([inner[i][int(perm[i])] for i in range(kv)])
-
-
 def _within_head(fa: list[torch.Tensor], fb: list[torch.Tensor], rotary: int = 0) -> torch.Tensor:
     """Per-head orthogonal maps R_i = argmin ‖F_A,i − R_i F_B,i‖ for each pair of stacked factors (H, d_h, m_k),
     solved in one batched SVD: (K, H, d_h, d_h); the first map (q, k) commuting with rotary positions on the
@@ -300,12 +294,12 @@ def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], sp
     """Head permutation by LAP on circuit distances (KV heads and the queries within their groups), then the
     within-head orthogonal maps M (q, k) and N (v, o), one per KV head."""
     (qkv_a, o_a, kv), (qkv_b, o_b, _) = (head_factors(s, spec, depth, layer, heads) for s in (a, b))
-    perm, group = _grouped_assignment(head_cost((qkv_a, o_a), (qkv_b, o_b), squared=options.head_cost == "squared"),
-                                      kv)
+    perm, group = grouped_assignment(-head_cost((qkv_a, o_a), (qkv_b, o_b), squared=options.head_cost == "squared"),
+                                     kv)
     if not within:
         return perm, group, None, None
     g = heads // kv
-    order = perm.repeat_interleave(g) * g + (torch.arange(heads) % g if group is None else group.reshape(-1))
+    order = matched_order(perm, group, heads)
     qkv_b, o_b = qkv_b[:, order], o_b[order]
     first = torch.arange(0, heads, g)  # a group's k and v, once
     def stacked(qkv: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
