@@ -130,7 +130,6 @@ def _hf_llama(**options: object) -> torch.nn.Module:
 @pytest.mark.parametrize(("model", "message"), [
     (lambda: _hf_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
      "unsupported llama rope_type 'linear'"),
-    (lambda: _hf_llama(tie_word_embeddings=True), "unsupported llama option tie_word_embeddings=True"),
     (lambda: _hf_llama(mlp_bias=True), "unsupported llama option mlp_bias=True"),
     (lambda: MistralForCausalLM(MistralConfig(vocab_size=20, hidden_size=16, intermediate_size=32,
                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -152,6 +151,8 @@ def test_the_standard_form_is_the_only_form_of_an_rms_family() -> None:
 
 FAMILY_MODELS = {
     "llama": lambda: _hf_llama(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, head_dim=6),
+    # tied: read with its head a copy of the embeddings (folding the final norm unties them), written back untied
+    "llama-tied": lambda: _hf_llama(tie_word_embeddings=True),
     "mistral": lambda: MistralForCausalLM(MistralConfig(
         vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, max_position_embeddings=16, sliding_window=None, tie_word_embeddings=False)),
@@ -172,7 +173,8 @@ def test_each_family_goes_in_and_out_as_transformers_saves_it(family: str, tmp_p
             p.add_(0.05 * torch.randn_like(p))  # norm gains off one, so folding them is not trivial
     model.save_pretrained(str(tmp_path / "in"))
     state, meta = formats.read(tmp_path / "in")
-    assert meta.config.family == family and meta.config.kv_heads == model.config.num_key_value_heads
+    assert meta.config.family == family.removesuffix("-tied")
+    assert meta.config.kv_heads == model.config.num_key_value_heads
     errors = invariance_errors(meta.config, native=state)
     assert max(errors.values()) <= TOL, errors
     formats.write(tmp_path / "out", "hf", state, meta)
@@ -201,3 +203,20 @@ def test_the_library_api_takes_live_llamas_and_gives_back_their_class() -> None:
                                                          x[:, 1:].flatten())) for m in (b, a)]
     assert curve.losses[0] == pytest.approx(ends[0], abs=1e-4) and curve.losses[-1] == pytest.approx(ends[1], abs=1e-4)
     assert type(glmc.merge([a, b, moved])) is LlamaForCausalLM
+
+
+def test_tied_llamas_align_into_an_untied_one_computing_bs_function() -> None:
+    """Folding the final RMSNorm into the head unties it: the aligned module keeps B's function, untied."""
+    import glmc
+
+    torch.manual_seed(1)
+    a, b = (_hf_llama(num_hidden_layers=2, tie_word_embeddings=True) for _ in range(2))
+    with torch.no_grad():
+        for model in (a, b):
+            model.model.norm.weight.add_(0.3 * torch.randn_like(model.model.norm.weight))
+    moved = glmc.align(a, b)
+    assert not moved.config.tie_word_embeddings
+    assert moved.lm_head.weight.data_ptr() != moved.model.embed_tokens.weight.data_ptr()
+    x = torch.randint(0, 20, (4, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert float((moved(input_ids=x).logits - b(input_ids=x).logits).abs().max()) <= 1e-4

@@ -134,9 +134,6 @@ def _refuse_unmodelled(variant: _Variant, hf: Any) -> None:
         raise ConfigError(f"unsupported {variant.family} hidden_act {hf.hidden_act!r} (glmc covers 'silu')")
     if getattr(hf, "mlp_bias", False):
         raise ConfigError(f"unsupported {variant.family} option mlp_bias=True")
-    if getattr(hf, "tie_word_embeddings", False):
-        raise ConfigError(f"unsupported {variant.family} option tie_word_embeddings=True: folding the final norm "
-                          "into the head unties it (re-save the model untied)")
     window = getattr(hf, "sliding_window", None)
     if window is not None and (variant.windowed or getattr(hf, "use_sliding_window", False)) \
             and window < hf.max_position_embeddings:
