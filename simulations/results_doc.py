@@ -45,8 +45,8 @@ ABOUT: dict[str, tuple[str, str]] = {
     "barrier-sites": ("Where the remaining midpoint loss comes from.", "methods.md"),
     "matching-time": ("Weight-matching time.", "methods.md"),
     "merging": ("Merging N models, of one width and across widths.", "methods.md"),
-    "families-llama-tiny": ("Barriers and merges of llama-tiny seeds (grouped queries, rotary positions, SwiGLU).",
-                            "families.md"),
+    "families": ("Barriers between independently trained seeds of each declared family, per method.",
+                 "families.md"),
     "single-attacker": ("One attacker among three honest clients, per aggregation and defence, against the robust "
                         "defaults' target.", "reliability.md"),
 }
@@ -122,7 +122,7 @@ def _single_attacker(data: dict[str, Any]) -> list[str]:
 
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "barriers": _barriers, "merging": _merging, "matching-time": _matching_time, "accelerator": _accelerator,
-    "single-attacker": _single_attacker, "families-llama-tiny": _families,
+    "single-attacker": _single_attacker, "families": _families,
     **{folder: _per_model(module) for folder, module in PER_MODEL.items()},
 }
 

@@ -1,12 +1,14 @@
-"""Barriers and merges of a declared family's seeds, trained here, through the same commands a user runs: ``glmc
-train`` for each seed, ``glmc barrier`` (none, weight, learned) for the pair of the first two, ``glmc merge`` of all of
-them by weight and by learned matching.
+"""Barriers between independently trained seeds of each declared family, through the commands a user runs: ``glmc
+train`` for each seed, then ``glmc barrier`` per pair and method (vanilla, permutations only, activation matching,
+weight, learned and dual learned matching), each row with its barrier ÷ vanilla and its alignment time.
 
-    .venv/bin/python -m simulations.bench.families [--model llama-tiny] [--seeds 3] [--steps 100]
+    .venv/bin/python -m simulations.bench.families [--config simulations/bench/configs/families.toml]
+        [--models MODEL ...] [--methods METHOD ...]
 
-Prints the figures and writes outputs/bench/families-<model>.json (the seeds' test losses, the barriers, the merges,
-the machine and wall time); the barriers use the first 256 held-out windows and 5 points, the merges 3 simplex points
-per model. ``--publish`` also writes simulations/results/families-<model>/ (results.json and summary.md).
+Seeds are trained into outputs/bench/families/<model>/ unless already there (a checkpoint is bit-identical for the
+same seed and thread count). A method a family refuses is a row that says so, with glmc's one-line reason. Writes the
+config's results folder (results.json, summary.md) after every family; with ``--models`` or ``--methods`` the other
+rows are kept.
 """
 
 from __future__ import annotations
@@ -15,80 +17,145 @@ import argparse
 import contextlib
 import io
 import json
-import platform
+import os
+import statistics
+import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from glmc.cli import main as glmc
+from simulations.bench.barriers import machine
+from simulations.tomlfile import config_or_exit
 
-OUT = Path("outputs/bench")
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+OUT = Path("outputs/bench/families")
+HEADING = "# Barriers between independently trained seeds, per family"
 
 
-def _run(argv: list[str]) -> dict:
-    """One glmc command; its last stdout line, a JSON object."""
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
+def _run(argv: list[str]) -> tuple[int, str]:
+    """One glmc command: its exit code and its stderr's last line (a refusal's one-line reason)."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
         code = glmc(argv)
+    lines = stderr.getvalue().strip().splitlines()
+    return code, lines[-1] if lines else ""
+
+
+def train(family: dict[str, Any], run: dict[str, Any]) -> list[Path]:
+    """The family's seeds, trained here unless their checkpoints exist."""
+    root = OUT / family["model"]
+    paths = [root / f"seed{seed}.safetensors" for seed in range(2 * len(run["pairs"]))]
+    for seed, path in enumerate(paths):
+        if path.is_file():
+            continue
+        code, why = _run(["train", "--model", family["model"], "--dataset", family["dataset"], "--max-steps",
+                          str(family["steps"]), "--dropout", str(family["dropout"]), "--seed", str(seed), "--threads",
+                          str(run["threads"]), "--quiet", "--out", str(path)])
+        if code != 0:
+            raise SystemExit(f"glmc train of {family['model']} seed {seed} exited {code}: {why}")
+    return paths
+
+
+def curve(a: Path, b: Path, method: str, family: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """One method's barrier between a and b (``glmc barrier --json``), or its refusal."""
+    report = OUT / family["model"] / f"barrier-{a.stem}-{b.stem}-{method}.json"
+    code, why = _run(["barrier", str(a), str(b), "--method", method, "--steps", str(run["learn_steps"]), "--points",
+                      str(run["points"]), "--limit", str(run["limit"]), "--threads", str(run["threads"]), "--json",
+                      str(report)])
     if code != 0:
-        raise SystemExit(f"glmc {' '.join(argv)} exited {code}")
-    return json.loads(stdout.getvalue().strip().splitlines()[-1])
+        return {"method": method, "refused": why}
+    (result,) = json.loads(report.read_text())["curves"]
+    return {"method": method, "barrier": result["barrier"], "align_seconds": result.get("align_seconds", 0.0),
+            "endpoints": [result["losses"][0], result["losses"][-1]]}
+
+
+def measure(family: dict[str, Any], run: dict[str, Any], methods: list[str]) -> list[dict[str, Any]]:
+    """Every (pair, method) row of one family."""
+    paths = train(family, run)
+    rows = []
+    for i, j in run["pairs"]:
+        for method in methods:
+            rows.append({"model": family["model"], "pair": [i, j], **curve(paths[i], paths[j], method, family, run)})
+            print(f"{family['model']} seeds {i},{j} {method}: {rows[-1].get('barrier', rows[-1].get('refused'))}",
+                  flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
+    """Per (model, method): the mean barrier over the pairs, its ratio to the same pairs' vanilla, the mean time."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        vanilla = {tuple(r["pair"]): r["barrier"] for r in rows if r["model"] == model and r["method"] == "none"}
+        for method in methods:
+            chosen = [r for r in rows if r["model"] == model and r["method"] == method]
+            done = [r for r in chosen if "barrier" in r]
+            if not chosen:
+                continue
+            if not done:
+                out.append({"model": model, "method": method, "refused": chosen[0]["refused"]})
+                continue
+            ratios = [r["barrier"] / vanilla[tuple(r["pair"])] for r in done if vanilla.get(tuple(r["pair"]))]
+            out.append({"model": model, "method": method, "pairs": len(done),
+                        "barrier": statistics.fmean(r["barrier"] for r in done),
+                        "barrier_sd": statistics.pstdev(r["barrier"] for r in done),
+                        "ratio": statistics.fmean(ratios) if ratios else None,
+                        "align_seconds": statistics.fmean(r["align_seconds"] for r in done)})
+    return out
+
+
+def markdown(data: dict[str, Any]) -> list[str]:
+    """The committed summary from results.json: how it was run, the families' recipes, one row per (model, method)."""
+    config, summary, runs = data["config"], data["summary"], data["runs"]
+    run = config["run"]
+    lines = [
+             *(f"Run {i}: `{r['command']}`, config `{r['config']}`; machine: {r['machine']}; wall time "
+               f"{r['wall_minutes']:.1f} min; load average {r['load_before']} before." for i, r in enumerate(runs)),
+             "", f"Pairs of seeds {', '.join(f'{i}–{j}' for i, j in run['pairs'])}; {run['points']} points on the "
+             f"first {run['limit']} held-out windows; learned and dual matching {run['learn_steps']} steps. Barrier: "
+             "the mean over the pairs (± their spread); ratio: the mean of barrier ÷ the same pair's vanilla; time: "
+             "the alignment's mean wall seconds.", "", "Recipes:", "",
+             *(f"- `{f['model']}`: {f['dataset']}, {f['steps']} steps, dropout {f['dropout']}; {f['note']}"
+               for f in config["families"]), "",
+             "| model | method | barrier | ratio to vanilla | align s |", "|---|---|---|---|---|"]
+    for r in summary:
+        if "refused" in r:
+            lines.append(f"| {r['model']} | {r['method']} | refused: {r['refused']} | – | – |")
+            continue
+        ratio = "–" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"| {r['model']} | {r['method']} | {r['barrier']:.4f} ± {r['barrier_sd']:.4f} | {ratio} | "
+                     f"{r['align_seconds']:.1f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulations.bench.families", description=__doc__)
-    parser.add_argument("--model", default="llama-tiny", help="a preset of the family (default: llama-tiny)")
-    parser.add_argument("--dataset", default="shakespeare", help="default: shakespeare")
-    parser.add_argument("--seeds", type=int, default=3, help="models trained, seeds 0.. (default: 3)")
-    parser.add_argument("--steps", type=int, default=100, help="training steps per seed (default: 100)")
-    parser.add_argument("--learn-steps", type=int, default=20, help="learned matching's steps (default: 20)")
-    parser.add_argument("--publish", action="store_true", help="write simulations/results/families-<model>/ too")
+    parser = argparse.ArgumentParser(prog="python -m simulations.bench.families", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="simulations/bench/configs/families.toml")
+    parser.add_argument("--models", nargs="*", help="only these families' presets; the others' rows are kept")
+    parser.add_argument("--methods", nargs="*", help="only these methods; the others' rows are kept")
     args = parser.parse_args(argv)
+    config = config_or_exit(parser, args.config)
+    run, out = config["run"], Path(config["run"]["results"])
+    methods = args.methods or run["methods"]
+    families = [f for f in config["families"] if not args.models or f["model"] in args.models]
+    kept = json.loads((out / "results.json").read_text()) if (args.models or args.methods) and (
+        out / "results.json").is_file() else {}
+    todo = {(f["model"], m) for f in families for m in methods}
+    rows = [r for r in kept.get("rows", []) if (r["model"], r["method"]) not in todo]
     began = time.perf_counter()
-    root = OUT / f"families-{args.model}"
-    paths = [root / f"seed{seed}.safetensors" for seed in range(args.seeds)]
-    trained = [_run(["train", "--model", args.model, "--dataset", args.dataset, "--max-steps", str(args.steps),
-                     "--seed", str(seed), "--threads", "1", "--quiet", "--force", "--out", str(path)])
-               for seed, path in enumerate(paths)]
-    barriers = _run(["barrier", str(paths[0]), str(paths[1]), "--method", "none", "--method", "weight", "--method",
-                     "learned", "--steps", str(args.learn_steps), "--points", "5", "--limit", "256",
-                     "--json", str(root / "barrier.json")])
-    merges = {method: _run(["merge", *map(str, paths), "--method", method, "--steps", str(args.learn_steps),
-                            "--simplex-points", "3", "--force", "--out", str(root / f"merged-{method}.safetensors")])
-              for method in ("weight", "learned")}
-    report = {"model": args.model, "dataset": args.dataset, "steps": args.steps, "seeds": args.seeds,
-              "test_losses": [t["test_loss"] for t in trained], "barriers": barriers, "merges": merges,
-              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-              "seconds": round(time.perf_counter() - began, 1)}
-    print("\n".join(markdown(report)))
-    (OUT / f"families-{args.model}.json").write_text(json.dumps(report, indent=1))
-    if args.publish:
-        folder = RESULTS / f"families-{args.model}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "results.json").write_text(json.dumps(report, indent=1) + "\n")
-        command = f"python -m simulations.bench.families --model {args.model} --seeds {args.seeds} --steps {args.steps}"
-        (folder / "summary.md").write_text("\n".join([
-            f"# {args.model}: barriers and merges of seeds trained here", "",
-            f"Command: `{command} --publish`. Machine: {report['machine']}; {report['seconds']:.0f} s of wall time "
-            "in all (training included, on a CPU shared with other jobs).", "", *markdown(report), ""]))
+    this = {"command": " ".join(["python -m simulations.bench.families", *(sys.argv[1:] if argv is None else argv)]),
+            "config": args.config, "machine": machine(), "load_before": ", ".join(f"{x:.1f}" for x in os.getloadavg())}
+    runs = [*kept.get("runs", []), this]
+    for family in families:
+        rows += measure(family, run, methods)
+        this["wall_minutes"] = (time.perf_counter() - began) / 60
+        order = {f["model"]: i for i, f in enumerate(config["families"])}
+        rows.sort(key=lambda r: (order.get(r["model"], len(order)), run["methods"].index(r["method"])))
+        data = {"config": config, "runs": runs, "rows": rows, "summary": table(rows, run["methods"])}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+        (out / "summary.md").write_text("\n".join([HEADING, "", *markdown(data)]) + "\n")
+    print((out / "summary.md").read_text())
     return 0
-
-
-def markdown(report: dict) -> list[str]:
-    """The seeds' test losses, the pair's barriers and the merges, as a table."""
-    barriers, merges = report["barriers"], report["merges"]
-    losses = ", ".join(f"{x:.3f}" for x in report["test_losses"])
-    return [f"{report['seeds']} seeds of {report['model']}, {report['steps']} steps each on {report['dataset']} "
-            f"(test losses {losses}); barriers of seeds 0 and 1 on 256 held-out windows, 5 points; merges of all "
-            "seeds, 3 simplex points per model.", "",
-            "| | none | weight | learned |", "|---|---|---|---|",
-            f"| pair barrier | {barriers['none']:.4f} | {barriers['weight']:.4f} | {barriers['learned']:.4f} |",
-            f"| merge: simplex barrier | – | {merges['weight']['simplex_barrier']:.4f} | "
-            f"{merges['learned']['simplex_barrier']:.4f} |",
-            f"| merge: accuracy % (inputs' mean {100 * merges['weight']['mean_input_accuracy']:.1f}) | – | "
-            f"{100 * merges['weight']['merged_accuracy']:.1f} | {100 * merges['learned']['merged_accuracy']:.1f} |"]
 
 
 if __name__ == "__main__":

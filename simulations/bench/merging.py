@@ -46,7 +46,7 @@ def merge(run: dict[str, Any], spec: dict[str, Any], method: str) -> dict[str, A
     args = ["merge", *map(str, checkpoints(run, spec["models"])), "--method", method, "--out",
             f"{out}.safetensors", "--json", f"{out}.json", "--limit", str(spec["limit"]), "--simplex-points",
             str(spec["simplex_points"]), "--workers", str(run["workers"]), "--force", "--quiet"]
-    extra = [*run.get("matcher", []), *spec.get("args", []),
+    extra = [*spec.get("matcher", run.get("matcher", [])), *spec.get("args", []),
              *(spec.get("learn", run["learn"]) if method == "learned" else [])]
     if glmc(args + extra) != 0:
         raise SystemExit(f"glmc merge failed: {spec['name']} by {method}")
