@@ -105,6 +105,8 @@ class Arch:
     # The transformers class whose ``save_pretrained`` folders glmc reads and writes through ``from_pretrained`` and
     # ``build`` alone (no family-specific reader); "" where a family has its own (GPT-2's tied heads, ViT's names).
     hf_class: str = ""
+    # The ``model_type`` its transformers config saves, where it is not the family's name (GPT-NeoX's "gpt_neox").
+    hf_model_type: str = ""
     # What the model reads: images (a classifier) or token ids (a causal language model); tasks and checks ask this,
     # not the family's name.
     modality: Literal["image", "text"] = "text"

@@ -153,4 +153,5 @@ NEOX = Arch(
     config_of=config_of,
     activation_residual=False,  # a language model: the residual stays as it is (Verma & Elbayad §5.3)
     hf_class="GPTNeoXForCausalLM",
+    hf_model_type="gpt_neox",
 )
