@@ -21,6 +21,7 @@ from glmc.data.paths import data_root
 from glmc.errors import ConfigError
 from glmc.io import formats
 from glmc.io.live import read_module
+from glmc.match.activation import activation_match
 from glmc.match.align import align_pair
 from glmc.match.learned import LearnConfig
 from glmc.merging.repair import repair
@@ -255,15 +256,23 @@ def test_default_weight_matching_recovers_every_config_variant(name: str) -> Non
     assert max(float((aligned[k] - a[k]).abs().max()) for k in a) <= 1e-9
 
 
-def test_learned_matching_and_a_universe_merge_run_on_neox() -> None:
-    """A few steps of learned matching keep B's function; universe matching of a model and two transformed copies
-    merges them back into it."""
+def test_learned_activation_and_universe_matching_run_on_neox() -> None:
+    """A few steps of learned matching keep B's function; activation matching, hooked on the heads ``dense`` reads
+    and the units ``dense_4h_to_h`` reads, undoes head and unit permutations; universe matching of a model and two
+    transformed copies merges them back into it."""
     cfg = NEOX_CONFIGS["neox-sequential"]
     arch, x = get_arch("neox"), inputs(cfg, 16)
     native = random_native(cfg, 0)
     a = canonicalize(arch, native, cfg)
     copies = [apply(a, arch.spec, random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(s), True),
                     cfg.heads) for s in (1, 2)]
+    gelu = NEOX_CONFIGS["neox-parallel"]  # the sequential config's ReLU leaves units dead on a random model: ties
+    start = canonical(gelu, 0)
+    permuted = apply(start, arch.spec, random_transform(gelu, ("head-perm", "mlp-perm"),
+                                                        torch.Generator().manual_seed(4)), gelu.heads)
+    found = activation_match(start, permuted, gelu, inputs(gelu, 16)).transform
+    back = apply(permuted, arch.spec, found, gelu.heads)
+    assert max(float((back[k] - start[k]).abs().max()) for k in start) <= 1e-9
     data = TensorDataset(x[:, :-1], x[:, 1:])
     learned = align_pair(native, random_native(cfg, 3), cfg, "learned", data=data,
                          learn=LearnConfig(steps=3, batch_size=8, eval_every=2))
