@@ -129,13 +129,11 @@ def config_of(model: nn.Module) -> ModelConfig | None:
     hf: Any = model.config
     _refuse_unmodelled(hf)
     rope = dict(hf.rope_parameters or {})
-    live: Any = model
-    biased = live.gpt_neox.layers[0].attention.query_key_value.bias is not None if hf.num_hidden_layers else True
     return ModelConfig("neox", width=hf.hidden_size, depth=hf.num_hidden_layers, heads=hf.num_attention_heads,
                        mlp=hf.intermediate_size, activation=_ACTIVATIONS[hf.hidden_act],  # type: ignore[arg-type]
                        norm_eps=hf.layer_norm_eps, vocab_size=hf.vocab_size, context=hf.max_position_embeddings,
                        rotary_pct=float(rope.get("partial_rotary_factor", 1.0)),
-                       rope_theta=float(rope.get("rope_theta", 10000.0)), qkv_bias=biased,
+                       rope_theta=float(rope.get("rope_theta", 10000.0)), qkv_bias=bool(hf.attention_bias),
                        parallel_residual=bool(hf.use_parallel_residual))
 
 
