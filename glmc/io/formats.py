@@ -4,7 +4,7 @@
 - ``hf``: a folder with ``config.json`` and ``model.safetensors`` (or a sharded index) of a ``GPT2LMHeadModel`` or
   ``GPT2Model``, as ``save_pretrained`` writes it; a tied head is untied on reading (one INFO line) and tied again
   on writing only if it is still equal to the embedding bit for bit; or of any family that names its transformers
-  class (``Arch.hf_class``: Llama, Mistral, Qwen2), read by ``from_pretrained`` and written by its own build;
+  class (``Arch.hf_class``: Llama, Mistral, Qwen2, GPT-NeoX), read by ``from_pretrained`` and written by its own build;
 - ``timm``: a ViT's ``state_dict`` as .safetensors, with ``timm.create_model``'s kwargs, model name included, in a
   JSON file of the same stem beside it (``vit.safetensors`` + ``vit.json``); or a timm Hub folder, as
   ``timm.models.save_for_hf`` writes it and the Hub serves it (``config.json`` naming an ``architecture``, and
