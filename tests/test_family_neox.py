@@ -16,6 +16,7 @@ from torch.utils.data import TensorDataset
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from glmc.archs import build_model, get_arch, preset
+from glmc.archs.base import Part
 from glmc.cli import main as glmc
 from glmc.data.paths import data_root
 from glmc.errors import ConfigError
@@ -219,6 +220,23 @@ def test_the_fused_qkv_is_read_per_head_and_joined_back_exactly(name: str) -> No
         assert torch.equal(state[f"blocks.0.attn.{part}.w"], fused[:, slot].reshape(cfg.attn_dim, -1))
     back = arch.to_native(state, cfg)
     assert back.keys() == native.keys() and all(torch.equal(back[k], native[k]) for k in native)
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_a_part_takes_its_slot_and_joins_and_replaces_exactly(per_head: bool) -> None:
+    """Slot i of 3 over 4 heads of 5: rows [h·15 + i·5, …) interleaved per head, [i·20, …) in blocks; along the
+    rows of a weight and the features of an output alike."""
+    fused = torch.randn(60, 7, dtype=torch.float64)
+    parts = [Part(i, 3, per_head) for i in range(3)]
+    rows = [torch.cat([torch.arange(h * 15 + i * 5, h * 15 + i * 5 + 5) for h in range(4)]) if per_head
+            else torch.arange(i * 20, i * 20 + 20) for i in range(3)]
+    for part, index in zip(parts, rows, strict=True):
+        assert torch.equal(part.take(fused, 4), fused[index])
+        assert torch.equal(part.take(fused.T, 4, axis=-1), fused[index].T)
+    assert torch.equal(parts[0].join([p.take(fused, 4) for p in parts], 4), fused)
+    replaced = parts[1].put(fused.T, torch.zeros(7, 20, dtype=torch.float64), 4, axis=-1).T
+    assert torch.equal(replaced[rows[1]], torch.zeros(20, 7, dtype=torch.float64))
+    assert torch.equal(replaced[torch.cat([rows[0], rows[2]])], fused[torch.cat([rows[0], rows[2]])])
 
 
 def test_a_qk_map_pairing_the_whole_head_breaks_a_partial_rotary_model() -> None:
