@@ -25,6 +25,8 @@ from glmc.io.live import read_module
 from glmc.match.activation import activation_match
 from glmc.match.align import align_pair
 from glmc.match.learned import LearnConfig
+from glmc.merging.corrections import Corrections
+from glmc.merging.options import MergeOptions
 from glmc.merging.repair import repair
 from glmc.merging.universe import universe_match
 from glmc.merging.widths import check_embeddable
@@ -385,3 +387,7 @@ def test_the_library_api_takes_live_neox_models_and_gives_back_their_class() -> 
                                                          x[:, 1:].flatten())) for m in (b, a)]
     assert curve.losses[0] == pytest.approx(ends[0], abs=1e-4) and curve.losses[-1] == pytest.approx(ends[1], abs=1e-4)
     assert type(api.merge([a, b, moved])) is GPTNeoXForCausalLM
+    every = MergeOptions(corrections=Corrections(restore_norms=True, refit=8, repair=8))  # hooks on q, k, v's parts
+    corrected = api.merge([a, b], data=data, options=every)
+    with torch.no_grad():
+        assert type(corrected) is GPTNeoXForCausalLM and bool(torch.isfinite(corrected(input_ids=x).logits).all())
