@@ -33,16 +33,28 @@ RMS_CONFIGS: dict[str, ModelConfig] = {
     "qwen2-bias": preset("llama-tiny").replace(family="qwen2", width=30, heads=5, kv_heads=5, mlp=37, qkv_bias=True,
                                                vocab_size=VOCAB, context=12, depth=3),
 }
-ALL_CONFIGS = CONFIGS | RMS_CONFIGS
+# GPT-NeoX (q|k|v fused per head): parallel and sequential residuals, rotary on a quarter, all and 6 of 12 head
+# dimensions (two pairs at 0.25, so pairing i with i + r/2 rather than i + d_h/2 is tested), attention biases off,
+# ReLU.
+NEOX_CONFIGS: dict[str, ModelConfig] = {
+    "neox-parallel": preset("neox-tiny").replace(width=48, heads=3, mlp=70, vocab_size=VOCAB, context=12),
+    "neox-sequential": preset("neox-tiny").replace(width=30, heads=5, mlp=37, rotary_pct=1.0, activation="relu",
+                                                   parallel_residual=False, vocab_size=VOCAB, context=12, depth=3),
+    "neox-nobias": preset("neox-tiny").replace(width=36, heads=3, mlp=37, rotary_pct=0.5, qkv_bias=False,
+                                               vocab_size=VOCAB, context=12),
+}
+ALL_CONFIGS = CONFIGS | RMS_CONFIGS | NEOX_CONFIGS
 
-# Two-block models of both families, for the corrections of a merge (REPAIR, refit).
+# Two-block models, for the corrections of a merge (REPAIR, refit).
 MERGE_CONFIGS: dict[str, ModelConfig] = {
     "vit": preset("vit-bench").replace(depth=2, img_size=8, patch=4, in_chans=1, num_classes=3),
     "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
+    # q|k|v fused per head: refit's hooks on q, k and v each see and replace their part of the module's output
+    "neox": preset("neox-tiny").replace(vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
 }
 
-__all__ = ["ALL_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "RMS_CONFIGS", "canonical", "dataset", "inputs", "logits_of",
-           "merge_data", "random_native"]
+__all__ = ["ALL_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "NEOX_CONFIGS", "RMS_CONFIGS", "canonical", "dataset",
+           "inputs", "logits_of", "merge_data", "random_native"]
 
 
 def canonical(cfg: ModelConfig, seed: int) -> State:

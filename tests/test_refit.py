@@ -22,7 +22,7 @@ def _inputs_at(state: dict[str, torch.Tensor], cfg: ModelConfig, site: tuple[str
                x: torch.Tensor) -> torch.Tensor:
     """The layer's inputs at ``site`` in ``state``'s model, every token a row, with a ones column."""
     got = []
-    hooked_passes(get_arch(cfg.family), to_model(state, cfg), {site: lambda m, args, out: got.append(args[0])}, [x])
+    hooked_passes(cfg, to_model(state, cfg), {site: lambda m, args, out: got.append(args[0])}, [x])
     rows = got[0].reshape(-1, got[0].shape[-1]).double()
     return torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,14 +22,58 @@ def cast(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> State:
 
 
 @dataclass(frozen=True)
+class Part:
+    """Slot ``index`` of ``count`` equal parts of a fused tensor's axis (the rows of a fused q|k|v, or its
+    output's features): one block after another (``per_head=False``), or interleaved per head, ``[head 0: part 0,
+    part 1, …; head 1: …]`` (GPT-NeoX's ``query_key_value``), over the config's heads."""
+
+    index: int
+    count: int
+    per_head: bool = False
+
+    def _split(self, fused: torch.Tensor, heads: int, axis: int) -> torch.Tensor:
+        """``fused`` with ``axis`` moved first and split: (count, ...) in blocks, (heads, count, ...) per head."""
+        x = fused.movedim(axis, 0)
+        size, rest = x.shape[0], x.shape[1:]
+        if self.per_head:
+            return x.reshape(heads, self.count, size // (heads * self.count), *rest)
+        return x.reshape(self.count, size // self.count, *rest)
+
+    def take(self, fused: torch.Tensor, heads: int, axis: int = 0) -> torch.Tensor:
+        """This part of ``fused`` along ``axis``."""
+        x = self._split(fused, heads, axis)
+        part = x[:, self.index] if self.per_head else x[self.index]
+        return part.reshape(-1, *part.shape[(2 if self.per_head else 1):]).movedim(0, axis)
+
+    def join(self, parts: Sequence[torch.Tensor], heads: int, axis: int = 0) -> torch.Tensor:
+        """The fused tensor whose ``count`` parts (in slot order) are ``parts``: the inverse of :meth:`take`."""
+        if len(parts) != self.count:
+            raise CheckpointError(f"a fused tensor of {self.count} parts cannot be joined from {len(parts)}")
+        xs = [p.movedim(axis, 0) for p in parts]
+        if self.per_head:
+            fused = torch.stack([x.reshape(heads, -1, *x.shape[1:]) for x in xs], 1)
+            return fused.reshape(-1, *fused.shape[3:]).movedim(0, axis)
+        return torch.cat(xs).movedim(0, axis)
+
+    def put(self, fused: torch.Tensor, part: torch.Tensor, heads: int, axis: int = 0) -> torch.Tensor:
+        """``fused`` with this part replaced by ``part``."""
+        slots = [Part(i, self.count, self.per_head) for i in range(self.count)]
+        return self.join([part if i == self.index else s.take(fused, heads, axis) for i, s in enumerate(slots)],
+                         heads, axis)
+
+
+@dataclass(frozen=True)
 class KeyRule:
-    """Where a canonical parameter lives in the native state dict, whether it is stored (in, out), and whether
-    some variants of the family go without it (a ViT without class token or qkv bias); the config's builder
-    decides which are present, and loading a native state into it checks that they are."""
+    """Where a canonical parameter lives in the native state dict, whether it is stored (in, out), whether
+    some variants of the family go without it (a ViT without class token or qkv bias; the config's builder
+    decides which are present, and loading a native state into it checks that they are), and which part of the
+    native tensor's rows it is, where one native tensor holds several canonical ones (a fused q|k|v that the
+    canonical names keep separate)."""
 
     native: str
     transpose: bool = False
     optional: bool = False
+    part: Part | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +105,8 @@ class Arch:
     # The transformers class whose ``save_pretrained`` folders glmc reads and writes through ``from_pretrained`` and
     # ``build`` alone (no family-specific reader); "" where a family has its own (GPT-2's tied heads, ViT's names).
     hf_class: str = ""
+    # The ``model_type`` its transformers config saves, where it is not the family's name (GPT-NeoX's "gpt_neox").
+    hf_model_type: str = ""
     # What the model reads: images (a classifier) or token ids (a causal language model); tasks and checks ask this,
     # not the family's name.
     modality: Literal["image", "text"] = "text"
@@ -81,28 +127,47 @@ class Arch:
                 if rule.optional:
                     continue
                 raise CheckpointError(f"missing parameter {key!r} for a {self.family} of depth {depth}")
-            out[name] = native[key].t() if rule.transpose else native[key]
+            value = native[key].t() if rule.transpose else native[key]
+            out[name] = value if rule.part is None else rule.part.take(value, cfg.heads)
         extra = set(native) - {self.keys[t].native.format(l=layer) for layer, t in expand(self.keys, depth).values()}
         if extra:
             raise CheckpointError(f"unexpected parameter {sorted(extra)[0]!r} for a {self.family} of depth {depth}")
         return out
 
     def to_native(self, canonical: Mapping[str, torch.Tensor], cfg: ModelConfig) -> State:
-        """Inverse of :meth:`to_canonical`: the key table read the other way (keys a form dropped are skipped)."""
+        """Inverse of :meth:`to_canonical`: the key table read the other way (keys a form dropped are skipped), the
+        parts of a fused native tensor joined back."""
         out: State = {}
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        rules: dict[str, KeyRule] = {}
         for name, (layer, template) in expand(self.keys, cfg.depth).items():
             if name not in canonical:
                 continue
-            rule = self.keys[template]
-            out[rule.native.format(l=layer)] = (
-                canonical[name].t() if rule.transpose else canonical[name]
-            ).contiguous()
+            rule, key = self.keys[template], self.keys[template].native.format(l=layer)
+            if rule.part is not None:
+                parts.setdefault(key, {})[rule.part.index] = canonical[name]
+                rules[key] = rule
+                continue
+            out[key] = (canonical[name].t() if rule.transpose else canonical[name]).contiguous()
+        for key, held in parts.items():
+            part = rules[key].part
+            assert part is not None
+            if len(held) != part.count:
+                raise CheckpointError(f"{key!r} needs all {part.count} of its parts, got {len(held)}")
+            fused = part.join([held[i] for i in range(part.count)], cfg.heads)
+            out[key] = (fused.t() if rules[key].transpose else fused).contiguous()
         return out
 
     def module(self, model: nn.Module, canonical_prefix: str, layer: int | None = None) -> nn.Module:
         """The native submodule behind a canonical prefix such as ``blocks.{l}.mlp.fc2``."""
         path = self.module_names[canonical_prefix].format(l=layer)
         return model.get_submodule(path)
+
+    def output_part(self, canonical_prefix: str) -> Part | None:
+        """The part of its native module's output that a canonical linear layer computes (q of a fused q|k|v), or
+        None where the module is the layer's own."""
+        rule = self.keys.get(f"{canonical_prefix}.w")
+        return None if rule is None else rule.part
 
 
 def require_inputs(batch: torch.Tensor, cfg: ModelConfig, fits: bool, expected: str) -> None:

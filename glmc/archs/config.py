@@ -9,10 +9,13 @@ from typing import Any, Literal
 
 from glmc.errors import ConfigError, check_options
 
-Family = Literal["vit", "gpt2", "llama", "mistral", "qwen2"]
+Family = Literal["vit", "gpt2", "llama", "mistral", "qwen2", "neox"]
 
-# Each family's own norm eps (timm ViT, HF GPT-2, HF's RMSNorm families); an exact width embedding rescales it.
-DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6}
+# Each family's own norm eps (timm ViT, HF GPT-2, HF's RMSNorm families, HF GPT-NeoX); an exact width embedding
+# rescales it.
+DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6,
+                                      "neox": 1e-5}
+PARALLEL_FAMILIES = ("neox",)  # the families whose builders can run attention and MLP side by side
 POOLS = ("token", "avg")  # the timm ViT poolings glmc covers
 
 
@@ -49,9 +52,12 @@ class ModelConfig:
     # Language models
     vocab_size: int = 0
     context: int = 0
-    # Rotary positions (the Llama families): the share of each head's dimensions they rotate (0: none) and their base
+    # Rotary positions (the Llama families, GPT-NeoX): the share of each head's dimensions they rotate (0: none) and
+    # their base
     rotary_pct: float = 0.0
     rope_theta: float = 10000.0
+    # GPT-NeoX's parallel residual, x + attn(ln1(x)) + mlp(ln2(x)), rather than the MLP reading x + attn(ln1(x))
+    parallel_residual: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.heads > 0:  # heads ≤ 0 is reported with the other sizes below
@@ -72,6 +78,9 @@ class ModelConfig:
         check_options("model config", [("in [0, 1)", lambda v: 0 <= v < 1, {"dropout": self.dropout})])
         if self.heads % self.kv_heads:
             raise ConfigError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if self.parallel_residual and self.family not in PARALLEL_FAMILIES:
+            raise ConfigError(f"a {self.family} model has a sequential residual: parallel_residual needs one of "
+                              f"{', '.join(PARALLEL_FAMILIES)}")
         if not 0 <= self.rotary_pct <= 1 or self.rotary_dim % 2:
             raise ConfigError(f"rotary_pct {self.rotary_pct} must be in [0, 1] and rotate an even number of the "
                               f"{self.head_dim} head dimensions")
@@ -123,6 +132,9 @@ PRESETS: dict[str, ModelConfig] = {
     # A Llama of the same size as gpt2-tiny: RMSNorm, SwiGLU, rotary positions, two query heads per KV head.
     "llama-tiny": ModelConfig("llama", width=32, depth=2, heads=4, kv_heads=2, mlp=64, activation="silu",
                               qkv_bias=False, rotary_pct=1.0, context=32),
+    # A Pythia-shaped GPT-NeoX of the same size: parallel residual, rotary positions on a quarter of each head.
+    "neox-tiny": ModelConfig("neox", width=32, depth=2, heads=4, mlp=128, rotary_pct=0.25, parallel_residual=True,
+                             context=32),
 }
 
 

@@ -4,7 +4,7 @@
 - ``hf``: a folder with ``config.json`` and ``model.safetensors`` (or a sharded index) of a ``GPT2LMHeadModel`` or
   ``GPT2Model``, as ``save_pretrained`` writes it; a tied head is untied on reading (one INFO line) and tied again
   on writing only if it is still equal to the embedding bit for bit; or of any family that names its transformers
-  class (``Arch.hf_class``: Llama, Mistral, Qwen2), read by ``from_pretrained`` and written by its own build;
+  class (``Arch.hf_class``: Llama, Mistral, Qwen2, GPT-NeoX), read by ``from_pretrained`` and written by its own build;
 - ``timm``: a ViT's ``state_dict`` as .safetensors, with ``timm.create_model``'s kwargs, model name included, in a
   JSON file of the same stem beside it (``vit.safetensors`` + ``vit.json``); or a timm Hub folder, as
   ``timm.models.save_for_hf`` writes it and the Hub serves it (``config.json`` naming an ``architecture``, and
@@ -43,7 +43,7 @@ FORMATS = ("glmc", "hf", "timm")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # what a writer can store
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HF_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "ViTForImageClassification": "vit"} | {
-    arch.hf_class: family for family, arch in ARCHS.items() if arch.hf_class}  # → model_type
+    arch.hf_class: arch.hf_model_type or family for family, arch in ARCHS.items() if arch.hf_class}  # → model_type
 HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers saved with GPT-2's weights
 GLMC_JSON = "glmc.json"  # glmc's metadata (dataset, vocabulary, metrics) in an HF or timm folder it wrote
 SIDE_FILES = ("preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -151,7 +151,7 @@ def read_hf(folder: Path) -> tuple[State, CheckpointMeta]:
         raise CheckpointError(f"{folder} is a folder without config.json: not a Hugging Face model folder")
     config = _load_json(folder / "config.json", "config.json")
     architecture = _hf_architecture(folder, config)
-    if architecture == hf_vit.ARCHITECTURE or get_arch(HF_ARCHITECTURES[architecture]).hf_class:
+    if architecture == hf_vit.ARCHITECTURE or architecture in {a.hf_class for a in ARCHS.values() if a.hf_class}:
         model = _pretrained(folder, architecture)
     else:
         model = _hf_gpt2(folder, config, architecture)

@@ -107,7 +107,7 @@ def mean_outputs(models: Sequence[nn.Module], weights: Sequence[float], cfg: Mod
                     raise AllSitesRecorded
             return hook
 
-        hooked_passes(arch, model, {key: record(key) for key in stage}, [batch])
+        hooked_passes(cfg, model, {key: record(key) for key in stage}, [batch])
     return {key: mean.value() for key, mean in means.items()}
 
 
@@ -170,4 +170,4 @@ def _refit_stage(state: State, cfg: ModelConfig, stage: Sequence[Site], targets:
             return (x @ rows.T).to(output.dtype).reshape(output.shape)
         return hook
 
-    hooked_passes(get_arch(cfg.family), to_model(state, cfg), {site: fit(site) for site in stage}, [batch])
+    hooked_passes(cfg, to_model(state, cfg), {site: fit(site) for site in stage}, [batch])

@@ -39,7 +39,6 @@ def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites
 
     Each chunk's forward pass stops once every site has recorded it: the layers after the last site are not run.
     """
-    arch = get_arch(cfg.family)
     sums: dict[tuple[str, int], list[torch.Tensor]] = {}
     wanted = list(dict.fromkeys(sites))
     seen: set[tuple[str, int]] = set()  # the sites the current chunk has reached
@@ -53,7 +52,7 @@ def channel_stats(model: nn.Module, cfg: ModelConfig, batch: torch.Tensor, sites
                 raise AllSitesRecorded
         return hook
 
-    hooked_passes(arch, model, {key: record(key) for key in wanted}, torch.split(batch, batch_size), seen.clear)
+    hooked_passes(cfg, model, {key: record(key) for key in wanted}, torch.split(batch, batch_size), seen.clear)
     return {key: _moments(*terms) for key, terms in sums.items()}
 
 
@@ -112,7 +111,11 @@ class RepairTarget:
             raise ConfigError("REPAIR needs training inputs to measure activation statistics")
         batch = inputs_of(data, len(data) if samples is None else samples)  # type: ignore[arg-type]
         get_arch(cfg.family).check_inputs(cfg, batch)
-        measured = [channel_stats(to_model(s, cfg), cfg, batch, sites(cfg), batch_size) for s in inputs]
+        order = sites(cfg)
+        if unbiased := [s for s, layer in order if inputs and f"{s.format(l=layer)}.b" not in inputs[0]]:
+            raise ConfigError(f"REPAIR shifts each channel by its layer's bias; this {cfg.family} model's "
+                              f"{unbiased[0]} has none (restore-norms or refit instead)")
+        measured = [channel_stats(to_model(s, cfg), cfg, batch, order, batch_size) for s in inputs]
         return cls(cfg, batch, measured, batch_size)
 
     def repair(self, merged: Mapping[str, torch.Tensor], weights: Sequence[float] | None = None) -> State:
@@ -120,7 +123,6 @@ class RepairTarget:
         equal) statistics of the inputs, in one forward pass of the whole batch: each site's hook measures its
         output, resets the layer's rows and passes the reset output on, so every later site sees the earlier ones
         repaired (what re-measuring after each site gives, without a pass per site)."""
-        arch = get_arch(self.cfg.family)
         n = torch.tensor([1.0] * len(self.measured) if weights is None else list(weights), dtype=torch.float64)
         out, model, order = dict(merged), to_model(merged, self.cfg), sites(self.cfg)
 
@@ -133,7 +135,7 @@ class RepairTarget:
                 return output * scale.to(output.dtype) + shift.to(output.dtype)
             return hook
 
-        hooked_passes(arch, model, {key: correct(*key) for key in order}, [self.batch])
+        hooked_passes(self.cfg, model, {key: correct(*key) for key in order}, [self.batch])
         return out
 
 

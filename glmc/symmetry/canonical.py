@@ -28,9 +28,12 @@ CIRCUITS: frozenset[Form] = frozenset({"circuit", "circuit-rmsnorm"})
 
 
 def forms_for(arch: Arch) -> tuple[Form, ...]:
-    """The forms a family has: all four for a LayerNorm family; only the standard one for an RMSNorm family, whose
-    stream needs no centring and whose separate projections have no fused circuit layout."""
-    return FORMS if arch.norm == "layer" else ("standard",)
+    """The forms a family has: the centred ones for a LayerNorm stream (an RMSNorm stream needs no centring), the
+    circuit ones where q|k|v are fused in thirds (the circuit layout; separate projections, which the rotary
+    families have, have none): all four for ViT and GPT-2, standard and rmsnorm for GPT-NeoX, standard alone for
+    the Llama families."""
+    centred, circuits = arch.norm == "layer", any(QKV in axes for axes in arch.spec.values())
+    return tuple(f for f in FORMS if (centred or f not in CENTRED) and (circuits or f not in CIRCUITS))
 
 
 def fixes_ones(form: Form, arch: Arch) -> bool:
@@ -107,9 +110,10 @@ def canonicalize(
 
     The circuit form changes d_h, so it has its own entry point, :func:`to_circuit`, applied after alignment.
     """
-    if form not in forms_for(arch):
-        raise ConfigError(f"a {arch.family} model has only the standard form: its RMSNorm stream has the whole "
-                          f"O(d) without centring (form {form!r})")
+    if form not in (forms := forms_for(arch)):
+        raise ConfigError(f"a {arch.family} model has only the {' and '.join(forms)} form{'s' * (len(forms) > 1)} "
+                          f"(form {form!r}): an RMSNorm stream has the whole O(d) without centring, and circuits "
+                          "need q|k|v fused in thirds")
     depth = cfg.depth
     state = arch.to_canonical(native, cfg)
     if dtype is not None:

