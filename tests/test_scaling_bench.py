@@ -21,6 +21,9 @@ MODELS = {"gpt2": {"name": "tiny-gpt2", "config": {"family": "gpt2", "width": 32
                     "config": {"family": "llama", "width": 32, "depth": 2, "heads": 4, "kv_heads": 2, "mlp": 48,
                                "vocab_size": 40, "context": 8, "activation": "silu", "rotary_pct": 1.0,
                                "qkv_bias": False}},
+          "neox": {"name": "tiny-neox", "plant": "hand",
+                   "config": {"family": "neox", "width": 32, "depth": 2, "heads": 4, "mlp": 48, "vocab_size": 40,
+                              "context": 8, "rotary_pct": 0.25}},
           "vit": {"name": "tiny-vit", "config": {"family": "vit", "width": 32, "depth": 2, "heads": 2, "mlp": 48,
                                                  "img_size": 16, "patch": 8, "in_chans": 3, "num_classes": 5}}}
 
@@ -34,12 +37,13 @@ def test_a_row_finds_the_planted_transform_and_measures_the_matching(family, met
     assert row["params"] > 0 and row["method"] == method
 
 
-def test_a_transform_planted_on_the_native_names_is_recovered_and_its_pair_is_apart():
-    """The Llama rows' B is moved by simulations.bench.planting, not by glmc: far from A, and undone."""
-    cfg = ModelConfig.from_dict(MODELS["llama"]["config"])
+@pytest.mark.parametrize("family", ["llama", "neox"])
+def test_a_transform_planted_on_the_native_names_is_recovered_and_its_pair_is_apart(family):
+    """The Llama and NeoX rows' B is moved by simulations.bench.planting, not by glmc: far from A, and undone."""
+    cfg = ModelConfig.from_dict(MODELS[family]["config"])
     a, b = scaling.hand_planted_pair(cfg, 0)
     assert scaling.relative_distance(a, b) > 0.05  # the norms' unit gains, unmoved, hold most of ‖A‖²
-    row = scaling.measure(MODELS["llama"], "weight-relaxed", RUN)
+    row = scaling.measure(MODELS[family], "weight-relaxed", RUN)
     assert row["recovered"] and row["relative_distance"] <= 1e-10 and row["misplaced"] is None
 
 

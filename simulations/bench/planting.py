@@ -113,4 +113,80 @@ def plant_llama(sd: State, hf: Any, seed: int, is_orthogonal: bool = True) -> St
     return s
 
 
-PLANTERS = {"llama": plant_llama, "mistral": plant_llama}
+NEOX_LAYER = "gpt_neox.layers.{}."
+
+
+def orthogonal_fixing_ones(n: int, g: torch.Generator) -> torch.Tensor:
+    """A random orthogonal n × n matrix with Q·1 = 1: it commutes with a LayerNorm's centring."""
+    ones = torch.ones(n, 1, dtype=torch.float64) / n**0.5
+    basis, _ = torch.linalg.qr(torch.cat([ones, torch.randn(n, n - 1, generator=g, dtype=torch.float64)], 1))
+    rest = basis[:, 1:]
+    return rest @ orthogonal(n - 1, g) @ rest.T + ones @ ones.T
+
+
+def _fold_layernorm(s: State, norm: str, readers: tuple[str, ...]) -> None:
+    """A LayerNorm's gain and bias into the linear layers reading it (weight · diag(γ), bias + weight · β)."""
+    gain, shift = s[f"{norm}.weight"], s[f"{norm}.bias"]
+    for r in readers:
+        weight = s[f"{r}.weight"]
+        s[f"{r}.bias"] = s[f"{r}.bias"] + weight @ shift
+        s[f"{r}.weight"] = weight * gain
+    s[f"{norm}.weight"], s[f"{norm}.bias"] = torch.ones_like(gain), torch.zeros_like(shift)
+
+
+def _neox_heads(s: State, p: str, hf: Any, q: torch.Tensor, g: torch.Generator, is_orthogonal: bool) -> None:
+    """Layer ``p``'s fused q|k|v (per head: q, k, v rows) and dense moved by the residual map q, a head permutation,
+    a q/k map commuting with the partial rotary, and a v/o map per head."""
+    heads, d = hf.num_attention_heads, hf.hidden_size
+    head_dim = d // heads
+    rotary = int(head_dim * dict(hf.rope_parameters or {}).get("partial_rotary_factor", 1.0))
+    perm = torch.randperm(heads, generator=g)
+    m = [rotary_map(head_dim, rotary, g, is_orthogonal) for _ in range(heads)]
+    n = [free_map(head_dim, g, is_orthogonal) for _ in range(heads)]
+    fused, dense = f"{p}attention.query_key_value", f"{p}attention.dense.weight"
+    w = s[f"{fused}.weight"].reshape(heads, 3, head_dim, d)
+    b = s[f"{fused}.bias"].reshape(heads, 3, head_dim)
+    o = s[dense].reshape(d, heads, head_dim)
+    new_w, new_b, new_o = torch.empty_like(w), torch.empty_like(b), torch.empty_like(o)
+    for h in range(heads):
+        old = int(perm[h])
+        for slot, mat in enumerate((m[h], torch.linalg.inv(m[h]).T, n[h])):
+            new_w[h, slot] = mat.to(w.dtype) @ w[old, slot]
+            new_b[h, slot] = mat.to(b.dtype) @ b[old, slot]
+        new_o[:, h] = _times(o[:, old], torch.linalg.inv(n[h]))
+    s[f"{fused}.weight"] = _times(new_w.reshape(-1, d), q.T)
+    s[f"{fused}.bias"] = new_b.reshape(-1)
+    s[dense] = q.to(new_o.dtype) @ new_o.reshape(d, -1)
+    s[f"{p}attention.dense.bias"] = _times(s[f"{p}attention.dense.bias"], q.T)
+
+
+def plant_neox(sd: State, hf: Any, seed: int, is_orthogonal: bool = True) -> State:
+    """A ``GPTNeoXForCausalLM`` state dict (attention biases on) moved by every symmetry class of the family, in its
+    own dtype: LayerNorms folded, a residual rotation fixing the ones vector, head permutations, per-head maps
+    commuting with the partial rotary, MLP permutations (GELU: no scale)."""
+    g = torch.Generator().manual_seed(seed)
+    s = dict(sd)
+    for i in range(hf.num_hidden_layers):
+        p = NEOX_LAYER.format(i)
+        _fold_layernorm(s, f"{p}input_layernorm", (f"{p}attention.query_key_value",))
+        _fold_layernorm(s, f"{p}post_attention_layernorm", (f"{p}mlp.dense_h_to_4h",))
+    final = "gpt_neox.final_layer_norm"  # the head has no bias to take β: it stays, as β/γ, and turns with the stream
+    gain = s[f"{final}.weight"]
+    s["lm_head.weight"], s[f"{final}.bias"] = s["lm_head.weight"] * gain, s[f"{final}.bias"] / gain
+    s[f"{final}.weight"] = torch.ones_like(gain)
+    q = orthogonal_fixing_ones(hf.hidden_size, g)
+    for key in ("gpt_neox.embed_in.weight", "lm_head.weight", f"{final}.bias"):
+        s[key] = _times(s[key], q.T)
+    for i in range(hf.num_hidden_layers):
+        p = NEOX_LAYER.format(i)
+        _neox_heads(s, p, hf, q, g, is_orthogonal)
+        perm = torch.randperm(hf.intermediate_size, generator=g)
+        up, down = f"{p}mlp.dense_h_to_4h", f"{p}mlp.dense_4h_to_h"
+        s[f"{up}.weight"] = _times(s[f"{up}.weight"][perm], q.T)
+        s[f"{up}.bias"] = s[f"{up}.bias"][perm]
+        s[f"{down}.weight"] = q.to(s[f"{down}.weight"].dtype) @ s[f"{down}.weight"][:, perm]
+        s[f"{down}.bias"] = _times(s[f"{down}.bias"], q.T)
+    return s
+
+
+PLANTERS = {"llama": plant_llama, "mistral": plant_llama, "neox": plant_neox}
