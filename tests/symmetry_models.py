@@ -33,7 +33,13 @@ RMS_CONFIGS: dict[str, ModelConfig] = {
     "qwen2-bias": preset("llama-tiny").replace(family="qwen2", width=30, heads=5, kv_heads=5, mlp=37, qkv_bias=True,
                                                vocab_size=VOCAB, context=12, depth=3),
 }
-ALL_CONFIGS = CONFIGS | RMS_CONFIGS
+# The post-LayerNorm BERT: a permutation residual; odd sizes, GELU and ReLU.
+BERT_CONFIGS: dict[str, ModelConfig] = {
+    "bert-odd": preset("bert-tiny").replace(width=45, heads=3, mlp=70, vocab_size=VOCAB, context=12),
+    "bert-relu": preset("bert-tiny").replace(width=30, heads=5, mlp=37, activation="relu", vocab_size=VOCAB,
+                                             context=12, depth=3),
+}
+ALL_CONFIGS = CONFIGS | RMS_CONFIGS | BERT_CONFIGS
 
 # Two-block models of both families, for the corrections of a merge (REPAIR, refit).
 MERGE_CONFIGS: dict[str, ModelConfig] = {
@@ -41,7 +47,7 @@ MERGE_CONFIGS: dict[str, ModelConfig] = {
     "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
 }
 
-__all__ = ["ALL_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "RMS_CONFIGS", "canonical", "dataset", "inputs", "logits_of",
+__all__ = ["ALL_CONFIGS", "BERT_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "RMS_CONFIGS", "canonical", "dataset", "inputs", "logits_of",
            "merge_data", "random_native"]
 
 

@@ -9,10 +9,11 @@ from typing import Any, Literal
 
 from glmc.errors import ConfigError, check_options
 
-Family = Literal["vit", "gpt2", "llama", "mistral", "qwen2"]
+Family = Literal["vit", "gpt2", "llama", "mistral", "qwen2", "bert"]
 
 # Each family's own norm eps (timm ViT, HF GPT-2, HF's RMSNorm families); an exact width embedding rescales it.
-DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6}
+DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6,
+                                     "bert": 1e-12}
 POOLS = ("token", "avg")  # the timm ViT poolings glmc covers
 
 
@@ -123,6 +124,8 @@ PRESETS: dict[str, ModelConfig] = {
     # A Llama of the same size as gpt2-tiny: RMSNorm, SwiGLU, rotary positions, two query heads per KV head.
     "llama-tiny": ModelConfig("llama", width=32, depth=2, heads=4, kv_heads=2, mlp=64, activation="silu",
                               qkv_bias=False, rotary_pct=1.0, context=32),
+    # A BERT masked language model of gpt2-tiny's width: post-LayerNorm, four heads, MLP 4·d.
+    "bert-tiny": ModelConfig("bert", width=32, depth=2, heads=4, mlp=128, context=32),
 }
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.errors import ConfigError, NonFiniteError
+from glmc.symmetry import groups
 from glmc.symmetry.spec import HEADS, QKV, RES, block_linears, expand
 
 Form = Literal["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]
@@ -28,16 +29,24 @@ CIRCUITS: frozenset[Form] = frozenset({"circuit", "circuit-rmsnorm"})
 
 
 def forms_for(arch: Arch) -> tuple[Form, ...]:
-    """The forms a family has: all four for a LayerNorm family; only the standard one for an RMSNorm family, whose
-    stream needs no centring and whose separate projections have no fused circuit layout."""
+    """The forms a family has: all four for a pre-LayerNorm family; only the standard one for an RMSNorm family, whose
+    stream needs no centring and whose separate projections have no fused circuit layout, and for a post-LayerNorm
+    family, whose norms cannot fold."""
     return FORMS if arch.norm == "layer" else ("standard",)
 
 
+def residual_group(form: Form, arch: Arch) -> groups.ResidualGroup:
+    """The residual maps of ``form``: those fixing 1 for a pre-LayerNorm stream not centred; all of O(d) for a centred
+    one, as an RMSNorm family has in its standard form (a circuit form is aligned as its form without circuits); the
+    permutations for a post-LayerNorm family (:data:`glmc.symmetry.groups.ResidualGroup`)."""
+    if arch.norm == "post":
+        return "permutation"
+    return "fix-ones" if arch.norm == "layer" and form not in CENTRED else "orthogonal"
+
+
 def fixes_ones(form: Form, arch: Arch) -> bool:
-    """Whether the residual maps of ``form`` must fix 1: LayerNorm needs it, so every form of a LayerNorm family
-    whose stream is not centred (a centred one has the whole O(d), as an RMSNorm family has in its standard form; a
-    circuit form is aligned as its form without circuits)."""
-    return arch.norm == "layer" and form not in CENTRED
+    """Whether the residual maps of ``form`` must fix 1 (:func:`residual_group` is ``fix-ones``)."""
+    return residual_group(form, arch) == "fix-ones"
 
 
 def fold_scales(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
@@ -108,8 +117,9 @@ def canonicalize(
     The circuit form changes d_h, so it has its own entry point, :func:`to_circuit`, applied after alignment.
     """
     if form not in forms_for(arch):
-        raise ConfigError(f"a {arch.family} model has only the standard form: its RMSNorm stream has the whole "
-                          f"O(d) without centring (form {form!r})")
+        why = ("its norms sit on the stream and cannot fold" if arch.norm == "post" else
+               "its RMSNorm stream has the whole O(d) without centring")
+        raise ConfigError(f"a {arch.family} model has only the standard form: {why} (form {form!r})")
     depth = cfg.depth
     state = arch.to_canonical(native, cfg)
     if dtype is not None:
