@@ -10,8 +10,13 @@ evaluation (``fixed``) draws window i's masks from a generator seeded by (seed, 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.utils.data import Dataset
+
+if TYPE_CHECKING:
+    from glmc.archs import ModelConfig
 
 IGNORE = -100  # a target cross-entropy skips (torch's ignore_index)
 SELECT, MASKED, RANDOM = 0.15, 0.8, 0.1  # selected share; of it, masked and random shares (the rest unchanged)
@@ -50,3 +55,15 @@ class MaskedWindows(Dataset):
         x = self.windows[i][0]
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + i) if self.fixed else self.generator
         return mask_tokens(x, self.vocab_size, generator)
+
+
+
+def for_objective(data: Dataset, cfg: ModelConfig) -> Dataset:
+    """(tokens, next tokens) windows as a model of ``cfg`` learns from them: as they are for a causal model; for a
+    masked one, their inputs masked with fixed masks, the mask token the vocabulary's last id (user data, a data
+    file: the same masks at every pass)."""
+    from glmc.archs import get_arch
+
+    if get_arch(cfg.family).objective == "causal":
+        return data
+    return MaskedWindows(data, cfg.vocab_size, fixed=True)

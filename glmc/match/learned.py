@@ -312,7 +312,9 @@ class Path:
         """Logits of the model holding the canonical ``state`` (no new module: ``functional_call``)."""
         native = self.arch.to_native(state, self.cfg)
         x = x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
-        return functional_call(self.module, {f"model.{k}": v for k, v in native.items()}, (x,))
+        # a tied parameter is given once, by its source: functional_call ties the module's aliases to it
+        return functional_call(self.module, {f"model.{k}": v for k, v in native.items() if k not in self.arch.tied},
+                               (x,))
 
     def check(self, x: torch.Tensor) -> None:
         """ConfigError (one line) unless the batch fits the model."""
