@@ -275,3 +275,26 @@ def test_forms_and_widths_a_post_layernorm_family_lacks_are_refused_in_one_line(
         check_embeddable(cfg.replace(width=30, heads=2, mlp=40, head_dim=15), cfg)
     assert "\n" not in str(err.value)
     assert preset("bert-tiny").norm_eps == 1e-12 and arch.hf_class == "BertForMaskedLM"
+
+
+def test_learned_soft_dual_and_universe_matching_run_on_bert_with_every_correction() -> None:
+    """The permutation residual is learned straight through its assignment: learned and dual matching stay exact;
+    universe merging (learned) and REPAIR, refit and restore-norms give back the class, the decoder still tied."""
+    import glmc as api
+    from glmc.match.learned import LearnConfig
+    from glmc.merging.corrections import Corrections
+    from glmc.merging.options import MergeOptions
+
+    torch.manual_seed(1)
+    a, b = _hf_bert().eval(), _hf_bert().eval()
+    x = torch.randint(0, 20, (32, 17), generator=torch.Generator().manual_seed(3))
+    fast = LearnConfig(steps=3, eval_every=3)
+    for method in ("learned", "dual", "soft"):
+        moved = api.align(a, b, method, data=x, learn=fast)
+        with torch.no_grad():
+            error = float((moved(input_ids=x[:, :16]).logits - b(input_ids=x[:, :16]).logits).abs().max())
+        assert method == "soft" or error <= 1e-4, method
+    merged = api.merge([a, b], "learned", data=x, options=MergeOptions(
+        method="learned", corrections=Corrections(restore_norms=True, refit=16, repair=16)))
+    assert type(merged) is BertForMaskedLM
+    assert torch.equal(merged.cls.predictions.decoder.weight, merged.bert.embeddings.word_embeddings.weight)
