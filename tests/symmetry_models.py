@@ -47,8 +47,8 @@ MERGE_CONFIGS: dict[str, ModelConfig] = {
     "gpt2": preset("gpt2-bench").replace(depth=2, vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
 }
 
-__all__ = ["ALL_CONFIGS", "BERT_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "RMS_CONFIGS", "canonical", "dataset", "inputs", "logits_of",
-           "merge_data", "random_native"]
+__all__ = ["ALL_CONFIGS", "BERT_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "RMS_CONFIGS", "canonical", "dataset", "inputs",
+           "logits_of", "merge_data", "random_native"]
 
 
 def canonical(cfg: ModelConfig, seed: int) -> State:

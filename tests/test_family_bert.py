@@ -65,11 +65,9 @@ def plant_by_hand(sd: dict[str, torch.Tensor], hf: BertConfig, seed: int) -> dic
         hperm = torch.randperm(heads, generator=g)
         m, n = [_invertible(hd, g) for _ in range(heads)], [_invertible(hd, g) for _ in range(heads)]
 
-        def heads_of(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-            w, b = s[f"{pre}attention.self.{name}.weight"], s[f"{pre}attention.self.{name}.bias"]
-            return w[:, p].reshape(heads, hd, d), b.reshape(heads, hd)
-
-        (wq, bq), (wk, bk), (wv, bv) = heads_of("query"), heads_of("key"), heads_of("value")
+        (wq, bq), (wk, bk), (wv, bv) = ((s[f"{pre}attention.self.{name}.weight"][:, p].reshape(heads, hd, d),
+                                         s[f"{pre}attention.self.{name}.bias"].reshape(heads, hd))
+                                        for name in ("query", "key", "value"))
         wo = s[f"{pre}attention.output.dense.weight"][p].reshape(d, heads, hd)
         new = {k: torch.empty_like(x) for k, x in (("wq", wq), ("bq", bq), ("wk", wk), ("bk", bk), ("wv", wv),
                                                    ("bv", bv), ("wo", wo))}

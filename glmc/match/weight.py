@@ -377,8 +377,8 @@ def _exact(t: Transform, fix_ones: bool | groups.ResidualGroup, rotary: int) -> 
     return Transform(t.depth, residual=residual, heads=t.heads, qk=qk, ov=ov, mlp=t.mlp, group=t.group)
 
 
-def _start_residual(work: Descent, fix_ones: bool | groups.ResidualGroup, start: Start | torch.Tensor, dtype: torch.dtype,
-                    ) -> torch.Tensor | None:
+def _start_residual(work: Descent, fix_ones: bool | groups.ResidualGroup, start: Start | torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor | None:
     """The residual map the first sweep assumes (None: the identity)."""
     if isinstance(start, torch.Tensor):
         return start.to(dtype)
@@ -391,7 +391,8 @@ def _start_residual(work: Descent, fix_ones: bool | groups.ResidualGroup, start:
 
 def weight_match(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, heads: int,
-    *, fix_ones: bool | groups.ResidualGroup = True, permutations_only: bool = False, max_sweeps: int = 15, tol: float = 1e-3,
+    *, fix_ones: bool | groups.ResidualGroup = True, permutations_only: bool = False, max_sweeps: int = 15,
+    tol: float = 1e-3,
     dtype: torch.dtype = torch.float32, start: Start | torch.Tensor = DEFAULT_START,
     options: WeightOptions | None = None, rotary: int = 0,
 ) -> MatchResult:

@@ -48,7 +48,7 @@ def stages(cfg: ModelConfig) -> list[list[Site]]:
     layers = block_linears(spec)
     blocks: list[list[Site]] = [[(s, layer) for s in layers] for layer in range(cfg.depth)]
     # a head tied to the embedding (BERT's decoder) is no parameter of its own: it keeps the mean, as the embedding
-    top = [(s, None) for s in TOP_LAYERS if f"{s}.w" in spec]
+    top: list[Site] = [(s, None) for s in TOP_LAYERS if f"{s}.w" in spec]
     return [*blocks, top] if top else blocks
 
 
