@@ -184,6 +184,11 @@ def test_default_weight_matching_recovers_every_config_variant(name: str) -> Non
     assert max(float((aligned[k] - a[k]).abs().max()) for k in a) <= 1e-9
     q = result.transform.residual
     assert q is not None and torch.equal(q.abs().sum(0), torch.ones(cfg.width, dtype=q.dtype))  # a permutation
+    # two unrelated models: the objective it reports is the distance the stream-to-stream head map included
+    other = weight_match(a, canonical(cfg, 1), arch.spec, cfg.depth, cfg.heads, fix_ones="permutation",
+                         dtype=torch.float64)
+    moved = apply(canonical(cfg, 1), arch.spec, other.transform, cfg.heads)
+    assert other.objective[-1] == pytest.approx(sum(float(((moved[k] - a[k]) ** 2).sum()) for k in a), rel=1e-9)
 
 
 def test_an_orthogonal_map_of_the_stream_breaks_a_post_layernorm_model() -> None:

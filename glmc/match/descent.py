@@ -54,8 +54,18 @@ class Fixed:
     norms: float
     unmoved: float
     # stream-to-stream maps (both axes residual, as BERT's MLM transform): (A, B) in float64, whose distance
-    # ‖A − Q B Qᵀ‖² is quadratic in Q; they count in the distance, exactly, and not in the Procrustes input
+    # ‖A − Q B Qᵀ‖² is quadratic in Q; they count in the distance exactly, and in the Procrustes input linearised at
+    # the current Q (:meth:`linearised`)
     quadratic: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def linearised(self, q: torch.Tensor) -> torch.Tensor:
+        """Σ (A Q Bᵀ + Aᵀ Q B) / 2d over the stream-to-stream maps, the gradient of ⟨A, Q B Qᵀ⟩ at Q halved and
+        weighted per entry as the other tensors are: their part of the next Procrustes input, in Q's dtype."""
+        total = torch.zeros_like(q)
+        q64 = q.double()
+        for xa, xb in self.quadratic:
+            total += ((xa @ q64 @ xb.T + xa.T @ q64 @ xb) / (2 * xa.shape[1])).to(q.dtype)
+        return total
 
     def distance(self, q: torch.Tensor | None) -> float:
         """Σ ‖X_A − Q X_B‖² + the unmoved distance, in float64: ‖X_A‖² + ‖X_B‖² − 2⟨Σ X_A X_Bᵀ, Q⟩ plus the
@@ -252,6 +262,8 @@ class Descent:
         per_layer = groups.side_by_side(functools.partial(self._layer_products, units=units), self.layers)
         parts = [part for pair in per_layer for part in pair]
         scaled = torch.stack([part.scaled for part in parts]).sum(0)
+        if t.residual is not None and self.fixed.quadratic:
+            scaled = scaled + self.fixed.linearised(t.residual.to(scaled.device, scaled.dtype))
         distance = sum(part.distance(t.residual) for part in parts) + self.fixed_distance(t.residual)
         return scaled, max(distance, 0.0)  # a distance; below the products' rounding it reads 0
 
