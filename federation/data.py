@@ -24,7 +24,7 @@ import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from federation.settings import NATURAL_SPLITS, RunSettings
-from glmc.archs import ModelConfig, preset
+from glmc.archs import ModelConfig, get_arch, preset
 from glmc.data.tasks import Task, load_task
 from glmc.data.vision import ArrayDataset
 from glmc.errors import ConfigError
@@ -121,6 +121,9 @@ def _text_pool(task: Task, by: str, seed: int, server_data: int) -> Pool:
 
     if task.dataset != "shakespeare":
         raise ConfigError(f"partitioner {by!r} is a natural split of shakespeare, not of {task.dataset!r}")
+    if get_arch(task.config.family).objective != "causal":
+        raise ConfigError(f"natural shakespeare clients hold next-token windows; a {task.config.family} model learns "
+                          "masked tokens, which the federated clients do not yet draw")
     units = shakespeare_partitions(None, by=by, context=task.config.context)
     units = [units[i] for i in np.random.default_rng(seed).permutation(len(units))]
     held: list[Dataset] = []

@@ -50,7 +50,9 @@ def as_dataset(data: Data, cfg: ModelConfig, writers: tuple[Sequence[State], Seq
     if isinstance(data, tuple) and len(data) == 2:
         return TensorDataset(*data)
     if isinstance(data, torch.Tensor) and not data.is_floating_point() and data.dim() == 2 and data.shape[1] >= 2:
-        return TensorDataset(data[:, :-1], data[:, 1:])
+        from glmc.data.masking import for_objective
+
+        return for_objective(TensorDataset(data[:, :-1], data[:, 1:]), cfg)
     raise ConfigError("data must be a Dataset of (input, target) pairs, an (inputs, targets) pair of tensors, a "
                       "tensor of token ids (N, L ≥ 2) or a .npy/.npz path")
 

@@ -33,6 +33,8 @@ from glmc.errors import ConfigError, check_options
 
 log = logging.getLogger(__name__)
 
+IGNORE_INDEX = -100  # the targets F.cross_entropy skips (glmc.data.masking.IGNORE)
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -92,6 +94,14 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "me
     soft = targets.is_floating_point()
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten(0, -2) if soft else targets.flatten(),
                            reduction=reduction)
+
+
+def target_count(targets: torch.Tensor) -> int:
+    """How many targets a batch scores: every label but those cross-entropy ignores (a masked model's unselected
+    positions, :data:`glmc.data.masking.IGNORE`), or every row of soft targets."""
+    if targets.is_floating_point():
+        return targets.shape[:-1].numel()
+    return int((targets != IGNORE_INDEX).sum())
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, total: int, warmup: float) -> LambdaLR:
@@ -236,8 +246,8 @@ def evaluate(model: nn.Module, arch: Arch, dataset: Dataset, batch_size: int = 2
         with autocast(param.device, precision):
             logits = arch.logits(model, x)
         loss_sum += token_loss(logits.float() if precision != "fp32" else logits, y, reduction="sum").double()
-        correct += (logits.argmax(-1) == y).sum()
-        count += y.numel()
+        correct += (logits.argmax(-1) == y).sum()  # an ignored target (-100) never equals a prediction
+        count += target_count(y)
     if count == 0:
         raise ConfigError("cannot evaluate on an empty dataset")
     return {"loss": float(loss_sum) / count, "accuracy": int(correct) / count}

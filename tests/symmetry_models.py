@@ -43,7 +43,13 @@ NEOX_CONFIGS: dict[str, ModelConfig] = {
     "neox-nobias": preset("neox-tiny").replace(width=36, heads=3, mlp=37, rotary_pct=0.5, qkv_bias=False,
                                                vocab_size=VOCAB, context=12),
 }
-ALL_CONFIGS = CONFIGS | RMS_CONFIGS | NEOX_CONFIGS
+# The post-LayerNorm BERT: a permutation residual; odd sizes, GELU and ReLU.
+BERT_CONFIGS: dict[str, ModelConfig] = {
+    "bert-odd": preset("bert-tiny").replace(width=45, heads=3, mlp=70, vocab_size=VOCAB, context=12),
+    "bert-relu": preset("bert-tiny").replace(width=30, heads=5, mlp=37, activation="relu", vocab_size=VOCAB,
+                                             context=12, depth=3),
+}
+ALL_CONFIGS = CONFIGS | RMS_CONFIGS | NEOX_CONFIGS | BERT_CONFIGS
 
 # Two-block models, for the corrections of a merge (REPAIR, refit).
 MERGE_CONFIGS: dict[str, ModelConfig] = {
@@ -53,8 +59,8 @@ MERGE_CONFIGS: dict[str, ModelConfig] = {
     "neox": preset("neox-tiny").replace(vocab_size=VOCAB, context=12, width=48, heads=3, mlp=70),
 }
 
-__all__ = ["ALL_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "NEOX_CONFIGS", "RMS_CONFIGS", "canonical", "dataset",
-           "inputs", "logits_of", "merge_data", "random_native"]
+__all__ = ["ALL_CONFIGS", "BERT_CONFIGS", "CONFIGS", "MERGE_CONFIGS", "NEOX_CONFIGS", "RMS_CONFIGS", "canonical",
+           "dataset", "inputs", "logits_of", "merge_data", "random_native"]
 
 
 def canonical(cfg: ModelConfig, seed: int) -> State:

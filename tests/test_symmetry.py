@@ -8,7 +8,7 @@ import torch
 from glmc.archs import ARCHS, get_arch
 from glmc.cli.pair import FORM_NAMES
 from glmc.errors import NonFiniteError, SpecError
-from glmc.symmetry.canonical import FORMS, canonicalize, fixes_ones, forms_for, to_circuit, to_model
+from glmc.symmetry.canonical import FORMS, canonicalize, forms_for, residual_group, to_circuit, to_model
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.spec import check_coverage, check_same_shapes, expand
 from glmc.symmetry.transforms import SYMMETRY_CLASSES, Transform, apply, compose, invert, random_transform
@@ -60,7 +60,7 @@ def test_every_symmetry_class_preserves_function(name, form):
     reference = logits_of(native, cfg, x)
     classes = _classes(cfg)
     for i, cls in enumerate([*((c,) for c in classes), classes]):
-        t = _random(cfg, cls, seed=10 + i, fix_ones=fixes_ones(form, arch))
+        t = _random(cfg, cls, seed=10 + i, fix_ones=residual_group(form, arch))
         moved = apply(state, arch.spec, t, cfg.heads)
         assert max((moved[k] - state[k]).abs().max() for k in state) > 1e-3, f"{cls} did not move anything"
         assert (_run(moved, cfg, form, x) - reference).abs().max() <= TOL, cls

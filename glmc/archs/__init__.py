@@ -1,9 +1,10 @@
-"""Architecture families (timm ViT; HF GPT-2, Llama, Mistral, Qwen2, GPT-NeoX), their presets, and building a model
-from a config."""
+"""Architecture families (timm ViT; HF GPT-2, Llama, Mistral, Qwen2, GPT-NeoX, BERT), their presets, and building a
+model from a config."""
 
 from torch import nn
 
 from glmc.archs.base import Arch, KeyRule, State, cast
+from glmc.archs.bert import BERT
 from glmc.archs.config import PRESETS, ModelConfig, preset, scale_width
 from glmc.archs.gpt2 import GPT2
 from glmc.archs.llama import LLAMA, MISTRAL, QWEN2
@@ -12,7 +13,7 @@ from glmc.archs.vit import VIT
 from glmc.errors import ConfigError
 
 ARCHS: dict[str, Arch] = {"vit": VIT, "gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2,
-                          "neox": NEOX}
+                          "neox": NEOX, "bert": BERT}
 
 
 def get_arch(family: str) -> Arch:

@@ -100,8 +100,9 @@ class Arch:
     # LayerScale prefix -> the residual writer whose output rows it scales (folded into it when canonicalising)
     scales: Mapping[str, str] = field(default_factory=dict)
     # The stream's norm once its gain is folded: a LayerNorm commutes with the orthogonal maps that fix the ones
-    # vector, an RMSNorm with all of O(d).
-    norm: Literal["layer", "rms"] = "layer"
+    # vector, an RMSNorm with all of O(d); a post-LayerNorm (BERT: x = LN(x + f(x))) cannot fold, and only permutations
+    # of the stream commute with it, its gain and bias moving with the stream (declared as residual vectors).
+    norm: Literal["layer", "rms", "post"] = "layer"
     # The transformers class whose ``save_pretrained`` folders glmc reads and writes through ``from_pretrained`` and
     # ``build`` alone (no family-specific reader); "" where a family has its own (GPT-2's tied heads, ViT's names).
     hf_class: str = ""
@@ -110,6 +111,12 @@ class Arch:
     # What the model reads: images (a classifier) or token ids (a causal language model); tasks and checks ask this,
     # not the family's name.
     modality: Literal["image", "text"] = "text"
+    # What a text model predicts: the next token (causal) or tokens hidden by masking (masked, BERT's objective, with
+    # the mask token the vocabulary's last id); tasks and checks ask this.
+    objective: Literal["causal", "masked"] = "causal"
+    # Native names the library ties to another native parameter (alias → source): read only to check they still equal
+    # their source, written as copies of it (BERT's decoder, tied to the word embeddings).
+    tied: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def optional(self) -> frozenset[str]:
@@ -129,7 +136,11 @@ class Arch:
                 raise CheckpointError(f"missing parameter {key!r} for a {self.family} of depth {depth}")
             value = native[key].t() if rule.transpose else native[key]
             out[name] = value if rule.part is None else rule.part.take(value, cfg.heads)
-        extra = set(native) - {self.keys[t].native.format(l=layer) for layer, t in expand(self.keys, depth).values()}
+        for alias, source in self.tied.items():
+            if alias in native and source in native and not torch.equal(native[alias], native[source]):
+                raise CheckpointError(f"{alias!r} is tied to {source!r} in a {self.family} but differs from it")
+        extra = set(native) - set(self.tied) - {
+            self.keys[t].native.format(l=layer) for layer, t in expand(self.keys, depth).values()}
         if extra:
             raise CheckpointError(f"unexpected parameter {sorted(extra)[0]!r} for a {self.family} of depth {depth}")
         return out
@@ -156,6 +167,9 @@ class Arch:
                 raise CheckpointError(f"{key!r} needs all {part.count} of its parts, got {len(held)}")
             fused = part.join([held[i] for i in range(part.count)], cfg.heads)
             out[key] = (fused.t() if rules[key].transpose else fused).contiguous()
+        for alias, source in self.tied.items():
+            if source in out:
+                out[alias] = out[source].clone()
         return out
 
     def module(self, model: nn.Module, canonical_prefix: str, layer: int | None = None) -> nn.Module:

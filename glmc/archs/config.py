@@ -9,12 +9,12 @@ from typing import Any, Literal
 
 from glmc.errors import ConfigError, check_options
 
-Family = Literal["vit", "gpt2", "llama", "mistral", "qwen2", "neox"]
+Family = Literal["vit", "gpt2", "llama", "mistral", "qwen2", "neox", "bert"]
 
-# Each family's own norm eps (timm ViT, HF GPT-2, HF's RMSNorm families, HF GPT-NeoX); an exact width embedding
-# rescales it.
+# Each family's own norm eps (timm ViT, HF GPT-2, HF's RMSNorm families, HF GPT-NeoX, HF BERT); an exact width
+# embedding rescales it.
 DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6,
-                                      "neox": 1e-5}
+                                      "neox": 1e-5, "bert": 1e-12}
 PARALLEL_FAMILIES = ("neox",)  # the families whose builders can run attention and MLP side by side
 POOLS = ("token", "avg")  # the timm ViT poolings glmc covers
 
@@ -135,6 +135,8 @@ PRESETS: dict[str, ModelConfig] = {
     # A Pythia-shaped GPT-NeoX of the same size: parallel residual, rotary positions on a quarter of each head.
     "neox-tiny": ModelConfig("neox", width=32, depth=2, heads=4, mlp=128, rotary_pct=0.25, parallel_residual=True,
                              context=32),
+    # A BERT masked language model of gpt2-tiny's width: post-LayerNorm, four heads, MLP 4·d.
+    "bert-tiny": ModelConfig("bert", width=32, depth=2, heads=4, mlp=128, context=32),
 }
 
 

@@ -162,7 +162,7 @@ def training_data(meta: CheckpointMeta, args: argparse.Namespace, n: int | None,
         _needs_file(meta, "--train-file, --generated or --data-file")
         return train_subset(meta, args.data, n)
     data = load_data_file(given, meta.config)
-    return data if n is None else Subset(data, range(min(n, len(data))))
+    return data if n is None else Subset(data, range(min(n, len(data))))  # type: ignore[arg-type]
 
 
 def test_data(meta: CheckpointMeta, cfg: ModelConfig, args: argparse.Namespace) -> Dataset:

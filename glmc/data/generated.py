@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from glmc.archs import ModelConfig, build_model
+from glmc.archs import ModelConfig, build_model, get_arch
 from glmc.archs import cast as cast_state
 from glmc.errors import ConfigError
 
@@ -56,6 +56,9 @@ def text_writer(cfg: ModelConfig) -> nn.Module:
     """A new model of ``cfg`` that can sample text; ConfigError if its family cannot (a ViT)."""
     from transformers import GenerationMixin
 
+    if get_arch(cfg.family).objective != "causal":
+        raise ConfigError(f"a {cfg.family} model cannot write its own inputs: generated training data needs causal "
+                          "language models (gpt2); pass training data instead")
     model = build_model(cfg)
     if not isinstance(model, GenerationMixin):
         raise ConfigError(f"a {cfg.family} model cannot write its own inputs: generated training data needs "

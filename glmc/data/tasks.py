@@ -74,22 +74,38 @@ def hub_task(dataset: str, cfg: ModelConfig, path: str | Path | None = None, see
     return _vision_task(cfg, load_hub_copy(dataset, path))
 
 
+def _objective(cfg: ModelConfig, vocab: int, train: Dataset, test: Dataset, seed: int,
+               ) -> tuple[ModelConfig, Dataset, Dataset, str]:
+    """The config and splits for the family's objective: next-token windows as they are, or, for a masked model,
+    one id more (the mask token) and the windows masked (:mod:`glmc.data.masking`), the test split's masks fixed by
+    their index whatever ``seed`` (every evaluation sees the same)."""
+    from glmc.archs import get_arch
+    from glmc.data.masking import MaskedWindows
+
+    if get_arch(cfg.family).objective == "causal":
+        return cfg.replace(vocab_size=vocab), train, test, ""
+    size = vocab + 1
+    return (cfg.replace(vocab_size=size), MaskedWindows(train, size, seed), MaskedWindows(test, size, fixed=True),
+            f"; masked LM (mask id {size - 1}, 15% selected: 80/10/10, test masks fixed)")
+
+
 def shakespeare_task(cfg: ModelConfig, path: str | Path | None = None, seed: int = 0) -> Task:
-    """Char-level Shakespeare, the tail 10% of every play held out; ``seed`` sets the window phase."""
+    """Char-level Shakespeare, the tail 10% of every play held out; ``seed`` sets the window phase (and a masked
+    model's training masks)."""
     from glmc.data import load_shakespeare
 
     _require_modality("shakespeare", cfg, "text")
     corpus = load_shakespeare(path, context=cfg.context, seed=seed)
-    config = cfg.replace(vocab_size=corpus.vocab.size)
+    config, train, test, objective = _objective(cfg, corpus.vocab.size, corpus.train, corpus.test, seed)
     split = (
         f"shakespeare: last 10% of each of {len(corpus.plays)} plays held out; context {corpus.context}; "
-        f"{len(corpus.train)} train / {len(corpus.test)} test windows"
+        f"{len(corpus.train)} train / {len(corpus.test)} test windows{objective}"
     )
     return Task(
         "shakespeare",
         config,
-        corpus.train,
-        corpus.test,
+        train,
+        test,
         split,
         vocab=corpus.vocab,
         defaults={"lr": 3e-3, "batch_size": 32},
@@ -105,14 +121,17 @@ def shakespeare_bpe_task(cfg: ModelConfig, path: str | Path | None = None, seed:
     """Shakespeare as byte-level BPE blocks of the preset's context, split 90/5/5 (``glmc.data.bpe``); fixed,
     whatever the seed."""
     from glmc.data import load_shakespeare_bpe
+    from glmc.data.masking import MaskedWindows
 
     _require_modality("shakespeare-bpe", cfg, "text")
     corpus = load_shakespeare_bpe(path, context=cfg.context)
+    config, train, test, objective = _objective(cfg, corpus.vocab.size, corpus.train, corpus.test, seed)
+    val = corpus.val if not objective else MaskedWindows(corpus.val, config.vocab_size, fixed=True)
     split = (f"shakespeare-bpe: contiguous 90/5/5 split, byte-level BPE vocab {corpus.vocab.size}; blocks of "
              f"{corpus.context} tokens: {len(corpus.train)} train / {len(corpus.val)} validation / "
-             f"{len(corpus.test)} test")
-    return Task("shakespeare-bpe", cfg.replace(vocab_size=corpus.vocab.size), corpus.train, corpus.test, split,
-                vocab=corpus.vocab, defaults=dict(PAPER_RECIPE), val=corpus.val)
+             f"{len(corpus.test)} test{objective}")
+    return Task("shakespeare-bpe", config, train, test, split, vocab=corpus.vocab, defaults=dict(PAPER_RECIPE),
+                val=val)
 
 
 TASKS: dict[str, Callable[..., Task]] = {

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from glmc.archs import ModelConfig, get_arch
 from glmc.errors import ConfigError
@@ -57,8 +57,9 @@ def _images(arrays: dict[str, np.ndarray], path: Path) -> tuple[torch.Tensor, to
     return torch.from_numpy(images.astype(np.float32)), torch.from_numpy(labels.astype(np.int64))
 
 
-def load_data_file(path: str | Path, cfg: ModelConfig, limit: int | None = None) -> TensorDataset:
-    """(input, target) pairs from the file, checked to fit ``cfg``'s model; the first ``limit`` only if given."""
+def load_data_file(path: str | Path, cfg: ModelConfig, limit: int | None = None) -> Dataset:
+    """(input, target) pairs from the file, checked to fit ``cfg``'s model; the first ``limit`` only if given. Token
+    windows for a masked language model come masked (:func:`glmc.data.masking.for_objective`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no data file at {path}")
@@ -74,4 +75,6 @@ def load_data_file(path: str | Path, cfg: ModelConfig, limit: int | None = None)
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= outputs):
         raise ConfigError(f"{path}: targets run from {int(y.min())} to {int(y.max())}, outside the model's "
                           f"{outputs} outputs")
-    return TensorDataset(x, y)
+    from glmc.data.masking import for_objective
+
+    return for_objective(TensorDataset(x, y), cfg) if not isinstance(loaded, dict) else TensorDataset(x, y)

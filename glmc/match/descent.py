@@ -53,6 +53,19 @@ class Fixed:
     gram: torch.Tensor
     norms: float
     unmoved: float
+    # stream-to-stream maps (both axes residual, as BERT's MLM transform): (A, B) in float64, whose distance
+    # ‖A − Q B Qᵀ‖² is quadratic in Q; they count in the distance exactly, and in the Procrustes input linearised at
+    # the current Q (:meth:`linearised`)
+    quadratic: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def linearised(self, q: torch.Tensor) -> torch.Tensor:
+        """Σ (A Q Bᵀ + Aᵀ Q B) / 2d over the stream-to-stream maps, the gradient of ⟨A, Q B Qᵀ⟩ at Q halved and
+        weighted per entry as the other tensors are: their part of the next Procrustes input, in Q's dtype."""
+        total = torch.zeros_like(q)
+        q64 = q.double()
+        for xa, xb in self.quadratic:
+            total += ((xa @ q64 @ xb.T + xa.T @ q64 @ xb) / (2 * xa.shape[1])).to(q.dtype)
+        return total
 
     def distance(self, q: torch.Tensor | None) -> float:
         """Σ ‖X_A − Q X_B‖² + the unmoved distance, in float64: ‖X_A‖² + ‖X_B‖² − 2⟨Σ X_A X_Bᵀ, Q⟩ plus the
@@ -60,7 +73,8 @@ class Fixed:
         eye = torch.eye(self.cross.shape[0], dtype=self.cross.dtype, device=self.cross.device)
         q64 = _or_identity(q, eye.shape[0], eye)
         drift = float((self.gram * (q64.T @ q64 - eye)).sum())
-        return self.norms + drift - 2 * float((self.cross * q64).sum()) + self.unmoved
+        both = sum(float(((xa - q64 @ xb @ q64.T) ** 2).sum()) for xa, xb in self.quadratic)
+        return self.norms + drift - 2 * float((self.cross * q64).sum()) + self.unmoved + both
 
 
 def _products(xa: torch.Tensor, xb: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +96,13 @@ def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spe
     cross_ab = torch.zeros(width, width, dtype=torch.float64, device=like.device)
     gram_b, scaled = torch.zeros_like(cross_ab), torch.zeros_like(cross_ab)
     norms, unmoved = 0.0, 0.0
+    quadratic = []
     for name, (_, template) in expand(spec, depth).items():
         axes = spec[template]
         if name not in names:
+            continue
+        if axes.count(RES) > 1:
+            quadratic.append((a[name].double(), b[name].double()))
             continue
         if RES not in axes:
             unmoved += float(((a[name] - b[name]).double() ** 2).sum())
@@ -93,7 +111,7 @@ def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spe
         c, g = _products(xa, xb)
         cross_ab, gram_b, scaled = cross_ab + c, gram_b + g, scaled + c / xa.shape[1]
         norms += squares(name)
-    return Fixed(scaled.to(like.dtype), cross_ab, gram_b, norms, unmoved)
+    return Fixed(scaled.to(like.dtype), cross_ab, gram_b, norms, unmoved, quadratic)
 
 
 @dataclass
@@ -244,6 +262,8 @@ class Descent:
         per_layer = groups.side_by_side(functools.partial(self._layer_products, units=units), self.layers)
         parts = [part for pair in per_layer for part in pair]
         scaled = torch.stack([part.scaled for part in parts]).sum(0)
+        if t.residual is not None and self.fixed.quadratic:
+            scaled = scaled + self.fixed.linearised(t.residual.to(scaled.device, scaled.dtype))
         distance = sum(part.distance(t.residual) for part in parts) + self.fixed_distance(t.residual)
         return scaled, max(distance, 0.0)  # a distance; below the products' rounding it reads 0
 

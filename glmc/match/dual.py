@@ -25,7 +25,7 @@ from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult, require_data
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn, pair_points
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
-from glmc.symmetry.canonical import Form, fixes_ones
+from glmc.symmetry.canonical import Form, residual_group
 from glmc.symmetry.transforms import Transform, compose, invert
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def dual_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
     """Learn π_A and π_B jointly so that λ π_A(θ_A) + (1−λ) π_B(θ_B) has low task loss, λ ~ U(0.4, 0.6)."""
     options = options or LearnConfig()
     began = time.perf_counter()
-    fix_ones = fixes_ones(form, get_arch(cfg.family))
+    fix_ones = residual_group(form, get_arch(cfg.family))
     init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start,
                         options=weight, rotary=cfg.rotary_dim)
     sides = [Latents(t, cfg, options, fix_ones=fix_ones, seed=i) for i, t in enumerate((Transform(cfg.depth),
@@ -91,7 +91,7 @@ def refine_universe(states: Sequence[State], cfg: ModelConfig, data: Dataset, we
         raise ConfigError(f"refining a universe needs at least 2 models and a reference among them, got {n}")
     w = [1.0] * n if weights is None else check_weights(weights, n)
     w = [x / sum(w) for x in w]
-    fix_ones = fixes_ones(form, get_arch(cfg.family))
+    fix_ones = residual_group(form, get_arch(cfg.family))
     endpoints = [Endpoint(s, None if i == reference else
                           Latents(Transform(cfg.depth), cfg, options, fix_ones=fix_ones, seed=i))
                  for i, s in enumerate(states)]

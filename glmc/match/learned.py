@@ -35,9 +35,9 @@ from glmc.interpolation import mix
 from glmc.match.common import MatchResult, require_data
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.symmetry import groups
-from glmc.symmetry.canonical import CIRCUITS, Form, fixes_ones, to_circuit, to_model
+from glmc.symmetry.canonical import CIRCUITS, Form, residual_group, to_circuit, to_model
 from glmc.symmetry.transforms import Transform, apply, require_folded
-from glmc.train import cosine_schedule, token_loss
+from glmc.train import cosine_schedule, target_count, token_loss
 
 if TYPE_CHECKING:
     from glmc.match.options import MatchOptions
@@ -173,15 +173,19 @@ class Latents(nn.Module):
     """One model's learnable transform: residual, per-layer head and MLP latents, and the within-head maps of
     ``options.within`` (orthogonal ones by a batched polar projection, invertible ones as they are)."""
 
-    def __init__(self, init: Transform, cfg: ModelConfig, options: LearnConfig, *, fix_ones: bool,
-                 residual_perm: bool = False, soft: bool = False, seed: int = 0) -> None:
+    def __init__(self, init: Transform, cfg: ModelConfig, options: LearnConfig, *,
+                 fix_ones: bool | groups.ResidualGroup, residual_perm: bool = False, soft: bool = False,
+                 seed: int = 0) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(options.seed + seed)
-        self.init, self.fix_ones, self.residual_perm, self.soft = init, fix_ones, residual_perm, soft
+        self.init, self.fix_ones, self.soft = init, fix_ones, soft
+        # A permutation residual (the ablation's, or a post-LayerNorm family's group) is learned as the units are:
+        # straight through its assignment. Only the ablation (``residual_perm``) keeps the within-head maps fixed.
+        self.residual_perm = residual_perm or groups.residual_group(fix_ones) == "permutation"
         self.iters = options.sinkhorn_iters
         units = (lambda p, n: soft_latent(p, n, options.soft_gain, g)) if soft else (
             lambda p, n: permutation_latent(p, n, options.noise, g))
-        make_residual = permutation_latent if residual_perm else orthogonal_latent
+        make_residual = permutation_latent if self.residual_perm else orthogonal_latent
         self.residual = nn.Parameter(make_residual(init.residual, cfg.width, options.noise, g))
         self.heads = nn.ParameterList([units(p, cfg.kv_heads) for p in init.heads])  # queries keep their groups
         self.mlp = nn.ParameterList([units(p, cfg.mlp) for p in init.mlp])
@@ -308,7 +312,9 @@ class Path:
         """Logits of the model holding the canonical ``state`` (no new module: ``functional_call``)."""
         native = self.arch.to_native(state, self.cfg)
         x = x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
-        return functional_call(self.module, {f"model.{k}": v for k, v in native.items()}, (x,))
+        # a tied parameter is given once, by its source: functional_call ties the module's aliases to it
+        return functional_call(self.module, {f"model.{k}": v for k, v in native.items() if k not in self.arch.tied},
+                               (x,))
 
     def check(self, x: torch.Tensor) -> None:
         """ConfigError (one line) unless the batch fits the model."""
@@ -393,7 +399,7 @@ def validate(path: Path, transforms: Sequence[Transform | None], points: Sequenc
         predicted = path.predictions(x)
         total += sum(float(token_loss(path.logits(s, x), path.target(y, w, predicted), reduction="sum"))
                      for s, w in zip(states, points, strict=True))
-        count += y.numel()
+        count += target_count(y)
     return total / (count * len(states))
 
 
@@ -531,7 +537,7 @@ def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: 
     options = options or LearnConfig()
     began = time.perf_counter()
     arch = get_arch(cfg.family)
-    fix_ones = fixes_ones(form, arch)
+    fix_ones = residual_group(form, arch)
     init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, permutations_only=permutations_only,
                         start=start, options=weight, rotary=cfg.rotary_dim)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, residual_perm=permutations_only)

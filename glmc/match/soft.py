@@ -19,10 +19,10 @@ from glmc.archs import ModelConfig, State, get_arch
 from glmc.match.common import MatchResult, require_data
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
-from glmc.symmetry.canonical import Form, fixes_ones
+from glmc.symmetry.canonical import Form, residual_group
 from glmc.symmetry.exactness import TOLERANCE
 from glmc.symmetry.transforms import Transform
-from glmc.train import token_loss
+from glmc.train import target_count, token_loss
 
 if TYPE_CHECKING:
     from glmc.match.options import MatchOptions
@@ -43,7 +43,7 @@ def endpoint_error(b: State, t: Transform, cfg: ModelConfig, data: Dataset, form
         worst = max(worst, float((after - before).abs().max()))
         y = y.to(path.device)
         change += float(token_loss(after, y, reduction="sum") - token_loss(before, y, reduction="sum"))
-        count += y.numel()
+        count += target_count(y)
     return {"endpoint_max_logit_error": worst, "endpoint_loss_change": change / count}
 
 
@@ -57,7 +57,7 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
     """
     options = options or LearnConfig()
     began = time.perf_counter()
-    fix_ones = fixes_ones(form, get_arch(cfg.family))
+    fix_ones = residual_group(form, get_arch(cfg.family))
     init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start,
                         options=weight, rotary=cfg.rotary_dim)
     latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, soft=True)

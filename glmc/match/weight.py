@@ -109,12 +109,12 @@ def without_stream_biases(state: Mapping[str, torch.Tensor], spec: SpecTable, de
 
 
 def embedding_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                       fix_ones: bool) -> torch.Tensor:
+                       fix_ones: bool | groups.ResidualGroup) -> torch.Tensor:
     """The official code's first residual step: Procrustes on the residual tensors outside the blocks alone (the
     embeddings and the head), each (d, m) block divided by m as in the sweeps' Procrustes."""
     blocks = [(kind_first(a[name], spec[template], RES), kind_first(b[name], spec[template], RES))
               for name, (layer, template) in expand(spec, depth).items()
-              if layer is None and RES in spec[template] and name in a]
+              if layer is None and spec[template].count(RES) == 1 and name in a]
     if not blocks:
         raise ConfigError("the embeddings start needs a residual-side tensor outside the blocks (an embedding)")
     cross = torch.stack([xa @ xb.T / xa.shape[1] for xa, xb in blocks]).sum(0)
@@ -133,7 +133,7 @@ def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
     shared: defaultdict[tuple[int | None, str, int], list[Block]] = defaultdict(list)
     for name, (layer, template) in expand(spec, depth).items():
         axes = spec[template]
-        if RES not in axes or name not in a:
+        if axes.count(RES) != 1 or name not in a:  # a stream-to-stream map is quadratic in Q: left out
             continue
         xa, xb = kind_first(a[name], axes, RES), kind_first(b[name], axes, RES)
         weight = 1 / xb.shape[1]
@@ -225,7 +225,7 @@ def _relaxed_groups(shared: list[list[Block]]) -> list[_RelaxedGroup]:
 
 
 def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                     fix_ones: bool, steps: int = RELAXED_STEPS, tol: float = RELAXED_TOL,
+                     fix_ones: bool | groups.ResidualGroup, steps: int = RELAXED_STEPS, tol: float = RELAXED_TOL,
                      linear: torch.Tensor | None = None) -> torch.Tensor:
     """A residual start that assumes nothing of B's basis: the residual objective with each unit map relaxed from
     (permutation × within-head maps) to the full orthogonal group of its axis, where it has a closed form (a polar
@@ -363,7 +363,7 @@ def _converged(work: Descent, last: Transform, new: Transform, before: float, af
     return moved <= 10 * torch.finfo(new.residual.dtype).eps
 
 
-def _exact(t: Transform, fix_ones: bool, rotary: int) -> Transform:
+def _exact(t: Transform, fix_ones: bool | groups.ResidualGroup, rotary: int) -> Transform:
     """Re-project the continuous maps in float64, so a search in float32 still yields an exact group element."""
     residual = None if t.residual is None else groups.procrustes(t.residual.double(), fix_ones)
     qk = [None if m is None else groups.rotary_polar(m.double(), rotary) for m in t.qk]
@@ -371,8 +371,8 @@ def _exact(t: Transform, fix_ones: bool, rotary: int) -> Transform:
     return Transform(t.depth, residual=residual, heads=t.heads, qk=qk, ov=ov, mlp=t.mlp, group=t.group)
 
 
-def _start_residual(work: Descent, fix_ones: bool, start: Start | torch.Tensor, dtype: torch.dtype,
-                    ) -> torch.Tensor | None:
+def _start_residual(work: Descent, fix_ones: bool | groups.ResidualGroup, start: Start | torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor | None:
     """The residual map the first sweep assumes (None: the identity)."""
     if isinstance(start, torch.Tensor):
         return start.to(dtype)
@@ -385,12 +385,15 @@ def _start_residual(work: Descent, fix_ones: bool, start: Start | torch.Tensor, 
 
 def weight_match(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, heads: int,
-    *, fix_ones: bool = True, permutations_only: bool = False, max_sweeps: int = 15, tol: float = 1e-3,
+    *, fix_ones: bool | groups.ResidualGroup = True, permutations_only: bool = False, max_sweeps: int = 15,
+    tol: float = 1e-3,
     dtype: torch.dtype = torch.float32, start: Start | torch.Tensor = DEFAULT_START,
     options: WeightOptions | None = None, rotary: int = 0,
 ) -> MatchResult:
     """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` leaves the residual and within-head maps alone (ablation).
     ``rotary``: the head dimensions rotary positions rotate, where the q/k maps must commute with them.
+    ``fix_ones``: the residual group (:func:`glmc.symmetry.groups.residual_group`: True the orthogonal maps fixing 1,
+    False all of O(d), or ``permutation``, where each Procrustes step is a linear assignment).
 
     ``start``: the residual map the first sweep assumes: the ``relaxed`` solution (:func:`relaxed_residual`, the
     default), the identity, the ``embeddings``' Procrustes (:func:`embedding_residual`) or a given map. Each can
@@ -444,9 +447,9 @@ def pairwise_permutations(a: State, b: State, cfg: ModelConfig, data: Dataset | 
 
 def _pairwise(a: State, b: State, cfg: ModelConfig, options: MatchOptions, permutations_only: bool) -> MatchResult:
     from glmc.archs import get_arch
-    from glmc.symmetry.canonical import fixes_ones
+    from glmc.symmetry.canonical import residual_group
 
     arch = get_arch(cfg.family)
-    return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fixes_ones(options.form, arch),
+    return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=residual_group(options.form, arch),
                         permutations_only=permutations_only, start=options.start, options=options.weight,
                         rotary=cfg.rotary_dim)

@@ -44,9 +44,12 @@ RIDGE = 1e-3
 def stages(cfg: ModelConfig) -> list[list[Site]]:
     """The refitted layers in forward order, one stage per block and one for the head: the aligned models' outputs
     are held for one stage at a time."""
-    layers = block_linears(get_arch(cfg.family).spec)
+    spec = get_arch(cfg.family).spec
+    layers = block_linears(spec)
     blocks: list[list[Site]] = [[(s, layer) for s in layers] for layer in range(cfg.depth)]
-    return [*blocks, [(s, None) for s in TOP_LAYERS]]
+    # a head tied to the embedding (BERT's decoder) is no parameter of its own: it keeps the mean, as the embedding
+    top: list[Site] = [(s, None) for s in TOP_LAYERS if f"{s}.w" in spec]
+    return [*blocks, top] if top else blocks
 
 
 def _name(site: Site) -> str:

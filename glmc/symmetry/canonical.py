@@ -18,6 +18,7 @@ from torch import nn
 
 from glmc.archs import Arch, ModelConfig, State, cast, get_arch
 from glmc.errors import ConfigError, NonFiniteError
+from glmc.symmetry import groups
 from glmc.symmetry.spec import HEADS, QKV, RES, block_linears, expand
 
 Form = Literal["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]
@@ -28,19 +29,26 @@ CIRCUITS: frozenset[Form] = frozenset({"circuit", "circuit-rmsnorm"})
 
 
 def forms_for(arch: Arch) -> tuple[Form, ...]:
-    """The forms a family has: the centred ones for a LayerNorm stream (an RMSNorm stream needs no centring), the
-    circuit ones where q|k|v are fused in thirds (the circuit layout; separate projections, which the rotary
-    families have, have none): all four for ViT and GPT-2, standard and rmsnorm for GPT-NeoX, standard alone for
-    the Llama families."""
+    """The forms a family has: the centred ones for a pre-LayerNorm stream (an RMSNorm stream needs no centring; a
+    post-LayerNorm family's norms cannot fold), the circuit ones where q|k|v are fused in thirds (the circuit layout;
+    separate projections, which the rotary families have, have none): all four for ViT and GPT-2, standard and
+    rmsnorm for GPT-NeoX, standard alone for the Llama families and BERT."""
     centred, circuits = arch.norm == "layer", any(QKV in axes for axes in arch.spec.values())
     return tuple(f for f in FORMS if (centred or f not in CENTRED) and (circuits or f not in CIRCUITS))
 
 
+def residual_group(form: Form, arch: Arch) -> groups.ResidualGroup:
+    """The residual maps of ``form``: those fixing 1 for a pre-LayerNorm stream not centred; all of O(d) for a centred
+    one, as an RMSNorm family has in its standard form (a circuit form is aligned as its form without circuits); the
+    permutations for a post-LayerNorm family (:data:`glmc.symmetry.groups.ResidualGroup`)."""
+    if arch.norm == "post":
+        return "permutation"
+    return "fix-ones" if arch.norm == "layer" and form not in CENTRED else "orthogonal"
+
+
 def fixes_ones(form: Form, arch: Arch) -> bool:
-    """Whether the residual maps of ``form`` must fix 1: LayerNorm needs it, so every form of a LayerNorm family
-    whose stream is not centred (a centred one has the whole O(d), as an RMSNorm family has in its standard form; a
-    circuit form is aligned as its form without circuits)."""
-    return arch.norm == "layer" and form not in CENTRED
+    """Whether the residual maps of ``form`` must fix 1 (:func:`residual_group` is ``fix-ones``)."""
+    return residual_group(form, arch) == "fix-ones"
 
 
 def fold_scales(arch: Arch, state: Mapping[str, torch.Tensor], depth: int) -> State:
@@ -111,9 +119,10 @@ def canonicalize(
     The circuit form changes d_h, so it has its own entry point, :func:`to_circuit`, applied after alignment.
     """
     if form not in (forms := forms_for(arch)):
+        why = ("its norms sit on the stream and cannot fold" if arch.norm == "post" else
+               "an RMSNorm stream has the whole O(d) without centring, and circuits need q|k|v fused in thirds")
         raise ConfigError(f"a {arch.family} model has only the {' and '.join(forms)} form{'s' * (len(forms) > 1)} "
-                          f"(form {form!r}): an RMSNorm stream has the whole O(d) without centring, and circuits "
-                          "need q|k|v fused in thirds")
+                          f"(form {form!r}): {why}")
     depth = cfg.depth
     state = arch.to_canonical(native, cfg)
     if dtype is not None:

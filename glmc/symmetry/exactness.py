@@ -11,7 +11,7 @@ import torch
 
 from glmc.archs import ModelConfig, State, build_model, cast, get_arch
 from glmc.device import resolve, to_device
-from glmc.symmetry.canonical import CIRCUITS, Form, canonicalize, fixes_ones, to_circuit, to_model
+from glmc.symmetry.canonical import CIRCUITS, Form, canonicalize, residual_group, to_circuit, to_model
 from glmc.symmetry.transforms import SYMMETRY_CLASSES, apply, random_transform
 
 TOLERANCE = 1e-5  # maximum absolute logit difference in float64 that still counts as the same function
@@ -19,10 +19,12 @@ CHECK_CONTEXT = 64  # tokens per checked sequence: a pretrained GPT-2's 1024 wou
 
 
 def random_native(cfg: ModelConfig, seed: int) -> State:
-    """A float64 native state dict with every parameter perturbed, so LayerNorm folding is never trivial."""
+    """A float64 native state dict with every parameter perturbed, so LayerNorm folding is never trivial; a tied
+    parameter stays equal to its source."""
     torch.manual_seed(seed)
     model = build_model(cfg).double()
-    return {k: v + 0.1 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    state = {k: v + 0.1 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    return state | {alias: state[source] for alias, source in get_arch(cfg.family).tied.items() if alias in state}
 
 
 def random_inputs(cfg: ModelConfig, n: int = 6, seed: int = 0) -> torch.Tensor:
@@ -65,7 +67,7 @@ def invariance_errors(cfg: ModelConfig, form: Form = "standard", seed: int = 0,
     classes = classes_for(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     for name, group in [*((c, (c,)) for c in classes), ("all", classes)]:
-        t = random_transform(cfg, group, g, fixes_ones(form, arch))
+        t = random_transform(cfg, group, g, residual_group(form, arch))
         moved = apply(state, arch.spec, t, cfg.heads)
         errors[name] = float((_logits(moved, cfg, form, x) - reference).abs().max())
     return errors

@@ -1,7 +1,8 @@
 """The symmetry groups' elements: random draws for tests, and nearest-element projections for matching.
 
 The residual group of a standard LayerNorm model is {Q orthogonal : Q·1 = 1} ≅ O(d−1);
-the rmsnorm form has the whole O(d).
+the rmsnorm form has the whole O(d); a post-LayerNorm model (BERT), whose norms sit on the stream itself and cannot
+fold, has its permutations only (:data:`ResidualGroup`).
 """
 
 from __future__ import annotations
@@ -10,13 +11,28 @@ import concurrent.futures
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Literal, TypeVar, get_args
 
 import torch
 from scipy.optimize import linear_sum_assignment
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+# The residual stream's group: the orthogonal maps fixing the ones vector (a folded LayerNorm), all of O(d) (an
+# RMSNorm, or a centred stream), or the permutations (a LayerNorm on the stream itself, whose gain and bias move with
+# it). A bool is read as the first two (``fix_ones``), as callers before the third passed it.
+ResidualGroup = Literal["fix-ones", "orthogonal", "permutation"]
+RESIDUAL_GROUPS: tuple[ResidualGroup, ...] = get_args(ResidualGroup)
+
+
+def residual_group(group: bool | ResidualGroup) -> ResidualGroup:
+    """The group named by ``group``: True → ``fix-ones``, False → ``orthogonal``, a name as it is."""
+    if isinstance(group, bool):
+        return "fix-ones" if group else "orthogonal"
+    if group not in RESIDUAL_GROUPS:
+        raise ValueError(f"unknown residual group {group!r}; known: {', '.join(RESIDUAL_GROUPS)}")
+    return group
 
 
 def ones_complement(d: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -38,6 +54,13 @@ def lift_fixing_ones(r: torch.Tensor) -> torch.Tensor:
     d = r.shape[0] + 1
     b = ones_complement(d, r.dtype).to(r.device)
     return torch.full((d, d), 1.0 / d, dtype=r.dtype, device=r.device) + b @ r @ b.T
+
+
+def random_residual(d: int, generator: torch.Generator, group: bool | ResidualGroup = True) -> torch.Tensor:
+    """A random (d, d) element of the residual group: Haar-orthogonal (fixing 1 or not), or a permutation matrix."""
+    if residual_group(group) == "permutation":
+        return torch.eye(d, dtype=torch.float64)[random_permutation(d, generator)]
+    return random_orthogonal(d, generator, residual_group(group) == "fix-ones")
 
 
 def random_orthogonal(d: int, generator: torch.Generator, fix_ones: bool = True) -> torch.Tensor:
@@ -113,9 +136,14 @@ def polar(m: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
-def procrustes(m: torch.Tensor, fix_ones: bool) -> torch.Tensor:
-    """argmax_Q ⟨M, Q⟩ over O(d), or over {Q·1 = 1} by solving on the complement of 1."""
-    if not fix_ones:
+def procrustes(m: torch.Tensor, group: bool | ResidualGroup) -> torch.Tensor:
+    """argmax_Q ⟨M, Q⟩ over the residual group: O(d) (False), {Q·1 = 1} by solving on the complement of 1 (True),
+    or the permutation matrices by a linear assignment (``permutation``; differentiable nowhere, as an assignment is
+    not: a learned path takes it straight through)."""
+    kind = residual_group(group)
+    if kind == "permutation":
+        return torch.eye(m.shape[0], dtype=m.dtype, device=m.device)[assignment(m).to(m.device)]
+    if kind == "orthogonal":
         return polar(m)
     b = ones_complement(m.shape[0], m.dtype).to(m.device)
     return lift_fixing_ones(polar(b.T @ m @ b))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from glmc.archs.base import State
 from glmc.archs.config import ModelConfig
 from glmc.errors import SpecError
 from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, NORM, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
+
+if TYPE_CHECKING:
+    from glmc.symmetry.groups import ResidualGroup
 
 Layered = list[torch.Tensor | None]
 
@@ -294,10 +298,10 @@ MATCHABLE = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
 
 
 def random_transform(cfg: ModelConfig, classes: tuple[str, ...], generator: torch.Generator,
-                     fix_ones: bool = True) -> Transform:
+                     fix_ones: bool | ResidualGroup = True) -> Transform:
     """A random group element of ``cfg``'s sizes made of the named symmetry classes (for invariance checks): maps
     per KV head, queries permuted within their groups, q/k maps commuting with rotary positions where the model
-    has them."""
+    has them; the residual map drawn from ``fix_ones``' group (:func:`glmc.symmetry.groups.residual_group`)."""
     from glmc.symmetry import groups
 
     depth, kv, head_dim, mlp = cfg.depth, cfg.kv_heads, cfg.head_dim, cfg.mlp
@@ -310,7 +314,7 @@ def random_transform(cfg: ModelConfig, classes: tuple[str, ...], generator: torc
 
     t = Transform(depth)
     if "residual" in classes:
-        t.residual = groups.random_orthogonal(cfg.width, generator, fix_ones)
+        t.residual = groups.random_residual(cfg.width, generator, fix_ones)
     if "head-perm" in classes:
         t.heads = per_layer(lambda: groups.random_permutation(kv, generator))
         if cfg.group > 1:
