@@ -66,3 +66,15 @@ def test_the_fixed_tensors_distance_is_that_of_the_rotated_tensors(name):
     assert work.fixed_distance(q) == pytest.approx(sq_distance(fixed, moved), rel=1e-12)
     assert work.fixed_distance(None) == pytest.approx(sq_distance(fixed, {n: b[n] for n in fixed}), rel=1e-12)
     assert work.fixed_distance(q.float()) == pytest.approx(sq_distance(fixed, moved), rel=1e-6)  # Q float32
+
+
+def test_a_batch_of_maps_inverts_on_two_threads() -> None:
+    """torch 2.14's threaded batched LU fails on 2 × 512² at two threads; groups.inverse factors on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        m = torch.linalg.qr(torch.randn(2, 512, 512, generator=torch.Generator().manual_seed(0)))[0]
+        assert float((groups.inverse(m) @ m - torch.eye(512)).abs().max()) <= 1e-4
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

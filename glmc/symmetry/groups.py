@@ -136,6 +136,14 @@ def polar(m: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
+def inverse(m: torch.Tensor) -> torch.Tensor:
+    """M⁻¹ per matrix of a batch (..., n, n), on one CPU thread: MKL's threaded batched LU in torch 2.14 fails on two
+    threads ("Parameter 6 was incorrect on entry to DLASWP", then a RuntimeError) for batches of 512² matrices, and
+    at times of 256² ones; one thread factors them all. A singular matrix gives non-finite entries."""
+    with one_thread(m):
+        return torch.linalg.inv_ex(m).inverse
+
+
 def procrustes(m: torch.Tensor, group: bool | ResidualGroup) -> torch.Tensor:
     """argmax_Q ⟨M, Q⟩ over the residual group: O(d) (False), {Q·1 = 1} by solving on the complement of 1 (True),
     or the permutation matrices by a linear assignment (``permutation``; differentiable nowhere, as an assignment is

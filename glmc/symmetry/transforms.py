@@ -23,6 +23,7 @@ import torch
 from glmc.archs.base import State
 from glmc.archs.config import ModelConfig
 from glmc.errors import SpecError
+from glmc.symmetry import groups
 from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, NORM, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def _inv_t(m: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
     deviation = (m @ m.mT - eye).abs().amax((-2, -1), keepdim=True)
     orthogonal = deviation <= (1e-12 if m.dtype == torch.float64 else 1e-5)
-    return torch.where(orthogonal, m, torch.linalg.inv_ex(m).inverse.mT)
+    return torch.where(orthogonal, m, groups.inverse(m).mT)
 
 
 def _maybe_inv_t(m: torch.Tensor | None) -> torch.Tensor | None:
@@ -248,7 +249,7 @@ def _invert_maps(m: torch.Tensor | None, inv_perm: torch.Tensor | None) -> torch
     if m is None:
         return None
     moved = m if inv_perm is None else m[inv_perm]
-    return torch.linalg.inv(moved) if moved.dim() == 3 else 1.0 / moved
+    return groups.inverse(moved) if moved.dim() == 3 else 1.0 / moved
 
 
 def _argsort(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -302,8 +303,6 @@ def random_transform(cfg: ModelConfig, classes: tuple[str, ...], generator: torc
     """A random group element of ``cfg``'s sizes made of the named symmetry classes (for invariance checks): maps
     per KV head, queries permuted within their groups, q/k maps commuting with rotary positions where the model
     has them; the residual map drawn from ``fix_ones``' group (:func:`glmc.symmetry.groups.residual_group`)."""
-    from glmc.symmetry import groups
-
     depth, kv, head_dim, mlp = cfg.depth, cfg.kv_heads, cfg.head_dim, cfg.mlp
 
     def per_layer(make):  # type: ignore[no-untyped-def]
