@@ -390,7 +390,8 @@ def weight_match(
     dtype: torch.dtype = torch.float32, start: Start | torch.Tensor = DEFAULT_START,
     options: WeightOptions | None = None, rotary: int = 0,
 ) -> MatchResult:
-    """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` leaves the residual and within-head maps alone (ablation).
+    """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` searches permutations alone (of the stream, heads and MLP
+    units: the residual group becomes the permutation matrices, and no within-head maps).
     ``rotary``: the head dimensions rotary positions rotate, where the q/k maps must commute with them.
     ``fix_ones``: the residual group (:func:`glmc.symmetry.groups.residual_group`: True the orthogonal maps fixing 1,
     False all of O(d), or ``permutation``, where each Procrustes step is a linear assignment).
@@ -407,22 +408,22 @@ def weight_match(
     options = options or WeightOptions()
     if isinstance(start, str) and start not in STARTS:
         raise ConfigError(f"unknown weight-matching start {start!r}; known: {', '.join(STARTS)}")
-    if permutations_only and isinstance(start, torch.Tensor):
-        raise ConfigError("permutation-only weight matching leaves the residual alone: it takes no start map")
     require_finite(a, "A")
     require_finite(b, "B")
     a, b = (cast(s, dtype) for s in (a, b))
     if options.biases == "skip":
         a, b = (without_stream_biases(s, spec, depth) for s in (a, b))
     work = Descent(a, b, spec, depth, heads, rotary)
-    residual = None if permutations_only else _start_residual(work, fix_ones, start, dtype)
-    t = _solve_units(work, residual, not permutations_only, options)
+    group, within = ("permutation", False) if permutations_only else (fix_ones, True)
+    residual = _start_residual(work, group, start, dtype)
+    if residual is not None and isinstance(start, torch.Tensor):
+        residual = groups.procrustes(residual, group)  # a given start, onto the group searched
+    t = _solve_units(work, residual, within, options)
     step, value = work.residual_step(t)
     objective = [value]
-    sweeps = 1 if permutations_only else max_sweeps
-    for sweep in range(1, sweeps):
+    for sweep in range(1, max_sweeps):
         # Q = argmax ⟨X_A, Q U(X_B)⟩ over the residual group: Procrustes on every residual-side matrix (Eq. 4).
-        candidate = _solve_units(work, groups.procrustes(work.fixed.scaled + step, fix_ones), True, options)
+        candidate = _solve_units(work, groups.procrustes(work.fixed.scaled + step, group), within, options)
         candidate_step, value = work.residual_step(candidate)
         log.info("weight matching sweep %d: ‖A − T(B)‖² = %.6g", sweep, value)
         if options.stop == "converged" and _converged(work, t, candidate, objective[-1], value, tol):
@@ -430,7 +431,7 @@ def weight_match(
                 t, objective = candidate, [*objective, value]
             break
         t, step, objective = candidate, candidate_step, [*objective, value]
-    return MatchResult(_exact(t, fix_ones, rotary), objective, time.perf_counter() - began, {"sweeps": len(objective)})
+    return MatchResult(_exact(t, group, rotary), objective, time.perf_counter() - began, {"sweeps": len(objective)})
 
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
