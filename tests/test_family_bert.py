@@ -271,7 +271,8 @@ def test_options_glmc_does_not_model_are_refused_in_one_line(model, message: str
 def test_forms_and_widths_a_post_layernorm_family_lacks_are_refused_in_one_line() -> None:
     cfg = BERT_CONFIGS["bert-odd"]
     arch = get_arch(cfg.family)
-    with pytest.raises(ConfigError, match=r"only the standard form \(form .rmsnorm.\): its norms sit on the stream") as err:
+    refusal = r"only the standard form \(form .rmsnorm.\): its norms sit on the stream"
+    with pytest.raises(ConfigError, match=refusal) as err:
         canonicalize(arch, random_native(cfg, 0), cfg, "rmsnorm")
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="widths cannot differ") as err:

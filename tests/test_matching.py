@@ -135,10 +135,10 @@ def test_permutation_only_matching_recovers_permutations(name):
     cfg = CONFIGS[name]
     arch, a, b = _transformed_copy(cfg, ("head-perm", "mlp-perm"))
     result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=True)
-    residual = result.transform.residual
-    assert residual is not None and torch.equal(residual.abs().sum(0), torch.ones(cfg.width, dtype=residual.dtype))
-    assert set(residual.unique().tolist()) <= {0.0, 1.0} and all(m is None for m in result.transform.qk)
+    assert result.transform.residual is None and all(m is None for m in result.transform.qk)
     assert sq_distance(a, apply(b, arch.spec, result.transform, cfg.heads)) < 1e-20
+    with pytest.raises(ConfigError, match="takes no start map"):
+        weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=True, start=torch.eye(cfg.width))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -152,7 +152,11 @@ def test_permutation_only_matching_finds_a_permuted_stream(name):
     t.residual = torch.eye(cfg.width, dtype=torch.float64)[torch.randperm(cfg.width, generator=g)]
     b = apply(a, arch.spec, t, cfg.heads)
     for start in ("relaxed", torch.eye(cfg.width) + 0.01):
-        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=True, start=start)
+        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=True, start=start,
+                              permute_stream=True)
+        residual = result.transform.residual
+        assert residual is not None and set(residual.unique().tolist()) <= {0.0, 1.0}
+        assert all(m is None for m in result.transform.qk)
         assert sq_distance(a, apply(b, arch.spec, result.transform, cfg.heads)) < 1e-20
 
 
@@ -231,7 +235,7 @@ def test_the_relaxed_start_reads_the_descents_fixed_products(name):
 
 def test_weight_matching_rotates_only_folded_models():
     """A residual map needs every LayerNorm gain folded: an unfolded B is refused by name (checked once, when the
-    fixed products are first read), by permutation-only matching too, which permutes the stream."""
+    fixed products are first read), and so is one that permutes the stream; head and MLP permutations alone match it."""
     cfg = CONFIGS["vit-odd"]
     arch = get_arch(cfg.family)
     a = canonicalize(arch, random_native(cfg, 1), cfg)
@@ -239,8 +243,9 @@ def test_weight_matching_rotates_only_folded_models():
     for start in ("identity", "relaxed"):
         with pytest.raises(SpecError, match="not folded"):
             weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, start=start)
-    with pytest.raises(SpecError, match="not folded"):  # a permuted stream reads the fixed products too
-        weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, permutations_only=True)
+    assert weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, permutations_only=True).transform.residual is None
+    with pytest.raises(SpecError, match="not folded"):  # a permuted stream reads the fixed products
+        weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, permutations_only=True, permute_stream=True)
 
 
 def test_weight_matching_refuses_an_unknown_start():

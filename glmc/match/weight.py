@@ -388,10 +388,11 @@ def weight_match(
     *, fix_ones: bool | groups.ResidualGroup = True, permutations_only: bool = False, max_sweeps: int = 15,
     tol: float = 1e-3,
     dtype: torch.dtype = torch.float32, start: Start | torch.Tensor = DEFAULT_START,
-    options: WeightOptions | None = None, rotary: int = 0,
+    options: WeightOptions | None = None, rotary: int = 0, permute_stream: bool = False,
 ) -> MatchResult:
-    """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` searches permutations alone (of the stream, heads and MLP
-    units: the residual group becomes the permutation matrices, and no within-head maps).
+    """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` searches head and MLP permutations alone, the stream left as
+    it is (the paper's ablation), or with ``permute_stream`` permutations of the stream too (the residual group
+    becomes the permutation matrices: each Procrustes step a linear assignment).
     ``rotary``: the head dimensions rotary positions rotate, where the q/k maps must commute with them.
     ``fix_ones``: the residual group (:func:`glmc.symmetry.groups.residual_group`: True the orthogonal maps fixing 1,
     False all of O(d), or ``permutation``, where each Procrustes step is a linear assignment).
@@ -415,13 +416,16 @@ def weight_match(
         a, b = (without_stream_biases(s, spec, depth) for s in (a, b))
     work = Descent(a, b, spec, depth, heads, rotary)
     group, within = ("permutation", False) if permutations_only else (fix_ones, True)
-    residual = _start_residual(work, group, start, dtype)
+    frozen = permutations_only and not permute_stream  # the stream left as it is: one sweep of assignments
+    if frozen and isinstance(start, torch.Tensor):
+        raise ConfigError("permutation-only weight matching leaves the residual alone: it takes no start map")
+    residual = None if frozen else _start_residual(work, group, start, dtype)
     if residual is not None and isinstance(start, torch.Tensor):
         residual = groups.procrustes(residual, group)  # a given start, onto the group searched
     t = _solve_units(work, residual, within, options)
     step, value = work.residual_step(t)
     objective = [value]
-    for sweep in range(1, max_sweeps):
+    for sweep in range(1, 1 if frozen else max_sweeps):
         # Q = argmax ⟨X_A, Q U(X_B)⟩ over the residual group: Procrustes on every residual-side matrix (Eq. 4).
         candidate = _solve_units(work, groups.procrustes(work.fixed.scaled + step, group), within, options)
         candidate_step, value = work.residual_step(candidate)
@@ -442,15 +446,22 @@ def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options
 
 def pairwise_permutations(a: State, b: State, cfg: ModelConfig, data: Dataset | None,
                           options: MatchOptions) -> MatchResult:
-    """Weight matching restricted to permutations (the residual, heads and MLP units)."""
+    """Weight matching restricted to head and MLP permutations, the residual stream left alone."""
     return _pairwise(a, b, cfg, options, permutations_only=True)
 
 
-def _pairwise(a: State, b: State, cfg: ModelConfig, options: MatchOptions, permutations_only: bool) -> MatchResult:
+def pairwise_stream_permutations(a: State, b: State, cfg: ModelConfig, data: Dataset | None,
+                                 options: MatchOptions) -> MatchResult:
+    """Weight matching restricted to permutations, of the residual stream, heads and MLP units."""
+    return _pairwise(a, b, cfg, options, permutations_only=True, permute_stream=True)
+
+
+def _pairwise(a: State, b: State, cfg: ModelConfig, options: MatchOptions, permutations_only: bool,
+              permute_stream: bool = False) -> MatchResult:
     from glmc.archs import get_arch
     from glmc.symmetry.canonical import residual_group
 
     arch = get_arch(cfg.family)
     return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=residual_group(options.form, arch),
                         permutations_only=permutations_only, start=options.start, options=options.weight,
-                        rotary=cfg.rotary_dim)
+                        rotary=cfg.rotary_dim, permute_stream=permute_stream)
