@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = json.loads((out / "results.json").read_text()) if (args.models or args.methods) and (
         out / "results.json").is_file() else {}
     todo = {(f["model"], m) for f in families for m in methods}
-    rows = [r for r in kept.get("rows", []) if (r["model"], r["method"]) not in todo]
+    rows = [r for r in kept.get("rows", []) if (r["model"], r["method"]) not in todo and r["method"] in run["methods"]]
     began = time.perf_counter()
     this = {"command": " ".join(["python -m simulations.bench.families", *(sys.argv[1:] if argv is None else argv)]),
             "config": args.config, "machine": machine(), "load_before": ", ".join(f"{x:.1f}" for x in os.getloadavg())}
