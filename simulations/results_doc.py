@@ -47,8 +47,8 @@ ABOUT: dict[str, tuple[str, str]] = {
     "merging": ("Merging N models, of one width and across widths.", "methods.md"),
     "families": ("Barriers between independently trained seeds of each declared family, per method.",
                  "families.md"),
-    "llama-shakespeare": ("A causal LM family in the Flower apps: llama-tiny on Shakespeare's roles, FedAvg against weight, "
-                          "from a shared start and from independent inits.", "federated.md"),
+    "llama-shakespeare": ("A causal LM family in the Flower apps: llama-tiny on Shakespeare's roles, FedAvg against "
+                          "weight, from a shared start and from independent inits.", "federated.md"),
     "single-attacker": ("One attacker among three honest clients, per aggregation and defence, against the robust "
                         "defaults' target.", "reliability.md"),
 }

@@ -6,12 +6,12 @@ random-init pairs where B is a planted symmetry transform of A, so that every ro
 
 Each (model, method) runs in a fresh process: A is the model's own (seeded) initialisation in float32, canonical,
 and B = T(A) for a T drawn by ``glmc.symmetry.transforms.random_transform`` (a model with ``plant = "hand"``: T
-planted on the native names by :mod:`simulations.bench.planting`, apart from glmc). Once the pair is built, the process's peak
-resident memory is reset (Linux ``/proc/self/clear_refs``, after glibc's ``malloc_trim`` hands back what building
-the pair freed), so ``peak RSS`` is the whole process's peak during the matching (both states included) and
-``added`` that peak minus the resident size just before it. ``recovered`` asks for ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖²
-(float64) and T̂ ∘ T = identity: permutations equal, continuous maps within 1e-3. With ``--models`` only those
-models run; the others' rows are kept from the results file.
+planted on the native names by :mod:`simulations.bench.planting`, apart from glmc). Once the pair is built, the
+process's peak resident memory is reset (Linux ``/proc/self/clear_refs``, after glibc's ``malloc_trim`` hands back
+what building the pair freed), so ``peak RSS`` is the whole process's peak during the matching (both states
+included) and ``added`` that peak minus the resident size just before it. ``recovered`` asks for
+‖A − T̂(B)‖² ≤ 1e-10 ‖A‖² (float64) and T̂ ∘ T = identity: permutations equal, continuous maps within 1e-3. With
+``--models`` only those models run; the others' rows are kept from the results file.
 """
 
 from __future__ import annotations
