@@ -20,8 +20,10 @@ from federation.settings import GUARDED, NATURAL_SPLITS, RunSettings
 from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
 from glmc.data.generated import text_writer
 from glmc.device import resolve
+from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, state_digest
 from glmc.match.learned import LearnConfig
+from glmc.merging.widths import widths_may_differ
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.guard import set_aside_note
 from server.hooks import (
@@ -61,7 +63,11 @@ def configure_logging(run_dir: Path) -> None:
 
 
 def reply_schema(settings: RunSettings, cfg: ModelConfig) -> ReplySchema:
-    """The array shapes of every width tier the run allows."""
+    """The array shapes of every width tier the run allows; a family whose widths cannot differ (separate q, k, v
+    projections) is refused narrower tiers in one line, before round 1."""
+    if any(tier != 1 for tier in settings.width_tiers) and not widths_may_differ(cfg.family):
+        raise ConfigError(f"width-tiers {','.join(f'{t:g}' for t in settings.width_tiers)}: a {cfg.family} model's "
+                          "widths cannot differ (separate q, k, v projections are not sliced); use width-tiers='1'")
     shapes = {}
     for tier in settings.width_tiers:
         model = build_model(scale_width(cfg, tier))

@@ -164,3 +164,16 @@ def test_metrics_files_survive_a_write_that_fails_half_way(tmp_path: Path, monke
         writer.on_round_end(RoundRecord(2, central_accuracy=0.6), ArrayRecord(state(1)))  # type: ignore[arg-type]
     assert (tmp_path / "metrics.csv").read_text() == before  # round 1, whole
     assert "0.5" in before and len(before.splitlines()) == 2
+
+
+def test_a_family_whose_widths_cannot_differ_is_refused_narrower_tiers_before_round_1() -> None:
+    """Separate q, k, v projections are not sliced: width tiers below 1 are one line, equal widths run."""
+    from glmc.archs import preset
+    from glmc.errors import ConfigError
+    from server.app import reply_schema
+
+    cfg = preset("llama-tiny").replace(vocab_size=20, context=8)
+    with pytest.raises(ConfigError, match="a llama model's widths cannot differ") as err:
+        reply_schema(RunSettings(model="llama-tiny", width_tiers=(1.0, 0.5)), cfg)
+    assert "\n" not in str(err.value)
+    assert reply_schema(RunSettings(model="llama-tiny"), cfg) is not None
