@@ -197,7 +197,6 @@ def _hf_neox(**options: object) -> GPTNeoXForCausalLM:
 @pytest.mark.parametrize(("model", "message"), [
     (lambda: _hf_neox(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
                                        "partial_rotary_factor": 0.25}), "unsupported neox rope_type 'linear'"),
-    (lambda: _hf_neox(tie_word_embeddings=True), "unsupported neox option tie_word_embeddings=True"),
     (lambda: _hf_neox(hidden_act="gelu_new"), "unsupported neox hidden_act 'gelu_new'"),
     (lambda: _hf_neox(rotary_pct=0.375), "unsupported neox rotary dimensions 3"),
 ])
@@ -277,3 +276,19 @@ def test_the_library_api_takes_live_neox_models_and_gives_back_their_class() -> 
     corrected = api.merge([a, b], data=data, options=every)
     with torch.no_grad():
         assert type(corrected) is GPTNeoXForCausalLM and bool(torch.isfinite(corrected(input_ids=x).logits).all())
+
+
+def test_a_tied_neox_is_read_and_aligned_into_an_untied_one_computing_bs_function() -> None:
+    """As for the Llama families: folding the final LayerNorm into the head unties it from the embeddings."""
+    import glmc
+
+    torch.manual_seed(2)
+    a, b = (_hf_neox(num_hidden_layers=2, tie_word_embeddings=True) for _ in range(2))
+    with torch.no_grad():
+        for model in (a, b):
+            model.gpt_neox.final_layer_norm.weight.add_(0.3 * torch.randn(16))
+    moved = glmc.align(a, b)
+    assert not moved.config.tie_word_embeddings
+    x = torch.randint(0, 20, (4, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert float((moved(input_ids=x).logits - b(input_ids=x).logits).abs().max()) <= 1e-4

@@ -114,9 +114,6 @@ def _refuse_unmodelled(hf: Any) -> None:
         raise ConfigError(f"unsupported neox rope_type {rope['rope_type']!r} (glmc covers 'default')")
     if hf.hidden_act not in _ACTIVATIONS:
         raise ConfigError(f"unsupported neox hidden_act {hf.hidden_act!r} (glmc covers {', '.join(_ACTIVATIONS)})")
-    if getattr(hf, "tie_word_embeddings", False):
-        raise ConfigError("unsupported neox option tie_word_embeddings=True: folding the final norm into the head "
-                          "unties it (re-save the model untied)")
     rotary = int(hf.hidden_size // hf.num_attention_heads * rope.get("partial_rotary_factor", 1.0))
     if rotary % 2:
         raise ConfigError(f"unsupported neox rotary dimensions {rotary}: rotate_half pairs an even number")
