@@ -142,7 +142,8 @@ def test_console_entry_point_exits_2_with_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "glmc: error: unknown preset 'nope'; known: "
-        + ", ".join(["vit-tiny", "vit-bench", "vit-paper", "gpt2-tiny", "gpt2-bench", "gpt2-paper", "llama-tiny"])
+        + ", ".join(["vit-tiny", "vit-bench", "vit-paper", "gpt2-tiny", "gpt2-bench", "gpt2-paper", "llama-tiny",
+                     "neox-tiny", "bert-tiny"])
     ]
 
 

@@ -341,7 +341,8 @@ def test_align_across_widths_refuses_what_it_cannot_do_in_one_line(trio, tmp_pat
     _fails_with_one_line(["align", str(trio[2]), str(trio[0]), "--out", out], capsys,
                          "the target is narrower than an input")
     _fails_with_one_line(["align", str(trio[0]), str(trio[2]), "--method", "dual", "--out", out], capsys,
-                         "across widths the methods are none, weight, weight-perm, activation, learned; not dual")
+                         "across widths the methods are none, weight, weight-perm, weight-perm-stream, activation, "
+                         "learned; not dual")
     assert not (tmp_path / "aligned.safetensors").exists()
 
 
@@ -350,7 +351,8 @@ def test_barrier_across_widths_refuses_what_it_cannot_do_in_one_line(trio, tmp_p
     _fails_with_one_line(["barrier", str(trio[2]), str(trio[0]), "--json", report], capsys,
                          "the target is narrower than an input")  # B is embedded into A: A must be the wider
     _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--method", "dual", "--json", report], capsys,
-                         "across widths the methods are none, weight, weight-perm, activation, learned; not dual")
+                         "across widths the methods are none, weight, weight-perm, weight-perm-stream, activation, "
+                         "learned; not dual")
     _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--form", "circuit", "--json", report], capsys,
                          "--form applies to two models of one width")
     _fails_with_one_line(["barrier", str(trio[0]), str(trio[2]), "--repair", "8", "--json", report], capsys,
