@@ -3,7 +3,10 @@ saves it, and float64 logits of a transformers model holding a given state dict.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,3 +39,20 @@ def trained_folder(tmp_path_factory: pytest.TempPathFactory, model: str, steps: 
     state, meta = load_checkpoint(out)
     formats.write(root / "a", "hf", state, meta)
     return root / "a"
+
+
+
+def planted_barriers(trained: Path, model_class: type, moved: dict[str, torch.Tensor], folder: Path,
+                     limit: int = 128) -> tuple[float, float]:
+    """The vanilla and weight-matched barriers ``glmc barrier`` reports between the trained folder and ``moved``
+    (its planted copy), saved into ``folder`` by transformers itself beside glmc's note of the dataset."""
+    config: Any = model_class.config_class
+    other = model_class(config.from_pretrained(str(trained)))
+    other.load_state_dict({k: v.float() for k, v in moved.items()})
+    other.save_pretrained(str(folder))
+    shutil.copy(trained / formats.GLMC_JSON, folder)
+    report = folder.parent / f"{folder.name}-barrier.json"
+    assert glmc(["barrier", str(trained), str(folder), "--method", "none", "--method", "weight", "--limit",
+                 str(limit), "--points", "3", "--json", str(report)]) == 0
+    vanilla, weight = json.loads(report.read_text())["curves"]
+    return vanilla["barrier"], weight["barrier"]

@@ -5,8 +5,6 @@ options glmc does not model are refused in one line."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ from transformers import (
 )
 
 from glmc.archs import build_model, get_arch
-from glmc.cli import main as glmc
 from glmc.errors import ConfigError
 from glmc.io import formats
 from glmc.io.live import read_module
@@ -31,7 +28,7 @@ from glmc.symmetry.canonical import canonicalize, fixes_ones
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from simulations.bench.planting import plant_llama
-from tests.hf_models import hf_logits, trained_folder
+from tests.hf_models import hf_logits, planted_barriers, trained_folder
 from tests.symmetry_models import RMS_CONFIGS, canonical
 
 TOL = 1e-5
@@ -60,16 +57,8 @@ def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_llama(tr
     barrier."""
     model = LlamaForCausalLM.from_pretrained(str(trained))
     moved = plant_llama({k: v.double() for k, v in model.state_dict().items()}, model.config, seed=2)
-    other = LlamaForCausalLM(model.config)
-    other.load_state_dict({k: v.float() for k, v in moved.items()})
-    other.save_pretrained(str(tmp_path / "b"))  # written by transformers itself
-    shutil.copy(trained / formats.GLMC_JSON, tmp_path / "b")  # which dataset it was trained on
-    report = tmp_path / "barrier.json"
-    assert glmc(["barrier", str(trained), str(tmp_path / "b"), "--method", "none", "--method", "weight",
-                 "--limit", "128", "--points", "3", "--json", str(report)]) == 0
-    vanilla, weight = json.loads(report.read_text())["curves"]
-    assert vanilla["barrier"] > 0.05  # the planted copy is far from A before matching
-    assert abs(weight["barrier"]) <= 1e-3
+    vanilla, weight = planted_barriers(trained, LlamaForCausalLM, moved, tmp_path / "b")
+    assert vanilla > 0.05 and abs(weight) <= 1e-3  # far apart before matching, no barrier after
 
 
 def test_an_aligned_llama_written_by_glmc_reloads_and_computes_what_was_aligned(trained: Path, tmp_path: Path) -> None:

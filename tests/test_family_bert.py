@@ -6,7 +6,6 @@ refused in one line."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize, residual_group, to_model
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, Transform, apply, random_transform
-from tests.hf_models import hf_logits, trained_folder
+from tests.hf_models import hf_logits, planted_barriers, trained_folder
 from tests.symmetry_models import BERT_CONFIGS, canonical, inputs, logits_of, random_native
 
 TOL = 1e-5
@@ -111,16 +110,8 @@ def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_bert(tra
     """Through ``glmc barrier`` on two transformers folders: no barrier left after default weight matching."""
     model = BertForMaskedLM.from_pretrained(str(trained))
     moved = plant_by_hand(dict(model.state_dict()), model.config, seed=2)
-    other = BertForMaskedLM(model.config)
-    other.load_state_dict({k: v.float() for k, v in moved.items()})
-    other.save_pretrained(str(tmp_path / "b"))  # written by transformers itself
-    shutil.copy(trained / formats.GLMC_JSON, tmp_path / "b")  # which dataset it was trained on
-    report = tmp_path / "barrier.json"
-    assert glmc(["barrier", str(trained), str(tmp_path / "b"), "--method", "none", "--method", "weight",
-                 "--limit", "64", "--points", "3", "--json", str(report)]) == 0
-    vanilla, weight = json.loads(report.read_text())["curves"]
-    assert vanilla["barrier"] > 0.01  # the planted copy is far from A before matching
-    assert abs(weight["barrier"]) <= 1e-3
+    vanilla, weight = planted_barriers(trained, BertForMaskedLM, moved, tmp_path / "b", limit=64)
+    assert vanilla > 0.01 and abs(weight) <= 1e-3  # far apart before matching, no barrier after
 
 
 def test_an_aligned_bert_written_by_glmc_reloads_and_computes_what_was_aligned(trained: Path, tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ API, learned and universe matching run; options glmc does not model are refused 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from glmc.symmetry.canonical import canonicalize, fixes_ones
 from glmc.symmetry.exactness import invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, Transform, apply, random_transform
 from simulations.bench.planting import plant_neox
-from tests.hf_models import hf_logits, trained_folder
+from tests.hf_models import hf_logits, planted_barriers, trained_folder
 from tests.symmetry_models import NEOX_CONFIGS, canonical, inputs, logits_of, random_native
 
 TOL = 1e-5
@@ -63,16 +62,8 @@ def test_weight_matching_undoes_a_hand_planted_transform_of_the_trained_model(tr
     """Through ``glmc barrier``, as a user runs it on two transformers folders: no barrier after matching."""
     model = GPTNeoXForCausalLM.from_pretrained(str(trained))
     moved = plant_neox({k: v.double() for k, v in model.state_dict().items()}, model.config, 2)
-    other = GPTNeoXForCausalLM(model.config)
-    other.load_state_dict({k: v.float() for k, v in moved.items()})
-    other.save_pretrained(str(tmp_path / "b"))  # written by transformers itself
-    shutil.copy(trained / formats.GLMC_JSON, tmp_path / "b")  # which dataset it was trained on
-    report = tmp_path / "barrier.json"
-    assert glmc(["barrier", str(trained), str(tmp_path / "b"), "--method", "none", "--method", "weight",
-                 "--limit", "128", "--points", "3", "--json", str(report)]) == 0
-    vanilla, weight = json.loads(report.read_text())["curves"]
-    assert vanilla["barrier"] > 0.05  # the planted copy is far from A before matching
-    assert abs(weight["barrier"]) <= 1e-3
+    vanilla, weight = planted_barriers(trained, GPTNeoXForCausalLM, moved, tmp_path / "b")
+    assert vanilla > 0.05 and abs(weight) <= 1e-3  # far apart before matching, no barrier after
 
 
 def test_glmc_align_writes_a_folder_that_reloads_computing_the_model_it_aligned(trained: Path, tmp_path: Path) -> None:
