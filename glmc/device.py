@@ -98,3 +98,13 @@ def released(device: torch.device) -> Iterator[None]:
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can give now without swapping (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

@@ -8,7 +8,13 @@ from pathlib import Path
 
 from glmc.cli import export as cli_export
 from glmc.cli import merge as cli_merge
-from glmc.cli.pair import METHOD_NAMES, add_pair_arguments, align_loaded, load_pair
+from glmc.cli.pair import METHOD_NAMES, PRECISIONS, add_pair_arguments, align_loaded, load_pair
+from glmc.errors import ConfigError
+
+PRECISION_HELP = ("what the two models are held in while B is aligned: float64 (exact), float32 (half its memory) "
+                  "or stored, each model in its file's precision (a bfloat16 pair takes a quarter of float64's; the "
+                  "search reads it tensor by tensor in float32, and B is moved in float32 and rounded once; "
+                  "data-free methods only)")
 
 
 def add_align_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +22,7 @@ def add_align_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="weight", help=f"one of {METHOD_NAMES}")
     parser.add_argument("--out", required=True, type=Path, help="aligned B, a standard checkpoint (at A's width)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.add_argument("--precision", choices=PRECISIONS, default="float64", help=PRECISION_HELP)
     cli_export.add_format_argument(parser)
     cli_merge.add_fill_argument(parser)
 
@@ -28,14 +35,17 @@ def run_align(args: argparse.Namespace) -> int:
     from glmc.io.formats import check_output, write
 
     check_output(args.out, cli_export.early_format(args), args.force)
-    state_a, state_b, meta, meta_b = load_pair(args.a, args.b)
+    state_a, state_b, meta, meta_b = load_pair(args.a, args.b, stored=args.precision == "stored")
     fmt = cli_export.output_format(args, meta_b)
     config = meta.config
+    if meta_b.config != config and args.precision != "float64":
+        raise ConfigError("--precision applies to a pair of one width; B is embedded into A's width in float64")
+    require_room([state_a, state_b], args.precision)
     if meta_b.config != config:  # embedded into A's width: a checkpoint of A's shapes computing B
         moved, config, seconds = cli_merge.align_across_widths(args, [state_a, state_b], [meta, meta_b])
         report: dict = {"seconds": round(seconds, 3), "width": [meta_b.config.width, config.width]}
     else:
-        aligned = align_loaded(args, args.method, state_a, state_b, meta)
+        aligned = align_loaded(args, args.method, state_a, state_b, meta, precision=args.precision)
         moved, result = aligned.b, aligned.result
         report = {"seconds": round(result.seconds, 3), "objective": result.objective,
                   **{k: v for k, v in result.info.items() if k != "sweeps"}}
@@ -45,3 +55,19 @@ def run_align(args: argparse.Namespace) -> int:
     write(args.out, fmt, native, out_meta, args.dtype)
     print(json.dumps({"out": str(args.out), "format": fmt, "dtype": args.dtype, "method": args.method, **report}))
     return 0
+
+
+def require_room(states: list[dict], precision: str) -> None:
+    """ConfigError before the work where the two canonical copies in ``precision`` need more memory than the
+    system has available now (Linux's MemAvailable; elsewhere nothing is checked)."""
+    from glmc.device import available_memory
+
+    itemsize = {"float64": 8, "float32": 4}.get(precision)
+    available = available_memory()
+    if itemsize is None or available is None:
+        return
+    need = itemsize * sum(v.numel() for state in states for v in state.values())
+    if need > available:
+        raise ConfigError(f"aligning in {precision} holds two copies of {need / 2 / itemsize / 1e9:.2f}B parameters, "
+                          f"{need / 1e9:.1f} GB, and {available / 1e9:.1f} GB is available: pass --precision "
+                          f"{'float32 or ' * (precision == 'float64')}stored")

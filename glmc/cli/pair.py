@@ -13,6 +13,7 @@ from glmc.match.registry import METHODS, get_method
 
 ACTIVATION_SAMPLES = 512  # default --batch of activation matching
 METHOD_NAMES = ", ".join(METHODS)
+PRECISIONS = ["float64", "float32", "stored"]  # what align holds the canonical pair in (stored: the files' own)
 FORM_NAMES = ["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]  # canonical.FORMS, torch-free
 
 if TYPE_CHECKING:
@@ -31,16 +32,17 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     add_weight_arguments(parser)
 
 
-def load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
-    """Both checkpoints, refusing before any work a NaN or inf (named as the file names it), different families or a
-    B that does not fit inside A (only widths may differ, and B is then embedded into A's width)."""
+def load_pair(a: Path, b: Path, stored: bool = False) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
+    """Both checkpoints (in float32, or ``stored``: in their files' precision), refusing before any work a NaN or inf
+    (named as the file names it), different families or a B that does not fit inside A (only widths may differ, and
+    B is then embedded into A's width)."""
     from glmc.io.formats import read
     from glmc.match.common import require_finite
     from glmc.merging.widths import check_embeddable
     from glmc.symmetry.spec import check_same_shapes
 
-    state_a, meta_a = read(a)
-    state_b, meta_b = read(b)
+    state_a, meta_a = read(a, stored=stored)
+    state_b, meta_b = read(b, stored=stored)
     require_finite(state_a, str(a))
     require_finite(state_b, str(b))
     if meta_a.config.family != meta_b.config.family:
@@ -53,7 +55,11 @@ def load_pair(a: Path, b: Path) -> tuple[dict, dict, CheckpointMeta, CheckpointM
 
 
 def align_loaded(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
-           form: Form = "standard") -> Alignment:
+                 form: Form = "standard", precision: str = "float64") -> Alignment:
+    """B aligned to A by ``method`` with the flags' options, the canonical states held in ``precision``
+    (:data:`PRECISIONS`)."""
+    import torch
+
     from glmc.data.generated import writing_seconds
     from glmc.match.align import align_pair
 
@@ -65,7 +71,8 @@ def align_loaded(args: argparse.Namespace, method: str, state_a: dict, state_b: 
     learn = learn_options(args) if entry.learns else None
     aligned = align_pair(state_a, state_b, meta.config, method, form=form, data=data,
                          batch=samples or ACTIVATION_SAMPLES, learn=learn, start=weight_start(args),
-                         device=args.device, weight=weight_options(args))
+                         device=args.device, weight=weight_options(args),
+                         dtype=getattr(torch, precision) if precision != "stored" else None)
     if written:  # sampling the text is part of the method's cost
         aligned.result.seconds += written
         aligned.result.info["generate_seconds"] = round(written, 3)

@@ -60,22 +60,23 @@ def _pickle_error(path: Path) -> CheckpointError:
                            f"{CONVERT_HINT}")
 
 
-def read(path: str | Path) -> tuple[State, CheckpointMeta]:
-    """The native (untied) state, in float32 whatever precision was stored, and metadata of a glmc checkpoint, an HF
-    folder or a timm state dict."""
+def read(path: str | Path, *, stored: bool = False) -> tuple[State, CheckpointMeta]:
+    """The native (untied) state, in float32 whatever precision was stored (``stored``: in the precision the file
+    stores, so a bfloat16 model takes half float32's memory), and metadata of a glmc checkpoint, an HF folder or a
+    timm state dict."""
     path = Path(path)
     if path.suffix in PICKLE_SUFFIXES:
         raise _pickle_error(path)
     if path.is_dir():
-        return read_timm_folder(path) if is_timm_folder(path) else read_hf(path)
+        return read_timm_folder(path, stored) if is_timm_folder(path) else read_hf(path, stored)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file or folder at {path}")
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path} is neither a .safetensors file nor a Hugging Face folder")
     if META_KEY in _header(path):
         state, meta = load_checkpoint(path)
-        return cast(state, torch.float32), meta
-    return read_timm(path)
+        return (state if stored else cast(state, torch.float32)), meta
+    return read_timm(path, stored)
 
 
 def format_of(meta: CheckpointMeta) -> str:
@@ -144,7 +145,7 @@ def _hf_architecture(folder: Path, config: Mapping[str, Any]) -> str:
                       f"{', '.join(HF_ARCHITECTURES)} folders and timm ViTs")
 
 
-def read_hf(folder: Path) -> tuple[State, CheckpointMeta]:
+def read_hf(folder: Path, stored: bool = False) -> tuple[State, CheckpointMeta]:
     """A GPT2LMHeadModel (or GPT2Model, read as one with a tied head) or a ViTForImageClassification from a
     ``save_pretrained`` folder."""
     if not (folder / "config.json").is_file():
@@ -152,16 +153,16 @@ def read_hf(folder: Path) -> tuple[State, CheckpointMeta]:
     config = _load_json(folder / "config.json", "config.json")
     architecture = _hf_architecture(folder, config)
     if architecture == hf_vit.ARCHITECTURE or architecture in {a.hf_class for a in ARCHS.values() if a.hf_class}:
-        model = _pretrained(folder, architecture)
+        model = _pretrained(folder, architecture, stored)
     else:
-        model = _hf_gpt2(folder, config, architecture)
+        model = _hf_gpt2(folder, config, architecture, stored)
     _, cfg, state = read_module(model)
     meta = _meta(cfg, _saved(folder), f"read from the Hugging Face folder {folder}",
                  {"format": "hf", "config": config, "path": str(folder)})
     return state, meta
 
 
-def _pretrained(folder: Path, architecture: str) -> nn.Module:
+def _pretrained(folder: Path, architecture: str, stored: bool = False) -> nn.Module:
     """The folder's model, loaded by its transformers class itself (which also renames the Hub's older weight
     names); safetensors only, and every weight present and expected."""
     import transformers
@@ -170,7 +171,8 @@ def _pretrained(folder: Path, architecture: str) -> nn.Module:
     try:
         with _quiet_transformers():
             loaded: Any = getattr(transformers, architecture).from_pretrained(
-                str(folder), use_safetensors=True, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+                str(folder), use_safetensors=True, local_files_only=True, dtype="auto" if stored else torch.float32,
+                output_loading_info=True)
             model, info = loaded
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         raise CheckpointError(f"{folder} does not hold its config's {architecture}: {first_line(err)}") from err
@@ -180,7 +182,13 @@ def _pretrained(folder: Path, architecture: str) -> nn.Module:
     return model.eval()
 
 
-def _hf_gpt2(folder: Path, config: dict[str, Any], architecture: str) -> nn.Module:
+def _in_precision(model: nn.Module, tensors: State, stored: bool) -> nn.Module:
+    """``model`` in the precision of ``tensors``' floating-point values when ``stored``, else as built (float32)."""
+    dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    return model.to(dtypes.pop()) if stored and len(dtypes) == 1 else model
+
+
+def _hf_gpt2(folder: Path, config: dict[str, Any], architecture: str, stored: bool = False) -> nn.Module:
     """The folder's GPT2LMHeadModel; a GPT2Model is read as one whose head is its embedding."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -190,7 +198,7 @@ def _hf_gpt2(folder: Path, config: dict[str, Any], architecture: str) -> nn.Modu
     hf = GPT2Config.from_dict(config)
     if architecture == "GPT2Model":
         hf.tie_word_embeddings = True
-    model = GPT2LMHeadModel(hf)
+    model = _in_precision(GPT2LMHeadModel(hf), tensors, stored)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and hf.tie_word_embeddings)]
     if missing or unexpected:
@@ -343,14 +351,14 @@ def timm_model(kwargs: Mapping[str, Any], where: Path | str) -> nn.Module:
         raise ConfigError(f"{where}: timm.create_model failed: {first_line(err)}") from err
 
 
-def read_timm(path: Path) -> tuple[State, CheckpointMeta]:
+def read_timm(path: Path, stored: bool = False) -> tuple[State, CheckpointMeta]:
     """A timm ViT from its state dict and the create_model kwargs beside it."""
     where = kwargs_path(path)
     if not where.is_file():
         raise CheckpointError(f"{path} has no glmc metadata and no timm kwargs at {where}; for a timm model write "
                               "{\"model_name\": ..., <create_model kwargs>} there")
     kwargs = _load_json(where, "timm kwargs")
-    cfg, state = _timm_state(kwargs, where, path, _tensors(path))
+    cfg, state = _timm_state(kwargs, where, path, _tensors(path), stored)
     return state, _meta(cfg, {}, f"read from the timm state dict {path}",
                         {"format": "timm", "kwargs": kwargs, "path": str(path)})
 
@@ -361,7 +369,7 @@ def is_timm_folder(folder: Path) -> bool:
     return config.is_file() and "architecture" in _load_json(config, "config.json")
 
 
-def read_timm_folder(folder: Path) -> tuple[State, CheckpointMeta]:
+def read_timm_folder(folder: Path, stored: bool = False) -> tuple[State, CheckpointMeta]:
     """A timm ViT from a Hub folder: create_model kwargs as timm parses its config.json (the older layout without
     ``model_args`` too), weights from its safetensors."""
     from timm.models._hub import load_model_config_from_path
@@ -372,14 +380,15 @@ def read_timm_folder(folder: Path) -> tuple[State, CheckpointMeta]:
         raise CheckpointError(f"{folder}: unreadable timm config.json: {first_line(err)}") from err
     classes = {"num_classes": pretrained_cfg["num_classes"]} if "num_classes" in pretrained_cfg else {}
     kwargs = {"model_name": name, **classes, **model_args}
-    cfg, state = _timm_state(kwargs, folder / "config.json", folder, _folder_tensors(folder))
+    cfg, state = _timm_state(kwargs, folder / "config.json", folder, _folder_tensors(folder), stored)
     return state, _meta(cfg, _saved(folder), f"read from the timm folder {folder}",
                         {"format": "timm", "kwargs": kwargs, "path": str(folder)})
 
 
-def _timm_state(kwargs: Mapping[str, Any], where: Path, path: Path, tensors: State) -> tuple[ModelConfig, State]:
+def _timm_state(kwargs: Mapping[str, Any], where: Path, path: Path, tensors: State,
+                stored: bool = False) -> tuple[ModelConfig, State]:
     """The config and native state of the timm model ``kwargs`` build (``where`` names them), holding ``tensors``."""
-    model = timm_model(kwargs, where)
+    model = _in_precision(timm_model(kwargs, where), tensors, stored)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as err:

@@ -24,6 +24,9 @@ from glmc.errors import ConfigError, first_line
 log = logging.getLogger(__name__)
 
 READ_TOLERANCE = 1e-6  # max |logit difference| (float64) between a read model and glmc's rebuild of it
+FLOAT64_CHECK_PARAMS = 100_000_000  # above: the check runs in float32 on the model's own tensors, since float64
+# copies of a billion-parameter model and of glmc's rebuild would take 17 GB each
+FLOAT32_TOLERANCE = 1e-4  # relative, for that check: float32 rounding; an undescribed option differs at O(1)
 CHECK_LENGTH = 16  # tokens per sequence of the read check (a GPT-2's full context is not needed to tell)
 
 
@@ -69,21 +72,58 @@ def probe_inputs(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
 
 
 def verify_rebuild(model: nn.Module, arch: Arch, cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
-    """ConfigError unless glmc's build of ``cfg`` takes ``state`` (strictly) and then computes ``model``'s logits."""
+    """ConfigError unless glmc's build of ``cfg`` takes ``state`` (strictly) and then computes ``model``'s logits:
+    in float64 on copies, or above :data:`FLOAT64_CHECK_PARAMS` in float32 on the model's own tensors."""
     device = next(iter(state.values())).device
-    ours = arch.build(cfg).to(device, torch.float64).eval()
+    if sum(v.numel() for v in state.values()) <= FLOAT64_CHECK_PARAMS:
+        ours = _holding(arch.build(cfg).to(device, torch.float64), cast(state, torch.float64), model, cfg)
+        _compare(copy.deepcopy(model).to(device, torch.float64).eval(), ours.eval(), arch, cfg, READ_TOLERANCE)
+        return
+    half = next(iter(state.values())).dtype != torch.float32
+    theirs = copy.deepcopy(model).float() if half else model  # one float32 copy at most, of a half-precision model
+    training = theirs.training
     try:
-        ours.load_state_dict(cast(state, torch.float64), strict=True)
+        with torch.device("meta"):
+            empty = arch.build(cfg)
+        ours = _holding(empty, untied_state(theirs) if half else state, model, cfg, assign=True)
+        _share_buffers(ours, theirs)
+        _compare(theirs.eval(), ours.eval(), arch, cfg, FLOAT32_TOLERANCE)
+    finally:
+        theirs.train(training)
+
+
+def _holding(ours: nn.Module, state: Mapping[str, torch.Tensor], model: nn.Module, cfg: ModelConfig,
+             assign: bool = False) -> nn.Module:
+    """``ours`` holding ``state`` strictly (``assign``: its own tensors, not copies); ConfigError if it does not."""
+    try:
+        ours.load_state_dict(dict(state), strict=True, assign=assign)
     except RuntimeError as err:
         raise ConfigError(f"unsupported {type(model).__name__} variant: its parameters are not those of glmc's "
                           f"{cfg.family} ({first_line(err)})") from err
-    theirs = copy.deepcopy(model).to(device, torch.float64).eval()
-    x = probe_inputs(cfg, device)
+    return ours
+
+
+def _share_buffers(ours: nn.Module, theirs: nn.Module) -> None:
+    """The buffers no state dict holds (rotary frequencies), still on the meta device in ``ours``, shared with
+    ``theirs``'s of the same name."""
+    buffers = dict(theirs.named_buffers())
+    for name, buffer in list(ours.named_buffers()):
+        if buffer.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            ours.get_submodule(owner).register_buffer(leaf, buffers[name], persistent=False)
+
+
+def _compare(theirs: nn.Module, ours: nn.Module, arch: Arch, cfg: ModelConfig, tolerance: float) -> None:
+    """ConfigError unless both modules compute the same logits on two probe inputs, within ``tolerance`` of the
+    largest (at least 1)."""
+    like = next(theirs.parameters())
+    x = probe_inputs(cfg, like.device)
+    x = x.to(like.dtype) if x.is_floating_point() else x
     with torch.no_grad():
         want = arch.logits(theirs, x)
         error = float((arch.logits(ours, x) - want).abs().max())
-    if not error <= READ_TOLERANCE * max(1.0, float(want.abs().max())):
-        raise ConfigError(f"unsupported {type(model).__name__} variant: glmc's {cfg.family} of the same config "
+    if not error <= tolerance * max(1.0, float(want.abs().max())):
+        raise ConfigError(f"unsupported {type(theirs).__name__} variant: glmc's {cfg.family} of the same config "
                           f"computes other logits (max difference {error:.2e}); an option glmc does not describe")
 
 

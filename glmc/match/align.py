@@ -38,7 +38,8 @@ class Alignment:
 
 def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
-    *, form: Form = "standard", data: Dataset | None = None, batch: int = 512, dtype: torch.dtype = torch.float64,
+    *, form: Form = "standard", data: Dataset | None = None, batch: int = 512,
+    dtype: torch.dtype | None = torch.float64,
     learn: LearnConfig | None = None, start: Start = DEFAULT_START, device: str | torch.device | None = None,
     weight: WeightOptions | None = None,
 ) -> Alignment:
@@ -51,15 +52,19 @@ def align_pair(
     out a validation share) with the options ``learn``. ``dual`` returns B moved by π_A⁻¹ ∘ π_B, A in place.
     In the circuit form the states stay standard (aligned as such) and the learned methods learn the circuit path.
     ``device`` is where the work happens and the aligned states stay (None: where the inputs are).
+    ``dtype``: what the canonical states are held in; None keeps each input's own precision, so a bfloat16 pair is
+    searched tensor by tensor in float32 and never held wider (data-free methods only: the others run the models).
     """
     entry = get_method(method)
+    if dtype is None and entry.reads_data:
+        raise ConfigError(f"method {method!r} runs the models: align it in float32 or float64, not as stored")
     if entry.reads_data and data is None:
         raise ConfigError(f"method {method!r} needs data: pass a batch of inputs (--data)")
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
     native_a, native_b = to_device(native_a, device), to_device(native_b, device)
     if method == "none" and form not in CENTRED:  # the models' own parameters: LayerNorm folding is bilinear
-        a, b = (arch.to_canonical(cast(s, dtype), cfg) for s in (native_a, native_b))
+        a, b = (arch.to_canonical(s if dtype is None else cast(s, dtype), cfg) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     a, b = (canonicalize(arch, s, cfg, form, dtype) for s in (native_a, native_b))
     if method == "none":

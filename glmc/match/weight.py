@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from glmc.archs.base import cast
+from glmc.archs.base import search_view
 from glmc.errors import ConfigError
 from glmc.match.common import (
     MatchResult,
@@ -411,9 +411,9 @@ def weight_match(
         raise ConfigError(f"unknown weight-matching start {start!r}; known: {', '.join(STARTS)}")
     require_finite(a, "A")
     require_finite(b, "B")
-    a, b = (cast(s, dtype) for s in (a, b))
     if options.biases == "skip":
         a, b = (without_stream_biases(s, spec, depth) for s in (a, b))
+    a, b = (search_view(s, dtype) for s in (a, b))  # a half-precision model is widened tensor by tensor
     work = Descent(a, b, spec, depth, heads, rotary)
     group, within = ("permutation", False) if permutations_only else (fix_ones, True)
     frozen = permutations_only and not permute_stream  # the stream left as it is: one sweep of assignments

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from glmc.archs.base import State
+from glmc.archs.base import HALF, State
 from glmc.archs.config import ModelConfig
 from glmc.errors import SpecError
 from glmc.symmetry import groups
@@ -178,11 +178,12 @@ def apply(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, head
     for name, (layer, template) in expand(spec, t.depth).items():
         if name not in state:
             continue
-        x = state[name]
+        stored = state[name]
+        x = stored.float() if stored.dtype in HALF else stored  # half precision: moved in float32, rounded once
         for axis, kind in enumerate(spec[template]):
             if kind not in (None, NORM):
                 x = _apply_axis(x, axis, kind, t, layer, heads)
-        out[name] = x
+        out[name] = x.to(stored.dtype)
     return out
 
 
