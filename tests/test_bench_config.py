@@ -25,6 +25,7 @@ from simulations.bench import (
     learning_budget,
     matching_time,
     merging,
+    precision,
     q_candidates,
     repair_barriers,
     scaling,
@@ -37,7 +38,8 @@ BENCHES: dict[str, Callable[[list[str]], int]] = {
     "weight_starts": weight_starts.main, "repair_barriers": repair_barriers.main,
     "learning_budget": learning_budget.main, "learned_gap": learned_gap.main, "forms": forms.main,
     "q_candidates": q_candidates.main,
-    "barrier_sites": barrier_sites.main, "accelerator": accelerator.main, "scaling": scaling.main}
+    "barrier_sites": barrier_sites.main, "accelerator": accelerator.main, "scaling": scaling.main,
+    "precision": precision.main}
 
 
 @pytest.mark.parametrize("name", BENCHES)

@@ -78,3 +78,14 @@ def test_the_committed_summary_is_its_results_and_marks_the_runs_no_row_keeps():
     assert len(runs) == len(data["runs"]) and set(range(len(runs))) - kept  # some run was measured again
     for i, line in enumerate(runs):
         assert ("No row of it is kept" in line) == (i not in kept)
+
+
+def test_the_precision_bench_aligns_a_bfloat16_pair_in_a_fresh_process(tmp_path: Path) -> None:
+    from simulations.bench import precision
+
+    run = {"stored": "bfloat16", "seed": 0, "threads": 1, "precisions": ["stored"], "flags": [], "tolerance": 1e-2}
+    (row,) = precision.measure(MODELS["llama"], run, tmp_path)
+    assert row["exit"] == 0 and row["recovered"] and row["distance"] <= 1e-2 < 0.1 < row["b_distance"]
+    assert 0.1 < row["peak_rss_gb"] < 8 and row["report"]["dtype"] == "bfloat16"  # the child's own VmHWM
+    assert "| tiny-llama | 0 | stored | 0 |" in precision.markdown([row | {"run": 0}], [
+        {"command": "c", "machine": "m", "wall_minutes": 0.1, "load_before": "0"}], 1e-2)
