@@ -235,10 +235,12 @@ def hf_model(native: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Any:
     cfg = meta.config
     if cfg.family == "vit":
         return hf_vit.hf_module(native, cfg, meta.origin.get("config"))
-    if get_arch(cfg.family).hf_class:
-        model: Any = build_model(cfg)
+    if get_arch(cfg.family).hf_class:  # built on the meta device to hold the state's own tensors: no copy at 1B
+        with torch.device("meta"):
+            model: Any = build_model(cfg)
         model.config.architectures = [get_arch(cfg.family).hf_class]
-        model.load_state_dict(dict(native), strict=True)
+        model.load_state_dict(dict(native), strict=True, assign=True)
+        model.tie_weights()  # BERT's decoder is its word embeddings again (the state holds an equal copy)
         return model.eval()
     if cfg.attn_dim != cfg.width:
         raise ConfigError(f"this GPT-2's heads are {cfg.head_dim} wide, not width/heads: transformers cannot load it; "
@@ -280,7 +282,7 @@ def write_hf(folder: Path, native: Mapping[str, torch.Tensor], meta: CheckpointM
              dtype: torch.dtype = torch.float32) -> None:
     """``save_pretrained`` of the state's GPT2LMHeadModel in ``dtype`` (its config.json says which), its tokenizer,
     and glmc's metadata."""
-    model = hf_model(cast(native, torch.float32), meta).to(dtype)
+    model = hf_model(cast(native, dtype), meta).to(dtype)
 
     def fill(tmp: Path) -> None:
         with _quiet_transformers():

@@ -38,7 +38,7 @@ def write_pair(cfg: ModelConfig, dtype: torch.dtype, seed: int, folder: Path) ->
     if (folder / "b" / "config.json").is_file():
         return
     torch.manual_seed(seed)
-    model = build_model(cfg).to(dtype)
+    model: Any = build_model(cfg).to(dtype)  # a transformers model: save_pretrained, config
     model.save_pretrained(str(folder / "a"))
     native = {k: v.float() for k, v in model.state_dict().items()}
     moved = PLANTERS[cfg.family](native, model.config, seed)
