@@ -84,7 +84,7 @@ def test_the_precision_bench_aligns_a_bfloat16_pair_in_a_fresh_process(tmp_path:
     from simulations.bench import precision
 
     run = {"stored": "bfloat16", "seed": 0, "threads": 1, "precisions": ["stored"], "flags": [], "tolerance": 1e-2}
-    (row,) = precision.measure(MODELS["llama"], run, tmp_path)
+    (row,) = list(precision.measure(MODELS["llama"], run, tmp_path))
     assert row["exit"] == 0 and row["recovered"] and row["distance"] <= 1e-2 < 0.1 < row["b_distance"]
     assert 0.1 < row["peak_rss_gb"] < 8 and row["report"]["dtype"] == "bfloat16"  # the child's own VmHWM
     assert "| tiny-llama | 0 | stored | 0 |" in precision.markdown([row | {"run": 0}], [

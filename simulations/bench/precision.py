@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,41 +61,70 @@ CHILD = ("import sys\nfrom glmc.cli import main\ntry:\n    code = main(sys.argv[
 
 
 def align(folder: Path, precision: str, flags: list[str], threads: int) -> dict[str, Any]:
-    """One ``glmc align`` run in a fresh process: exit code, wall time, peak RSS and its report or its one-line
-    refusal."""
+    """One ``glmc align`` run in a fresh process: exit code, wall time, peak RSS (None where the kernel killed it)
+    and its report or the last line it wrote."""
     out = folder / f"aligned-{precision}"
     args = ["align", str(folder / "a"), str(folder / "b"), "--out", str(out), "--precision", precision, "--dtype",
             "bfloat16", "--force", "--threads", str(threads), *flags]
     began = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, check=False)
-    *said, peak = done.stderr.strip().splitlines()
+    said = done.stderr.strip().splitlines() or [""]
+    peak = int(said.pop().split()[1]) / 2**20 if said[-1].startswith("VmHWM") else None
     row: dict[str, Any] = {"precision": precision, "exit": done.returncode, "wall_seconds": time.perf_counter() - began,
-                           "peak_rss_gb": int(peak.split()[1]) / 2**20, "command": "glmc " + " ".join(args)}
-    if done.returncode:
+                           "peak_rss_gb": peak, "command": "glmc " + " ".join(args)}
+    if done.returncode < 0:
+        row["refusal"] = f"killed by signal {-done.returncode} (out of memory: {_last_oom()})"
+    elif done.returncode:
         row["refusal"] = said[-1] if said else ""
     else:
         row["report"] = json.loads(done.stdout.strip().splitlines()[-1])
     return row
 
 
-def measure(model: dict[str, Any], run: dict[str, Any], work: Path) -> list[dict[str, Any]]:
-    """Every precision's row for one model: the pair written once (in a spawned process, so this one stays small
-    while the alignments run), each alignment then checked against A."""
+def _last_oom() -> str:
+    """The kernel's last out-of-memory line about a killed process, or what is known without it."""
+    try:
+        lines = subprocess.run(["dmesg"], capture_output=True, text=True, check=False).stdout.splitlines()
+    except OSError:
+        lines = []
+    killed = [line.split("] ", 1)[-1] for line in lines if "Killed process" in line]
+    return killed[-1] if killed else "the kernel's log is not readable"
+
+
+def pair_facts(folder: Path) -> dict[str, Any]:
+    """A's parameter count and B's distance from A (run in a spawned process, as :func:`checked` is)."""
+    target, _ = read(folder / "a", stored=True)
+    return {"params": sum(v.numel() for v in target.values()),
+            "b_distance": distance(read(folder / "b", stored=True)[0], target)}
+
+
+def checked(folder: Path, precision: str) -> float:
+    """The aligned B's distance from A."""
+    return distance(read(folder / f"aligned-{precision}", stored=True)[0], read(folder / "a", stored=True)[0])
+
+
+def _spawned(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` in a fresh spawned process, so that this one stays small while the alignments run."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
+def measure(model: dict[str, Any], run: dict[str, Any], work: Path) -> Iterator[dict[str, Any]]:
+    """Every precision's row for one model, each as soon as it is measured: the pair written once, each
+    alignment checked against A."""
     cfg = ModelConfig.from_dict(model["config"])
     folder = work / model["name"]
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pool.submit(write_pair, cfg, getattr(torch, run["stored"]), run["seed"], folder).result()
-    rows = [align(folder, precision, run["flags"], run["threads"]) for precision in run["precisions"]]
-    target, _ = read(folder / "a", stored=True)
-    far = distance(read(folder / "b", stored=True)[0], target)
-    for row in rows:
+    _spawned(write_pair, cfg, getattr(torch, run["stored"]), run["seed"], folder)
+    facts = _spawned(pair_facts, folder)
+    for precision in run["precisions"]:
+        row = align(folder, precision, run["flags"], run["threads"])
         if row["exit"] == 0:
-            row["distance"] = distance(read(folder / f"aligned-{row['precision']}", stored=True)[0], target)
-            row["recovered"] = row["distance"] <= run["tolerance"] < far
-        print(f"{model['name']} {row['precision']}: exit {row['exit']}, {row['wall_seconds']:.0f} s, peak "
-              f"{row['peak_rss_gb']:.1f} GB, {row.get('distance', row.get('refusal'))}", flush=True)
-    params = sum(v.numel() for v in target.values())
-    return [{"model": model["name"], "params": params, "b_distance": far, **row} for row in rows]
+            row["distance"] = _spawned(checked, folder, precision)
+            row["recovered"] = row["distance"] <= run["tolerance"] < facts["b_distance"]
+        peak = "–" if row["peak_rss_gb"] is None else f"{row['peak_rss_gb']:.1f} GB"
+        print(f"{model['name']} {precision}: exit {row['exit']}, {row['wall_seconds']:.0f} s, peak {peak}, "
+              f"{row.get('distance', row.get('refusal'))}", flush=True)
+        yield {"model": model["name"], **facts, **row}
 
 
 def markdown(rows: list[dict[str, Any]], runs: list[dict[str, Any]], tolerance: float) -> str:
@@ -110,10 +140,11 @@ def markdown(rows: list[dict[str, Any]], runs: list[dict[str, Any]], tolerance: 
              "| recovered | run |", "|" + "---|" * 11]
     for r in rows:
         seconds = r.get("report", {}).get("seconds")
+        peak = "killed" if r["peak_rss_gb"] is None else f"{r['peak_rss_gb']:.1f}"
         result = f"{r['distance']:.1e}" if "distance" in r else f"refused: {r.get('refusal', '')}"
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.0f} | {r['precision']} | {r['exit']} | "
                      f"{r['wall_seconds']:.0f} | {'–' if seconds is None else f'{seconds:.0f}'} | "
-                     f"{r['peak_rss_gb']:.1f} | {result} | {r['b_distance']:.2f} | "
+                     f"{peak} | {result} | {r['b_distance']:.2f} | "
                      f"{'yes' if r.get('recovered') else ('–' if r['exit'] else 'NO')} | {r['run']} |")
     return "\n".join(lines) + "\n"
 
@@ -135,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     runs = [*kept.get("runs", []), {"command": command, "machine": machine(), "load_before": load}]
     rows = [r for r in kept.get("rows", []) if r["model"] not in names]
-    for name in names:  # saved after every shape: a run cut off keeps what it measured
-        rows += [r | {"run": len(runs) - 1} for r in measure(shapes[name], run, work)]
+    for row in (row for name in names for row in measure(shapes[name], run, work)):
+        rows.append(row | {"run": len(runs) - 1})  # saved after every row: a run cut off keeps what it measured
         runs[-1]["wall_minutes"] = (time.perf_counter() - began) / 60
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=1) + "\n")
