@@ -33,7 +33,7 @@ def _model(name: str, dtype: torch.dtype) -> torch.nn.Module:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_float32_read_check_reads_every_family_in_its_own_precision(
+def test_the_lean_read_check_reads_every_family_in_its_own_precision(
         name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(live, "FLOAT64_CHECK_PARAMS", 0)  # every model counts as a billion-parameter one
     model = _model(name, dtype).train()

@@ -3,7 +3,7 @@ model from a config."""
 
 from torch import nn
 
-from glmc.archs.base import HALF, Arch, KeyRule, State, cast, search_view
+from glmc.archs.base import Arch, KeyRule, State, cast, search_view
 from glmc.archs.bert import BERT
 from glmc.archs.config import PRESETS, ModelConfig, preset, scale_width
 from glmc.archs.gpt2 import GPT2
@@ -28,5 +28,5 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return get_arch(cfg.family).build(cfg)
 
 
-__all__ = ["ARCHS", "HALF", "PRESETS", "Arch", "KeyRule", "ModelConfig", "State", "build_model", "cast", "get_arch",
+__all__ = ["ARCHS", "PRESETS", "Arch", "KeyRule", "ModelConfig", "State", "build_model", "cast", "get_arch",
            "preset", "scale_width", "search_view"]

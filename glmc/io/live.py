@@ -87,8 +87,7 @@ def verify_rebuild(model: nn.Module, arch: Arch, cfg: ModelConfig, state: Mappin
             empty = arch.build(cfg)
         ours = _holding(empty, state, model, cfg, assign=True)
         _share_buffers(ours, model)
-        tolerance = LEAN_TOLERANCE[next(iter(state.values())).dtype]
-        _compare(model.eval(), ours.eval(), arch, cfg, tolerance)
+        _compare(model.eval(), ours.eval(), arch, cfg, LEAN_TOLERANCE[next(model.parameters()).dtype])
     finally:
         model.train(training)
 
