@@ -33,7 +33,7 @@ data: $(STAMP)
 	fi
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 	$(PY) -m ruff check .
 
 lint: setup
