@@ -250,18 +250,18 @@ def markdown(rows: list[dict[str, Any]], timing: dict[str, Any], meta: dict[str,
         lines.append(f"| {r.get('model', r['preset'])} | {r['dataset']} | {r['method']} | {r['pairs']} | "
                      f"{r['barrier']:.3f} ± {r['barrier_se']:.3f} | {100 * r['ratio_to_vanilla']:.1f}% ± "
                      f"{100 * r['ratio_se']:.1f} | {r['midpoint_accuracy']:.3f} | {r['align_seconds']:.2f} |")
+    cost = "; the table below measures the weight-matching cost itself." if timing else "."
     lines += ["", "`align s` is the median wall time of the pair runs' alignment (for learned methods: the learning "
-              "time), on a machine shared with other jobs; the table below measures the weight-matching cost itself.",
+              f"time), on a machine shared with other jobs{cost}",
               f"Learned methods' flags: {meta['learn']}.",
               *(["", "Soft permutations are not exact symmetries, so the aligned B is not B: its barrier above is "
                  "measured against the aligned B's own loss. The learning's midpoint gain (validation loss at "
                  "λ = 0.5, before minus after) and the aligned B's distance from B, both on the learning's validation "
                  "share of the training split:", "",
                  *approximate] if approximate else []),
-              "", "Weight-matching time at each torch thread count, between two random-init models of each preset and "
-              "between two trained seeds (median of repeats; CPU time is the steadier figure on a shared machine):",
-              "",
-              *timing_table(timing)]
+              *(["", "Weight-matching time at each torch thread count, between two random-init models of each preset "
+                 "and between two trained seeds (median of repeats; CPU time is the steadier figure on a shared "
+                 "machine):", "", *timing_table(timing)] if timing else [])]
     return "\n".join(lines) + "\n"
 
 
