@@ -211,3 +211,13 @@ def test_a_bench_whose_published_rows_predate_the_matchers_defaults_pins_the_mat
     name that matcher, so that their one command reproduces them under today's defaults."""
     run = tomllib.loads(Path(f"simulations/bench/configs/{config}.toml").read_text())["run"]
     assert parse_weight_flags(run["matcher"]) == ("identity", WeightOptions(head_cost="squared", mlp_cost="inner"))
+
+
+def test_the_barrier_summary_shows_a_timing_table_only_when_timing_was_measured() -> None:
+    """A run under --no-timing with no earlier timing printed an empty table and pointed to it."""
+    meta = {"command": "c", "config": "f", "machine": "m", "threads": 1, "wall_minutes": 0.1, "points": 3,
+            "limit": 10, "learn": ""}
+    timing = {"a": {"models": "a / b", "threads": 1, "median_seconds": 0.5, "median_cpu_seconds": 0.9, "sweeps": 4}}
+    without, with_timing = barriers.markdown([], {}, meta, []), barriers.markdown([], timing, meta, [])
+    assert "| models | threads |" not in without and "the table below" not in without
+    assert "| a / b | 1 | 0.50 | 0.90 | 4 |" in with_timing and "the table below" in with_timing
