@@ -189,6 +189,9 @@ class RunSettings:
     # then, at equal widths, a client farther from the round's coordinate-wise median than this multiple of the lower
     # median client's distance is pulled back toward it (0 = off)
     center_clip_ratio: float = 1.0
+    # ... times a node's (capped) num-examples over the lower median node's, where larger: trained by whole epochs, a
+    # node with k times the examples takes k times the steps and sits farther out (false: one bound for all)
+    center_clip_by_examples: bool = True
     # fedavg (the weighted mean) | fedmedian | fedtrimmedavg: Flower's FedMedian and FedTrimmedAvg, unweighted, of the
     # aligned clients; equal widths only
     robust_average: str = "fedavg"
@@ -285,7 +288,8 @@ class RunSettings:
         return Robustness(max_examples_ratio=self.max_examples_ratio, max_examples=self.max_examples,
                           clip_ratio=self.clip_ratio, peer_examples_ratio=self.peer_examples_ratio,
                           max_examples_share=self.max_examples_share,
-                          center_clip_ratio=self.center_clip_ratio, average=self.robust_average,
+                          center_clip_ratio=self.center_clip_ratio,
+                          center_clip_by_examples=self.center_clip_by_examples, average=self.robust_average,
                           trim_beta=self.trim_beta)
 
     @property

@@ -38,7 +38,7 @@ from glmc.data.generated import generated_text, writing_seconds
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
 from glmc.merging.options import MergeOptions
-from glmc.merging.robust import Clipping, cap_examples, clip, combine, recentre, unclipped
+from glmc.merging.robust import Clipping, cap_examples, clip, combine, recentre_round, unclipped
 from glmc.merging.widths import Placement
 from glmc.train import TrainConfig
 from server.aggregation import (
@@ -313,7 +313,8 @@ class SymmetryAwareFedAvg(FedAvg):
         if anchor is None:  # no global model yet (a test's first round): nothing to clip around, as in merge
             clipping = unclipped(states)
         else:
-            clipping = recentre(clip(states, [anchor] * len(states), robust.clip_ratio), robust.center_clip_ratio)
+            clipping = recentre_round(clip(states, [anchor] * len(states), robust.clip_ratio), robust,
+                                      [c.weight for c in clients])
         _record_clipping(record, clipping)
         if not (record.capped or clipping.acted) and robust.weighted_mean:
             return super().aggregate_train(record.round, valid)

@@ -20,7 +20,17 @@ from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig
 from glmc.match.options import MatchOptions
 from glmc.merging.options import MergeOptions
-from glmc.merging.robust import Robustness, cap_examples, clip, coordinatewise, distance, recentre, screen, unclipped
+from glmc.merging.robust import (
+    Robustness,
+    cap_examples,
+    clip,
+    coordinatewise,
+    distance,
+    recentre,
+    recentre_round,
+    screen,
+    unclipped,
+)
 from glmc.train import TrainConfig
 from server.aggregation import Client, merge
 from server.validation import check_reply
@@ -126,6 +136,42 @@ def test_one_attacker_cannot_raise_the_recentring_bound_past_the_farthest_honest
         assert distance(result.states[3], median) <= max(distance(h, median) for h in honest) * (1 + 1e-6)
 
 
+def test_a_client_with_k_times_the_lower_median_examples_may_sit_k_times_as_far_from_the_median() -> None:
+    """Trained by whole epochs, a heavier node takes more steps and sits farther out: its recentring bound grows
+    with its weight over the lower median weight, up to the largest other weight (its own claim cannot raise it),
+    never below the common bound; off, it is pulled to that bound."""
+    center = state(0)
+    states = [_tuned(center, i, scale=0.01 * (i + 1)) for i in range(3)] + [_tuned(center, 9, scale=0.2)]
+    median = coordinatewise(states, "fedmedian", 0.0)
+    distances = [distance(s, median) for s in states]
+    scale = sorted(distances)[1]
+    k = distances[3] / scale
+    assert k > 2
+    covered = [10, 10, 10 * k * 1.01, 10 * k * 1.01]  # a peer as heavy: the allowance reaches k × 1.01
+    assert recentre(unclipped(states), 1.0, covered).states[3] is states[3]
+    for weights, allowed in (([10, 10, 10 * k / 2, 10 * k], k / 2),  # capped at the heaviest other's
+                             ([10, 10, 10, 10 * k], 1.0),  # alone in its weight: no allowance
+                             ([40, 40, 40, 1], 1.0)):  # a light node keeps the common bound
+        held = recentre(unclipped(states), 1.0, weights).states[3]
+        assert distance(held, median) == pytest.approx(scale * allowed, rel=1e-5)
+    off = recentre_round(unclipped(states), Robustness(center_clip_by_examples=False), covered).states[3]
+    assert distance(off, median) == pytest.approx(scale, rel=1e-5)
+
+
+def test_an_attacker_claiming_every_example_gets_no_allowance_over_equal_honest_clients() -> None:
+    """Its capped weight (1.6 × the heaviest honest node's) is above every other, so its allowance is the heaviest
+    honest node's, 1: it ends no farther from the median than the farthest honest client."""
+    center = state(0)
+    honest = [_tuned(center, i, scale=0.02) for i in range(3)]
+    weights = cap_examples([20, 20, 20, 10**9], Robustness())
+    assert weights[3] > 20
+    for scale in (1.0, 1e3):
+        states = [*honest, _tuned(center, 9, scale=scale)]
+        median = coordinatewise(states, "fedmedian", 0.0)
+        result = recentre_round(unclipped(states), Robustness(), weights)
+        assert distance(result.states[3], median) <= max(distance(h, median) for h in honest) * (1 + 1e-6)
+
+
 def test_screen_leaves_a_client_in_another_basis_alone_and_clips_a_runaway() -> None:
     center = state(0)
     moved = _permuted(_tuned(center, 1), seed=3)  # far from the center in this basis, not in norm
@@ -202,10 +248,10 @@ def test_a_clipping_reference_is_taken_over_the_clients_that_moved() -> None:
 
 
 def _honest_replies(anchor: dict[str, torch.Tensor]) -> tuple[list, list]:
-    """Three honest clients of 10, 20 and 25 examples: under every cap (the heaviest holds 1.25 × the second's and
-    0.45 of the round)."""
+    """Three honest clients of 25, 20 and 10 examples: under every cap (the heaviest holds 1.25 × the second's and
+    0.45 of the round); the one that moved farthest holds the fewest, so no example allowance covers it."""
     tuned = [_tuned(anchor, i, scale=0.01 * (i + 1)) for i in range(3)]
-    return tuned, [reply(s, metrics(examples=n), node=i + 1) for i, (s, n) in enumerate(zip(tuned, (10, 20, 25),
+    return tuned, [reply(s, metrics(examples=n), node=i + 1) for i, (s, n) in enumerate(zip(tuned, (25, 20, 10),
                                                                                           strict=True))]
 
 
@@ -233,8 +279,8 @@ def test_at_the_defaults_an_honest_round_changes_by_the_recentring_alone(aggrega
     assert record.recentred == 1 and record.capped == record.clipped == record.clipped_before == 0
     assert record.center_spread is not None and record.center_spread > 1
     if aggregation == "fedavg":
-        held = recentre(unclipped(tuned), 1.0).states
-        by_hand = {k: (10 * held[0][k] + 20 * held[1][k] + 25 * held[2][k]) / 55 for k in anchor}
+        held = recentre(unclipped(tuned), 1.0, [25, 20, 10]).states
+        by_hand = {k: (25 * held[0][k] + 20 * held[1][k] + 10 * held[2][k]) / 55 for k in anchor}
         assert all(np.allclose(defended[k], by_hand[k].numpy(), atol=1e-6) for k in anchor)
 
 

@@ -15,8 +15,18 @@ from simulations.bench.single_attacker import OLD, influence, largest_share
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_one_attacker_moves_the_aggregate_no_further_than_the_farthest_honest_client(aggregation: str) -> None:
     ratios = influence(aggregation, Robustness())
-    assert set(ratios) == {"10^9 examples", "x1000", "all 9999", "sign flip x10"}
-    assert all(ratio <= 1.0 for ratio in ratios.values()), ratios
+    targets = {"10^9 examples", "x1000", "all 9999", "sign flip x10"}
+    assert set(ratios) == targets | {"sign flip x10, 10^9 examples"}
+    assert all(ratios[name] <= 1.0 for name in targets), ratios
+
+
+def test_the_example_allowance_gives_a_heavy_attacker_nothing_over_equal_honest_clients() -> None:
+    """The recentring bound grows with a node's weight only up to the heaviest other node's, so a sign flip that
+    also claims 10⁹ examples lands where it lands under one bound for all (at the target's edge, 1.00)."""
+    combined = "sign flip x10, 10^9 examples"
+    allowed = influence("fedavg", Robustness())[combined]
+    assert allowed == pytest.approx(influence("fedavg", Robustness(center_clip_by_examples=False))[combined], rel=1e-6)
+    assert allowed < 1.05
 
 
 @pytest.mark.parametrize("replies", [4, 5, 8])

@@ -15,12 +15,15 @@ aggregation, in the space the clients are averaged in (after alignment, for the 
   aggregations measure after matching, where the distance is the one the average sees; before matching, only a
   client whose norm alone proves it would be clipped is scaled down (:func:`screen`), so that a runaway reply
   cannot derail the matching itself. A narrow client is measured against the global model at its own width.
-- **Centred clipping** (``center-clip-ratio``): then, at equal widths, a client farther from the round's
-  coordinate-wise median (of the clients that moved) than ``center-clip-ratio`` times the lower median distance to it
-  is pulled back toward it (Karimireddy, He and Jaggi 2021 clip around a robust centre too). Clipping around the
-  global model bounds how far an attacker reaches, not where: at 5 × the median a sign flip or a runaway reply still
-  moved the round 6–7 times as far as the farthest honest client did; around the median at 1 ×, one attacker among
-  three honest clients lands no farther out than an honest client sits (simulations/results/single-attacker).
+- **Centred clipping** (``center-clip-ratio``, ``center-clip-by-examples``): then, at equal widths, a client farther
+  from the round's coordinate-wise median (of the clients that moved) than ``center-clip-ratio`` times the lower
+  median distance to it, times its example allowance (its capped weight, at most the largest other one, over the
+  lower median weight, and at least 1), is pulled back toward it (Karimireddy, He and Jaggi 2021 clip around a
+  robust centre too). Clipping around the global model bounds how far an attacker reaches, not where: at 5 × the
+  median a sign flip or a runaway reply still moved the round 6–7 times as far as the farthest honest client did;
+  around the median at 1 ×, one attacker among three honest clients lands no farther out than an honest client sits
+  (simulations/results/single-attacker). The allowance keeps a heavier node that took more local steps (whole
+  epochs) from being pulled in as if it were one.
 - **Coordinate-wise robust averages** (``robust-average``): ``fedmedian`` (Flower's FedMedian) and
   ``fedtrimmedavg`` with ``trim-beta`` (Flower's FedTrimmedAvg: ``int(beta·n)`` values cut from each end), both
   unweighted as in Flower, of the aligned clients. Equal widths only.
@@ -28,8 +31,8 @@ aggregation, in the space the clients are averaged in (after alignment, for the 
 With the lower median, one attacker among n ≥ 2 honest clients cannot raise either clipping bound past the largest
 honest value, nor its own weight past 1.6 × the heaviest honest client's. The caps sit above every published honest
 split and the clipping at 5 above every honest round measured (simulations/results/attacks), so there they change
-nothing; the centred clipping does touch honest rounds: it pulls the clients beyond the lower median distance in to
-it (an honest round's farthest client sat 1.2–1.3 times as far; docs/reliability.md has what that cost). Bound (mean,
+nothing; the centred clipping does touch honest rounds: it pulls the clients beyond their bound in to it (an honest
+round's farthest client sat 1.2–1.3 times as far; docs/reliability.md has what that cost). Bound (mean,
 one attacker): the global model lies within ``(clip-ratio + 1) · R`` of the honest clients' own aggregate, R the
 largest honest distance from the global model.
 """
@@ -63,6 +66,7 @@ class Robustness:
     peer_examples_ratio: float = 1.6  # num-examples capped at this multiple of the largest other node's; 0 = off
     max_examples_share: float = 0.49  # and at a common level under which no node keeps more of the total; 0 = off
     center_clip_ratio: float = 1.0  # distance from the round's median capped at this multiple of the lower median's
+    center_clip_by_examples: bool = True  # ... times a heavier node's examples over the lower median node's
     average: str = "fedavg"  # fedavg (weighted mean) | fedmedian | fedtrimmedavg
     trim_beta: float = 0.2  # fedtrimmedavg: the fraction cut from each end of every coordinate
 
@@ -207,11 +211,12 @@ def screen(states: Sequence[State], centers: Sequence[Mapping[str, torch.Tensor]
     return Clipping([_toward(s, c, f) for s, c, f in zip(states, centers, factors, strict=True)], factors, None)
 
 
-def recentre(clipping: Clipping, ratio: float) -> Clipping:
+def recentre(clipping: Clipping, ratio: float, weights: Sequence[float] | None = None) -> Clipping:
     """``clipping``'s states, those that moved (free riders stay as they are, and set neither the center nor the
     scale), pulled toward their coordinate-wise median along their offset from it so that ‖θ_i − m‖ ≤ ``ratio`` ×
-    the lower median of those distances. One attacker among n ≥ 2 honest clients cannot move that median out of
-    the honest clients' range in any coordinate, nor raise the bound past the largest honest distance. Needs three
+    the lower median of those distances, times client i's example allowance (:func:`example_allowance`). One
+    attacker among n ≥ 2 honest clients cannot move that median out of the honest clients' range in any coordinate,
+    nor raise its bound past the largest honest distance times the heaviest honest node's allowance. Needs three
     clients that moved (with two, both sit at the same distance from their mean); ``ratio`` 0: measured, never
     pulled."""
     moved = clipping.moved or [True] * len(clipping.states)
@@ -221,14 +226,34 @@ def recentre(clipping: Clipping, ratio: float) -> Clipping:
     median = coordinatewise(group, "fedmedian", 0.0)
     distances = [distance(s, median) for s in group]
     scale = statistics.median_low(distances)
-    bound = ratio * scale if ratio else math.inf
-    pulled = iter([_toward(s, median, bound / d) if d > bound else s for s, d in zip(group, distances, strict=True)])
+    allowance = example_allowance([w for w, m in zip(weights, moved, strict=True) if m] if weights else None,
+                                  len(group))
+    bounds = [ratio * scale * a if ratio else math.inf for a in allowance]
+    pulled = iter([_toward(s, median, b / d) if d > b else s for s, d, b in zip(group, distances, bounds, strict=True)])
     states = [next(pulled) if m else s for s, m in zip(clipping.states, moved, strict=True)]
-    recentred = sum(d > bound for d in distances)
+    recentred = sum(d > b for d, b in zip(distances, bounds, strict=True))
     if recentred:
-        log.info("recentred %d of %d clients to %.3g of their median (center-clip-ratio %g × the lower median "
-                 "distance)", recentred, len(group), bound, ratio)
+        log.info("recentred %d of %d clients toward their median (center-clip-ratio %g × the lower median distance "
+                 "%.3g, times the heavier nodes' example allowance)", recentred, len(group), ratio, scale)
     return replace(clipping, states=states, recentred=recentred, center_spread=max(distances) / scale if scale else 1.0)
+
+
+def recentre_round(clipping: Clipping, robust: Robustness, weights: Sequence[float]) -> Clipping:
+    """:func:`recentre` at ``robust``'s ratio, with the round's capped ``weights`` where ``center_clip_by_examples``
+    (else every client gets the same bound)."""
+    return recentre(clipping, robust.center_clip_ratio, weights if robust.center_clip_by_examples else None)
+
+def example_allowance(weights: Sequence[float] | None, n: int) -> list[float]:
+    """How many times the recentring bound each client gets: its weight, at most the largest other weight (so that
+    no claim raises its own bound), over the lower median weight, and at least 1 (all 1 without weights). Trained by
+    whole epochs, a node with k times the examples takes k times the steps and sits farther from the round's median
+    (drift's split: the 3.84 × node at 2.8 × the lower median distance, the 2.53 × one at 2.6 ×); one bound for
+    all cost that run 6.4 points (simulations/results/robust-honest-drift-defaults)."""
+    if not weights:
+        return [1.0] * n
+    typical = statistics.median_low(weights)
+    others = [max((w for j, w in enumerate(weights) if j != i), default=0.0) for i in range(len(weights))]
+    return [max(1.0, min(w, other) / typical) if typical > 0 else 1.0 for w, other in zip(weights, others, strict=True)]
 
 
 def _toward(state: State, center: Mapping[str, torch.Tensor], factor: float) -> State:

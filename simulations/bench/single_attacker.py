@@ -47,9 +47,10 @@ OUT = Path("outputs/bench/single-attacker")  # --publish: simulations/results/si
 RESULTS = Path("simulations/results/single-attacker")
 OLD = Robustness(peer_examples_ratio=0.0, max_examples_share=0.0, center_clip_ratio=0.0)  # before the peer and share
 DEFENCES = {  # caps and the centred clipping
-    "defaults (cap 5, peer cap 1.6, share 0.49, clip 5, centred clip 1)": Robustness(),
+    "defaults (cap 5, peer cap 1.6, share 0.49, clip 5, centred clip 1 × the example allowance)": Robustness(),
     "peer cap 1 (and the other defaults)": Robustness(peer_examples_ratio=1.0),
     "centred clip 1.2 (and the other defaults)": Robustness(center_clip_ratio=1.2),
+    "one centred bound for all (no example allowance)": Robustness(center_clip_by_examples=False),
     "old defaults (cap 5, clip 5)": OLD,
     "fedmedian": dataclasses.replace(OLD, average="fedmedian"),
     "fedtrimmedavg 0.25": dataclasses.replace(OLD, average="fedtrimmedavg", trim_beta=0.25),
@@ -92,7 +93,8 @@ def attacks(g: State, honest: Sequence[State]) -> dict[str, tuple[State, int]]:
     return {"10^9 examples": ({k: g[k] + noise[k] for k in g}, 10**9),
             "x1000": ({k: 1000 * (g[k] + noise[k]) for k in g}, HONEST_EXAMPLES),
             "all 9999": ({k: torch.full_like(v, 9999.0) for k, v in g.items()}, HONEST_EXAMPLES),
-            "sign flip x10": ({k: g[k] - 10 * (mean[k] - g[k]) for k in g}, HONEST_EXAMPLES)}
+            "sign flip x10": ({k: g[k] - 10 * (mean[k] - g[k]) for k in g}, HONEST_EXAMPLES),
+            "sign flip x10, 10^9 examples": ({k: g[k] - 10 * (mean[k] - g[k]) for k in g}, 10**9)}
 
 
 def influence(aggregation: str, robust: Robustness) -> dict[str, float]:
