@@ -243,6 +243,7 @@ def recentre_round(clipping: Clipping, robust: Robustness, weights: Sequence[flo
     (else every client gets the same bound)."""
     return recentre(clipping, robust.center_clip_ratio, weights if robust.center_clip_by_examples else None)
 
+
 def example_allowance(weights: Sequence[float] | None, n: int) -> list[float]:
     """How many times the recentring bound each client gets: its weight, at most the largest other weight (so that
     no claim raises its own bound), over the lower median weight, and at least 1 (all 1 without weights). Trained by
