@@ -167,11 +167,13 @@ class RunSettings:
     # independently initialised clients gain 13–15% (simulations/results/oneshot)
     min_alignment_gain: float = 0.05
     # weight matching (weight, universe, and the learned methods' first step): its start (relaxed | identity |
-    # embeddings), head cost (norm | squared) and MLP cost (l1 | inner); glmc align's --start, --head-cost and
-    # --mlp-cost. Results published before these keys ran identity, squared and inner (their configs pin them)
+    # embeddings), head cost (norm | squared), MLP cost (l1 | inner) and whether its residual Procrustes reads the
+    # stream's biases (read | skip); glmc align's --start, --head-cost, --mlp-cost and --biases. Results published
+    # before the first three keys ran identity, squared and inner (their configs pin them)
     weight_start: str = "relaxed"
     weight_head_cost: str = "norm"
     weight_mlp_cost: str = "inner"
+    weight_biases: str = "read"
     # Robust aggregation (glmc.merging.robust), on every aggregation, where the clients are averaged (after alignment).
     # The defaults hold one attacker among three honest clients (simulations/results/single-attacker).
     # a node's num-examples is capped at this multiple of the round's lower median (0 = off); the published splits
@@ -271,9 +273,9 @@ class RunSettings:
         self.robustness  # noqa: B018  (checks the robust-aggregation keys)
         _require(self.weight_start in STARTS, f"weight-start must be one of {STARTS}, got {self.weight_start!r}")
         try:
-            self.weight_options  # noqa: B018  (checks weight-head-cost and weight-mlp-cost)
+            self.weight_options  # noqa: B018  (checks weight-head-cost, weight-mlp-cost and weight-biases)
         except ConfigError as err:
-            raise ConfigError(f"weight-head-cost / weight-mlp-cost: {err}") from None
+            raise ConfigError(f"weight-head-cost / weight-mlp-cost / weight-biases: {err}") from None
         _require(self.server_data_source in SERVER_DATA_SOURCES, f"server-data-source must be one of "
                  f"{SERVER_DATA_SOURCES}, got {self.server_data_source!r}")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
@@ -295,7 +297,8 @@ class RunSettings:
     @property
     def weight_options(self) -> WeightOptions:
         """Weight matching's costs (:class:`glmc.match.weight.WeightOptions`)."""
-        return WeightOptions(head_cost=self.weight_head_cost, mlp_cost=self.weight_mlp_cost)  # type: ignore[arg-type]
+        return WeightOptions(head_cost=self.weight_head_cost, mlp_cost=self.weight_mlp_cost,  # type: ignore[arg-type]
+                             biases=self.weight_biases)  # type: ignore[arg-type]
 
     @property
     def learn_options(self) -> LearnConfig:
