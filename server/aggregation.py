@@ -183,7 +183,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, option
         return MergeResult(None, seconds, before, before, [None] * len(clients), early.clipped)
     clipping = _around_anchor(clip, result.aligned, [full] * len(clients), result.placements, start, full,
                               robust.clip_ratio)  # the distance the average sees
-    clipping = _recentred(clipping, clients, configs, full, robust, start)
+    clipping = _recentred(clipping, weights, configs, full, robust, start)
     merged = _robust_merge(result.merged, clipping, result.placements, weights, robust)
     merged = options.corrections.apply(merged, clipping.states, full, data, weights, result.placements)
     return MergeResult(wire_state(arch.to_native(merged, full)), seconds, before, after, list(result.placements),
@@ -209,14 +209,14 @@ def _around_anchor(how: Callable[[Sequence[State], Sequence[State], float], Clip
     return how(states, centers, ratio)
 
 
-def _recentred(clipping: Clipping, clients: Sequence[Client], configs: Sequence[ModelConfig], full: ModelConfig,
+def _recentred(clipping: Clipping, weights: Sequence[float], configs: Sequence[ModelConfig], full: ModelConfig,
                robust: Robustness, anchor: State | None) -> Clipping:
     """``clipping`` with its clients recentred on their coordinate-wise median (:func:`glmc.merging.robust.recentre`)
     when they all have the full width and there is a global model; else as it is: a narrow client's coordinates are
     not all comparable, and round 1 of independent inits, which clips no one, recentres no one either."""
     if anchor is None or any(c != full for c in configs):
         return clipping
-    return recentre_round(clipping, robust, [c.weight for c in clients])
+    return recentre_round(clipping, robust, weights)
 
 
 def _robust_merge(merged: State, clipping: Clipping, placements: Sequence[Placement], weights: Sequence[float],
@@ -246,13 +246,14 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
     centers = [previous if cfg == full else heterofl.restrict(previous, full, cfg) for cfg in configs]
     natives = [c.state for c in clients]
     clipping = clip(natives, centers, robust.clip_ratio) if anchor is not None else unclipped(natives)
-    clipping = _recentred(clipping, clients, configs, full, robust, anchor)
+    weights = [c.weight for c in clients]
+    clipping = _recentred(clipping, weights, configs, full, robust, anchor)
     teacher = clients_teacher(clipping.states, clients, full) if distil else None
     if aggregation == "server-only":
         native, seconds = finetune(_server_only(anchor), full, data, tune, teacher)
         return MergeResult(native, seconds, before, before, [None] * len(clients), 0, clipping if distil else None)
     if robust.weighted_mean:
-        native = heterofl.merge(clipping.states, configs, [c.weight for c in clients], full, previous)
+        native = heterofl.merge(clipping.states, configs, weights, full, previous)
     else:
         _require_equal_widths(any(cfg != full for cfg in configs), robust)
         native = coordinatewise(clipping.states, robust.average, robust.trim_beta)

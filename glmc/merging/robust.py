@@ -226,8 +226,8 @@ def recentre(clipping: Clipping, ratio: float, weights: Sequence[float] | None =
     median = coordinatewise(group, "fedmedian", 0.0)
     distances = [distance(s, median) for s in group]
     scale = statistics.median_low(distances)
-    allowance = example_allowance([w for w, m in zip(weights, moved, strict=True) if m] if weights else None,
-                                  len(group))
+    allowance = (example_allowance([w for w, m in zip(weights, moved, strict=True) if m]) if weights
+                 else [1.0] * len(group))
     bounds = [ratio * scale * a if ratio else math.inf for a in allowance]
     pulled = iter([_toward(s, median, b / d) if d > b else s for s, d, b in zip(group, distances, bounds, strict=True)])
     states = [next(pulled) if m else s for s, m in zip(clipping.states, moved, strict=True)]
@@ -244,14 +244,12 @@ def recentre_round(clipping: Clipping, robust: Robustness, weights: Sequence[flo
     return recentre(clipping, robust.center_clip_ratio, weights if robust.center_clip_by_examples else None)
 
 
-def example_allowance(weights: Sequence[float] | None, n: int) -> list[float]:
+def example_allowance(weights: Sequence[float]) -> list[float]:
     """How many times the recentring bound each client gets: its weight, at most the largest other weight (so that
-    no claim raises its own bound), over the lower median weight, and at least 1 (all 1 without weights). Trained by
-    whole epochs, a node with k times the examples takes k times the steps and sits farther from the round's median
-    (drift's split: the 3.84 × node at 2.8 × the lower median distance, the 2.53 × one at 2.6 ×); one bound for
-    all cost that run 6.4 points (simulations/results/robust-honest-drift-defaults)."""
-    if not weights:
-        return [1.0] * n
+    no claim raises its own bound), over the lower median weight, and at least 1. Trained by whole epochs, a node
+    with k times the examples takes k times the steps and sits farther from the round's median (drift's split: the
+    3.84 × node at 2.8 × the lower median distance, the 2.53 × one at 2.6 ×); one bound for all cost that run 6.4
+    points (simulations/results/robust-honest-drift-defaults)."""
     typical = statistics.median_low(weights)
     others = [max((w for j, w in enumerate(weights) if j != i), default=0.0) for i in range(len(weights))]
     return [max(1.0, min(w, other) / typical) if typical > 0 else 1.0 for w, other in zip(weights, others, strict=True)]

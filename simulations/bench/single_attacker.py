@@ -90,11 +90,12 @@ def attacks(g: State, honest: Sequence[State]) -> dict[str, tuple[State, int]]:
     torch.manual_seed(1)
     noise = {k: STEP * torch.randn_like(v) for k, v in g.items()}
     mean = {k: sum(h[k] for h in honest) / len(honest) for k in g}
+    flipped = {k: g[k] - 10 * (mean[k] - g[k]) for k in g}
     return {"10^9 examples": ({k: g[k] + noise[k] for k in g}, 10**9),
             "x1000": ({k: 1000 * (g[k] + noise[k]) for k in g}, HONEST_EXAMPLES),
             "all 9999": ({k: torch.full_like(v, 9999.0) for k, v in g.items()}, HONEST_EXAMPLES),
-            "sign flip x10": ({k: g[k] - 10 * (mean[k] - g[k]) for k in g}, HONEST_EXAMPLES),
-            "sign flip x10, 10^9 examples": ({k: g[k] - 10 * (mean[k] - g[k]) for k in g}, 10**9)}
+            "sign flip x10": (flipped, HONEST_EXAMPLES),
+            "sign flip x10, 10^9 examples": (flipped, 10**9)}
 
 
 def influence(aggregation: str, robust: Robustness) -> dict[str, float]:
