@@ -168,12 +168,12 @@ class RunSettings:
     min_alignment_gain: float = 0.05
     # weight matching (weight, universe, and the learned methods' first step): its start (relaxed | identity |
     # embeddings), head cost (norm | squared), MLP cost (l1 | inner) and whether its residual Procrustes reads the
-    # stream's biases (read | skip); glmc align's --start, --head-cost, --mlp-cost and --biases. Results published
-    # before the first three keys ran identity, squared and inner (their configs pin them)
+    # stream's biases (skip | read); glmc align's --start, --head-cost, --mlp-cost and --biases. Results published
+    # before the first three keys ran identity, squared and inner, and before 2026-12-02 read (their configs pin them)
     weight_start: str = "relaxed"
     weight_head_cost: str = "norm"
     weight_mlp_cost: str = "inner"
-    weight_biases: str = "read"
+    weight_biases: str = "skip"
     # Robust aggregation (glmc.merging.robust), on every aggregation, where the clients are averaged (after alignment).
     # The defaults hold one attacker among three honest clients (simulations/results/single-attacker).
     # a node's num-examples is capped at this multiple of the round's lower median (0 = off); the published splits

@@ -207,10 +207,11 @@ def test_the_accelerator_bench_measures_what_it_names_and_keeps_earlier_sections
 
 @pytest.mark.parametrize("config", ["barriers", "merging"])
 def test_a_bench_whose_published_rows_predate_the_matchers_defaults_pins_the_matcher_they_ran_with(config: str) -> None:
-    """The rows of these benches were measured with the identity start and the squared head cost; their configs
-    name that matcher, so that their one command reproduces them under today's defaults."""
+    """The rows of these benches were measured with the identity start, the squared head cost and the stream's
+    biases read; their configs name that matcher, so that their one command reproduces them under today's defaults."""
     run = tomllib.loads(Path(f"simulations/bench/configs/{config}.toml").read_text())["run"]
-    assert parse_weight_flags(run["matcher"]) == ("identity", WeightOptions(head_cost="squared", mlp_cost="inner"))
+    pinned = WeightOptions(head_cost="squared", mlp_cost="inner", biases="read")
+    assert parse_weight_flags(run["matcher"]) == ("identity", pinned)
 
 
 def test_the_barrier_summary_shows_a_timing_table_only_when_timing_was_measured() -> None:

@@ -104,14 +104,14 @@ def test_merge_takes_the_weight_matchers_flags_and_reports_them(trio, tmp_path, 
     """A merge is reproducible only with the matcher it ran: the flags reach the matching, and the report names
     them (the same merge through the library, with the same options, gives the same bits)."""
     out, report = tmp_path / "merged.safetensors", tmp_path / "merge.json"
-    flags = ["--start", "identity", "--head-cost", "squared", "--stop", "fixed"]
+    flags = ["--start", "identity", "--head-cost", "squared", "--stop", "fixed", "--biases", "read"]
     argv = ["merge", *map(str, trio[:2]), "--method", "weight", "--out", str(out), "--json", str(report),
             "--limit", "16", "--iters", "1", "--quiet", *flags]
     assert main(argv) == 0
     assert json.loads(report.read_text())["matcher"] == {"start": "identity", "head_cost": "squared",
                                                           "mlp_cost": "inner", "stop": "fixed", "biases": "read"}
     natives, metas = zip(*(read(p) for p in trio[:2]), strict=True)
-    match = MatchOptions(start="identity", weight=WeightOptions(head_cost="squared", stop="fixed"))
+    match = MatchOptions(start="identity", weight=WeightOptions(head_cost="squared", stop="fixed", biases="read"))
     setup = MergeSetup(metas[0].config, MergeOptions("weight", match, max_iters=1))
     expect = get_arch(VIT.family).to_native(merge_states(natives, [m.config for m in metas], setup).merged, VIT)
     state, _ = load_checkpoint(out)

@@ -72,7 +72,7 @@ def test_the_summary_sets_the_official_figures_from_the_readme_beside_the_rows(t
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in summary.splitlines()
             if line.startswith("| ") and not line.startswith("| row")}
     assert rows["vanilla"][2:6] == ["1.0000", "100.0%", f"{figures.barrier('vanilla'):.4f}", "100.0%"]
-    weight = rows["weight, circuit-rmsnorm form"]
+    weight = rows["weight, circuit-rmsnorm form, biases skipped"]
     assert weight[1] == "circuit-rmsnorm" and weight[3] == "5.0%"
     assert weight[4] == f"{figures.barrier('official weight'):.4f}"
     assert rows["dual, 20 steps"][4] == "—"  # the official README has no dual figure
@@ -89,7 +89,7 @@ def test_a_pair_config_names_its_figures_from_the_fixture_readme_it_points_to(tm
     config = write_config(tmp_path)
     config.write_text(config.read_text().replace('path = "simulations/fixtures/official-gpt2-pair01"',
                                                  f'path = "{copy}"'))
-    assert barriers.main(["--config", str(config), "--rows", "vanilla", "weight, standard form"]) == 0
+    assert barriers.main(["--config", str(config), "--rows", "vanilla", "weight, standard form, biases skipped"]) == 0
     summary = (tmp_path / "results" / "summary.md").read_text()
-    assert "| weight, standard form | standard | 0.0500 | 5.0% | 0.0900 | 7.2% |" in summary
+    assert "| weight, standard form, biases skipped | standard | 0.0500 | 5.0% | 0.0900 | 7.2% |" in summary
     assert len(calls) == 2

@@ -17,8 +17,8 @@ WEIGHT_FLAGS = {
     "--mlp-cost": ("mlp_cost", ["inner", "l1"], "the MLP assignment's: the inner product of the units' weights, "
                    "or the L1 distance between their L2-normalised rows (slow at large widths)"),
     "--stop": ("stop", ["converged", "fixed"], "sweeps end when the objective stops improving, or run all 15"),
-    "--biases": ("biases", ["read", "skip"], "the residual Procrustes reads the stream's biases (LayerNorm and "
-                 "output biases, each weighted as a whole tensor) or leaves them out, as the official code does"),
+    "--biases": ("biases", ["skip", "read"], "the residual Procrustes leaves the stream's biases (LayerNorm and "
+                 "output biases) out, as the official code does, or reads them, each weighted as a whole tensor"),
 }
 
 

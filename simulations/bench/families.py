@@ -57,11 +57,11 @@ def train(family: dict[str, Any], run: dict[str, Any]) -> list[Path]:
 
 
 def curve(a: Path, b: Path, method: str, family: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """One method's barrier between a and b (``glmc barrier --json``), or its refusal."""
+    """One method's barrier between a and b (``glmc barrier --json``, the run's ``matcher`` flags), or its refusal."""
     report = OUT / family["model"] / f"barrier-{a.stem}-{b.stem}-{method}.json"
     code, why = _run(["barrier", str(a), str(b), "--method", method, "--steps", str(run["learn_steps"]), "--points",
                       str(run["points"]), "--limit", str(run["limit"]), "--threads", str(run["threads"]), "--json",
-                      str(report)])
+                      str(report), *run.get("matcher", [])])
     if code != 0:
         return {"method": method, "refused": why}
     (result,) = json.loads(report.read_text())["curves"]
