@@ -152,7 +152,7 @@ def test_a_model_and_its_transformed_copy_cost_nothing_at_any_site_once_weight_m
     moved = apply(canonicalize(arch, native, cfg), arch.spec,
                   random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(7)), cfg.heads)
     copy = arch.to_native(moved, cfg)
-    weight, none = (barrier_sites.pair_sites((native, copy), cfg, dataset(cfg), method)
+    weight, none = (barrier_sites.pair_sites((native, copy), cfg, dataset(cfg), method, [])
                     for method in ("weight", "none"))
     assert weight["loss_a"] == pytest.approx(weight["loss_b"], abs=1e-5)
     assert abs(weight["midpoint"]) < 1e-5 and max(map(abs, weight["sites"].values())) < 1e-5

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
+from glmc.cli.weight_options import parse_weight_flags
 from glmc.data.tasks import held_out
 from glmc.interpolation import evaluate_mixtures, mix
 from glmc.io.checkpoint import load_checkpoint
@@ -58,9 +59,12 @@ def losses(states: list[State], cfg: ModelConfig, test: Dataset) -> list[float]:
     return [evaluate_mixtures([state], [[1.0]], cfg, test, dtype=torch.float32)[0][0] for state in states]
 
 
-def pair_sites(natives: tuple[State, State], cfg: ModelConfig, test: Dataset, method: str) -> dict[str, Any]:
-    """One pair aligned by ``method``: the ends' and the midpoint's losses, and every site's cost."""
-    aligned = align_pair(*natives, cfg, method)
+def pair_sites(natives: tuple[State, State], cfg: ModelConfig, test: Dataset, method: str,
+               matcher: list[str]) -> dict[str, Any]:
+    """One pair aligned by ``method`` (``matcher``: its weight flags): the ends' and the midpoint's losses, and every
+    site's cost."""
+    start, options = parse_weight_flags(matcher)
+    aligned = align_pair(*natives, cfg, method, start=start, weight=options)
     a, b = aligned.a, aligned.b
     mid = mix([a, b], [0.5, 0.5])
     named = sites(get_arch(cfg.family).spec, cfg.depth, a, b)
@@ -80,7 +84,8 @@ def measure_model(run: dict[str, Any], table: dict[str, Any], model: dict[str, A
     for pa, pb in pairs:
         (sa, meta), (sb, _) = load_checkpoint(pa), load_checkpoint(pb)
         test = held_out(meta.dataset, meta.config, None, settings["limit"])
-        reports.append([pair_sites((sa, sb), meta.config, test, method) for method in table["methods"]])
+        reports.append([pair_sites((sa, sb), meta.config, test, method, table.get("matcher", []))
+                        for method in table["methods"]])
         print(f"{pa.stem} {pb.stem}: " + ", ".join(f"{r['method']} midpoint {r['midpoint']:.3f}"
                                                    for r in reports[-1]), flush=True)
     return {"pairs": [[p.stem for p in pair] for pair in pairs], "methods": table["methods"], "reports": reports,

@@ -6,10 +6,11 @@ learned Q, and learned matching with weight matching's Q. Uses the barrier bench
     .venv/bin/python -m simulations.bench.learned_gap [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
 
-Both matchings run with glmc's defaults (the learned one after the model's ``learn`` flags, then the table's
-``args``), so the learned one starts from the same weight matching as the other. The learned correction
-R = Q_wᵀ Q_l turns a set of invariant planes (its real Schur form); the bench applies it in the planes that turn
-most alone, and measures how much of A's stream variance those planes carry: a data-free Q would have to find them.
+Both matchings run with glmc's defaults but for the table's ``matcher`` weight flags (the learned one after the
+model's ``learn`` flags, then the table's ``args``), so the learned one starts from the same weight matching. The
+learned correction R = Q_wᵀ Q_l turns a set of invariant planes (its real Schur form); the bench applies it in the
+planes that turn most alone, and measures how much of A's stream variance those planes carry: a data-free Q would
+have to find them.
 Both maps are saved, ``q_weight`` and ``q_learned`` in ``<out>/gap/<model>/<A>-<B>.safetensors``.
 """
 
@@ -29,6 +30,7 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.cli.learn_options import add_learn_arguments, learn_options, train_subset
+from glmc.cli.weight_options import parse_weight_flags
 from glmc.data.tasks import held_out, inputs_of
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
@@ -146,14 +148,16 @@ def plane_rows(a: State, b: State, cfg: ModelConfig, test: Dataset, weight: Tran
 
 
 def pair_gap(names: tuple[str, str], natives: tuple[State, State], cfg: ModelConfig, test: Dataset,
-             train: Dataset, options: LearnConfig, maps: Path) -> dict[str, Any]:
+             train: Dataset, options: LearnConfig, maps: Path, matcher: list[str]) -> dict[str, Any]:
     """One pair's barrier under each of :data:`CURVES` and with the correction in its top planes
     (:func:`plane_rows`), the eigen-angles of Q and of the learned correction Q_wᵀ Q_l, and the units whose
-    assignment learning changed; Q_w and Q_l saved in ``maps``."""
+    assignment learning changed; Q_w and Q_l saved in ``maps``. ``matcher``: the weight-matching flags of both."""
     arch = get_arch(cfg.family)
     a, b = (canonicalize(arch, s, cfg, dtype=torch.float64) for s in natives)  # as align_pair matches them
-    weight = align_pair(*natives, cfg, "weight").result
-    learned = align_pair(*natives, cfg, "learned", data=train, learn=options).result
+    start, weight_options = parse_weight_flags(matcher)
+    weight = align_pair(*natives, cfg, "weight", start=start, weight=weight_options).result
+    learned = align_pair(*natives, cfg, "learned", data=train, learn=options, start=start,
+                         weight=weight_options).result
     barriers = {name: barrier(a, apply(b, arch.spec, t, cfg.heads), cfg, test)
                 for name, t in crossed(weight.transform, learned.transform).items()}
     plain = align_pair(*natives, cfg, "none")
@@ -183,7 +187,7 @@ def measure_model(run: dict[str, Any], gap: dict[str, Any], model: dict[str, Any
     test, train = held_out(model["dataset"], meta.config, limit=limit), train_subset(meta, None, batch)
     maps = Path(run["out"]) / "gap" / label(model)
     reports = [pair_gap((a.stem, b.stem), (loaded[a][0], loaded[b][0]), meta.config, test, train, options,
-                        maps / f"{a.stem}-{b.stem}.safetensors") for a, b in pairs]
+                        maps / f"{a.stem}-{b.stem}.safetensors", gap.get("matcher", [])) for a, b in pairs]
     return {"reports": reports, "flags": flags, "limit": limit, "command": command, "machine": machine(),
             "seconds": time.perf_counter() - began}
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State, get_arch
+from glmc.cli.weight_options import parse_weight_flags
 from glmc.data.tasks import held_out, inputs_of
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
@@ -85,15 +86,16 @@ def candidates(a: State, b: State, cfg: ModelConfig, weight: Transform, q_l: tor
 
 
 def pair_candidates(names: tuple[str, str], natives: tuple[State, State], cfg: ModelConfig, test: Dataset,
-                    maps: Path) -> dict[str, Any]:
+                    maps: Path, matcher: list[str]) -> dict[str, Any]:
     """One pair: the vanilla barrier, and each candidate's barrier with weight matching's unit maps and its
-    distance to the learned Q (relative Frobenius)."""
+    distance to the learned Q (relative Frobenius). ``matcher``: the weight-matching flags the maps were made with."""
     if not maps.is_file():
         raise SystemExit(f"missing {maps}: run simulations.bench.learned_gap on this model first")
     saved = load_file(str(maps))
     arch = get_arch(cfg.family)
     a, b = (canonicalize(arch, s, cfg, dtype=torch.float64) for s in natives)  # as align_pair matches them
-    weight = align_pair(*natives, cfg, "weight").result.transform
+    start, options = parse_weight_flags(matcher)
+    weight = align_pair(*natives, cfg, "weight", start=start, weight=options).result.transform
     assert weight.residual is not None
     if not torch.allclose(weight.residual.double(), saved["q_weight"].double(), atol=1e-6):
         raise SystemExit(f"weight matching no longer gives {maps}'s Q_w: run simulations.bench.learned_gap again")
@@ -116,7 +118,7 @@ def measure_model(run: dict[str, Any], table: dict[str, Any], model: dict[str, A
     test = held_out(model["dataset"], cfg, limit=limit)
     maps = Path(run["out"]) / "gap" / label(model)
     reports = [pair_candidates((a.stem, b.stem), (loaded[a][0], loaded[b][0]), cfg, test,
-                               maps / f"{a.stem}-{b.stem}.safetensors") for a, b in pairs]
+                               maps / f"{a.stem}-{b.stem}.safetensors", table.get("matcher", [])) for a, b in pairs]
     return {"reports": reports, "limit": limit, "command": command, "machine": machine(),
             "seconds": time.perf_counter() - began}
 
