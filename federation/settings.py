@@ -174,6 +174,7 @@ class RunSettings:
     weight_head_cost: str = "norm"
     weight_mlp_cost: str = "inner"
     weight_biases: str = "skip"
+    weight_ov_maps: str = "orthogonal"  # weight only: orthogonal | path (glmc align's --ov-maps)
     # Robust aggregation (glmc.merging.robust), on every aggregation, where the clients are averaged (after alignment).
     # The defaults hold one attacker among three honest clients (simulations/results/single-attacker).
     # a node's num-examples is capped at this multiple of the round's lower median (0 = off); the published splits
@@ -273,9 +274,9 @@ class RunSettings:
         self.robustness  # noqa: B018  (checks the robust-aggregation keys)
         _require(self.weight_start in STARTS, f"weight-start must be one of {STARTS}, got {self.weight_start!r}")
         try:
-            self.weight_options  # noqa: B018  (checks weight-head-cost, weight-mlp-cost and weight-biases)
+            self.weight_options  # noqa: B018  (checks weight-head-cost, weight-mlp-cost, -biases and -ov-maps)
         except ConfigError as err:
-            raise ConfigError(f"weight-head-cost / weight-mlp-cost / weight-biases: {err}") from None
+            raise ConfigError(f"weight-head-cost / weight-mlp-cost / weight-biases / weight-ov-maps: {err}") from None
         _require(self.server_data_source in SERVER_DATA_SOURCES, f"server-data-source must be one of "
                  f"{SERVER_DATA_SOURCES}, got {self.server_data_source!r}")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
@@ -298,7 +299,7 @@ class RunSettings:
     def weight_options(self) -> WeightOptions:
         """Weight matching's costs (:class:`glmc.match.weight.WeightOptions`)."""
         return WeightOptions(head_cost=self.weight_head_cost, mlp_cost=self.weight_mlp_cost,  # type: ignore[arg-type]
-                             biases=self.weight_biases)  # type: ignore[arg-type]
+                             biases=self.weight_biases, ov_maps=self.weight_ov_maps)  # type: ignore[arg-type]
 
     @property
     def learn_options(self) -> LearnConfig:

@@ -109,7 +109,8 @@ def test_merge_takes_the_weight_matchers_flags_and_reports_them(trio, tmp_path, 
             "--limit", "16", "--iters", "1", "--quiet", *flags]
     assert main(argv) == 0
     assert json.loads(report.read_text())["matcher"] == {"start": "identity", "head_cost": "squared",
-                                                          "mlp_cost": "inner", "stop": "fixed", "biases": "read"}
+                                                          "mlp_cost": "inner", "stop": "fixed", "biases": "read",
+                                                          "ov_maps": "orthogonal"}
     natives, metas = zip(*(read(p) for p in trio[:2]), strict=True)
     match = MatchOptions(start="identity", weight=WeightOptions(head_cost="squared", stop="fixed", biases="read"))
     setup = MergeSetup(metas[0].config, MergeOptions("weight", match, max_iters=1))

@@ -137,9 +137,10 @@ def test_the_weight_matchers_choices_reach_every_pairwise_matching():
     assert RunSettings(weight_head_cost="squared").weight_options == WeightOptions(head_cost="squared")
     with pytest.raises(ConfigError, match="weight-start must be one of"):
         RunSettings(weight_start="nowhere")
-    with pytest.raises(ConfigError, match="weight-mlp-cost / weight-biases: unknown weight-matching mlp_cost 'l2'"):
+    with pytest.raises(ConfigError, match="weight-ov-maps: unknown weight-matching mlp_cost 'l2'"):
         RunSettings(weight_mlp_cost="l2")
     assert RunSettings(weight_biases="skip").weight_options == WeightOptions(biases="skip")
+    assert RunSettings(weight_ov_maps="path").weight_options == WeightOptions(ov_maps="path")
     with pytest.raises(ConfigError, match="unknown weight-matching biases 'some'"):
         RunSettings(weight_biases="some")
 

@@ -19,6 +19,8 @@ WEIGHT_FLAGS = {
     "--stop": ("stop", ["converged", "fixed"], "sweeps end when the objective stops improving, or run all 15"),
     "--biases": ("biases", ["skip", "read"], "the residual Procrustes leaves the stream's biases (LayerNorm and "
                  "output biases) out, as the official code does, or reads them, each weighted as a whole tensor"),
+    "--ov-maps": ("ov_maps", ["orthogonal", "path"], "the within-head v/o maps: orthogonal, or invertible maps that "
+                  "bring the models' own path onto the circuit path (method weight only; data-free)"),
 }
 
 

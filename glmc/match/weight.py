@@ -56,6 +56,7 @@ HeadCost = Literal["norm", "squared"]
 MlpCost = Literal["inner", "l1"]
 Stop = Literal["converged", "fixed"]
 Biases = Literal["skip", "read"]
+OvMaps = Literal["orthogonal", "path"]
 # Block-ascent steps of the relaxed start. In a float64 trial on three vit-bench pairs, 3, 10 and 100 steps gave
 # 12.8%, 13.0% and 12.6% of the vanilla barrier (identity: 15.0%); the bench's float32 search with 3 steps gives
 # 14.3% against the identity's 15.2% (simulations/results/weight-starts).
@@ -82,16 +83,21 @@ class WeightOptions:
     skip leaves 0.0824 in the standard form (read: 0.1050; simulations/results/official-pair), and it loses nowhere
     else measured: vit-bench 13.2% of vanilla against 13.5%, with dropout 10.8% against 12.3%
     (simulations/results/biases).
-    These are four of the official code's choices; it differs in more (docs/matching.md).
+    ``ov_maps``: the within-head v/o maps are orthogonal (``orthogonal``, Procrustes on the factors) or, after the
+    matching, invertible maps that bring the standard path's OV circuits onto the circuit path (``path``,
+    :mod:`glmc.match.ov_path`; the ``weight`` method only: learned matching starts from the orthogonal ones).
+    The first four are the official code's choices; it differs in more (docs/matching.md).
     """
 
     head_cost: HeadCost = "norm"
     mlp_cost: MlpCost = "inner"
     stop: Stop = "converged"
     biases: Biases = "skip"
+    ov_maps: OvMaps = "orthogonal"
 
     def __post_init__(self) -> None:
-        for name, kind in (("head_cost", HeadCost), ("mlp_cost", MlpCost), ("stop", Stop), ("biases", Biases)):
+        for name, kind in (("head_cost", HeadCost), ("mlp_cost", MlpCost), ("stop", Stop), ("biases", Biases),
+                           ("ov_maps", OvMaps)):
             if getattr(self, name) not in get_args(kind):
                 raise ConfigError(f"unknown weight-matching {name} {getattr(self, name)!r}; "
                                   f"known: {', '.join(get_args(kind))}")
@@ -441,8 +447,13 @@ def weight_match(
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
 def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
-    """Weight matching of B to A over every symmetry class of the family."""
-    return _pairwise(a, b, cfg, options, permutations_only=False)
+    """Weight matching of B to A over every symmetry class of the family (then the path's v/o maps, if chosen)."""
+    result = _pairwise(a, b, cfg, options, permutations_only=False)
+    if options.weight is None or options.weight.ov_maps == "orthogonal":
+        return result
+    from glmc.match.ov_path import on_the_path
+
+    return on_the_path(result, a, b, cfg)
 
 
 def pairwise_permutations(a: State, b: State, cfg: ModelConfig, data: Dataset | None,
