@@ -10,7 +10,7 @@ from glmc.archs import get_arch
 from glmc.io.formats import read
 from glmc.match.align import align_pair
 from glmc.match.common import head_factors
-from glmc.match.ov_path import _deviation, _layer_map, ov_path_maps
+from glmc.match.ov_path import _deviation, _layer_map, grams_of, ov_path_maps
 from glmc.match.weight import WeightOptions
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import Transform, apply
@@ -53,9 +53,8 @@ def test_the_gram_deviation_is_the_factors_own_and_the_maps_lower_it(name):
     n = torch.eye(head_dim, dtype=torch.float64) + 0.3 * torch.randn(kv, head_dim, head_dim, generator=g,
                                                                     dtype=torch.float64)
     moved = apply(b, arch.spec, Transform(cfg.depth, ov=[n, *[None] * (cfg.depth - 1)]), cfg.heads)
-    (qkv_a, out_a, _), (qkv_b, out_b, _) = fa, fb
-    grams = [x @ y.mT for x, y in ((qkv_a[2], qkv_a[2]), (qkv_a[2], qkv_b[2]), (qkv_b[2], qkv_b[2]),
-                                   (out_a, out_a), (out_a, out_b), (out_b, out_b))]
+    qkv_a, out_a, _ = fa
+    grams = grams_of(fa, fb)
     qkv_m, out_m, _ = head_factors(moved, arch.spec, cfg.depth, 0, cfg.heads)
     direct = float(((out_a - out_m).mT @ (qkv_a[2] - qkv_m[2])).pow(2).sum())
     assert float(_deviation(n, grams, cfg.heads // kv)) == pytest.approx(direct, rel=1e-9)

@@ -2,9 +2,9 @@
 
 Interpolating a head's factors, ((1−λ)O_A + λO_B)((1−λ)V_A + λV_B) = (1−λ)O_AV_A + λO_BV_B − λ(1−λ)ΔO ΔV with
 ΔO = O_A − O_B and ΔV = V_A − V_B: the standard form leaves the circuit path (the paper's OV circuits
-interpolated) by λ(1−λ)ΔO ΔV at every λ. Any
-invertible N per KV head (V → N V, O → O N⁻¹) is an exact symmetry; the one minimising Σ‖ΔO ΔV‖² over a layer's
-heads brings the two paths together. Weight matching's orthogonal N minimises ‖ΔO‖² + ‖ΔV‖² instead.
+interpolated) by λ(1−λ)ΔO ΔV at every λ. Any invertible N per KV head (V → N V, O → O N⁻¹) is an exact symmetry;
+the one minimising Σ‖ΔO ΔV‖² over a layer's heads brings the two paths together. Weight matching's orthogonal N
+minimises ‖ΔO‖² + ‖ΔV‖² instead.
 """
 
 from __future__ import annotations
@@ -35,11 +35,9 @@ def ov_path_maps(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], s
 def _layer_map(fa: tuple[torch.Tensor, torch.Tensor, int], fb: tuple[torch.Tensor, torch.Tensor, int],
                ) -> torch.Tensor | None:
     """One layer's maps from its (3, H, d_h, m) q|k|v factors and (H, d_h, d) output factors (W_Oᵀ) of A and B."""
-    (qkv_a, out_a, kv), (qkv_b, out_b, _) = fa, fb
-    va, vb, oa, ob = (x.double() for x in (qkv_a[2], qkv_b[2], out_a, out_b))
-    group = va.shape[0] // kv
-    grams = [x @ y.mT for x, y in ((va, va), (va, vb), (vb, vb), (oa, oa), (oa, ob), (ob, ob))]
-    eye = torch.eye(va.shape[1], dtype=torch.float64).expand(kv, -1, -1)
+    kv, grams = fa[2], grams_of(fa, fb)
+    group = grams[0].shape[0] // kv
+    eye = torch.eye(grams[0].shape[1], dtype=torch.float64).expand(kv, -1, -1)
     n = eye.clone().requires_grad_()
     start = float(_deviation(eye, grams, group))
     optimizer = torch.optim.LBFGS([n], max_iter=STEPS, line_search_fn="strong_wolfe")
@@ -55,6 +53,14 @@ def _layer_map(fa: tuple[torch.Tensor, torch.Tensor, int], fb: tuple[torch.Tenso
     if not bool(torch.isfinite(found).all()) or float(torch.linalg.cond(found).max()) > MAX_CONDITION:
         return None
     return found if float(_deviation(found, grams, group)) < start else None
+
+
+def grams_of(fa: tuple[torch.Tensor, torch.Tensor, int], fb: tuple[torch.Tensor, torch.Tensor, int],
+             ) -> list[torch.Tensor]:
+    """The per-query-head (d_h, d_h) Gram matrices the deviation reads, in float64: V_A V_Aᵀ, V_A V_Bᵀ, V_B V_Bᵀ and
+    the same of the output factors W_Oᵀ."""
+    va, vb, oa, ob = (x.double() for x in (fa[0][2], fb[0][2], fa[1], fb[1]))
+    return [x @ y.mT for x, y in ((va, va), (va, vb), (vb, vb), (oa, oa), (oa, ob), (ob, ob))]
 
 
 def _deviation(n: torch.Tensor, grams: list[torch.Tensor], group: int) -> torch.Tensor:

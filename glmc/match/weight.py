@@ -36,6 +36,7 @@ from glmc.match.common import (
     require_finite,
 )
 from glmc.match.descent import Descent, Layer
+from glmc.match.ov_path import on_the_path
 from glmc.symmetry import groups
 from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, K, Q, SpecTable, V, expand
 from glmc.symmetry.transforms import Transform
@@ -451,8 +452,6 @@ def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options
     result = _pairwise(a, b, cfg, options, permutations_only=False)
     if options.weight is None or options.weight.ov_maps == "orthogonal":
         return result
-    from glmc.match.ov_path import on_the_path
-
     return on_the_path(result, a, b, cfg)
 
 
