@@ -1,6 +1,7 @@
 """`glmc train` end to end on the real data, and its one-line errors with exit status 2."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -54,6 +55,19 @@ def test_train_gpt2_on_shakespeare_stores_the_vocab(tmp_path, capsys):
     assert set(_summary(capsys.readouterr().out)) >= {"test_loss", "test_accuracy", "train_loss", "out"}
 
 
+@pytest.mark.skipif(not HAS_SHAKESPEARE, reason="Shakespeare not fetched (make setup fetches it)")
+def test_train_fraction_trains_one_epoch_over_the_first_windows_and_says_so(tmp_path):
+    out = tmp_path / "part.safetensors"
+    total = len(load_task("shakespeare", preset("gpt2-tiny")).train)
+    kept = round(0.002 * total)
+    argv = ["train", "--model", "gpt2-tiny", "--dataset", "shakespeare", "--train-fraction", "0.002", "--batch-size",
+            "16", "--width-mult", "0.5", "--out", str(out), "--quiet", "--threads", "1"]
+    assert main(argv) == 0
+    _, meta = load_checkpoint(out)
+    assert meta.metrics["steps"] == math.ceil(kept / 16)  # one epoch over the kept windows, not over all of them
+    assert meta.split.endswith(f"; trained on the first {kept} of the {total} training samples")
+
+
 @pytest.mark.slow
 def test_train_on_a_fetched_cifar10_copy_and_reload_it_with_patch_4(tmp_path, capsys):
     data = fake_hub_copy("cifar10", tmp_path / "cifar10")
@@ -92,6 +106,8 @@ def _fails_with_one_line(argv: list[str], capsys, expect: str) -> None:
          "argument --lr: must be a finite number > 0, got nan"),
         (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--epochs", "0"], "training: epochs=0 (must be ≥ 1)"),
         (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--dropout", "1"], "dropout=1.0 (must be in [0, 1))"),
+        (["--model", "vit-tiny", "--dataset", "fashion-mnist", "--train-fraction", "0"],
+         "the training fraction must be in (0, 1], got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(extra, expect, tmp_path, capsys):

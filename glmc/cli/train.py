@@ -36,6 +36,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "validation split")
     parser.add_argument("--eval-every", type=int, help="steps between validations (default: the dataset's, else 100)")
     parser.add_argument("--warmup", type=float, default=0.05, help="fraction of steps spent warming up")
+    parser.add_argument("--train-fraction", type=float, default=1.0,
+                        help="train on the first fraction of the training split, in (0, 1] (a data-size control)")
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (default: --epochs "
                                                       "decides)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core)")
@@ -51,7 +53,7 @@ def run_train(args: argparse.Namespace) -> int:
     """Train a preset on a dataset, evaluate on its test split, print the metrics, save a checkpoint."""
     # Imported here so that `glmc --help` and usage errors answer without loading torch.
     from glmc.archs import build_model, get_arch, preset, scale_width
-    from glmc.data.tasks import load_task
+    from glmc.data.tasks import load_task, train_on_fraction
     from glmc.io.checkpoint import CheckpointMeta, check_out, save_checkpoint
     from glmc.train import evaluate, seed_everything, train
 
@@ -59,7 +61,7 @@ def run_train(args: argparse.Namespace) -> int:
     shape = scale_width(preset(args.model), args.width_mult)
     if args.dropout is not None:
         shape = shape.replace(dropout=args.dropout)
-    task = load_task(args.dataset, shape, args.data, args.seed)
+    task = train_on_fraction(load_task(args.dataset, shape, args.data, args.seed), args.train_fraction)
     cfg = _train_config(args, task.defaults)
     arch = get_arch(task.config.family)
     seed_everything(args.seed)  # the initial weights come from the seed too

@@ -8,6 +8,7 @@ that were measured to work on this 2-core CPU (see the README's "Measured" secti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,6 +148,19 @@ def load_task(dataset: str, cfg: ModelConfig, path: str | Path | None = None, se
     if dataset not in TASKS:
         raise ConfigError(f"unknown dataset {dataset!r}; known: {', '.join(TASKS)}")
     return TASKS[dataset](cfg, path, seed)
+
+
+def train_on_fraction(task: Task, fraction: float) -> Task:
+    """``task`` trained on the first ``fraction`` of its training split, the split string saying so: a data-size
+    control. The first samples, not a random draw: a contiguous split stays contiguous text."""
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"the training fraction must be in (0, 1], got {fraction:g}")
+    if fraction == 1:
+        return task
+    total = len(task.train)  # type: ignore[arg-type]
+    kept = max(1, round(fraction * total))
+    return dataclasses.replace(task, train=Subset(task.train, range(kept)),  # type: ignore[arg-type]
+                               split=f"{task.split}; trained on the first {kept} of the {total} training samples")
 
 
 def held_out(dataset: str, cfg: ModelConfig, path: str | Path | None = None, limit: int | None = None) -> Dataset:
