@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from glmc.archs import ModelConfig, State, cast, get_arch
 from glmc.errors import ConfigError
+from glmc.merging.circuits import merge_circuits, require_circuit_layout
 from glmc.merging.repair import RepairTarget
 from glmc.symmetry.canonical import Form, to_model
 from glmc.train import evaluate
@@ -33,13 +34,16 @@ def interpolate(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], la
 def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequence[Sequence[float]],
                       cfg: ModelConfig, data: Dataset, batch_size: int = 256, form: Form = "standard",
                       dtype: torch.dtype | None = None, repair_data: Dataset | None = None,
-                      progress: bool | None = None) -> tuple[list[float], list[float]]:
+                      progress: bool | None = None, circuit_heads: bool = False) -> tuple[list[float], list[float]]:
     """Loss and accuracy of Σ w_i θ_i on ``data`` for every weight vector w of ``grid``, in ``dtype`` (default: the
-    states' own); one model is built once and reloaded at each point. With ``repair_data`` (training samples),
-    each mixture is first REPAIRed to the w-mean of the states' channel statistics on all of them. ``progress``: a
-    bar with the time left, on stderr (None: when stderr is a terminal)."""
+    states' own); one model is built once and reloaded at each point. With ``circuit_heads``, each mixture's heads
+    are refitted to the w-mean of the states' circuits (:func:`glmc.merging.circuits.merge_circuits`); with
+    ``repair_data`` (training samples), each mixture is then REPAIRed to the w-mean of the states' channel
+    statistics on all of them. ``progress``: a bar with the time left, on stderr (None: when stderr is a terminal)."""
     if repair_data is not None and form != "standard":
         raise ConfigError(f"REPAIR needs the standard form, not {form!r}")
+    if circuit_heads:
+        require_circuit_layout(cfg, form)
     arch = get_arch(cfg.family)
     if dtype is not None:
         states = [cast(s, dtype) for s in states]
@@ -49,6 +53,8 @@ def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequen
     for weights in tqdm(grid, desc="evaluate", unit="point", disable=None if progress is None else not progress,
                         dynamic_ncols=True):
         mixed = mix(states, weights)
+        if circuit_heads:
+            mixed = merge_circuits(mixed, states, cfg, weights)
         model.load_state_dict(arch.to_native(target.repair(mixed, weights) if target else mixed, cfg))
         metrics = evaluate(model, arch, data, batch_size)
         losses.append(metrics["loss"])
@@ -80,13 +86,14 @@ def linear_barriers(lambdas: list[float], losses: list[float]) -> list[float]:
 def barrier_curve(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], cfg: ModelConfig, data: Dataset,
     points: int = 21, batch_size: int = 256, form: Form = "standard", method: str = "",
-    dtype: torch.dtype | None = None, repair_data: Dataset | None = None,
+    dtype: torch.dtype | None = None, repair_data: Dataset | None = None, circuit_heads: bool = False,
 ) -> BarrierCurve:
     """Evaluate θ(λ) on ``data`` at ``points`` evenly spaced λ in [0, 1] (both ends included), in ``dtype``
-    (default: the states' own; the tools evaluate in float32, as the models run); with ``repair_data``, each θ(λ)
-    REPAIRed first (Jordan et al., 2022), which leaves both ends as they are."""
+    (default: the states' own; the tools evaluate in float32, as the models run); with ``circuit_heads``, each
+    θ(λ)'s heads refitted to the λ-mean of the circuits, and with ``repair_data``, each θ(λ) REPAIRed (Jordan et
+    al., 2022): both leave the ends as the functions they are."""
     lambdas = [i / (points - 1) for i in range(points)]
     losses, accuracies = evaluate_mixtures((a, b), [(lam, 1.0 - lam) for lam in lambdas], cfg, data, batch_size,
-                                           form, dtype, repair_data)
+                                           form, dtype, repair_data, circuit_heads=circuit_heads)
     barriers = linear_barriers(lambdas, losses)
     return BarrierCurve(lambdas, losses, accuracies, barriers, max(barriers), method)

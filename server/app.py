@@ -23,6 +23,7 @@ from glmc.device import resolve
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, state_digest
 from glmc.match.learned import LearnConfig
+from glmc.merging.circuits import require_circuit_layout
 from glmc.merging.widths import widths_may_differ
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.guard import set_aside_note
@@ -159,6 +160,8 @@ def main(grid: Grid, context: Context) -> None:
     cfg = pool(settings).task.config
     if settings.generated:
         text_writer(cfg)  # a model that cannot write its own inputs is refused before round 1
+    if settings.circuit_heads:
+        require_circuit_layout(cfg)  # and one whose heads cannot merge as circuits
     done, initial = initial_model(settings, run_dir, cfg)
     if done >= settings.num_server_rounds:
         log.info("%s already has %d of %d rounds; nothing to do", run_dir, done, settings.num_server_rounds)

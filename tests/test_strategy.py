@@ -265,6 +265,29 @@ def test_restore_norms_gives_the_merged_neurons_the_clients_mean_norm() -> None:
     assert merged[0] == pytest.approx(by_hand, rel=1e-5) and merged[1] < 0.95 * by_hand
 
 
+def test_circuit_heads_rewrites_only_the_merged_heads() -> None:
+    """The run config's circuit-heads reaches the merge: the heads (fused qkv and proj weights) are refitted, every
+    other tensor is the weight-matched merge's, and the merge stays finite."""
+    replies = [reply(state(i), metrics(examples=10 * (i + 1)), node=i + 1) for i in range(3)]
+    options = RunSettings(server_device="cpu", aggregation="weight", circuit_heads=True).merge_options
+    refitted, _ = strategy("weight", options=options).aggregate_train(1, replies)
+    plain, _ = strategy("weight").aggregate_train(1, replies)
+    assert refitted is not None and plain is not None
+    new, old = as_numpy(refitted), as_numpy(plain)
+    heads = {k for k in old if k.endswith(("attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight"))}
+    assert heads and all(not np.allclose(new[k], old[k], atol=1e-4) for k in heads if k.endswith("weight"))
+    assert all(np.allclose(new[k], old[k], atol=1e-6) for k in old if k not in heads)
+    assert all(np.isfinite(v).all() for v in new.values())
+
+
+@pytest.mark.parametrize(("changes", "expect"), [
+    ({"aggregation": "fedavg"}, "does not align"), ({"aggregation": "weight", "width_tiers": (1.0, 0.5)}, "one width"),
+    ({"aggregation": "weight", "robust_average": "fedmedian"}, "would lose its heads")])
+def test_circuit_heads_refuses_what_it_cannot_merge_in_one_line(changes: dict[str, Any], expect: str) -> None:
+    with pytest.raises(ConfigError, match=f"circuit-heads.*{expect}"):
+        RunSettings(circuit_heads=True, **changes)
+
+
 def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data() -> None:
     """The server-data control: the example-weighted mean, then trained by glmc.train on the server-held samples."""
     data = synthetic_images(40)

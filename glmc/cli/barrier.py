@@ -30,6 +30,10 @@ def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
                         help="REPAIR every point of the path first (Jordan et al. 2022): reset each channel's mean "
                              "and std to the λ-mean of A's and B's, measured on N training samples; each curve is "
                              "named METHOD+repair (default: off)")
+    parser.add_argument("--circuit-heads", action="store_true",
+                        help="merge every point's heads as circuits: refit each head's factors to the λ-mean of A's "
+                             "and B's QK and OV circuits (truncated SVD), so a standard model follows the circuits' "
+                             "path; each curve is named METHOD+circuits (GPT-2 and ViT; default: off)")
     cli_merge.add_simplex_arguments(parser)
 
 
@@ -38,10 +42,12 @@ def run_barrier(args: argparse.Namespace) -> int:
     import torch
 
     from glmc.interpolation import barrier_curve
+    from glmc.merging.circuits import require_circuit_layout
     from glmc.symmetry.canonical import CIRCUITS, to_circuit
 
     if args.simplex:
-        for flag, given in (("--repair", args.repair), ("--form", args.form != "standard")):
+        for flag, given in (("--repair", args.repair), ("--form", args.form != "standard"),
+                            ("--circuit-heads", args.circuit_heads)):
             if given:
                 raise ConfigError(f"{flag} applies to the pairwise curves, not to --simplex")
         return cli_merge.run_simplex(args)
@@ -50,6 +56,8 @@ def run_barrier(args: argparse.Namespace) -> int:
     if args.repair and args.form != "standard":
         raise ConfigError(f"--repair needs the standard form, not --form {args.form}")
     state_a, state_b, meta, meta_b = load_pair(args.a, args.b)
+    if args.circuit_heads:
+        require_circuit_layout(meta.config, args.form)  # before any alignment
     if meta_b.config != meta.config:
         _write_barrier_outputs(args, cli_merge.width_curves(args, [state_a, state_b], [meta, meta_b]))
         return 0
@@ -60,9 +68,9 @@ def run_barrier(args: argparse.Namespace) -> int:
         aligned = align_loaded(args, method, state_a, state_b, meta, args.form)  # learned methods learn the form's path
         (a, cfg), (b, _) = ((to_circuit(s, meta.config) if args.form in CIRCUITS else (s, meta.config))
                             for s in (aligned.a, aligned.b))
-        name = f"{method}+repair" if repair is not None else method
+        name = method + "+circuits" * args.circuit_heads + "+repair" * (repair is not None)
         curve = barrier_curve(a, b, cfg, test, args.points, form=args.form, method=name, dtype=torch.float32,
-                              repair_data=repair)
+                              repair_data=repair, circuit_heads=args.circuit_heads)
         curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds, "align_info": aligned.result.info})
         print(f"{name:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)
     _write_barrier_outputs(args, curves)

@@ -50,6 +50,9 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
                         f"merge's barrier (Eq. 2); default {POINTS_PER_MODEL} per model beyond the first: a pair's 11 "
                         "λ, as its barrier curve; 3 models 21 points, 5 models 35, 10 models 55")
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only (default: all)")
+    parser.add_argument("--circuit-heads", action="store_true",
+                        help="refit every merged head to its inputs' weighted mean QK and OV circuits (truncated SVD, "
+                        "data-free; inputs of one width, GPT-2 and ViT): the merge averages circuits, not factors")
     parser.add_argument("--restore-norms", action="store_true",
                         help="rescale every merged MLP neuron and head to its inputs' mean norm: a data-free repair "
                         "of the shrinkage that averaging imperfectly aligned units causes")
@@ -141,7 +144,8 @@ def merge_options(args: argparse.Namespace, method: str) -> MergeOptions:
     universe = {key: getattr(args, name) for key, name in (("max_iters", "iters"), ("tol", "tol"),
                                                            ("workers", "workers")) if hasattr(args, name)}
     corrections = Corrections(restore_norms=getattr(args, "restore_norms", False),
-                              refit=getattr(args, "refit", None) or 0, repair=getattr(args, "repair", None) or 0)
+                              refit=getattr(args, "refit", None) or 0, repair=getattr(args, "repair", None) or 0,
+                              circuit_heads=getattr(args, "circuit_heads", False))
     match = MatchOptions(learn=learn_options(args), start=weight_start(args), weight=weight_options(args))
     return MergeOptions(method, match, fill=args.fill, corrections=corrections, device=args.device, **universe)
 
@@ -218,7 +222,8 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     write(args.out, fmt, native, meta, args.dtype)
     options, corrections = setup.options, setup.options.corrections
     return result, {"out": str(args.out), "format": fmt, "dtype": args.dtype, "method": options.method,
-                    "restore_norms": corrections.restore_norms, "repair": corrections.repair,
+                    "circuit_heads": corrections.circuit_heads, "restore_norms": corrections.restore_norms,
+                    "repair": corrections.repair,
                     "refit": corrections.refit, "matcher": matcher_record(options.match.start, options.match.weight),
                     "target": setup.target.to_dict(),
                     "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
@@ -259,7 +264,8 @@ def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[Chec
     from glmc.merging.merge import width_barriers
 
     methods = args.method or ["weight"]
-    check_across_widths(args, methods, {"--repair": args.repair, "--form": args.form != "standard"})
+    check_across_widths(args, methods, {"--repair": args.repair, "--form": args.form != "standard",
+                                        "--circuit-heads": args.circuit_heads})
     target = metas[0].config
     test = _test_split(metas[0], target, args)
     curves = []

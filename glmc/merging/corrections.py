@@ -1,6 +1,6 @@
 """The corrections applied to a merged model after universe matching, in one order for every front-end (the CLI, the
-API and the FL strategy): restore the units' norms, refit the linear layers, then REPAIR the channels' statistics.
-Each reads the aligned inputs, so each sees the merge the previous one left."""
+API and the FL strategy): merge the heads as circuits, restore the units' norms, refit the linear layers, then REPAIR
+the channels' statistics. Each reads the aligned inputs, so each sees the merge the previous one left."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 
 from glmc.archs import ModelConfig, State
 from glmc.errors import ConfigError
+from glmc.merging.circuits import merge_circuits
 from glmc.merging.refit import refit
 from glmc.merging.repair import repair
 from glmc.merging.rescale import restore_norms
@@ -26,6 +27,7 @@ class Corrections:
     restore_norms: bool = False  # rescale the merged units to the inputs' mean norm (glmc.merging.rescale)
     refit: int | None = 0  # refit the merged layers to the inputs' mean outputs (glmc.merging.refit)
     repair: int | None = 0  # reset the merged channels' mean and std to the inputs' (glmc.merging.repair)
+    circuit_heads: bool = False  # refit the merged heads to the inputs' mean circuits (glmc.merging.circuits)
 
     def __post_init__(self) -> None:
         if any(n is not None and n < 0 for n in (self.refit, self.repair)):
@@ -41,6 +43,10 @@ class Corrections:
               weights: Sequence[float] | None, placements: Sequence[Placement] | None = None) -> State:
         """``merged`` (canonical, standard form) after every correction asked for, against the aligned inputs
         (canonical, in the merge's basis; ``placements``: where each sits in the universe)."""
+        if self.circuit_heads:
+            if placements is not None and any(p.narrow != cfg for p in placements):
+                raise ConfigError("heads merged as circuits need inputs of one width")
+            merged = merge_circuits(merged, aligned, cfg, weights)
         if self.restore_norms:
             merged = restore_norms(merged, aligned, cfg, weights)
         if self.refit != 0:
