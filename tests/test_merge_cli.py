@@ -120,6 +120,27 @@ def test_merge_takes_the_weight_matchers_flags_and_reports_them(trio, tmp_path, 
 
 
 @needs_data
+def test_merge_with_circuit_heads_refits_the_heads_and_refuses_mixed_widths(trio, tmp_path, capsys):
+    """--circuit-heads reaches the merge (the report says so, the heads change, nothing else does); with a
+    narrower input it is refused in one line and writes nothing."""
+    outs = {flag: tmp_path / f"m{len(flag)}.safetensors" for flag in ("", "--circuit-heads")}
+    for flag, out in outs.items():
+        argv = ["merge", *map(str, trio[:2]), "--method", "weight", "--out", str(out), "--limit", "16", "--iters",
+                "1", "--simplex-points", "3", "--quiet", "--json", str(out.with_suffix(".json")), *filter(None, [flag])]
+        assert main(argv) == 0
+    (plain, _), (refitted, _) = (load_checkpoint(out) for out in outs.values())
+    assert json.loads(outs["--circuit-heads"].with_suffix(".json").read_text())["circuit_heads"] is True
+    heads = {k for k in plain if k.startswith("blocks.0.attn.") and k.endswith("weight")}
+    assert heads and all(not torch.allclose(plain[k], refitted[k], atol=1e-4) for k in heads)
+    assert all(torch.equal(plain[k], refitted[k]) for k in plain if not k.startswith("blocks.0.attn."))
+    capsys.readouterr()
+    never = tmp_path / "never.safetensors"
+    assert main(["merge", *map(str, trio), "--circuit-heads", "--out", str(never), "--limit", "16", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "heads merged as circuits need inputs of one width" in err[0] and not never.exists()
+
+
+@needs_data
 def test_vanilla_merge_at_one_width_is_the_mean_of_the_inputs(trio, tmp_path):
     out = tmp_path / "mean.safetensors"
     argv = ["merge", *map(str, trio[:2]), "--method", "none", "--out", str(out), "--limit", "16",
