@@ -30,6 +30,7 @@ def _low_rank(circuit: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _mean(tensors: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i t_i."""
     return sum(w * t for w, t in zip(weights.tolist(), tensors, strict=True))  # type: ignore[return-value]
 
 
@@ -53,16 +54,17 @@ def merge_circuits(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[
     (qkv_name,), (proj_name,) = block_linears(spec, outputs=(QKV,)), block_linears(spec, inputs=(HEADS,))
     w = torch.tensor([1.0] * len(inputs) if weights is None else list(weights), dtype=torch.float64)
     w = w / w.sum()
-    wide = [{k: v.double() for k, v in s.items()} for s in inputs]  # the SVD in float64, whatever the states'
     out = dict(merged)
     for layer in range(cfg.depth):
+        name, proj = qkv_name.format(l=layer), proj_name.format(l=layer)
+        keys = [k for k in (f"{name}.w", f"{name}.b", f"{proj}.w") if k in merged]
+        wide = [{k: s[k].double() for k in keys} for s in inputs]  # the layer's heads, in float64 for the SVD
         factors = [head_factors(s, spec, cfg.depth, layer, cfg.heads)[:2] for s in wide]
         qk = _mean([torch.einsum("hae,haf->hef", f[0], f[1]) for f, _ in factors], w)  # (H, e, e)
         ov = _mean([torch.einsum("had,hae->hde", o, f[2]) for f, o in factors], w)  # (H, d, e)
         q, k = _low_rank(qk, cfg.head_dim)
         o, v = _low_rank(ov, cfg.head_dim)  # o: (H, d_h, d), v: (H, d_h, e)
         qkv = torch.stack([q, k, v]).reshape(3 * cfg.heads * cfg.head_dim, -1)
-        name, proj = qkv_name.format(l=layer), proj_name.format(l=layer)
         if f"{name}.b" in merged:  # x̃ = [x; 1]: the last column is the bias
             qkv, out[f"{name}.b"] = qkv[:, :-1], qkv[:, -1].to(merged[f"{name}.b"].dtype)
         out[f"{name}.w"] = qkv.to(merged[f"{name}.w"].dtype)
