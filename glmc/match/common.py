@@ -64,6 +64,14 @@ def head_factors(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
     return torch.stack([q, k, v]), out, kv
 
 
+def head_circuits(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int, heads: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (H, m, m) QK circuits Q̃ᵀK̃ and (H, d, m) OV circuits O Ṽ, one per query head, over x̃ = [x; 1]
+    (m = d + 1 with biases, else d; paper §3.2.2)."""
+    f, out, _ = head_factors(state, spec, depth, layer, heads)
+    return torch.einsum("hae,haf->hef", f[0], f[1]), torch.einsum("had,hae->hde", out, f[2])
+
+
 def grouped_assignment(score: torch.Tensor, kv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The KV heads' permutation and each group's query permutation maximising a (H, H) query-head score: an inner
     assignment for every pair of groups, an outer one on their totals (G = 1: one assignment, no groups)."""

@@ -16,7 +16,7 @@ import torch
 
 from glmc.archs import ModelConfig, State, get_arch
 from glmc.errors import ConfigError
-from glmc.match.common import head_factors
+from glmc.match.common import head_circuits
 from glmc.symmetry.canonical import CIRCUITS, Form, forms_for
 from glmc.symmetry.spec import HEADS, QKV, block_linears
 
@@ -59,9 +59,8 @@ def merge_circuits(merged: Mapping[str, torch.Tensor], inputs: Sequence[Mapping[
         name, proj = qkv_name.format(l=layer), proj_name.format(l=layer)
         keys = [k for k in (f"{name}.w", f"{name}.b", f"{proj}.w") if k in merged]
         wide = [{k: s[k].double() for k in keys} for s in inputs]  # the layer's heads, in float64 for the SVD
-        factors = [head_factors(s, spec, cfg.depth, layer, cfg.heads)[:2] for s in wide]
-        qk = _mean([torch.einsum("hae,haf->hef", f[0], f[1]) for f, _ in factors], w)  # (H, e, e)
-        ov = _mean([torch.einsum("had,hae->hde", o, f[2]) for f, o in factors], w)  # (H, d, e)
+        circuits = [head_circuits(s, spec, cfg.depth, layer, cfg.heads) for s in wide]
+        qk, ov = (_mean([c[i] for c in circuits], w) for i in (0, 1))  # (H, e, e) and (H, d, e)
         q, k = _low_rank(qk, cfg.head_dim)
         o, v = _low_rank(ov, cfg.head_dim)  # o: (H, d_h, d), v: (H, d_h, e)
         qkv = torch.stack([q, k, v]).reshape(3 * cfg.heads * cfg.head_dim, -1)

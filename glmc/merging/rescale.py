@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from glmc.archs import ModelConfig, State, get_arch
-from glmc.match.common import gather, head_factors
+from glmc.match.common import gather, head_circuits
 from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, AxisKind, Q, expand
 
 # A unit family: the merged state and one layer → a (units,) norm per unit, and the rescaling by (units,) factors.
@@ -40,13 +40,11 @@ def _mlp_out_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConf
 
 def _qk_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
     """Each query head's QK circuit over x̃ = [x; 1] (with its KV head's k under grouped queries)."""
-    f, _, _ = head_factors(state, _spec(cfg), cfg.depth, layer, cfg.heads)
-    return torch.einsum("hae,haf->hef", f[0], f[1]).flatten(1).norm(dim=1)
+    return head_circuits(state, _spec(cfg), cfg.depth, layer, cfg.heads)[0].flatten(1).norm(dim=1)
 
 
 def _ov_norms(state: Mapping[str, torch.Tensor], layer: int, cfg: ModelConfig) -> torch.Tensor:
-    f, out, _ = head_factors(state, _spec(cfg), cfg.depth, layer, cfg.heads)
-    return torch.einsum("had,hae->hde", out, f[2]).flatten(1).norm(dim=1)
+    return head_circuits(state, _spec(cfg), cfg.depth, layer, cfg.heads)[1].flatten(1).norm(dim=1)
 
 
 def _scale_kind(state: State, layer: int, cfg: ModelConfig, kind: AxisKind, factor: torch.Tensor) -> None:
