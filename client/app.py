@@ -23,7 +23,9 @@ from federation import protocol
 from federation.data import ClientShare, client_share, eval_subset, pool
 from federation.restriction import principal_placement, restrict
 from federation.settings import RunSettings, places_principal
-from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
+from glmc.archs import build_model, get_arch
+from glmc.core.config import ModelConfig, scale_width
+from glmc.core.state import cast
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, first_line
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train

@@ -17,7 +17,9 @@ from collections.abc import Mapping
 import torch
 
 from federation import protocol
-from glmc.archs import ModelConfig, build_model, cast
+from glmc.archs import build_model
+from glmc.core.config import ModelConfig
+from glmc.core.state import cast
 from glmc.train import seed_everything
 
 INFLATED_EXAMPLES = 10**9

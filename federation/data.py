@@ -24,7 +24,8 @@ import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from federation.settings import NATURAL_SPLITS, RunSettings
-from glmc.archs import ModelConfig, get_arch, preset
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig, preset
 from glmc.data.tasks import Task, load_task
 from glmc.data.vision import ArrayDataset
 from glmc.errors import ConfigError

@@ -8,7 +8,9 @@ from collections.abc import Mapping
 import torch
 
 from federation.settings import SLICED
-from glmc.archs import ModelConfig, State, get_arch, scale_width
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig, scale_width
+from glmc.core.state import State
 from glmc.merging import heterofl
 from glmc.merging.widths import Placement, place, principal_place, project
 from glmc.symmetry.canonical import canonicalize

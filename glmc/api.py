@@ -22,10 +22,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from glmc.archs import Arch, ModelConfig, State, cast
+from glmc.archs import Arch
+from glmc.core.config import ModelConfig
+from glmc.core.state import State, cast
 from glmc.errors import ConfigError
-from glmc.interpolation import BarrierCurve
 from glmc.io.live import like, read_module
+from glmc.merging.interpolation import BarrierCurve
 from glmc.merging.options import MergeOptions
 from glmc.merging.widths import check_embeddable
 
@@ -142,9 +144,9 @@ def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "w
     >>> len(curve.lambdas), curve.barrier >= 0.0
     (5, True)
     """
-    from glmc.interpolation import barrier_curve
     from glmc.match.align import align_pair
     from glmc.match.registry import get_method
+    from glmc.merging.interpolation import barrier_curve
 
     _refuse_forms(options)
     if points < 2:

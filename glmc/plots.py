@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from glmc.interpolation import BarrierCurve
+from glmc.merging.interpolation import BarrierCurve
 
 
 def plot_barrier_curves(curves: Sequence[BarrierCurve], path: str | Path, title: str = "") -> Path:

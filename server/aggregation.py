@@ -40,12 +40,14 @@ from torch.utils.data import Dataset
 
 from federation.restriction import wire_state
 from federation.settings import AGGREGATION_TABLE, CONTROLS, GUARDED
-from glmc.archs import ModelConfig, State, build_model, get_arch, scale_width
+from glmc.archs import build_model, get_arch
+from glmc.core.config import ModelConfig, scale_width
+from glmc.core.state import State
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig, targets_for
 from glmc.merging import heterofl
-from glmc.merging.merge import PredictionMixture
+from glmc.merging.evaluation import PredictionMixture
 from glmc.merging.options import MergeOptions
 from glmc.merging.robust import Clipping, Robustness, clip, coordinatewise, recentre_round, screen, unclipped
 from glmc.merging.universe import universe_match

@@ -17,7 +17,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from federation.data import eval_subset, label_counts, pool, server_reads, split_config
 from federation.settings import GUARDED, NATURAL_SPLITS, RunSettings
-from glmc.archs import ModelConfig, build_model, cast, get_arch, scale_width
+from glmc.archs import build_model, get_arch
+from glmc.core.config import ModelConfig, scale_width
+from glmc.core.state import cast
 from glmc.data.generated import text_writer
 from glmc.device import resolve
 from glmc.errors import ConfigError

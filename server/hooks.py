@@ -27,10 +27,11 @@ from flwr.app import ArrayRecord
 from torch.utils.data import Dataset
 
 from federation.settings import RunSettings
-from glmc.archs import ModelConfig, build_model, get_arch, scale_width
+from glmc.archs import build_model, get_arch
+from glmc.core.config import ModelConfig, scale_width
 from glmc.errors import CheckpointError, ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
-from glmc.merging.merge import ensemble_metrics
+from glmc.merging.evaluation import ensemble_metrics
 from server.aggregation import Client, client_models
 from server.records import RoundHooks, RoundRecord
 

@@ -33,7 +33,8 @@ from torch.utils.data import Dataset
 from federation import protocol
 from federation.restriction import principal_placement, restrict
 from federation.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
-from glmc.archs import ModelConfig, State, scale_width
+from glmc.core.config import ModelConfig, scale_width
+from glmc.core.state import State
 from glmc.data.generated import generated_text, writing_seconds
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError

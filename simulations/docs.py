@@ -90,7 +90,7 @@ def _comments(pyproject: str, section: str) -> dict[str, str]:
 def _allowed(key: str, kind: str) -> str:
     """A key's allowed values: its choices where the apps declare them, else its type."""
     from federation import settings
-    from glmc.archs.config import PRESETS
+    from glmc.core.config import PRESETS
     from glmc.data.tasks import TASKS
     from glmc.match.learned import WITHIN
 

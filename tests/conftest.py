@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from glmc.archs import ModelConfig, preset
+from glmc.core.config import ModelConfig, preset
 from glmc.data.hub import HUB_DATASETS, save_hub_copy
 
 # Tests never touch the network, whatever the caller's environment says.

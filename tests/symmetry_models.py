@@ -7,9 +7,11 @@ import math
 import torch
 from torch.utils.data import TensorDataset
 
-from glmc.archs import ModelConfig, State, build_model, get_arch, preset
+from glmc.archs import build_model, get_arch
+from glmc.archs import random_inputs as inputs
+from glmc.core.config import ModelConfig, preset
+from glmc.core.state import State
 from glmc.symmetry.canonical import canonicalize
-from glmc.symmetry.exactness import random_inputs as inputs
 from glmc.symmetry.exactness import random_native
 from tests.conftest import synthetic_images, synthetic_text
 

@@ -5,7 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from glmc.archs import ModelConfig, State, build_model, get_arch, preset
+from glmc.archs import build_model, get_arch
+from glmc.core.config import ModelConfig, preset
+from glmc.core.state import State
 from glmc.errors import ConfigError
 from glmc.match.activation import activation_match, correlations
 from glmc.match.common import sq_distance

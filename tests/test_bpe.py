@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from glmc.archs import build_model, get_arch, preset
+from glmc.archs import build_model, get_arch
 from glmc.cli import main as glmc
+from glmc.core.config import preset
 from glmc.data import bpe
 from glmc.data.bpe import BpeVocab, load_shakespeare_bpe, split_text
 from glmc.data.shakespeare import read_plays

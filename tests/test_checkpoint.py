@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 import glmc.io.checkpoint as ckpt
-from glmc.archs import ModelConfig, build_model, get_arch
+from glmc.archs import build_model, get_arch
+from glmc.core.config import ModelConfig
 from glmc.errors import CheckpointError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, load_model, save_checkpoint
 

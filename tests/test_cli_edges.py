@@ -15,13 +15,14 @@ import pytest
 import torch
 
 import glmc
-from glmc.archs import build_model, preset
+from glmc.archs import build_model
 from glmc.cli import main
 from glmc.cli.outputs import PLOT_FORMATS
+from glmc.core.config import preset
 from glmc.data.fashion_mnist import load_fashion_mnist
 from glmc.errors import ConfigError, DataNotFoundError
 from glmc.io.checkpoint import CheckpointMeta, save_checkpoint
-from glmc.merging.merge import grid_steps
+from glmc.merging.evaluation import grid_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 VIT = preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28, depth=1)

@@ -8,8 +8,8 @@ import sys
 import pytest
 from conftest import fake_hub_copy
 
-from glmc.archs import preset
 from glmc.cli import main
+from glmc.core.config import preset
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
 from glmc.data.tasks import load_task

@@ -16,7 +16,8 @@ import federation.data
 from client.app import Node
 from federation.data import client_share, eval_subset, label_counts, pool, server_reads
 from federation.settings import RunSettings
-from glmc.archs import build_model, get_arch, preset
+from glmc.archs import build_model, get_arch
+from glmc.core.config import preset
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig

@@ -16,7 +16,8 @@ import torch
 from conftest import HUB_SIZES, fake_hub_copy, fake_hub_dataset, hub_split
 
 import glmc
-from glmc.archs import build_model, preset
+from glmc.archs import build_model
+from glmc.core.config import preset
 from glmc.data import fashion_mnist, fetch
 from glmc.data.fashion_mnist import find_fashion_mnist, load_fashion_mnist, read_idx
 from glmc.data.hub import (

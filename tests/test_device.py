@@ -14,12 +14,12 @@ from glmc.archs import build_model, get_arch
 from glmc.cli import main
 from glmc.device import check_name, device_of, peak_memory_mb, resolve
 from glmc.errors import ConfigError
-from glmc.interpolation import barrier_curve
 from glmc.match.align import align_pair
 from glmc.match.common import sq_distance
 from glmc.match.learned import LearnConfig
 from glmc.match.options import MatchOptions
 from glmc.merging.corrections import Corrections
+from glmc.merging.interpolation import barrier_curve
 from glmc.merging.merge import MergeSetup, merge_states
 from glmc.merging.options import MergeOptions
 from glmc.symmetry import groups

@@ -168,7 +168,7 @@ def test_metrics_files_survive_a_write_that_fails_half_way(tmp_path: Path, monke
 
 def test_a_family_whose_widths_cannot_differ_is_refused_narrower_tiers_before_round_1() -> None:
     """Separate q, k, v projections are not sliced: width tiers below 1 are one line, equal widths run."""
-    from glmc.archs import preset
+    from glmc.core.config import preset
     from glmc.errors import ConfigError
     from server.app import reply_schema
 

@@ -14,8 +14,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
-from glmc.archs import get_arch, preset
+from glmc.archs import get_arch
 from glmc.cli import main as glmc
+from glmc.core.config import preset
 from glmc.data.masking import IGNORE, MaskedWindows, mask_id, mask_tokens
 from glmc.errors import ConfigError
 from glmc.io import formats

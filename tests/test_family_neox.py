@@ -14,9 +14,10 @@ import torch
 from torch.utils.data import TensorDataset
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from glmc.archs import build_model, get_arch, preset
+from glmc.archs import build_model, get_arch
 from glmc.archs.base import Part
 from glmc.cli import main as glmc
+from glmc.core.config import preset
 from glmc.errors import ConfigError
 from glmc.io import formats
 from glmc.io.live import read_module

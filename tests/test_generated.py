@@ -13,8 +13,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 import glmc
-from glmc.archs import build_model, preset
+from glmc.archs import build_model
 from glmc.cli import main
+from glmc.core.config import preset
 from glmc.data.generated import generated_text, shares, writing_seconds
 from glmc.errors import ConfigError
 from glmc.match.learned import LearnConfig

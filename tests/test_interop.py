@@ -14,9 +14,10 @@ from safetensors.torch import load_file, save_file
 from timm.models.vision_transformer import VisionTransformer
 
 import glmc
-from glmc.archs import cast, get_arch
+from glmc.archs import get_arch
 from glmc.cli import main
 from glmc.cli.export import DTYPE_NAMES
+from glmc.core.state import cast
 from glmc.io.formats import DTYPES, read
 from glmc.io.live import like, read_module
 from glmc.symmetry.canonical import canonicalize
@@ -324,7 +325,8 @@ def perturb_like(kwargs):
 def test_a_glmc_text_model_exports_with_its_char_tokenizer(tmp_path):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
-    from glmc.archs import build_model, preset
+    from glmc.archs import build_model
+    from glmc.core.config import preset
     from glmc.data import CharVocab
     from glmc.io.checkpoint import CheckpointMeta, save_checkpoint
 

@@ -95,6 +95,52 @@ def test_no_import_cycle():
     assert not cycle, " → ".join(cycle)
 
 
+# glmc's subpackages and top-level modules, lowest first. Each imports only the ones before it, lazy imports and
+# type-checking ones included: the vocabulary (core) at the bottom, the families, what acts on their symmetries,
+# data and training, checkpoints, pairwise matching, merging N models, then the front-ends.
+GLMC_ORDER = ("errors", "device", "core", "archs", "symmetry", "data", "train", "io", "match", "merging", "plots",
+              "api", "cli")
+
+
+def _unit(module: str) -> str | None:
+    """The part of glmc a module belongs to: its subpackage or its top-level module (None: glmc itself)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "glmc" and len(parts) > 1 else None
+
+
+def upward_imports(module: str, source: str) -> list[str]:
+    """The glmc modules ``source`` (the text of ``module``) imports from a part at or above its own in GLMC_ORDER,
+    other than its own part."""
+    own = _unit(module)
+    if own is None:
+        return []
+    tree = ast.parse(source)
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    return sorted(n for n in names if (unit := _unit(n)) is not None and unit != own
+                  and GLMC_ORDER.index(unit) > GLMC_ORDER.index(own))
+
+
+def test_every_part_of_glmc_has_its_place_in_the_order():
+    parts = {_unit(m) for m in MODULES if m.startswith("glmc.")} - {None, "__main__"}
+    assert parts == set(GLMC_ORDER), parts ^ set(GLMC_ORDER)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("glmc.")))
+def test_glmc_imports_only_the_parts_below_its_own(module: str):
+    assert not upward_imports(module, MODULES[module].read_text()), upward_imports(module, MODULES[module].read_text())
+
+
+def test_a_planted_upward_import_is_found():
+    """The check above can fail: archs importing matching, lazily or for type checking, is caught."""
+    planted = "def f():\n    from glmc.match.weight import weight_match\n"
+    assert upward_imports("glmc.archs.base", planted) == ["glmc.match.weight"]
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import glmc.merging.merge\n"
+    assert upward_imports("glmc.core.state", typed) == ["glmc.merging.merge"]
+    assert upward_imports("glmc.merging.merge", "from glmc.match.align import align_pair\n") == []
+
+
 ARCHITECTURE = (ROOT / "docs/architecture.md").read_text()
 
 
@@ -163,7 +209,7 @@ def test_the_names_the_cli_lists_without_torch_match_their_sources():
 
 # The algorithm packages read the families' declarations only: no family is named in their code, and no canonical
 # module of one (docstrings and comments may name them as examples).
-ALGORITHMS = ("glmc/match", "glmc/merging", "glmc/symmetry", "glmc/interpolation.py")
+ALGORITHMS = ("glmc/match", "glmc/merging", "glmc/symmetry", "glmc/core/state.py", "glmc/core/spec.py")
 FAMILY_WORDS = re.compile(r"\b(vit|gpt2|gpt-2|llama|mistral|qwen2|neox|bert)\b|\b(attn|mlp)\.[a-z]|\bln[12]\b",
                           re.IGNORECASE)
 

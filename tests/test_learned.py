@@ -13,12 +13,13 @@ import torch
 from conftest import synthetic_images, synthetic_text
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from glmc.archs import Arch, ModelConfig, State, build_model, get_arch
+from glmc.archs import Arch, build_model, get_arch
 from glmc.cli import build_parser, main
 from glmc.cli.learn_options import TARGET_NAMES, WITHIN_NAMES, learn_options
+from glmc.core.config import ModelConfig
+from glmc.core.state import State, interpolate
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError, SpecError
-from glmc.interpolation import interpolate
 from glmc.io.checkpoint import load_model
 from glmc.match.align import align_pair
 from glmc.match.dual import dual_match, mixing_sampler, refine_universe

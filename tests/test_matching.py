@@ -8,10 +8,11 @@ import typing
 import pytest
 import torch
 
-from glmc.archs import cast, get_arch
+from glmc.archs import get_arch
 from glmc.cli.weight_options import START_NAMES, WEIGHT_FLAGS
+from glmc.core.spec import RES, expand
+from glmc.core.state import cast, interpolate
 from glmc.errors import ConfigError, NonFiniteError, SpecError
-from glmc.interpolation import barrier_curve, interpolate
 from glmc.match import weight as weight_module
 from glmc.match.align import align_pair
 from glmc.match.common import sq_distance
@@ -26,9 +27,9 @@ from glmc.match.weight import (
     weight_match,
     without_stream_biases,
 )
+from glmc.merging.interpolation import barrier_curve
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize, to_model
-from glmc.symmetry.spec import RES, expand
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import evaluate
 from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native

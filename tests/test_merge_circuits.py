@@ -12,8 +12,8 @@ import torch
 
 from glmc.archs import get_arch
 from glmc.cli import main
+from glmc.core.state import mix
 from glmc.errors import ConfigError
-from glmc.interpolation import mix
 from glmc.io.formats import read
 from glmc.match.align import align_pair
 from glmc.merging.circuits import merge_circuits

@@ -8,17 +8,19 @@ import json
 import pytest
 import torch
 
-from glmc.archs import build_model, get_arch, preset, scale_width
+from glmc.archs import build_model, get_arch
 from glmc.cli import build_parser, main
 from glmc.cli.merge import simplex_points
+from glmc.core.config import preset, scale_width
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
-from glmc.interpolation import evaluate_mixtures
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.io.formats import read
 from glmc.match.options import MatchOptions
 from glmc.match.weight import DEFAULT_START, WeightOptions
-from glmc.merging.merge import MergeSetup, PredictionMixture, grid_steps, merge_states, simplex_grid
+from glmc.merging.evaluation import PredictionMixture, grid_steps, simplex_grid
+from glmc.merging.interpolation import evaluate_mixtures
+from glmc.merging.merge import MergeSetup, merge_states
 from glmc.merging.options import MergeOptions
 
 HAS_FASHION = find_fashion_mnist() is not None

@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from glmc.archs import PRESETS, build_model, cast, get_arch, search_view
-from glmc.archs.base import Widened
+from glmc.archs import build_model, get_arch
 from glmc.cli import main as glmc
+from glmc.core.config import PRESETS
+from glmc.core.state import Widened, cast, search_view
 from glmc.errors import ConfigError
 from glmc.io import formats, live
 from glmc.match.weight import weight_match

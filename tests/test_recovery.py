@@ -14,15 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmc.archs import cast, get_arch
+from glmc.archs import get_arch
 from glmc.cli import main as glmc
+from glmc.core.state import cast
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
 from glmc.data.tasks import held_out
-from glmc.interpolation import barrier_curve
 from glmc.io.checkpoint import load_checkpoint, save_checkpoint
 from glmc.match.common import sq_distance
 from glmc.match.weight import weight_match
+from glmc.merging.interpolation import barrier_curve
 from glmc.symmetry.canonical import CIRCUITS, FORMS, canonicalize, fixes_ones, to_circuit
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 

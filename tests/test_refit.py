@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from glmc.archs import ModelConfig, get_arch, scale_width
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig, scale_width
+from glmc.core.state import mix
 from glmc.errors import ConfigError
-from glmc.interpolation import mix
 from glmc.merging.activations import hooked_passes
 from glmc.merging.refit import RIDGE, layer_rows, mean_outputs, refit, stages
 from glmc.merging.widths import axis_mask, embed, embedding_config, lstsq_merge, place

@@ -8,9 +8,11 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from glmc.archs import ModelConfig, get_arch, scale_width
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig, scale_width
+from glmc.core.state import mix
 from glmc.errors import ConfigError
-from glmc.interpolation import barrier_curve, mix
+from glmc.merging.interpolation import barrier_curve
 from glmc.merging.repair import channel_stats, repair, sites
 from glmc.merging.widths import embed, place
 from glmc.symmetry.canonical import to_model

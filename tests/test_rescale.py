@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glmc.archs import ModelConfig, get_arch, preset, scale_width
-from glmc.interpolation import mix
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig, preset, scale_width
+from glmc.core.state import mix
 from glmc.merging.rescale import restore_norms
 from glmc.merging.widths import embed, place
 from glmc.symmetry.canonical import canonicalize

@@ -18,7 +18,8 @@ from flwr.app import Message
 from test_flower_sim import InProcessGrid, needs_data, run_in_process, server_identity  # noqa: F401 (fixture)
 
 from federation.settings import RunSettings
-from glmc.archs import build_model, preset
+from glmc.archs import build_model
+from glmc.core.config import preset
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint, state_digest
 from server.hooks import checkpoint_path, clear_outputs, resume_point

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from glmc.archs import ModelConfig, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
 from glmc.match.weight import weight_match
 from glmc.symmetry.transforms import MATCHABLE, Transform
 from simulations.bench import scaling

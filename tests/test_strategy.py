@@ -28,14 +28,15 @@ from torch.utils.data import TensorDataset
 from federation import protocol
 from federation.restriction import principal_placement, restrict
 from federation.settings import RunSettings, places_principal
-from glmc.archs import ModelConfig, build_model, get_arch, preset, scale_width
+from glmc.archs import build_model, get_arch
+from glmc.core.config import ModelConfig, preset, scale_width
 from glmc.data.generated import generated_text
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint
 from glmc.match.learned import LearnConfig
 from glmc.merging import heterofl
 from glmc.merging.corrections import ALL, Corrections
-from glmc.merging.merge import PredictionMixture
+from glmc.merging.evaluation import PredictionMixture
 from glmc.merging.options import MergeOptions
 from glmc.merging.refit import RIDGE, layer_rows
 from glmc.merging.repair import channel_stats

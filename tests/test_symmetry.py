@@ -7,10 +7,10 @@ import torch
 
 from glmc.archs import ARCHS, get_arch
 from glmc.cli.pair import FORM_NAMES
+from glmc.core.spec import check_coverage, check_same_shapes, expand
 from glmc.errors import NonFiniteError, SpecError
 from glmc.symmetry.canonical import FORMS, canonicalize, forms_for, residual_group, to_circuit, to_model
 from glmc.symmetry.exactness import invariance_errors
-from glmc.symmetry.spec import check_coverage, check_same_shapes, expand
 from glmc.symmetry.transforms import SYMMETRY_CLASSES, Transform, apply, compose, invert, random_transform
 from tests.symmetry_models import ALL_CONFIGS, CONFIGS, inputs, logits_of, random_native
 

@@ -7,7 +7,9 @@ import contextlib
 import pytest
 import torch
 
-from glmc.archs import PRESETS, ModelConfig, get_arch, preset, scale_width
+from glmc.archs import get_arch
+from glmc.core.config import PRESETS, ModelConfig, preset, scale_width
+from glmc.core.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
 from glmc.errors import ConfigError
 from glmc.merging.widths import (
     Placement,
@@ -22,7 +24,6 @@ from glmc.merging.widths import (
     widths_may_differ,
 )
 from glmc.symmetry.canonical import canonicalize, to_model
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, RES, expand
 from tests.symmetry_models import VOCAB, inputs, logits_of, random_native
 
 TIERS = (2.0, 1.0, 0.5, 0.25)

@@ -2,51 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import nn
 
-from glmc.archs.config import ModelConfig
+from glmc.core.config import ModelConfig
+from glmc.core.spec import SpecTable, expand
+from glmc.core.state import State
 from glmc.errors import CheckpointError, ConfigError
-from glmc.symmetry.spec import SpecTable, expand
-
-State = dict[str, torch.Tensor]
-
-
-def cast(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> State:
-    """Every tensor of ``state`` in ``dtype``, detached: float64 to search exactly, float32 to evaluate or save."""
-    return {k: v.detach().to(dtype) for k, v in state.items()}
-
-
-HALF = (torch.bfloat16, torch.float16)
-
-
-class Widened(Mapping[str, torch.Tensor]):
-    """A half-precision ``state`` read in ``dtype`` one tensor at a time, so a search over it holds no wider copy
-    of the whole model."""
-
-    def __init__(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
-        self.state, self.dtype = state, dtype
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.state[name].detach().to(self.dtype)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.state)
-
-    def __len__(self) -> int:
-        return len(self.state)
-
-
-def search_view(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Mapping[str, torch.Tensor]:
-    """``state`` as a search in ``dtype`` reads it: widened tensor by tensor where it is stored in half precision,
-    else :func:`cast` (a copy, as exact searches in float64 need)."""
-    if state and all(v.dtype in HALF for v in state.values() if v.is_floating_point()):
-        return Widened(state, dtype)
-    return cast(state, dtype)
 
 
 @dataclass(frozen=True)

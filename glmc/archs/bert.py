@@ -16,10 +16,10 @@ from typing import Any
 from torch import nn
 
 from glmc.archs.base import Arch, KeyRule
-from glmc.archs.config import ModelConfig
 from glmc.archs.gpt2 import check_inputs, logits  # token ids in, per-token logits out, as GPT-2
+from glmc.core.config import ModelConfig
+from glmc.core.spec import HEADS, MLP, MLP_IN, RES, Axes, K, Q, V
 from glmc.errors import ConfigError
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, RES, Axes, K, Q, V
 
 LAYER = "bert.encoder.layer.{l}."
 # canonical module -> HF module inside ``bert.encoder.layer.{l}``, in forward order

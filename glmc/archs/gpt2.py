@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from glmc.archs.base import Arch, KeyRule, require_inputs
-from glmc.archs.config import ModelConfig
 from glmc.archs.prenorm import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS
+from glmc.core.config import ModelConfig
+from glmc.core.spec import NORM, RES, Axes
 from glmc.errors import ConfigError
-from glmc.symmetry.spec import NORM, RES, Axes
 
 if TYPE_CHECKING:
     from transformers import GPT2LMHeadModel

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.state import State
 from glmc.errors import ConfigError
 
 ARCHITECTURE = "ViTForImageClassification"
@@ -88,7 +90,7 @@ def from_timm(state: Mapping[str, torch.Tensor], depth: int) -> State:
 def timm_module(model: nn.Module) -> nn.Module:
     """The timm ViT computing a transformers ViT's logits, checked on random images (float64); ConfigError if
     they differ (an option that changes the function without changing a shape)."""
-    from glmc.symmetry.exactness import random_inputs
+    from glmc.archs import random_inputs
 
     hf: Any = model.config
     head: Any = model.classifier

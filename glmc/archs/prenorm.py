@@ -3,7 +3,7 @@ q|k|v projection in equal thirds, a LayerNorm before each branch, a plain MLP.""
 
 from __future__ import annotations
 
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, Axes
+from glmc.core.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, Axes
 
 # One pre-norm Transformer block, the same in timm's ViT and HF's GPT-2 once names are canonical.
 BLOCK_SPEC: dict[str, Axes] = {

@@ -11,10 +11,10 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from glmc.archs.base import Arch, KeyRule, require_inputs
-from glmc.archs.config import ModelConfig
 from glmc.archs.prenorm import BLOCK_FOLDS, BLOCK_SPEC, BLOCK_WRITERS
+from glmc.core.config import ModelConfig
+from glmc.core.spec import NORM, RES, Axes
 from glmc.errors import ConfigError
-from glmc.symmetry.spec import NORM, RES, Axes
 
 _BLOCK_KEYS = {
     "ln1": "norm1",

@@ -41,8 +41,8 @@ def run_barrier(args: argparse.Namespace) -> int:
     """Align B to A by each method and measure the loss barrier on held-out data (paper Eq. 1)."""
     import torch
 
-    from glmc.interpolation import barrier_curve
     from glmc.merging.circuits import require_circuit_layout
+    from glmc.merging.interpolation import barrier_curve
     from glmc.symmetry.canonical import CIRCUITS, to_circuit
 
     if args.simplex:
@@ -78,7 +78,7 @@ def run_barrier(args: argparse.Namespace) -> int:
 
 
 def _write_barrier_outputs(args: argparse.Namespace, curves: list[dict]) -> None:
-    from glmc.interpolation import BarrierCurve
+    from glmc.merging.interpolation import BarrierCurve
     from glmc.plots import plot_barrier_curves
 
     report = {"a": str(args.a), "b": str(args.b), "points": args.points, "form": args.form,

@@ -32,7 +32,8 @@ def run_check(args: argparse.Namespace) -> int:
         return _check_checkpoint(args)
     if args.model is None:
         raise ConfigError("give a checkpoint to check, or --model PRESET for a random model of a preset")
-    from glmc.archs import get_arch, preset
+    from glmc.archs import get_arch
+    from glmc.core.config import preset
 
     changes = {k: getattr(args, k) for k in ("width", "depth", "heads", "mlp", "activation")
                if getattr(args, k) is not None}  # --width 0 is an error to report, not "no override"

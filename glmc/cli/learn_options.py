@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch import Tensor
     from torch.utils.data import Dataset
 
-    from glmc.archs import ModelConfig
+    from glmc.core.config import ModelConfig
     from glmc.io.checkpoint import CheckpointMeta
     from glmc.match.learned import LearnConfig
 

@@ -18,7 +18,7 @@ from glmc.match.registry import MERGE_METHODS, get_method
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
-    from glmc.archs import ModelConfig
+    from glmc.core.config import ModelConfig
     from glmc.io.checkpoint import CheckpointMeta
     from glmc.merging.merge import MergeSetup
     from glmc.merging.options import MergeOptions
@@ -175,7 +175,7 @@ def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
     from glmc.data.generated import writing_seconds
     from glmc.io.formats import check_output
-    from glmc.merging.merge import grid_steps
+    from glmc.merging.evaluation import grid_steps
 
     get_method(args.method, merging=True)
     if len(args.checkpoints) < 2:
@@ -232,7 +232,7 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
 def _evaluate(args: argparse.Namespace, natives: list[dict], configs: list, setup: MergeSetup, test: Dataset,
               steps: int, result: UniverseResult) -> dict[str, Any]:
     """Test metrics of every input, the merge and the ensemble; the simplex barrier; across widths, Fig. 3c."""
-    from glmc.merging.merge import evaluate_merge, width_barriers
+    from glmc.merging.evaluation import evaluate_merge, width_barriers
 
     report = evaluate_merge(result, natives, configs, setup, test, steps)
     report["inputs"] = [{"path": str(p), "width": c.width} | m
@@ -261,7 +261,7 @@ def _print_merge(report: dict[str, Any]) -> None:
 def width_curves(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta]) -> list[dict[str, Any]]:
     """``glmc barrier WIDE NARROW``: per method, NARROW embedded into WIDE's width and aligned to it as ``glmc merge``
     aligns an input (paper Fig. 3c); the pair's barrier curves."""
-    from glmc.merging.merge import width_barriers
+    from glmc.merging.evaluation import width_barriers
 
     methods = args.method or ["weight"]
     check_across_widths(args, methods, {"--repair": args.repair, "--form": args.form != "standard",
@@ -319,7 +319,8 @@ def run_simplex(args: argparse.Namespace) -> int:
     """Align A, B, C into one universe per method; the loss over the simplex grid, its barrier, a heat map."""
     import torch
 
-    from glmc.merging.merge import merge_states, simplex_barrier
+    from glmc.merging.evaluation import simplex_barrier
+    from glmc.merging.merge import merge_states
 
     if args.simplex_steps < 2:
         raise ConfigError("--simplex-steps must be at least 2")

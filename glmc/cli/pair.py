@@ -36,10 +36,10 @@ def load_pair(a: Path, b: Path, stored: bool = False) -> tuple[dict, dict, Check
     """Both checkpoints (in float32, or ``stored``: in their files' precision), refusing before any work a NaN or inf
     (named as the file names it), different families or a B that does not fit inside A (only widths may differ, and
     B is then embedded into A's width)."""
+    from glmc.core.spec import check_same_shapes
     from glmc.io.formats import read
     from glmc.match.common import require_finite
     from glmc.merging.widths import check_embeddable
-    from glmc.symmetry.spec import check_same_shapes
 
     state_a, meta_a = read(a, stored=stored)
     state_b, meta_b = read(b, stored=stored)

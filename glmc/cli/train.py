@@ -52,7 +52,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """Train a preset on a dataset, evaluate on its test split, print the metrics, save a checkpoint."""
     # Imported here so that `glmc --help` and usage errors answer without loading torch.
-    from glmc.archs import build_model, get_arch, preset, scale_width
+    from glmc.archs import build_model, get_arch
+    from glmc.core.config import preset, scale_width
     from glmc.data.tasks import load_task, train_on_fraction
     from glmc.io.checkpoint import CheckpointMeta, check_out, save_checkpoint
     from glmc.train import evaluate, seed_everything, train

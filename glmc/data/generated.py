@@ -20,8 +20,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from glmc.archs import ModelConfig, build_model, get_arch
-from glmc.archs import cast as cast_state
+from glmc.archs import build_model, get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.state import cast as cast_state
 from glmc.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
-    from glmc.archs import ModelConfig
+    from glmc.core.config import ModelConfig
 
 IGNORE = -100  # a target cross-entropy skips (torch's ignore_index)
 SELECT, MASKED, RANDOM = 0.15, 0.8, 0.1  # selected share; of it, masked and random shares (the rest unchanged)

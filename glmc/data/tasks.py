@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset, Subset
 
-from glmc.archs import ModelConfig
+from glmc.core.config import ModelConfig
 from glmc.data.hub import HUB_DATASETS, HUB_ONLY, load_hub_copy
 from glmc.errors import ConfigError
 

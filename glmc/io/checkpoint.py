@@ -25,7 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
 
-from glmc.archs import ModelConfig, build_model
+from glmc.archs import build_model
+from glmc.core.config import ModelConfig
 from glmc.errors import CheckpointError, ConfigError, GlmcError, first_line
 
 META_KEY = "glmc"

@@ -32,7 +32,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from glmc.archs import ARCHS, ModelConfig, State, cast, get_arch, hf_vit
+from glmc.archs import ARCHS, get_arch, hf_vit
+from glmc.core.config import ModelConfig
+from glmc.core.state import State, cast
 from glmc.errors import CheckpointError, ConfigError, first_line
 from glmc.io.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
 from glmc.io.live import read_module

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from glmc.archs import ARCHS, Arch, ModelConfig, State, cast, hf_vit
+from glmc.archs import ARCHS, Arch, hf_vit
+from glmc.core.config import ModelConfig
+from glmc.core.state import State, cast
 from glmc.errors import ConfigError, first_line
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ def untied_state(model: nn.Module) -> State:
 
 def probe_inputs(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
     """Two short inputs of the model's kind, to compare two builds of it."""
-    from glmc.symmetry.exactness import random_inputs
+    from glmc.archs import random_inputs
 
     return random_inputs(cfg.replace(context=min(cfg.context, CHECK_LENGTH)), n=2).to(device)
 

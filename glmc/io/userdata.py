@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from glmc.archs import ModelConfig, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
 from glmc.errors import ConfigError
 
 IMAGE_KEYS = ("images", "labels")

@@ -18,12 +18,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from glmc.archs import Arch, ModelConfig, State, get_arch
+from glmc.archs import Arch, get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import HEADS, MLP_IN, block_linears
+from glmc.core.state import State
 from glmc.device import device_of
 from glmc.match.common import MatchResult, grouped_assignment, matched_order, require_data, sq_distance
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import Form, to_model
-from glmc.symmetry.spec import HEADS, MLP_IN, block_linears
 from glmc.symmetry.transforms import Transform, apply
 
 if TYPE_CHECKING:

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, cast, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import check_same_shapes
+from glmc.core.state import State, cast
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
@@ -22,7 +25,6 @@ from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions
 from glmc.symmetry.canonical import CENTRED, Form, canonicalize
-from glmc.symmetry.spec import check_same_shapes
 from glmc.symmetry.transforms import Transform, apply
 
 

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from glmc.core.spec import HEADS, QKV, AxisKind, K, Q, SpecTable, V, expand
 from glmc.errors import ConfigError, NonFiniteError
 from glmc.symmetry import groups
-from glmc.symmetry.spec import HEADS, QKV, AxisKind, K, Q, SpecTable, V, expand
 from glmc.symmetry.transforms import Transform
 
 if TYPE_CHECKING:

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glmc.archs.base import State
+from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
+from glmc.core.state import State
 from glmc.match.common import cross, kind_first, sq_distance, sq_norm
 from glmc.symmetry import groups
-from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
 from glmc.symmetry.transforms import Transform, apply, require_folded
 
 HEAD_KINDS: tuple[AxisKind, ...] = (QKV, Q, K, V, HEADS)

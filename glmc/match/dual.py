@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING
 
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.state import State
 from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult, require_data
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn, pair_points

@@ -28,10 +28,11 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
-from glmc.archs import Arch, ModelConfig, State, cast, get_arch
+from glmc.archs import Arch, get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.state import State, cast, mix
 from glmc.device import device_of
 from glmc.errors import ConfigError, check_options
-from glmc.interpolation import mix
 from glmc.match.common import MatchResult, require_data
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
 from glmc.symmetry import groups

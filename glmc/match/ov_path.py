@@ -15,9 +15,11 @@ from collections.abc import Mapping
 
 import torch
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import SpecTable
+from glmc.core.state import State
 from glmc.match.common import MatchResult, head_factors
-from glmc.symmetry.spec import SpecTable
 from glmc.symmetry.transforms import Transform, apply, compose
 
 STEPS = 300  # L-BFGS iterations per layer: the (H_kv, d_h, d_h) problem is small, and it converges well within them

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.state import State
 from glmc.match.common import MatchResult, require_data
 from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from glmc.archs.base import search_view
+from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, K, Q, SpecTable, V, expand
+from glmc.core.state import search_view
 from glmc.errors import ConfigError
 from glmc.match.common import (
     MatchResult,
@@ -38,13 +39,13 @@ from glmc.match.common import (
 from glmc.match.descent import Descent, Layer
 from glmc.match.ov_path import on_the_path
 from glmc.symmetry import groups
-from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, K, Q, SpecTable, V, expand
 from glmc.symmetry.transforms import Transform
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
-    from glmc.archs import ModelConfig, State
+    from glmc.core.config import ModelConfig
+    from glmc.core.state import State
     from glmc.match.options import MatchOptions
 
 

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from glmc.archs import ModelConfig, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
 
 Site = tuple[str, int | None]  # a canonical module prefix (``blocks.{l}.mlp.fc1``, ``head``) and its layer
 Hook = Callable[[nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor | None]  # may replace the output

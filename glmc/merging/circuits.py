@@ -14,11 +14,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import HEADS, QKV, block_linears
+from glmc.core.state import State
 from glmc.errors import ConfigError
 from glmc.match.common import head_circuits
 from glmc.symmetry.canonical import CIRCUITS, Form, forms_for
-from glmc.symmetry.spec import HEADS, QKV, block_linears
 
 
 def _low_rank(circuit: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State
+from glmc.core.config import ModelConfig
+from glmc.core.state import State
 from glmc.errors import ConfigError
 from glmc.merging.circuits import merge_circuits
 from glmc.merging.refit import refit

@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from glmc.archs import ModelConfig, State, get_arch
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
+from glmc.core.state import State
 
 
 def _axis_index(kind: AxisKind | None, size: int, narrow: ModelConfig, full: ModelConfig) -> torch.Tensor:

@@ -28,13 +28,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import RES, AxisKind, block_linears
+from glmc.core.state import State
 from glmc.data.tasks import inputs_of
 from glmc.errors import ConfigError, check_weights
 from glmc.merging.activations import AllSitesRecorded, Hook, Site, hooked_passes
 from glmc.merging.widths import Placement, axis_mask, embedding_config
 from glmc.symmetry.canonical import to_model
-from glmc.symmetry.spec import RES, AxisKind, block_linears
 
 # After every block's linear layers (the spec's, in forward order), the head.
 TOP_LAYERS = ("head",)

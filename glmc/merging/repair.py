@@ -17,12 +17,14 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import MLP, RES, block_linears
+from glmc.core.state import State
 from glmc.data.tasks import inputs_of
 from glmc.errors import ConfigError
 from glmc.merging.activations import AllSitesRecorded, Hook, hooked_passes
 from glmc.symmetry.canonical import to_model
-from glmc.symmetry.spec import MLP, RES, block_linears
 
 # The linear layers whose output channels are repaired, block by block in forward order: those whose output is the
 # MLP's units (fc1; a gated MLP's ``up``) or the residual stream (its writers). Not q and k: they act only through

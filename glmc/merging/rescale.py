@@ -16,9 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import HEADS, MLP, MLP_IN, QKV, AxisKind, Q, expand
+from glmc.core.state import State
 from glmc.match.common import gather, head_circuits
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, AxisKind, Q, expand
 
 # A unit family: the merged state and one layer → a (units,) norm per unit, and the rescaling by (units,) factors.
 Norms = Callable[[Mapping[str, torch.Tensor], int, ModelConfig], torch.Tensor]

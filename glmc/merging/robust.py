@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from glmc.archs import State
+from glmc.core.state import State
 from glmc.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.state import State
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_options, check_weights
 from glmc.match.common import MatchResult, sq_distance

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, block_linears, expand
+from glmc.core.state import State
 from glmc.errors import ConfigError, SpecError
 from glmc.match.common import head_factors, kind_first
 from glmc.symmetry.groups import ones_complement
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, block_linears, expand
 from glmc.symmetry.transforms import Transform
 
 # How a narrow model fills the universe's extra heads and MLP units: zero heads and dead neurons (the exact

@@ -16,10 +16,12 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from glmc.archs import Arch, ModelConfig, State, cast, get_arch
+from glmc.archs import Arch, get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.spec import HEADS, QKV, RES, block_linears, expand
+from glmc.core.state import State, cast
 from glmc.errors import ConfigError, NonFiniteError
 from glmc.symmetry import groups
-from glmc.symmetry.spec import HEADS, QKV, RES, block_linears, expand
 
 Form = Literal["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]
 FORMS: tuple[Form, ...] = get_args(Form)

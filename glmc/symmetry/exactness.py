@@ -9,7 +9,9 @@ from collections.abc import Mapping
 
 import torch
 
-from glmc.archs import ModelConfig, State, build_model, cast, get_arch
+from glmc.archs import build_model, get_arch, random_inputs
+from glmc.core.config import ModelConfig
+from glmc.core.state import State, cast
 from glmc.device import resolve, to_device
 from glmc.symmetry.canonical import CIRCUITS, Form, canonicalize, residual_group, to_circuit, to_model
 from glmc.symmetry.transforms import SYMMETRY_CLASSES, apply, random_transform
@@ -25,14 +27,6 @@ def random_native(cfg: ModelConfig, seed: int) -> State:
     model = build_model(cfg).double()
     state = {k: v + 0.1 * torch.randn_like(v) for k, v in model.state_dict().items()}
     return state | {alias: state[source] for alias, source in get_arch(cfg.family).tied.items() if alias in state}
-
-
-def random_inputs(cfg: ModelConfig, n: int = 6, seed: int = 0) -> torch.Tensor:
-    """Model inputs: images for an image model, token ids for a language model."""
-    g = torch.Generator().manual_seed(seed)
-    if get_arch(cfg.family).modality == "image":
-        return torch.randn(n, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g, dtype=torch.float64)
-    return torch.randint(0, cfg.vocab_size, (n, cfg.context), generator=g)
 
 
 def classes_for(cfg: ModelConfig) -> tuple[str, ...]:

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from glmc.archs.base import HALF, State
-from glmc.archs.config import ModelConfig
+from glmc.core.config import ModelConfig
+from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, NORM, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
+from glmc.core.state import HALF, State
 from glmc.errors import SpecError
 from glmc.symmetry import groups
-from glmc.symmetry.spec import HEADS, MLP, MLP_GATE, MLP_IN, NORM, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
 
 if TYPE_CHECKING:
     from glmc.symmetry.groups import ResidualGroup

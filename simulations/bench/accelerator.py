@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from glmc.archs import Arch, ModelConfig, build_model, get_arch, preset
+from glmc.archs import Arch, build_model, get_arch
+from glmc.core.config import ModelConfig, preset
 from glmc.device import peak_memory_mb, reset_peak_memory, resolve
 from glmc.match.learned import LearnConfig, learned_match
 from glmc.match.options import MatchOptions

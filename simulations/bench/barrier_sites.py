@@ -22,13 +22,15 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
 from glmc.cli.weight_options import parse_weight_flags
+from glmc.core.config import ModelConfig
+from glmc.core.spec import HEADS, MLP, MLP_IN, QKV, SpecTable, expand
+from glmc.core.state import State, mix
 from glmc.data.tasks import held_out
-from glmc.interpolation import evaluate_mixtures, mix
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
-from glmc.symmetry.spec import HEADS, MLP, MLP_IN, QKV, SpecTable, expand
+from glmc.merging.interpolation import evaluate_mixtures
 from simulations.bench.barriers import machine, mean_se, seed_checkpoints, table_main
 
 RESULTS = Path("simulations/results/barrier-sites")

@@ -169,7 +169,8 @@ def time_weight_matching(preset_name: str, repeats: int, pair: tuple[Path, Path]
                          start: Start = "identity") -> dict[str, float]:
     """Time of weight matching (float64, after canonical form) from residual ``start`` between two random-init
     models of a preset, or between the trained checkpoints ``pair``."""
-    from glmc.archs import get_arch, preset
+    from glmc.archs import get_arch
+    from glmc.core.config import preset
     from glmc.io.checkpoint import load_checkpoint
     from glmc.match.weight import weight_match
     from glmc.symmetry.canonical import canonicalize
@@ -388,7 +389,7 @@ def previous_results(results: Path) -> dict[str, Any]:
 def write_results(run: dict[str, Any], learn: str, config: str, rows: list[dict[str, Any]], timing: dict[str, Any],
                   reports: dict[str, list[dict[str, Any]]], seconds: float, kept: list[str], command: str) -> None:
     """summary.md, results.json and one curve plot per model (its first pair) under the results folder."""
-    from glmc.interpolation import BarrierCurve
+    from glmc.merging.interpolation import BarrierCurve
     from glmc.plots import plot_barrier_curves
 
     out = Path(run["results"])

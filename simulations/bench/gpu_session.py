@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmc.archs import preset
+from glmc.core.config import preset
 from glmc.io.formats import read, write
 from simulations.bench.barriers import checkpoint, label, train_args
 

@@ -32,7 +32,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, 
 
 from federation import protocol
 from federation.settings import RunSettings
-from glmc.archs import build_model, preset
+from glmc.archs import build_model
+from glmc.core.config import preset
 from glmc.merging.robust import Robustness, cap_examples, distance
 from glmc.train import seed_everything
 from server.strategy import SymmetryAwareFedAvg

@@ -28,9 +28,11 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
 from glmc.cli.learn_options import add_learn_arguments, learn_options, train_subset
 from glmc.cli.weight_options import parse_weight_flags
+from glmc.core.config import ModelConfig
+from glmc.core.state import State
 from glmc.data.tasks import held_out, inputs_of
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair

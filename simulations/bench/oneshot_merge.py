@@ -37,11 +37,13 @@ import torch
 
 from federation.data import VAL_FRACTION, eval_subset, pool
 from federation.settings import RunSettings
-from glmc.archs import ModelConfig, State, build_model, get_arch
+from glmc.archs import build_model, get_arch
 from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
+from glmc.core.config import ModelConfig
+from glmc.core.state import State
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
-from glmc.merging.merge import ensemble_metrics
+from glmc.merging.evaluation import ensemble_metrics
 from glmc.merging.rescale import restore_norms
 from glmc.merging.universe import universe_match
 from glmc.symmetry.canonical import canonicalize

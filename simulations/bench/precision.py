@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from glmc.archs import ModelConfig, build_model
+from glmc.archs import build_model
+from glmc.core.config import ModelConfig
 from glmc.io.formats import read
 from simulations.bench.barriers import machine
 from simulations.bench.planting import PLANTERS

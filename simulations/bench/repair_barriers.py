@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from glmc.interpolation import BarrierCurve
+from glmc.merging.interpolation import BarrierCurve
 from glmc.plots import plot_barrier_curves
 from simulations.bench.barriers import machine, pair_barriers, seed_checkpoints, summarise, table_main
 

@@ -33,12 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from glmc.archs import ModelConfig, State, build_model, get_arch
+from glmc.archs import build_model, get_arch, random_inputs
+from glmc.core.config import ModelConfig
+from glmc.core.state import State
 from glmc.match.activation import activation_match
 from glmc.match.common import MatchResult
 from glmc.match.weight import Start, weight_match
 from glmc.symmetry.canonical import canonicalize, fixes_ones
-from glmc.symmetry.exactness import random_inputs
 from glmc.symmetry.transforms import Transform, apply, compose, random_transform
 from simulations.bench.barriers import machine
 from simulations.bench.planting import PLANTERS

@@ -35,7 +35,7 @@ from flwr.app import ArrayRecord
 from torch.utils.data import Dataset, TensorDataset
 
 from federation.settings import AGGREGATIONS, DATA_AGGREGATIONS, RunSettings
-from glmc.archs import preset
+from glmc.core.config import preset
 from glmc.match.learned import LearnConfig
 from glmc.merging.robust import Robustness, cap_examples, distance
 from glmc.train import TrainConfig

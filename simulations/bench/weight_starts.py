@@ -21,13 +21,15 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from glmc.archs import ModelConfig, State, get_arch
+from glmc.archs import get_arch
 from glmc.cli.weight_options import parse_weight_flags
+from glmc.core.config import ModelConfig
+from glmc.core.state import State
 from glmc.data.tasks import held_out
-from glmc.interpolation import barrier_curve
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
 from glmc.match.weight import STARTS, WeightOptions, weight_match
+from glmc.merging.interpolation import barrier_curve
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.transforms import apply

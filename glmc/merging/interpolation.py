@@ -13,22 +13,14 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from glmc.archs import ModelConfig, State, cast, get_arch
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig
+from glmc.core.state import cast, mix
 from glmc.errors import ConfigError
 from glmc.merging.circuits import merge_circuits, require_circuit_layout
 from glmc.merging.repair import RepairTarget
 from glmc.symmetry.canonical import Form, to_model
 from glmc.train import evaluate
-
-
-def mix(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> State:
-    """Σ_i w_i θ_i key by key (λ θ_A + (1−λ) θ_B for two models)."""
-    return {k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) for k in states[0]}  # type: ignore[misc]
-
-
-def interpolate(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], lam: float) -> State:
-    """λ θ_A + (1−λ) θ_B, key by key."""
-    return mix((a, b), (lam, 1.0 - lam))
 
 
 def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequence[Sequence[float]],
