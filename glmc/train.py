@@ -169,8 +169,8 @@ def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, prog
           validation: Dataset | None = None, teacher: nn.Module | None = None) -> dict[str, float]:
     """Train ``model`` in place with AdamW and a warm-up + cosine schedule; with ``validation`` and
     ``cfg.patience`` > 0, stop early on it and keep the best weights (the schedule is the whole run's).
-    With ``teacher`` (inputs → probabilities, e.g. :class:`glmc.merging.evaluation.PredictionMixture`) each batch is scored
-    against its predictions, not the dataset's labels: distillation on the dataset's inputs.
+    With ``teacher`` (inputs → probabilities, e.g. :class:`glmc.merging.evaluation.PredictionMixture`) each batch is
+    scored against its predictions, not the dataset's labels: distillation on the dataset's inputs.
 
     Returns ``train_loss`` (mean over the last 10% of steps, where the schedule has settled), ``steps``
     and ``seconds`` (and ``val_loss`` and ``best_step`` when stopping early).
