@@ -29,7 +29,8 @@ from deploy.cluster import INSECURE_WARNING, Cluster, ClusterSpec, deployed_conf
 from deploy.connection import default_flwr_home, write_connection
 from deploy.follow import follow
 from deploy.keys import make_node_key
-from federation.settings import RunSettings, parse_tiers
+from federation.settings import RunSettings
+from glmc.core.options import parse_floats
 from glmc.errors import ConfigError, GlmcError
 
 log = logging.getLogger("deploy")
@@ -58,9 +59,10 @@ def cmd_connection(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    spec = ClusterSpec(name=args.name, nodes=args.nodes, tiers=parse_tiers(args.tiers), fleet_port=args.fleet_port,
-                       control_port=args.control_port, node_ports=tuple(args.node_port or ()),
-                       auth=not (args.no_auth or args.insecure), insecure=args.insecure, output_dir=args.output_dir)
+    spec = ClusterSpec(name=args.name, nodes=args.nodes, tiers=parse_floats("--tiers", args.tiers),
+                       fleet_port=args.fleet_port, control_port=args.control_port,
+                       node_ports=tuple(args.node_port or ()), auth=not (args.no_auth or args.insecure),
+                       insecure=args.insecure, output_dir=args.output_dir)
     cluster = up(spec)
     print(describe(cluster))
     print(f"run the apps: python -m deploy run --name {spec.name}  (or FLWR_HOME={spec.cli_home.resolve()} "

@@ -2,10 +2,18 @@
 
 A train reply holds one ArrayRecord (the model's own state dict, float32, at the client's width)
 and one MetricRecord with exactly ``TRAIN_METRICS``. MetricRecords take only int and float, so
-every value is converted with ``float()``/``int()`` before it is sent (no numpy scalars, no bool).
+every value is converted with ``float()``/``int()`` before it is sent (no numpy scalars, no bool). A valid reply
+is decoded into a :class:`Client`, which the strategy, its merge and its hooks all read.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glmc.core.config import ModelConfig, scale_width
+from glmc.core.state import State
+from glmc.merging.universe import Member
+from glmc.merging.widths import Placement
 
 ARRAYS = "arrays"
 METRICS = "metrics"
@@ -26,3 +34,18 @@ TRAIN_METRICS = frozenset({
 })
 EVALUATE_METRICS = frozenset({WEIGHT_KEY, "eval-loss", "eval-accuracy"})
 WIRE_DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class Client:
+    """One valid train reply, decoded: its native state, example count and width tier, and where a narrow one sits
+    in the universe (None: the default place; matching finds it)."""
+
+    state: State
+    weight: float
+    tier: float
+    placement: Placement | None = None
+
+    def member(self, full: ModelConfig) -> Member:
+        """This reply as a model of a merge into ``full`` (:func:`glmc.merging.merge.merge_models`)."""
+        return Member(self.state, scale_width(full, self.tier), self.weight, self.placement)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +26,7 @@ from glmc.core.config import ModelConfig
 from glmc.core.state import State, cast
 from glmc.errors import ConfigError
 from glmc.io.live import like, read_module
+from glmc.match.options import MatchOptions
 from glmc.merging.interpolation import BarrierCurve
 from glmc.merging.options import MergeOptions
 from glmc.merging.widths import check_embeddable
@@ -70,16 +70,16 @@ def _read_all(models: Sequence[nn.Module]) -> tuple[Arch, list[ModelConfig], lis
     return read[0][0], [cfg for _, cfg, _ in read], [state for _, _, state in read]
 
 
-def _refuse_forms(options: dict[str, Any]) -> None:
-    if options.get("form", "standard") != "standard":
-        raise ConfigError(f"form {options['form']!r} changes the architecture; the API returns standard models")
+def _refuse_forms(options: MatchOptions | None) -> None:
+    if options is not None and options.form != "standard":
+        raise ConfigError(f"form {options.form!r} changes the architecture; the API returns standard models")
 
 
 def align(model_a: nn.Module, model_b: nn.Module, method: str = "weight", data: Data = None, *,
-          device: str = "cpu", **options: Any) -> nn.Module:
+          device: str = "cpu", options: MatchOptions | None = None) -> nn.Module:
     """A new module of ``model_b``'s class and config computing ``model_b``'s function, moved next to
     ``model_a`` by a symmetry found by ``method`` (glmc.match.registry.METHODS; ``data`` for those that read data).
-    ``options`` go to :func:`glmc.match.align.align_pair` (``batch``, ``start``, ``learn``).
+    ``options``: the matchers' options (:class:`glmc.match.options.MatchOptions`; default glmc's).
 
     >>> import timm, torch, glmc
     >>> kw = dict(img_size=16, patch_size=4, in_chans=1, embed_dim=24, depth=2, num_heads=3, num_classes=5)
@@ -97,7 +97,7 @@ def align(model_a: nn.Module, model_b: nn.Module, method: str = "weight", data: 
     if cfg != cfg_b:
         raise ConfigError("glmc.align takes two models of one config; glmc.merge also takes different widths")
     fit = as_dataset(data, cfg, ([state_a, state_b], [cfg] * 2), device)
-    aligned = align_pair(state_a, state_b, cfg, method, data=fit, device=device, **options)
+    aligned = align_pair(state_a, state_b, cfg, method, options, data=fit, device=device)
     return like(model_b, arch.to_native(aligned.b, cfg))
 
 
@@ -116,7 +116,8 @@ def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence
     >>> type(merged).__name__, merged(torch.randint(0, 20, (2, 8))).logits.shape
     ('GPT2LMHeadModel', torch.Size([2, 8, 20]))
     """
-    from glmc.merging.merge import MergeSetup, merge_states
+    from glmc.merging.merge import MergeSetup, merge_models
+    from glmc.merging.universe import members
 
     arch, configs, states = _read_all(models)
     widest = max(range(len(configs)), key=lambda i: (configs[i].width, configs[i].mlp, configs[i].heads))
@@ -124,14 +125,13 @@ def merge(models: Sequence[nn.Module], method: str = "weight", weights: Sequence
     for cfg in configs:
         check_embeddable(cfg, target)
     options = dataclasses.replace(options or MergeOptions(), method=method, device=device)
-    setup = MergeSetup(target, options, None if weights is None else [float(w) for w in weights],
-                       as_dataset(data, target, (states, configs), device))
-    result = merge_states(states, configs, setup)
-    return like(models[widest], arch.to_native(result.merged, target))
+    setup = MergeSetup(target, options, as_dataset(data, target, (states, configs), device))
+    merged = merge_models(members(states, configs, weights), setup).universe.merged
+    return like(models[widest], arch.to_native(merged, target))
 
 
 def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "weight", points: int = 11, *,
-            train: Data = None, device: str = "cpu", **options: Any) -> BarrierCurve:
+            train: Data = None, device: str = "cpu", options: MatchOptions | None = None) -> BarrierCurve:
     """The loss barrier on ``data`` (held-out) along the linear path from B (λ = 0) to A (λ = 1) after aligning B
     by ``method`` ("none": as they are); data-driven methods fit on ``train`` (default: ``data``). The curve has
     ``.barrier``, ``.lambdas``, ``.losses`` and ``.accuracies``.
@@ -159,7 +159,7 @@ def barrier(model_a: nn.Module, model_b: nn.Module, data: Data, method: str = "w
         raise ConfigError("a barrier is measured on data: pass held-out data")
     fit = as_dataset(train, cfg, ([state_a, state_b], [cfg] * 2), device) if train is not None else test
     reads = get_method(method).reads_data
-    aligned = align_pair(state_a, state_b, cfg, method, data=fit if reads else None, device=device, **options)
+    aligned = align_pair(state_a, state_b, cfg, method, options, data=fit if reads else None, device=device)
     return barrier_curve(aligned.a, aligned.b, cfg, test, points, method=method, dtype=torch.float32)
 
 

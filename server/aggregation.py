@@ -29,42 +29,39 @@ Each client later gets the global model restricted to its own width (:func:`fede
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import Dataset
 
+from federation.protocol import Client
 from federation.restriction import wire_state
-from federation.settings import AGGREGATION_TABLE, CONTROLS, GUARDED
+from federation.settings import AGGREGATION_TABLE
 from glmc.archs import build_model, get_arch
 from glmc.core.config import ModelConfig, scale_width
 from glmc.core.state import State
-from glmc.device import to_device
 from glmc.errors import ConfigError
-from glmc.match.learned import LearnConfig, targets_for
+from glmc.match.learned import targets_for
+from glmc.match.options import ActivationOptions
 from glmc.merging import heterofl
 from glmc.merging.evaluation import PredictionMixture
+from glmc.merging.merge import (
+    MergeSetup,
+    embedded_distance,
+    merge_models,
+    recentred,
+    require_equal_widths,
+)
 from glmc.merging.options import MergeOptions
-from glmc.merging.robust import Clipping, Robustness, clip, coordinatewise, recentre_round, screen, unclipped
-from glmc.merging.universe import universe_match
-from glmc.merging.widths import Placement, embed, lstsq_merge, place, project
+from glmc.merging.robust import Clipping, Robustness, clip, coordinatewise, unclipped
+from glmc.merging.widths import Placement
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import TrainConfig, train
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class Client:
-    """One valid reply, decoded: its native state, example count and width tier."""
-
-    state: State
-    weight: float
-    tier: float
-    placement: Placement | None = None  # where to embed a narrow reply (None: the default place; matching finds it)
 
 
 @dataclass(frozen=True)
@@ -86,28 +83,11 @@ class MergeResult:
         return self.state is None
 
 
-def mean_pairwise_distance(states: Sequence[Mapping[str, torch.Tensor]]) -> float:
-    """Mean over client pairs of ‖θ_i − θ_j‖ (0 for a single client)."""
-    pairs = list(itertools.combinations(states, 2))
-    if not pairs:
-        return 0.0
-    return sum(float(sum(((a[k] - b[k]) ** 2).sum() for k in a)) ** 0.5 for a, b in pairs) / len(pairs)
-
-
 def universe_states(clients: Sequence[Client], full: ModelConfig) -> tuple[list[State], list[ModelConfig]]:
     """Every client canonical (float64, LayerNorms folded) at its own width, with its config."""
     arch = get_arch(full.family)
     configs = [scale_width(full, c.tier) for c in clients]
     return [canonicalize(arch, c.state, full, dtype=torch.float64) for c in clients], configs
-
-
-def embedded_distance(states: Sequence[State], configs: Sequence[ModelConfig], full: ModelConfig,
-                      placements: Sequence[Placement | None] | None = None) -> float:
-    """Mean pairwise distance of canonical clients embedded (unaligned) into the universe width, each where it
-    was sent (default: :func:`glmc.merging.widths.place`)."""
-    placements = placements or [None] * len(states)
-    return mean_pairwise_distance([embed(s, p or place(c, full)) if c != full else s
-                                   for s, c, p in zip(states, configs, placements, strict=True)])
 
 
 def finetune(native: State, full: ModelConfig, data: Dataset | None, config: TrainConfig,
@@ -149,92 +129,32 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, option
           anchor: State | None, data: Dataset | None = None, tune: TrainConfig | None = None) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring), which sets
     the method of ``options``; the rest of ``options`` says how (iterations, workers, matching, corrections on
-    ``data``, robustness: the clients' weights come already capped, and the device; the result comes back on the
-    CPU).
+    ``data``, robustness: the clients' weights come already capped, the guard, and the device; the result comes back
+    on the CPU). The aligned aggregations run the library's one merge (:func:`glmc.merging.merge.merge_models`).
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
     ``tune``: how ``fedavg-ft`` and ``server-only`` train on ``data`` (default: one epoch, one thread).
-    ``options.min_gain``: for weight and activation at equal widths, when matching brings the clients less than
-    this fraction closer, merge nothing and say ``unaligned``: the caller averages them as FedAvg
-    (:func:`_gains_too_little`).
     """
     robust, device = options.robustness, options.device
     method = AGGREGATION_TABLE[aggregation].method
     if method is None:  # HeteroFL's slices, or the server's own model (SLICED)
         tune = replace(tune or TrainConfig(threads=1), device=device)
-        distil = (aggregation in CONTROLS and data is not None
-                  and targets_for(options.match.learn or LearnConfig(), data) == "endpoints")
+        distil = AGGREGATION_TABLE[aggregation].control and data is not None and \
+            targets_for(options.match.learn, data) == "endpoints"
         return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust, distil)
-    batch = len(data) if data is not None else 512  # type: ignore[arg-type]
-    options = replace(options, method=method, match=replace(options.match, batch=batch))
-    arch = get_arch(full.family)
-    states, configs = universe_states(clients, full)
-    states = [to_device(s, device) for s in states]
-    starts = [c.placement for c in clients]
-    start = (canonicalize(arch, to_device(anchor, device), full, dtype=torch.float64)
-             if anchor is not None else None)
-    early = _around_anchor(screen, states, configs, starts, start, full, robust.clip_ratio)  # no runaway matched
-    before = embedded_distance(early.states, configs, full, starts)
+    options = replace(options, method=method)
+    if data is not None:  # activation matching reads all of the server data
+        options = replace(options, match=replace(options.match, activation=ActivationOptions(len(data))))  # type: ignore[arg-type]
     weights = [c.weight for c in clients]
-    result = universe_match(early.states, full, **options.universe(), weights=weights, anchor=start,
-                            reference=max(range(len(clients)), key=weights.__getitem__), configs=configs, data=data,
-                            starts=starts)
-    seconds = sum(r.align_seconds + r.merge_seconds for r in result.history)
-    after = mean_pairwise_distance(result.aligned)
-    if aggregation in GUARDED and _gains_too_little(before, after, options.min_gain, configs, full):
-        return MergeResult(None, seconds, before, before, [None] * len(clients), early.clipped)
-    clipping = _around_anchor(clip, result.aligned, [full] * len(clients), result.placements, start, full,
-                              robust.clip_ratio)  # the distance the average sees
-    clipping = _recentred(clipping, weights, configs, full, robust, start)
-    merged = _robust_merge(result.merged, clipping, result.placements, weights, robust)
-    merged = options.corrections.apply(merged, clipping.states, full, data, weights, result.placements)
-    return MergeResult(wire_state(arch.to_native(merged, full)), seconds, before, after, list(result.placements),
-                       early.clipped, clipping)
-
-
-def _around_anchor(how: Callable[[Sequence[State], Sequence[State], float], Clipping], states: Sequence[State],
-                   configs: Sequence[ModelConfig], placements: Sequence[Placement | None], anchor: State | None,
-                   full: ModelConfig, ratio: float) -> Clipping:
-    """Canonical ``states`` clipped (or screened) around the canonical ``anchor`` as each one sees it: at its own width
-    (``configs[i]`` narrower than ``full``: the anchor projected where it sits), or in the universe (a narrow
-    ``placements[i]``: the anchor projected there, then embedded back). No anchor, nothing to clip around."""
-    if anchor is None:
-        return unclipped(states)
-    centers = []
-    for cfg, p in zip(configs, placements, strict=True):
-        if cfg != full:
-            centers.append(project(anchor, p or place(cfg, full)))
-        elif p is not None and p.narrow != full:
-            centers.append(embed(project(anchor, p), p))
-        else:
-            centers.append(anchor)
-    return how(states, centers, ratio)
-
-
-def _recentred(clipping: Clipping, weights: Sequence[float], configs: Sequence[ModelConfig], full: ModelConfig,
-               robust: Robustness, anchor: State | None) -> Clipping:
-    """``clipping`` with its clients recentred on their coordinate-wise median (:func:`glmc.merging.robust.recentre`)
-    when they all have the full width and there is a global model; else as it is: a narrow client's coordinates are
-    not all comparable, and round 1 of independent inits, which clips no one, recentres no one either."""
-    if anchor is None or any(c != full for c in configs):
-        return clipping
-    return recentre_round(clipping, robust, weights)
-
-
-def _robust_merge(merged: State, clipping: Clipping, placements: Sequence[Placement], weights: Sequence[float],
-                  robust: Robustness) -> State:
-    """The universe's merge again when a defence acts: the least-squares mean of the clipped clients, or their
-    coordinate-wise FedMedian / FedTrimmedAvg (equal widths); else ``merged`` itself, untouched."""
-    if robust.weighted_mean:
-        return lstsq_merge(clipping.states, placements, weights) if clipping.acted else merged
-    _require_equal_widths(any(p.narrow != p.wide for p in placements), robust)
-    return coordinatewise(clipping.states, robust.average, robust.trim_beta)
-
-
-def _require_equal_widths(mixed: bool, robust: Robustness) -> None:
-    if mixed:
-        raise ConfigError(f"robust-average {robust.average!r} takes the coordinates of equal-width clients; this "
-                          "round has narrow ones")
+    merged = merge_models([c.member(full) for c in clients], MergeSetup(full, options, data), anchor=anchor,
+                          reference=max(range(len(clients)), key=weights.__getitem__))
+    result = merged.universe
+    if merged.set_aside:
+        return MergeResult(None, result.seconds, merged.distance_before, merged.distance_after, [None] * len(clients),
+                           merged.clipped_before)
+    native = wire_state(get_arch(full.family).to_native(result.merged, full))
+    return MergeResult(native, result.seconds, merged.distance_before, merged.distance_after, list(result.placements),
+                       merged.clipped_before, merged.clipping)
 
 
 def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str, anchor: State | None,
@@ -249,7 +169,7 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
     natives = [c.state for c in clients]
     clipping = clip(natives, centers, robust.clip_ratio) if anchor is not None else unclipped(natives)
     weights = [c.weight for c in clients]
-    clipping = _recentred(clipping, weights, configs, full, robust, anchor)
+    clipping = recentred(clipping, weights, configs, full, robust, anchor)
     teacher = clients_teacher(clipping.states, clients, full) if distil else None
     if aggregation == "server-only":
         native, seconds = finetune(_server_only(anchor), full, data, tune, teacher)
@@ -257,7 +177,7 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
     if robust.weighted_mean:
         native = heterofl.merge(clipping.states, configs, weights, full, previous)
     else:
-        _require_equal_widths(any(cfg != full for cfg in configs), robust)
+        require_equal_widths(any(cfg != full for cfg in configs), robust)
         native = coordinatewise(clipping.states, robust.average, robust.trim_beta)
     native, seconds = wire_state(native), 0.0
     if aggregation == "fedavg-ft":
@@ -278,16 +198,3 @@ def _server_only(anchor: State | None) -> State:
     if anchor is None:
         raise ConfigError("server-only trains the previous global model on the server data: it needs one")
     return wire_state(anchor)
-
-
-def _gains_too_little(before: float, after: float, min_gain: float, configs: Sequence[ModelConfig],
-                      full: ModelConfig) -> bool:
-    """Whether to set this round's alignment aside: equal widths (where the unaligned average is FedAvg itself)
-    and the clients' mean pairwise distance fell by less than ``min_gain`` of itself."""
-    if not min_gain or before <= 0 or any(c != full for c in configs):
-        return False
-    gain = 1.0 - after / before
-    if gain < min_gain:
-        log.info("alignment brought the clients %.2f%% closer (%.4g → %.4g), less than min-alignment-gain %.2f%%: "
-                 "averaging them unaligned (FedAvg)", 100 * gain, before, after, 100 * min_gain)
-    return gain < min_gain

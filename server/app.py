@@ -24,7 +24,7 @@ from glmc.data.generated import text_writer
 from glmc.device import resolve
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, state_digest
-from glmc.match.learned import LearnConfig
+from glmc.match.options import LearnConfig
 from glmc.merging.circuits import require_circuit_layout
 from glmc.merging.widths import widths_may_differ
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
@@ -162,26 +162,26 @@ def main(grid: Grid, context: Context) -> None:
     cfg = pool(settings).task.config
     if settings.generated:
         text_writer(cfg)  # a model that cannot write its own inputs is refused before round 1
-    if settings.circuit_heads:
+    if settings.corrections.circuit_heads:
         require_circuit_layout(cfg)  # and one whose heads cannot merge as circuits
     done, initial = initial_model(settings, run_dir, cfg)
     if done >= settings.num_server_rounds:
         log.info("%s already has %d of %d rounds; nothing to do", run_dir, done, settings.num_server_rounds)
         return
-    num_nodes = len(list(grid.get_node_ids()))
+    num_nodes, rounds = len(list(grid.get_node_ids())), settings.deployment
     strategy = SymmetryAwareFedAvg(
         settings.aggregation, reply_schema(settings, cfg), cfg, options=settings.merge_options,
         server_data=server_reads(settings), generate=settings.generated,
         tune=server_tuning(settings, settings.learn_options), narrow_placement=settings.narrow_placement,
         independent_init=settings.independent_start, drop_unchanged=settings.drop_unchanged,
-        node_wait_timeout=settings.node_wait_timeout, round_offset=done,
-        hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=settings.fraction_train,
-        fraction_evaluate=settings.fraction_evaluate, min_train_nodes=settings.min_train_nodes,
-        min_available_nodes=settings.min_available_nodes or settings.min_train_nodes,
-        min_evaluate_nodes=1 if settings.fraction_evaluate else 0)
+        node_wait_timeout=rounds.node_wait_timeout, round_offset=done,
+        hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=rounds.fraction_train,
+        fraction_evaluate=rounds.fraction_evaluate, min_train_nodes=rounds.min_train_nodes,
+        min_available_nodes=rounds.min_available_nodes or rounds.min_train_nodes,
+        min_evaluate_nodes=1 if rounds.fraction_evaluate else 0)
     # The digest glmc.io.checkpoint stores: a resumed deployment can be checked against its checkpoint bit for bit.
     log.info("global model after round %d: sha256 %s", done, state_digest(initial.to_torch_state_dict()))
-    strategy.start(grid, initial, num_rounds=settings.num_server_rounds - done, timeout=settings.round_timeout,
+    strategy.start(grid, initial, num_rounds=settings.num_server_rounds - done, timeout=rounds.round_timeout,
                    train_config=ConfigRecord(), evaluate_config=ConfigRecord(),
                    evaluate_fn=central_evaluator(settings, cfg))
     if settings.aggregation in GUARDED:

@@ -26,13 +26,14 @@ import torch
 from flwr.app import ArrayRecord
 from torch.utils.data import Dataset
 
+from federation.protocol import Client
 from federation.settings import RunSettings
 from glmc.archs import build_model, get_arch
 from glmc.core.config import ModelConfig, scale_width
 from glmc.errors import CheckpointError, ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.merging.evaluation import ensemble_metrics
-from server.aggregation import Client, client_models
+from server.aggregation import client_models
 from server.records import RoundHooks, RoundRecord
 
 log = logging.getLogger(__name__)

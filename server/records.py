@@ -9,7 +9,7 @@ from typing import Any
 
 from flwr.app import ArrayRecord
 
-from server.aggregation import Client
+from federation.protocol import Client
 
 
 @dataclass

@@ -31,24 +31,20 @@ from flwr.serverapp.strategy import FedAvg, Result
 from torch.utils.data import Dataset
 
 from federation import protocol
+from federation.protocol import Client
 from federation.restriction import principal_placement, restrict
-from federation.settings import AGGREGATIONS, NARROW_PLACEMENTS, RunSettings, places_principal
+from federation.settings import AGGREGATIONS, NARROW_PLACEMENTS, Deployment, RunSettings, places_principal
 from glmc.core.config import ModelConfig, scale_width
 from glmc.core.state import State
 from glmc.data.generated import generated_text, writing_seconds
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, GlmcError
+from glmc.merging.merge import embedded_distance
 from glmc.merging.options import MergeOptions
 from glmc.merging.robust import Clipping, cap_examples, clip, combine, recentre_round, unclipped
 from glmc.merging.widths import Placement
 from glmc.train import TrainConfig
-from server.aggregation import (
-    Client,
-    MergeResult,
-    embedded_distance,
-    merge,
-    universe_states,
-)
+from server.aggregation import MergeResult, merge, universe_states
 from server.guard import guard_note
 from server.records import RoundHooks, RoundRecord
 from server.validation import ReplySchema, check_evaluate_reply, check_model, split_replies
@@ -67,7 +63,7 @@ class SymmetryAwareFedAvg(FedAvg):
                  options: MergeOptions | None = None, server_data: Dataset | None = None, generate: int = 0,
                  tune: TrainConfig | None = None, narrow_placement: str = RunSettings.narrow_placement,
                  independent_init: bool = False, drop_unchanged: bool = False,
-                 node_wait_timeout: float = RunSettings.node_wait_timeout,
+                 node_wait_timeout: float = Deployment.node_wait_timeout,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         """``options``: how the server merges (default: the run config's defaults on the CPU), its method set by
         ``aggregation``; ``tune``: how fedavg-ft and server-only train on the server data."""

@@ -12,7 +12,6 @@ registry and the FL aggregation table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import sys
 import tomllib
@@ -92,7 +91,7 @@ def _allowed(key: str, kind: str) -> str:
     from federation import settings
     from glmc.core.config import PRESETS
     from glmc.data.tasks import TASKS
-    from glmc.match.learned import WITHIN
+    from glmc.match.options import WITHIN
 
     choices: dict[str, Sequence[object]] = {
         "model": list(PRESETS), "dataset": list(TASKS), "aggregation": settings.AGGREGATIONS,
@@ -108,11 +107,12 @@ def _allowed(key: str, kind: str) -> str:
 def run_config_markdown() -> str:
     """docs/run-config.md: every key of ``[tool.flwr.app.config]``, its default, allowed values and meaning."""
     from federation.settings import RunSettings
+    from glmc.core.options import kind_name
 
     text = (PROJECT / "pyproject.toml").read_text()
     config = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
     comments = _comments(text, "tool.flwr.app.config")
-    kinds = {f.name.replace("_", "-"): str(f.type) for f in dataclasses.fields(RunSettings)}
+    kinds = {key: kind_name(kind) for key, kind in RunSettings.key_kinds().items()}
     lines = [GENERATED_NOTE, "", "# Run configuration", "",
              "The keys of `[tool.flwr.app.config]` in `pyproject.toml`, which the ServerApp and every ClientApp "
              "read through one parser (`federation.settings.RunSettings`). Override any of them with "

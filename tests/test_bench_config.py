@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from glmc.archs import get_arch
-from glmc.cli.weight_options import parse_weight_flags
-from glmc.match.weight import WeightOptions
+from glmc.cli.options import parse_match_flags
+from glmc.match.options import WeightOptions
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
@@ -210,8 +210,8 @@ def test_a_bench_whose_published_rows_predate_the_matchers_defaults_pins_the_mat
     """The rows of these benches were measured with the identity start, the squared head cost and the stream's
     biases read; their configs name that matcher, so that their one command reproduces them under today's defaults."""
     run = tomllib.loads(Path(f"simulations/bench/configs/{config}.toml").read_text())["run"]
-    pinned = WeightOptions(head_cost="squared", mlp_cost="inner", biases="read")
-    assert parse_weight_flags(run["matcher"]) == ("identity", pinned)
+    pinned = WeightOptions(start="identity", head_cost="squared", mlp_cost="inner", biases="read")
+    assert parse_match_flags(run["matcher"]).weight == pinned
 
 
 def test_the_barrier_summary_shows_a_timing_table_only_when_timing_was_measured() -> None:

@@ -20,7 +20,7 @@ from glmc.archs import build_model, get_arch
 from glmc.core.config import preset
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
-from glmc.match.learned import LearnConfig
+from glmc.match.options import LearnConfig
 
 needs_fashion = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
 
@@ -68,9 +68,8 @@ def test_server_steps_fix_the_budget_of_the_refinement_and_the_controls() -> Non
     from glmc.train import train
     from server.app import server_tuning
 
-    settings = RunSettings(server_data=64, server_steps=7, aggregation="fedavg-ft")
-    learn = LearnConfig(steps=settings.server_steps or None)
-    tune = server_tuning(settings, learn)
+    settings = RunSettings.from_run_config({"server-data": 64, "server-steps": 7, "aggregation": "fedavg-ft"})
+    tune = server_tuning(settings, settings.learn_options)
     data = TensorDataset(torch.rand(5, 1, 28, 28), torch.zeros(5, dtype=torch.long))  # one batch an epoch
     cfg = preset("vit-tiny")
     model = build_model(cfg)

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from federation.protocol import Client
 from federation.settings import RunSettings
 from glmc.archs import build_model, get_arch
 from glmc.cli import main
@@ -16,18 +17,18 @@ from glmc.device import check_name, device_of, peak_memory_mb, resolve
 from glmc.errors import ConfigError
 from glmc.match.align import align_pair
 from glmc.match.common import sq_distance
-from glmc.match.learned import LearnConfig
-from glmc.match.options import MatchOptions
+from glmc.match.options import ActivationOptions, LearnConfig, MatchOptions
 from glmc.merging.corrections import Corrections
 from glmc.merging.interpolation import barrier_curve
-from glmc.merging.merge import MergeSetup, merge_states
+from glmc.merging.merge import MergeSetup, merge_models
 from glmc.merging.options import MergeOptions
+from glmc.merging.universe import members
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import to_model
 from glmc.symmetry.exactness import TOLERANCE, invariance_errors
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, evaluate, train
-from server.aggregation import Client, merge
+from server.aggregation import merge
 from tests.conftest import synthetic_images, synthetic_text
 from tests.symmetry_models import CONFIGS, MERGE_CONFIGS, canonical, dataset, merge_data, random_native
 
@@ -121,10 +122,10 @@ def test_data_methods_on_the_device_match_the_cpu(method, device):
     cfg = MERGE_CONFIGS["gpt2"]
     data, test = merge_data(cfg), dataset(cfg)
     a, b = random_native(cfg, 0), random_native(cfg, 1)
-    learn = LearnConfig(steps=6, eval_every=3, batch_size=8)
+    options = MatchOptions(activation=ActivationOptions(32), learn=LearnConfig(steps=6, eval_every=3, batch_size=8))
     results = {}
     for dev in dict.fromkeys(["cpu", device]):
-        aligned = align_pair(a, b, cfg, method, data=data, batch=32, learn=learn, device=dev)
+        aligned = align_pair(a, b, cfg, method, options, data=data, device=dev)
         assert _on(aligned.a, dev) and _on(aligned.b, dev)
         results[dev] = barrier_curve(aligned.a, aligned.b, cfg, test, points=3, dtype=torch.float32)
     plain = barrier_curve(*(canonical(cfg, s) for s in (0, 1)), cfg, test, points=3, dtype=torch.float32)
@@ -143,9 +144,9 @@ def test_merging_with_corrections_on_the_device_matches_the_cpu(device):
     natives = [random_native(cfg, s) for s in range(3)]
     options = MergeOptions("weight", corrections=Corrections(restore_norms=True, refit=32, repair=32))
     setup = MergeSetup(cfg, options, train=synthetic_images(48))
-    cpu = merge_states(natives, [cfg] * 3, setup)
-    moved = merge_states(natives, [cfg] * 3, dataclasses.replace(setup, options=dataclasses.replace(options,
-                                                                                                   device=device)))
+    cpu = merge_models(members(natives, [cfg] * 3), setup).universe
+    moved = merge_models(members(natives, [cfg] * 3), dataclasses.replace(setup, options=dataclasses.replace(
+        options, device=device))).universe
     assert _on(moved.merged, device)
     x = synthetic_images(16).tensors[0].double()
     arch = get_arch(cfg.family)

@@ -265,7 +265,7 @@ def test_learned_soft_dual_and_universe_matching_run_on_bert_with_every_correcti
     """The permutation residual is learned straight through its assignment: learned and dual matching stay exact;
     universe merging (learned) and REPAIR, refit and restore-norms give back the class, the decoder still tied."""
     import glmc as api
-    from glmc.match.learned import LearnConfig
+    from glmc.match.options import LearnConfig
     from glmc.merging.corrections import Corrections
     from glmc.merging.options import MergeOptions
 

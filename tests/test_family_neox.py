@@ -23,11 +23,11 @@ from glmc.io import formats
 from glmc.io.live import read_module
 from glmc.match.activation import activation_match
 from glmc.match.align import align_pair
-from glmc.match.learned import LearnConfig
+from glmc.match.options import LearnConfig, MatchOptions
 from glmc.merging.corrections import Corrections
 from glmc.merging.options import MergeOptions
 from glmc.merging.repair import repair
-from glmc.merging.universe import universe_match
+from glmc.merging.universe import members, universe_match
 from glmc.merging.widths import check_embeddable
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize, fixes_ones
@@ -172,11 +172,11 @@ def test_learned_activation_and_universe_matching_run_on_neox() -> None:
     back = apply(permuted, arch.spec, found, gelu.heads)
     assert max(float((back[k] - start[k]).abs().max()) for k in start) <= 1e-9
     data = TensorDataset(x[:, :-1], x[:, 1:])
-    learned = align_pair(native, random_native(cfg, 3), cfg, "learned", data=data,
-                         learn=LearnConfig(steps=3, batch_size=8, eval_every=2))
+    learned = align_pair(native, random_native(cfg, 3), cfg, "learned",
+                         MatchOptions(learn=LearnConfig(steps=3, batch_size=8, eval_every=2)), data=data)
     b = arch.to_native(learned.b, cfg)
     assert (logits_of(b, cfg, x) - logits_of(random_native(cfg, 3), cfg, x)).abs().max() <= TOL
-    result = universe_match([a, *copies], cfg)
+    result = universe_match(members([a, *copies], [cfg] * (len(copies) + 1)), cfg)
     assert max(float((result.merged[k] - a[k]).abs().max()) for k in a) <= 1e-6
 
 

@@ -28,7 +28,7 @@ from test_strategy import CFG, merge_options, metrics, reply, state
 from federation import protocol
 from glmc.archs import build_model, get_arch
 from glmc.core.config import scale_width
-from glmc.match.learned import LearnConfig
+from glmc.match.options import LearnConfig
 from glmc.merging.robust import Robustness, distance
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import TrainConfig

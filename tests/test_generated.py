@@ -18,7 +18,7 @@ from glmc.cli import main
 from glmc.core.config import preset
 from glmc.data.generated import generated_text, shares, writing_seconds
 from glmc.errors import ConfigError
-from glmc.match.learned import LearnConfig
+from glmc.match.options import LearnConfig
 from tests.conftest import synthetic_text
 from tests.interop_models import HF, gpt2, logits, vit
 

@@ -193,18 +193,48 @@ def test_the_names_the_cli_lists_without_torch_match_their_sources():
     from glmc.cli.merge import FILL_NAMES
     from glmc.cli.pair import FORM_NAMES, METHOD_NAMES
     from glmc.cli.train import PRECISIONS
-    from glmc.cli.weight_options import START_NAMES
     from glmc.device import PRECISIONS as DEVICE_PRECISIONS
     from glmc.io.formats import DTYPES, FORMATS
-    from glmc.match.weight import DEFAULT_START, STARTS
     from glmc.merging.widths import FILLS
     from glmc.symmetry.canonical import FORMS
 
     assert (list(FORMATS), list(DTYPES), list(FILLS)) == (FORMAT_NAMES, DTYPE_NAMES, FILL_NAMES)
     assert list(FORMS) == FORM_NAMES
     assert list(DEVICE_PRECISIONS) == PRECISIONS
-    assert sorted(START_NAMES) == sorted(STARTS) and START_NAMES[0] == DEFAULT_START
     assert ", ".join(METHODS) == METHOD_NAMES
+
+
+# Method names that name nothing else; "none" is also a word of other settings, so it counts only where the other side
+# of the comparison reads a method.
+METHOD_WORDS = set(METHODS) - {"none"}
+PRODUCT = ("glmc", "server", "client", "federation", "deploy")
+
+
+def method_comparisons(source: str) -> list[str]:
+    """Comparisons in ``source`` against a registered method's name (a decision the registry's properties make)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        words = {e.value for s in sides for e in ([s] if isinstance(s, ast.Constant) else getattr(s, "elts", []))
+                 if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        reads_method = any("method" in ast.unparse(s) for s in sides if not isinstance(s, ast.Constant))
+        if words & METHOD_WORDS or ("none" in words and reads_method):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_but_the_registry_names_a_method_in_a_comparison():
+    paths = sorted(p for part in PRODUCT for p in (ROOT / part).rglob("*.py") if p != ROOT / "glmc/match/registry.py")
+    found = {p.relative_to(ROOT).as_posix(): hits for p in paths if (hits := method_comparisons(p.read_text()))}
+    assert len(paths) > 100 and not found, found
+
+
+def test_a_planted_method_comparison_is_found():
+    assert method_comparisons('if method == "learned":\n    pass\n') == ["line 1: method == 'learned'"]
+    assert method_comparisons('x = options.method != "none"\n')
+    assert not method_comparisons('x = settings.attack != "none"\n')
 
 
 # The algorithm packages read the families' declarations only: no family is named in their code, and no canonical

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from glmc.archs import Arch, build_model, get_arch
 from glmc.cli import build_parser, main
-from glmc.cli.learn_options import TARGET_NAMES, WITHIN_NAMES, learn_options
+from glmc.cli.options import match_options
 from glmc.core.config import ModelConfig
 from glmc.core.state import State, interpolate
 from glmc.data.fashion_mnist import find_fashion_mnist
@@ -24,13 +25,9 @@ from glmc.io.checkpoint import load_model
 from glmc.match.align import align_pair
 from glmc.match.dual import dual_match, mixing_sampler, refine_universe
 from glmc.match.learned import (
-    TARGETS,
-    WITHIN,
     Endpoint,
     Latents,
-    LearnConfig,
     Path,
-    Within,
     learned_match,
     pair_points,
     project,
@@ -38,6 +35,7 @@ from glmc.match.learned import (
     straight_through,
     validate,
 )
+from glmc.match.options import LearnConfig, MatchOptions, WeightOptions, Within
 from glmc.match.soft import soft_match
 from glmc.match.weight import weight_match
 from glmc.symmetry import groups
@@ -47,7 +45,12 @@ from glmc.train import TrainConfig, evaluate, seed_everything, token_loss, train
 from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
 
 FAMILIES = ["vit-odd", "gpt2-odd"]
-FAST = LearnConfig(steps=6, eval_every=2, batch_size=16, lr=0.05, dtype=torch.float64)
+FAST = LearnConfig(steps=6, eval_every=2, batch_size=16, lr=0.05, dtype="float64")
+
+
+def learning(learn: LearnConfig, **match: Any) -> MatchOptions:
+    """MatchOptions of ``learn`` at glmc's defaults otherwise (``match``: the other sections or the form)."""
+    return MatchOptions(learn=learn, **match)
 # Odd sizes, and tasks two tiny models learn in a second, so that interpolating them has a loss to lower.
 TASKS = {
     "vit": (CONFIGS["vit-odd"].replace(width=30, heads=3, mlp=37, img_size=8, patch=4, num_classes=3),
@@ -103,7 +106,8 @@ def test_aligned_endpoints_are_exactly_a_and_b(trained, method, within):
     learn = replace(FAST, within=within)  # invertible: dual composes π_A⁻¹ with a true inverse
     # from the identity start, which these few steps improve on (the relaxed start can already be the best point
     # dual learning validates at here, and then no learned map would be checked)
-    aligned = align_pair(native_a, native_b, cfg, method, data=trained.data, learn=learn, start="identity")
+    aligned = align_pair(native_a, native_b, cfg, method, learning(learn, weight=WeightOptions(start="identity")),
+                         data=trained.data)
     if method != "learned-perm":  # STE permutations need latent moves of order 1 before they change
         assert aligned.result.info["best_step"] > 0
     assert _gap(aligned.b, native_b, cfg) <= 1e-5
@@ -121,7 +125,7 @@ def _off_orthogonal(maps: torch.Tensor) -> float:
 @pytest.mark.parametrize("method", ["learned", "dual"])
 def test_circuit_form_learns_the_circuit_path_with_an_exact_transform(trained, method):
     cfg, (native_a, native_b), (a, b) = trained.cfg, trained.natives, trained.states
-    aligned = align_pair(native_a, native_b, cfg, method, form="circuit", data=trained.data, learn=FAST)
+    aligned = align_pair(native_a, native_b, cfg, method, learning(FAST, form="circuit"), data=trained.data)
     assert aligned.result.info["best_step"] > 0
     assert _gap(aligned.b, native_b, cfg) <= 1e-5
     # The validation loss it reports is the circuit path's, not the standard path's, at the same transform.
@@ -135,7 +139,7 @@ def test_circuit_form_learns_the_circuit_path_with_an_exact_transform(trained, m
 
 def test_dual_moves_both_endpoints_exactly_and_keeps_the_path(trained):
     cfg, arch, (a, b) = trained.cfg, trained.arch, trained.states
-    dual = dual_match(a, b, cfg, trained.data, options=FAST)
+    dual = dual_match(a, b, cfg, trained.data, learning(FAST))
     assert dual.result.info["best_step"] > 0
     moved_a, moved_b = (apply(s, arch.spec, t, cfg.heads) for s, t in ((a, dual.transform_a), (b, dual.transform_b)))
     assert _gap(moved_a, trained.natives[0], cfg) <= 1e-5 and _gap(moved_b, trained.natives[1], cfg) <= 1e-5
@@ -248,8 +252,8 @@ def test_a_few_steps_lower_the_held_out_midpoint_loss(trained):
     def midpoint(t: Transform) -> float:
         return evaluate(to_model(interpolate(a, apply(b, arch.spec, t, cfg.heads), 0.5), cfg), arch, test)["loss"]
 
-    options = LearnConfig(steps=10, eval_every=5, batch_size=32, dtype=torch.float64)
-    learned = learned_match(a, b, cfg, trained.data, options=options)
+    options = LearnConfig(steps=10, eval_every=5, batch_size=32, dtype="float64")
+    learned = learned_match(a, b, cfg, trained.data, learning(options))
     weight = weight_match(a, b, arch.spec, cfg.depth, cfg.heads)
     assert learned.info["val_loss"] < learned.info["val_loss_init"]
     assert midpoint(learned.transform) < midpoint(weight.transform)
@@ -261,8 +265,8 @@ def test_endpoint_targets_read_no_labels_and_fit_the_endpoints_mixed_prediction(
     cfg, (a, b) = trained.cfg, trained.states
     x, y = trained.data.tensors
     shuffled = TensorDataset(x, y[torch.randperm(len(y), generator=torch.Generator().manual_seed(0))])
-    options = LearnConfig(steps=10, eval_every=5, batch_size=32, dtype=torch.float64, targets="endpoints")
-    runs = [learned_match(a, b, cfg, data, options=options) for data in (trained.data, shuffled)]
+    options = LearnConfig(steps=10, eval_every=5, batch_size=32, dtype="float64", targets="endpoints")
+    runs = [learned_match(a, b, cfg, data, learning(options)) for data in (trained.data, shuffled)]
     assert runs[0].objective == runs[1].objective
     assert all(torch.equal(p, q) for p, q in zip(runs[0].transform.mlp, runs[1].transform.mlp, strict=True))
     assert torch.equal(runs[0].transform.residual, runs[1].transform.residual)
@@ -279,7 +283,7 @@ def test_soft_targets_that_are_one_hot_give_the_label_loss():
 
 def test_dropout_acts_on_the_steps_alone_and_a_run_repeats(trained):
     cfg, (a, b) = trained.cfg, trained.states
-    runs = [learned_match(a, b, cfg, trained.data, options=replace(FAST, dropout=p)) for p in (0.5, 0.5, 0.0)]
+    runs = [learned_match(a, b, cfg, trained.data, learning(replace(FAST, dropout=p))) for p in (0.5, 0.5, 0.0)]
     assert [r.info["val_loss_init"] for r in runs[1:]] == [runs[0].info["val_loss_init"]] * 2  # validation: none
     assert runs[0].objective == runs[1].objective  # the masks come from the run's seed
     assert runs[0].objective[1:] != runs[2].objective[1:]  # the steps ran with dropout
@@ -288,7 +292,7 @@ def test_dropout_acts_on_the_steps_alone_and_a_run_repeats(trained):
 def test_zero_learning_rate_returns_weight_matching():
     cfg = CONFIGS["vit-odd"]
     arch, _, (a, b) = _pair(cfg)
-    learned = learned_match(a, b, cfg, dataset(cfg, 40), options=replace(FAST, lr=0.0))
+    learned = learned_match(a, b, cfg, dataset(cfg, 40), learning(replace(FAST, lr=0.0)))
     weight = weight_match(a, b, arch.spec, cfg.depth, cfg.heads).transform
     t = learned.transform
     assert learned.info["best_step"] == 0
@@ -301,7 +305,7 @@ def test_zero_learning_rate_returns_weight_matching():
 def test_soft_permutations_report_their_endpoint_error():
     cfg = CONFIGS["vit-odd"]
     _, _, (a, b) = _pair(cfg)
-    result = soft_match(a, b, cfg, dataset(cfg, 40), options=FAST)
+    result = soft_match(a, b, cfg, dataset(cfg, 40), learning(FAST))
     assert result.info["best_step"] > 0 and result.info["midpoint_gain"] > 0
     mlp = result.transform.mlp[0]
     assert mlp.shape == (cfg.mlp, cfg.mlp)
@@ -343,18 +347,17 @@ def test_learned_flags_reach_learn_config_in_every_command():
              "--targets", "endpoints", "--val-max", "16"]
     commands = {"align": ["a", "b", "--out", "o"], "barrier": ["a", "b", "--json", "o"], "merge": ["a", "--out", "o"]}
     for command, rest in commands.items():
-        learn = learn_options(parser.parse_args([command, *rest, *flags]))
+        learn = match_options(parser.parse_args([command, *rest, *flags])).learn
         assert (learn.lr, learn.batch_size, learn.steps, learn.lam, learn.val_points, learn.within, learn.patience,
                 learn.weight_decay, learn.dropout, learn.progress, learn.targets, learn.val_max) == (
             0.01, 32, 7, (0.1, 0.9), 5, "invertible", 0, 0.01, 0.1, False, "endpoints", 16), command
-    default = learn_options(parser.parse_args(["align", "a", "b", "--out", "o"]))
+    default = match_options(parser.parse_args(["align", "a", "b", "--out", "o"])).learn
     assert (default.epochs, default.lam, default.val_points, default.within, default.patience, default.targets) == (
         LearnConfig().epochs, LearnConfig().lam, 1, "orthogonal", LearnConfig().patience, None)  # None: by the data
     with pytest.raises(ConfigError, match="λ range"):
-        learn_options(parser.parse_args(["align", "a", "b", "--out", "o", "--lam", "0.9", "0.1"]))
-    merged = learn_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"]))
+        match_options(parser.parse_args(["align", "a", "b", "--out", "o", "--lam", "0.9", "0.1"]))
+    merged = match_options(parser.parse_args(["merge", "a", "--out", "o", "--concentration", "0.1"])).learn
     assert (merged.epochs, merged.concentration) == (1, 0.1)  # merge's own default of one pass
-    assert (list(TARGETS), list(WITHIN)) == (TARGET_NAMES, WITHIN_NAMES)  # the CLI lists them without importing torch
 
 
 def test_pair_validation_points_span_the_training_range():
@@ -368,7 +371,7 @@ def test_pair_validation_points_span_the_training_range():
     cfg = CONFIGS["vit-odd"]
     _, _, (a, b) = _pair(cfg)
     options = replace(FAST, steps=2, lam=(0.1, 0.9), val_points=3)
-    learned = learned_match(a, b, cfg, dataset(cfg, 32, seed=0), options=options)
+    learned = learned_match(a, b, cfg, dataset(cfg, 32, seed=0), learning(options))
     assert learned.info["val_points"] == [list(w) for w in pair_points(options)]  # what early stopping watched
 
 
@@ -391,11 +394,11 @@ def test_nan_loss_stops_and_keeps_the_best_transform(caplog):
     cfg = CONFIGS["vit-odd"]
     _, _, (a, b) = _pair(cfg)
     data, validation = dataset(cfg, 48, seed=0), dataset(cfg, 16, seed=3)
-    options = LearnConfig(steps=2, eval_every=1, batch_size=16, lr=0.05, dtype=torch.float64)
-    clean = learned_match(a, b, cfg, data, options=options, validation=validation)
+    options = LearnConfig(steps=2, eval_every=1, batch_size=16, lr=0.05, dtype="float64")
+    clean = learned_match(a, b, cfg, data, learning(options), validation=validation)
     with caplog.at_level(logging.WARNING, logger="glmc.match.learned"):
         poisoned = learned_match(a, b, cfg, _PoisonedAfter(data, 32), validation=validation,
-                                 options=replace(options, steps=5))
+                                 options=learning(replace(options, steps=5)))
     assert "non-finite loss or gradient at step 3" in caplog.text and "kept the best transform" in caplog.text
     assert poisoned.info["stopped"] == "non-finite loss or gradient at step 3"
     assert poisoned.info["best_step"] == clean.info["best_step"] > 0
@@ -410,12 +413,12 @@ def test_bad_input_gives_one_line_errors():
     wrong = TensorDataset(torch.randn(20, 1, cfg.img_size + 4, cfg.img_size + 4, dtype=torch.float64),
                           torch.zeros(20, dtype=torch.long))
     with pytest.raises(ConfigError, match="does not fit"):
-        align_pair(native_a, native_b, cfg, "dual", data=wrong, learn=FAST)
+        align_pair(native_a, native_b, cfg, "dual", learning(FAST), data=wrong)
     with pytest.raises(ConfigError, match="at least 2"):
-        align_pair(native_a, native_b, cfg, "learned", data=dataset(cfg, 1), learn=FAST)
+        align_pair(native_a, native_b, cfg, "learned", learning(FAST), data=dataset(cfg, 1))
     with pytest.raises(ConfigError, match="λ range"):
         LearnConfig(lam=(0.7, 0.3))
-    with pytest.raises(ConfigError, match="unknown within-head group 'unitary'"):
+    with pytest.raises(ConfigError, match="unknown learned-matching within 'unitary'"):
         LearnConfig(within="unitary")  # type: ignore[arg-type]
 
 

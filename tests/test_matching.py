@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from glmc.archs import get_arch
-from glmc.cli.weight_options import START_NAMES, WEIGHT_FLAGS
+from glmc.cli import build_parser
+from glmc.cli.options import match_options
 from glmc.core.spec import RES, expand
 from glmc.core.state import cast, interpolate
 from glmc.errors import ConfigError, NonFiniteError, SpecError
@@ -17,10 +19,8 @@ from glmc.match import weight as weight_module
 from glmc.match.align import align_pair
 from glmc.match.common import sq_distance
 from glmc.match.descent import Descent
+from glmc.match.options import WeightOptions
 from glmc.match.weight import (
-    DEFAULT_START,
-    STARTS,
-    WeightOptions,
     head_cost,
     l1_mlp_permutation,
     relaxed_residual,
@@ -84,8 +84,8 @@ OFFICIAL = [{"head_cost": "norm"}, {"mlp_cost": "l1"}, {"stop": "fixed"}, {"bias
 def test_weight_matching_with_the_official_choices_recovers_a_transformed_copy(name, options, start):
     cfg = CONFIGS[name]
     arch, a, b = _transformed_copy(cfg, MATCHABLE)
-    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, dtype=torch.float64, start=start,
-                          options=WeightOptions(**options), max_sweeps=4)
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, dtype=torch.float64,
+                          options=WeightOptions(start=start, **options), max_sweeps=4)
     assert sq_distance(a, apply(b, arch.spec, result.transform, cfg.heads)) < 1e-12
     assert len(result.objective) == (4 if options.get("stop") == "fixed" else len(result.objective))
     if options.get("stop") == "fixed":  # every sweep runs and the last is kept, even with nothing left to gain
@@ -121,12 +121,17 @@ def test_the_l1_mlp_cost_matches_units_by_their_normalised_rows():
 
 
 def test_the_cli_offers_every_weight_option_with_the_library_defaults():
-    """The CLI lists the choices without importing torch, so they are written twice: here they must agree."""
-    assert START_NAMES[0] == DEFAULT_START and sorted(START_NAMES) == sorted(STARTS)
-    defaults, hints = WeightOptions(), typing.get_type_hints(WeightOptions)
-    for field, choices, _ in WEIGHT_FLAGS.values():
-        assert choices == list(typing.get_args(hints[field])) and choices[0] == getattr(defaults, field)
-    assert {f.name for f in dataclasses.fields(WeightOptions)} == {field for field, _, _ in WEIGHT_FLAGS.values()}
+    """Every field of WeightOptions is a flag of glmc align, read off its declaration: its choices are the field's,
+    no flag given is the library's default, and a flag given reaches the options."""
+    parser, hints = build_parser(), typing.get_type_hints(WeightOptions)
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    actions = {a.dest: a for a in sub.choices["align"]._actions}
+    for field in dataclasses.fields(WeightOptions):
+        assert list(actions[field.name].choices) == list(typing.get_args(hints[field.name])), field.name
+    base = ["align", "a", "b", "--out", "o"]
+    assert match_options(parser.parse_args(base)).weight == WeightOptions()
+    given = match_options(parser.parse_args([*base, "--start", "identity", "--mlp-cost", "l1"])).weight
+    assert given == WeightOptions(start="identity", mlp_cost="l1")
     with pytest.raises(ConfigError, match="unknown weight-matching mlp_cost 'l2'; known: inner, l1"):
         WeightOptions(mlp_cost="l2")  # type: ignore[arg-type]
 
@@ -152,7 +157,7 @@ def test_permutation_only_matching_finds_a_permuted_stream(name):
     t = random_transform(cfg, ("head-perm", "mlp-perm"), g)
     t.residual = torch.eye(cfg.width, dtype=torch.float64)[torch.randperm(cfg.width, generator=g)]
     b = apply(a, arch.spec, t, cfg.heads)
-    for start in ("relaxed", torch.eye(cfg.width) + 0.01):
+    for start in (None, torch.eye(cfg.width) + 0.01):  # None: the relaxed start, glmc's default
         result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, permutations_only=True, start=start,
                               permute_stream=True)
         residual = result.transform.residual
@@ -195,8 +200,8 @@ def test_relaxed_start_recovers_the_residual_map_of_a_transformed_copy(name, fix
     b = apply(a, arch.spec, t, cfg.heads)
     q = relaxed_residual(a, b, arch.spec, cfg.depth, fix_ones)
     assert torch.allclose(q @ t.residual, torch.eye(cfg.width, dtype=q.dtype), atol=1e-9)  # Q undoes T's residual
-    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start="relaxed",
-                          dtype=torch.float64)
+    result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, dtype=torch.float64,
+                          options=WeightOptions(start="relaxed"))
     assert sq_distance(a, apply(b, arch.spec, result.transform, cfg.heads)) < 1e-12
     assert result.objective[0] < 1e-12  # the first sweep already ends at A
 
@@ -245,17 +250,15 @@ def test_weight_matching_rotates_only_folded_models():
     raw = arch.to_canonical(random_native(cfg, 2), cfg)
     for start in ("identity", "relaxed"):
         with pytest.raises(SpecError, match="not folded"):
-            weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, start=start)
+            weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, options=WeightOptions(start=start))
     assert weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, permutations_only=True).transform.residual is None
     with pytest.raises(SpecError, match="not folded"):  # a permuted stream reads the fixed products
         weight_match(a, raw, arch.spec, cfg.depth, cfg.heads, permutations_only=True, permute_stream=True)
 
 
 def test_weight_matching_refuses_an_unknown_start():
-    cfg = CONFIGS["vit-odd"]
-    arch, a, b = _transformed_copy(cfg, MATCHABLE)
-    with pytest.raises(ConfigError, match="unknown weight-matching start 'zero'; known: identity, relaxed, embeddings"):
-        weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start="zero")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown weight-matching start 'zero'; known: relaxed, identity, embeddings"):
+        WeightOptions(start="zero")  # type: ignore[arg-type]
 
 
 def test_head_cost_is_the_distance_between_circuits():

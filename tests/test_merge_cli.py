@@ -16,12 +16,12 @@ from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.io.formats import read
-from glmc.match.options import MatchOptions
-from glmc.match.weight import DEFAULT_START, WeightOptions
+from glmc.match.options import MatchOptions, WeightOptions
 from glmc.merging.evaluation import PredictionMixture, grid_steps, simplex_grid
 from glmc.merging.interpolation import evaluate_mixtures
-from glmc.merging.merge import MergeSetup, merge_states
+from glmc.merging.merge import MergeSetup, merge_models
 from glmc.merging.options import MergeOptions
+from glmc.merging.universe import members
 
 HAS_FASHION = find_fashion_mnist() is not None
 VIT = preset("vit-tiny").replace(num_classes=10, in_chans=1, img_size=28, depth=1)
@@ -99,7 +99,7 @@ def test_merge_of_mixed_widths_writes_a_standard_checkpoint_and_a_report(trio, t
     assert len(full["inputs"]) == 3 and len(full["simplex"]["weights"]) == 10 and len(full["width_barriers"]) == 1
     assert 1 <= len(full["universe"]) <= 2 and headline["merged_accuracy"] == full["merged"]["accuracy"]
     assert full["simplex"]["barrier"] >= -1e-6  # the vertices are in the grid, where B = 0
-    assert full["matcher"] == {"start": DEFAULT_START, **dataclasses.asdict(WeightOptions())}
+    assert full["matcher"] == dataclasses.asdict(WeightOptions())
 
 
 def test_merge_takes_the_weight_matchers_flags_and_reports_them(trio, tmp_path, capsys):
@@ -114,9 +114,10 @@ def test_merge_takes_the_weight_matchers_flags_and_reports_them(trio, tmp_path, 
                                                           "mlp_cost": "inner", "stop": "fixed", "biases": "read",
                                                           "ov_maps": "orthogonal"}
     natives, metas = zip(*(read(p) for p in trio[:2]), strict=True)
-    match = MatchOptions(start="identity", weight=WeightOptions(head_cost="squared", stop="fixed", biases="read"))
-    setup = MergeSetup(metas[0].config, MergeOptions("weight", match, max_iters=1))
-    expect = get_arch(VIT.family).to_native(merge_states(natives, [m.config for m in metas], setup).merged, VIT)
+    weight = WeightOptions(start="identity", head_cost="squared", stop="fixed", biases="read")
+    setup = MergeSetup(metas[0].config, MergeOptions("weight", MatchOptions(weight=weight), max_iters=1))
+    merged = merge_models(members(natives, [m.config for m in metas]), setup).universe.merged
+    expect = get_arch(VIT.family).to_native(merged, VIT)
     state, _ = load_checkpoint(out)
     assert all(torch.equal(state[k], v.float()) for k, v in expect.items())
 
@@ -239,7 +240,7 @@ def test_a_checkpoint_with_a_nan_fails_in_one_line_naming_the_tensor(trio, tmp_p
 @needs_data
 def test_repair_gives_the_merged_channels_their_inputs_mean_statistics(trio, tmp_path):
     from glmc.archs import get_arch
-    from glmc.cli.learn_options import train_subset
+    from glmc.cli.data_options import train_subset
     from glmc.data.tasks import inputs_of
     from glmc.merging.repair import channel_stats
     from glmc.symmetry.canonical import canonicalize, to_model

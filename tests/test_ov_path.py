@@ -10,8 +10,8 @@ from glmc.archs import get_arch
 from glmc.io.formats import read
 from glmc.match.align import align_pair
 from glmc.match.common import head_factors
+from glmc.match.options import MatchOptions, WeightOptions
 from glmc.match.ov_path import _deviation, _layer_map, grams_of, ov_path_maps
-from glmc.match.weight import WeightOptions
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import Transform, apply
 from simulations.bench.official import PAIR
@@ -34,7 +34,7 @@ def test_weight_matching_on_the_path_computes_the_same_function(name):
     """Independent models, every family (grouped KV heads and rotary included: v/o maps do not touch positions)."""
     cfg = ALL_CONFIGS[name]
     native_b, x = random_native(cfg, 9), inputs(cfg)
-    aligned = align_pair(random_native(cfg, 8), native_b, cfg, "weight", weight=PATH)
+    aligned = align_pair(random_native(cfg, 8), native_b, cfg, "weight", MatchOptions(weight=PATH))
     assert aligned.result.info["ov_path_refused_layers"] < cfg.depth  # the maps are the path's, not the identity
     with torch.no_grad():
         moved = get_arch(cfg.family).logits(to_model(aligned.b, cfg), x)

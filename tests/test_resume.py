@@ -90,7 +90,8 @@ def test_resume_refuses_another_run_config_and_an_empty_run(tmp_path: Path) -> N
     _save(tmp_path, 1, aggregation="weight")
     with pytest.raises(ConfigError, match="aggregation 'weight' → 'fedavg'"):
         resume_point(tmp_path, CFG, RunSettings().to_run_config())
-    changed = RunSettings(aggregation="weight", num_server_rounds=9, round_timeout=60.0).to_run_config()
+    changed = RunSettings.from_run_config({"aggregation": "weight", "num-server-rounds": 9,
+                                           "round-timeout": 60.0}).to_run_config()
     assert resume_point(tmp_path, CFG, changed)[0] == 1  # how long it runs and waits may change
     with pytest.raises(ConfigError, match="no usable checkpoint"):
         resume_point(tmp_path / "empty", CFG, changed)

@@ -15,10 +15,10 @@ from test_strategy import CFG, _permuted, as_numpy, logits, merge_options, metri
 from torch.utils.data import TensorDataset
 
 from client.attacks import attack
+from federation.protocol import Client
 from federation.settings import RunSettings
 from glmc.errors import ConfigError
-from glmc.match.learned import LearnConfig
-from glmc.match.options import MatchOptions
+from glmc.match.options import LearnConfig, MatchOptions
 from glmc.merging.options import MergeOptions
 from glmc.merging.robust import (
     Robustness,
@@ -32,7 +32,7 @@ from glmc.merging.robust import (
     unclipped,
 )
 from glmc.train import TrainConfig
-from server.aggregation import Client, merge
+from server.aggregation import merge
 from server.validation import check_reply
 from simulations.attack_table import table
 
@@ -317,16 +317,18 @@ def test_fedmedian_keeps_every_coordinate_within_the_honest_clients_range() -> N
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"robust_average": "fedmedian", "width_tiers": (1.0, 0.5)}, "equal-width"),
-    ({"robust_average": "krum"}, "robust-average must be one of"),
-    ({"clip_ratio": 0.5}, "clip-ratio below 1"),
-    ({"max_examples_ratio": -1.0}, ">= 0"),
-    ({"trim_beta": 0.5}, "trim-beta"),
+    ({"robust-average": "fedmedian", "width-tiers": "1,0.5"}, "equal-width"),
+    ({"robust-average": "krum"}, "robust-average must be one of"),
+    ({"clip-ratio": 0.5}, "clip-ratio below 1"),
+    ({"max-examples-ratio": -1.0}, ">= 0"),
+    ({"trim-beta": 0.5}, "trim-beta"),
 ])
 def test_robust_settings_are_checked(changes: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        RunSettings(**changes)
-    assert RunSettings(robust_average="fedtrimmedavg", trim_beta=0.3).robustness.trim_beta == 0.3
+    with pytest.raises(ConfigError, match=message) as err:
+        RunSettings.from_run_config(changes)
+    assert "\n" not in str(err.value)
+    keys = {"robust-average": "fedtrimmedavg", "trim-beta": 0.3}
+    assert RunSettings.from_run_config(keys).robustness.trim_beta == 0.3
 
 
 def test_the_attack_hook_makes_well_formed_replies_of_each_attack() -> None:

@@ -26,6 +26,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch.utils.data import TensorDataset
 
 from federation import protocol
+from federation.protocol import Client
 from federation.restriction import principal_placement, restrict
 from federation.settings import RunSettings, places_principal
 from glmc.archs import build_model, get_arch
@@ -33,7 +34,7 @@ from glmc.core.config import ModelConfig, preset, scale_width
 from glmc.data.generated import generated_text
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint
-from glmc.match.learned import LearnConfig
+from glmc.match.options import LearnConfig
 from glmc.merging import heterofl
 from glmc.merging.corrections import ALL, Corrections
 from glmc.merging.evaluation import PredictionMixture
@@ -44,7 +45,7 @@ from glmc.merging.robust import Robustness
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, evaluate, train
-from server.aggregation import Client, merge
+from server.aggregation import merge
 from server.hooks import ClientsWriter, EnsembleEvaluator
 from server.records import RoundHooks, RoundRecord
 from server.strategy import SymmetryAwareFedAvg
@@ -270,7 +271,8 @@ def test_circuit_heads_rewrites_only_the_merged_heads() -> None:
     """The run config's circuit-heads reaches the merge: the heads (fused qkv and proj weights) are refitted, every
     other tensor is the weight-matched merge's, and the merge stays finite."""
     replies = [reply(state(i), metrics(examples=10 * (i + 1)), node=i + 1) for i in range(3)]
-    options = RunSettings(server_device="cpu", aggregation="weight", circuit_heads=True).merge_options
+    keys = {"server-device": "cpu", "aggregation": "weight", "circuit-heads": True}
+    options = RunSettings.from_run_config(keys).merge_options
     refitted, _ = strategy("weight", options=options).aggregate_train(1, replies)
     plain, _ = strategy("weight").aggregate_train(1, replies)
     assert refitted is not None and plain is not None
@@ -282,11 +284,11 @@ def test_circuit_heads_rewrites_only_the_merged_heads() -> None:
 
 
 @pytest.mark.parametrize(("changes", "expect"), [
-    ({"aggregation": "fedavg"}, "does not align"), ({"aggregation": "weight", "width_tiers": (1.0, 0.5)}, "one width"),
-    ({"aggregation": "weight", "robust_average": "fedmedian"}, "would lose its heads")])
+    ({"aggregation": "fedavg"}, "does not align"), ({"aggregation": "weight", "width-tiers": "1,0.5"}, "one width"),
+    ({"aggregation": "weight", "robust-average": "fedmedian"}, "would lose its heads")])
 def test_circuit_heads_refuses_what_it_cannot_merge_in_one_line(changes: dict[str, Any], expect: str) -> None:
     with pytest.raises(ConfigError, match=f"circuit-heads.*{expect}"):
-        RunSettings(circuit_heads=True, **changes)
+        RunSettings.from_run_config({"circuit-heads": True, **changes})
 
 
 def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data() -> None:
@@ -435,16 +437,17 @@ def test_refine_targets_auto_learns_against_the_clients_on_the_text_they_write(s
                                                                              targets: str) -> None:
     """The default "auto": the clients' mixed prediction on generated text (its tokens are their samples), the
     labels on held-back data; a named choice is kept."""
-    settings = RunSettings(aggregation="fedavg-ft", server_data=8, server_data_source=source, refine_targets=refine)
-    assert RunSettings().refine_targets == "auto" and settings.targets == targets
-    with pytest.raises(ConfigError, match="refine-targets must be one of"):
-        RunSettings(refine_targets="mixed")
+    settings = RunSettings.from_run_config({"aggregation": "fedavg-ft", "server-data": 8,
+                                            "server-data-source": source, "refine-targets": refine})
+    assert RunSettings().to_run_config()["refine-targets"] == "auto" and settings.targets == targets
+    with pytest.raises(ConfigError, match="run-config key 'refine-targets' must be one of labels, endpoints"):
+        RunSettings.from_run_config({"refine-targets": "mixed"})
 
 
 def test_server_only_refuses_alignment_options_in_one_line() -> None:
-    for key in ("restore_norms", "repair", "refit"):
+    for key in ("restore-norms", "repair", "refit"):
         with pytest.raises(ConfigError, match="server-only"):
-            RunSettings(aggregation="server-only", server_data=8, **{key: True})  # type: ignore[arg-type]
+            RunSettings.from_run_config({"aggregation": "server-only", "server-data": 8, key: True})
     with pytest.raises(ConfigError, match="server-data"):
         RunSettings(aggregation="server-only")
 

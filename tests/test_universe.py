@@ -9,7 +9,9 @@ import torch
 from glmc.archs import get_arch
 from glmc.errors import ConfigError
 from glmc.match.common import sq_distance
-from glmc.merging.universe import HOST_MATCH_MAX_PARAMS, matching_device, universe_match
+from glmc.match.options import MatchOptions, WeightOptions
+from glmc.merging.options import MergeOptions
+from glmc.merging.universe import HOST_MATCH_MAX_PARAMS, Member, matching_device, members, universe_match
 from glmc.merging.widths import FILLS, embed, embedding_config, place, widen
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import MATCHABLE, apply, maps_to, random_transform
@@ -36,7 +38,8 @@ def test_merging_transformed_copies_gives_back_the_model(name, workers):
     cfg = CONFIGS[name]
     native, x = random_native(cfg, 1), inputs(cfg, n=3)
     copies = _copies(cfg, canonicalize(get_arch(cfg.family), native, cfg), 4)
-    result = universe_match(copies[::-1], cfg, "weight", reference=3, weights=[1, 2, 3, 4], workers=workers)
+    result = universe_match(members(copies[::-1], [cfg] * 4, [1, 2, 3, 4]), cfg, MergeOptions(workers=workers),
+                            reference=3)
     assert sq_distance(result.merged, copies[0]) < 1e-9  # weight matching searches in float32
     assert (_logits(result.merged, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-6
     assert result.history[0].mean_distance < 1e-5 and len(result.history) <= 2
@@ -49,7 +52,7 @@ def test_merging_copies_across_widths_gives_back_the_narrow_model():
     state = canonicalize(get_arch(narrow.family), native, narrow)
     p = place(narrow, wide)
     copies = _copies(wide, embed(state, p), 3, seed=5)
-    result = universe_match([state, *copies[1:]], wide, "weight", configs=[narrow, wide, wide])
+    result = universe_match(members([state, *copies[1:]], [narrow, wide, wide]), wide)
     assert sq_distance(result.merged, copies[0]) < 1e-10
     assert (_logits(result.merged, embedding_config(p), x) - logits_of(native, narrow, x)).abs().max() <= 1e-6
 
@@ -63,7 +66,7 @@ def test_merging_copies_across_widths_with_net2net_fill_gives_back_the_narrow_mo
     widened, cfg = widen(state, narrow, wide)
     p = place(cfg, wide)
     copies = _copies(wide, embed(widened, p), 3, seed=5)
-    result = universe_match([state, *copies[1:]], wide, "weight", configs=[narrow, wide, wide], fill="copies")
+    result = universe_match(members([state, *copies[1:]], [narrow, wide, wide]), wide, MergeOptions(fill="copies"))
     assert sq_distance(result.merged, copies[0]) < 1e-10
     assert (_logits(result.merged, embedding_config(p), x) - logits_of(native, narrow, x)).abs().max() <= 1e-6
     assert result.placements[0].narrow == cfg
@@ -76,11 +79,13 @@ def test_fill_options_are_checked_in_one_line():
     wide = CONFIGS["vit-odd"]
     narrow = wide.replace(width=wide.width - 5, head_dim=wide.head_dim)
     state = canonicalize(get_arch(wide.family), random_native(narrow, 2), narrow)
-    for kwargs, message in (({"fill": "ones"}, "unknown fill 'ones'"),
-                            ({"fill": "copies", "starts": [place(narrow, wide)]}, "start placements")):
-        with pytest.raises(ConfigError, match=message) as err:
-            universe_match([state], wide, "none", configs=[narrow], **kwargs)
-        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="unknown fill 'ones'") as err:
+        MergeOptions("none", fill="ones")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="start placements") as err:
+        universe_match([Member(state, narrow, placement=place(narrow, wide))], wide,
+                       MergeOptions("none", fill="copies"))
+    assert "\n" not in str(err.value)
 
 
 def test_merge_is_invariant_to_input_order_given_the_reference():
@@ -88,9 +93,9 @@ def test_merge_is_invariant_to_input_order_given_the_reference():
     arch = get_arch(cfg.family)
     states = [canonicalize(arch, random_native(cfg, s), cfg) for s in range(3)]
     weights, order = [3.0, 1.0, 2.0], [2, 0, 1]
-    first = universe_match(states, cfg, "weight", weights=weights, reference=0, max_iters=3)
-    second = universe_match([states[i] for i in order], cfg, "weight", weights=[weights[i] for i in order],
-                            reference=order.index(0), max_iters=3)
+    first = universe_match(members(states, [cfg] * 3, weights), cfg, MergeOptions(max_iters=3), reference=0)
+    second = universe_match(members([states[i] for i in order], [cfg] * 3, [weights[i] for i in order]), cfg,
+                            MergeOptions(max_iters=3), reference=order.index(0))
     assert sq_distance(first.merged, second.merged) < 1e-20
     assert [r.iteration for r in first.history] == [1, 2, 3]
 
@@ -99,14 +104,14 @@ def test_vanilla_merge_is_fedavg_by_hand():
     cfg = CONFIGS["gpt2-relu"]
     arch = get_arch(cfg.family)
     states = [canonicalize(arch, random_native(cfg, s), cfg) for s in range(3)]
-    result = universe_match(states, cfg, "none", weights=[1.0, 1.0, 2.0])
+    result = universe_match(members(states, [cfg] * 3, [1.0, 1.0, 2.0]), cfg, MergeOptions("none"))
     for k, v in result.merged.items():
         assert torch.allclose(v, (states[0][k] + states[1][k] + 2 * states[2][k]) / 4, atol=1e-12)
     assert len(result.history) == 1 and result.transforms[0].residual is None
 
 
 def test_learned_refinement_keeps_every_model_exact():
-    from glmc.match.learned import LearnConfig
+    from glmc.match.options import LearnConfig
     from tests.symmetry_models import dataset
 
     cfg = CONFIGS["vit-odd"]
@@ -114,35 +119,33 @@ def test_learned_refinement_keeps_every_model_exact():
     natives = [random_native(cfg, s) for s in range(3)]
     states = [canonicalize(arch, n, cfg) for n in natives]
     options = LearnConfig(steps=2, eval_every=1, batch_size=8, val_max=8)
-    result = universe_match(states, cfg, "weight", max_iters=1, data=dataset(cfg, n=24), refine=True,
-                            learn=options)
+    result = universe_match(members(states, [cfg] * 3), cfg,
+                            MergeOptions("learned", MatchOptions(learn=options), max_iters=1), data=dataset(cfg, n=24))
     assert [r.method for r in result.history] == ["weight", "refine"]
     for native, aligned in zip(natives, result.aligned, strict=True):
         assert (_logits(aligned, cfg, x) - logits_of(native, cfg, x)).abs().max() <= 1e-6
 
 
 def test_the_weight_matchers_choices_reach_every_pairwise_matching():
-    """universe_match hands its start and costs to each weight matching (the FL keys weight-start, -head-cost and
-    -mlp-cost travel this way): the old matcher still merges copies back, and an unknown start is refused there."""
+    """universe_match hands its MatchOptions to each weight matching (the FL keys weight-start, -head-cost and
+    -mlp-cost travel this way): the old matcher still merges copies back, and the run config's keys reach it, an
+    unknown value refused in one line naming the key and its choices."""
     from federation.settings import RunSettings
-    from glmc.match.weight import WeightOptions
 
     cfg = CONFIGS["vit-odd"]
     copies = _copies(cfg, canonicalize(get_arch(cfg.family), random_native(cfg, 1), cfg), 3)
-    old = WeightOptions(head_cost="squared", mlp_cost="inner")
-    result = universe_match(copies, cfg, "weight", weight_start="identity", weight=old)
+    old = WeightOptions(start="identity", head_cost="squared", mlp_cost="inner")
+    result = universe_match(members(copies, [cfg] * 3), cfg, MergeOptions(match=MatchOptions(weight=old)))
     assert sq_distance(result.merged, copies[0]) < 1e-9
+    keys = {"weight-start": "identity", "weight-head-cost": "squared", "weight-mlp-cost": "inner",
+            "weight-biases": "read", "weight-ov-maps": "path"}
+    assert RunSettings.from_run_config(keys).merge_options.match.weight == WeightOptions(
+        start="identity", head_cost="squared", biases="read", ov_maps="path")
+    for key, bad in (("weight-start", "nowhere"), ("weight-mlp-cost", "l2"), ("weight-biases", "some")):
+        with pytest.raises(ConfigError, match=f"run-config key '{key}' must be one of .*; got '{bad}'"):
+            RunSettings.from_run_config({key: bad})
     with pytest.raises(ConfigError, match="unknown weight-matching start 'nowhere'"):
-        universe_match(copies, cfg, "weight", weight_start="nowhere")  # type: ignore[arg-type]
-    assert RunSettings(weight_head_cost="squared").weight_options == WeightOptions(head_cost="squared")
-    with pytest.raises(ConfigError, match="weight-start must be one of"):
-        RunSettings(weight_start="nowhere")
-    with pytest.raises(ConfigError, match="weight-ov-maps: unknown weight-matching mlp_cost 'l2'"):
-        RunSettings(weight_mlp_cost="l2")
-    assert RunSettings(weight_biases="skip").weight_options == WeightOptions(biases="skip")
-    assert RunSettings(weight_ov_maps="path").weight_options == WeightOptions(ov_maps="path")
-    with pytest.raises(ConfigError, match="unknown weight-matching biases 'some'"):
-        RunSettings(weight_biases="some")
+        RunSettings(weight=WeightOptions(start="nowhere"))  # type: ignore[arg-type]
 
 
 def test_small_weight_matchings_leave_the_gpu_for_the_cpu():

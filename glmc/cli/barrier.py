@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from glmc.cli import merge as cli_merge
-from glmc.cli.learn_options import count, test_data, training_data
+from glmc.cli.data_options import count, test_data, training_data
 from glmc.cli.pair import FORM_NAMES, METHOD_NAMES, add_pair_arguments, align_loaded, load_pair
 from glmc.errors import ConfigError
 

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from glmc.cli.data_options import add_data_arguments, count, test_data, training_data
 from glmc.cli.export import add_format_argument, early_format, output_format
-from glmc.cli.learn_options import add_learn_arguments, count, learn_options, test_data, training_data
-from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
+from glmc.cli.options import add_match_arguments, add_option_argument, match_options
 from glmc.errors import ConfigError, check_weights
+from glmc.match.options import ActivationOptions
 from glmc.match.registry import MERGE_METHODS, get_method
 
 if TYPE_CHECKING:
@@ -64,9 +65,9 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
                         help="refit every merged linear layer, in forward order, to the inputs' weighted mean output "
                         "by least squares on N training samples (labels unread; RegMean with the merged model's own "
                         "inputs); across widths, to the mean of the models that hold each output (default: off)")
-    add_learn_arguments(parser, f"training samples for activation (default 512) and learned (default {LEARN_SAMPLES}) "
-                        "merging", epochs=1)
-    add_weight_arguments(parser)
+    add_data_arguments(parser, f"training samples for activation (default {ActivationOptions.batch}) and learned "
+                       f"(default {LEARN_SAMPLES}) merging")
+    add_match_arguments(parser, defaults={"epochs": 1}, skip=["concentration"])
     add_universe_arguments(parser)
 
 
@@ -77,9 +78,7 @@ def add_universe_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop when U moves, or the mean distance to U falls, by less than this (relative)")
     parser.add_argument("--workers", type=count, default=1, help="processes aligning models in parallel")
     add_fill_argument(parser)
-    parser.add_argument("--concentration", type=float,
-                        help="learned: refinement weights ~ Dirichlet(c·N·w); 0.1 is the paper's, spread over the "
-                        "simplex; default 10, near the weighted mean that the merge keeps")
+    add_option_argument(parser, "learn", "concentration")
 
 
 def add_fill_argument(parser: argparse.ArgumentParser) -> None:
@@ -120,8 +119,8 @@ def _setup(args: argparse.Namespace, method: str, target: Any, natives: list[dic
     default (None: the whole training split)."""
     from glmc.merging.merge import MergeSetup
 
-    options = merge_options(args, method)
-    samples = args.batch or (learn_samples if method == "learned" else 512)
+    samples = args.batch or (learn_samples if get_method(method).learns else ActivationOptions.batch)
+    options = merge_options(args, method, samples)
     corrected = options.corrections.samples or 0  # the CLI's corrections always name their count
     train: Dataset | None
     meta, writers = dataclasses.replace(metas[0], config=target), (natives, [m.config for m in metas])
@@ -131,13 +130,12 @@ def _setup(args: argparse.Namespace, method: str, target: Any, natives: list[dic
     else:
         wanted = max(samples, corrected) if options.reads_data else corrected  # the first `samples` stay
         train = training_data(meta, args, wanted, writers) if wanted else None
-    options = dataclasses.replace(options, match=dataclasses.replace(options.match, batch=samples))
-    return MergeSetup(target, options, _weights(getattr(args, "weights", None), len(natives)), train)
+    return MergeSetup(target, options, train)
 
 
-def merge_options(args: argparse.Namespace, method: str) -> MergeOptions:
-    """The MergeOptions the flags give (align has no universe or correction flags: MergeOptions' defaults)."""
-    from glmc.match.options import MatchOptions
+def merge_options(args: argparse.Namespace, method: str, samples: int | None) -> MergeOptions:
+    """The MergeOptions the flags give, activation matching on ``samples`` (align has no universe or correction
+    flags: MergeOptions' defaults)."""
     from glmc.merging.corrections import Corrections
     from glmc.merging.options import MergeOptions
 
@@ -146,8 +144,8 @@ def merge_options(args: argparse.Namespace, method: str) -> MergeOptions:
     corrections = Corrections(restore_norms=getattr(args, "restore_norms", False),
                               refit=getattr(args, "refit", None) or 0, repair=getattr(args, "repair", None) or 0,
                               circuit_heads=getattr(args, "circuit_heads", False))
-    match = MatchOptions(learn=learn_options(args), start=weight_start(args), weight=weight_options(args))
-    return MergeOptions(method, match, fill=args.fill, corrections=corrections, device=args.device, **universe)
+    return MergeOptions(method, match_options(args, batch=samples), fill=args.fill, corrections=corrections,
+                        device=args.device, **universe)
 
 
 def simplex_points(args: argparse.Namespace, n: int) -> int:
@@ -180,6 +178,7 @@ def run_merge(args: argparse.Namespace) -> int:
     get_method(args.method, merging=True)
     if len(args.checkpoints) < 2:
         raise ConfigError(f"merge needs at least 2 checkpoints, got {len(args.checkpoints)}")
+    _weights(args.weights, len(args.checkpoints))  # checked before any work
     check_output(args.out, early_format(args), args.force)
     natives, metas, target, mult = _prepare(args, args.checkpoints)
     fmt = output_format(args, metas[0])
@@ -205,15 +204,23 @@ def run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def merge(natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
+          weights: list[float] | None = None) -> UniverseResult:
+    """The checkpoints merged by the library's one merge (:func:`glmc.merging.merge.merge_models`), weighted by
+    ``weights`` (None: equally)."""
+    from glmc.merging.merge import merge_models
+    from glmc.merging.universe import members
+
+    return merge_models(members(natives, [m.config for m in metas], weights), setup).universe
+
+
 def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
                     mult: float, fmt: str) -> tuple[UniverseResult, dict[str, Any]]:
     """Universe matching, then the merged model written as a standard checkpoint in ``fmt``, stored as --dtype."""
     from glmc.archs import get_arch
     from glmc.io.formats import write
-    from glmc.match.weight import matcher_record
-    from glmc.merging.merge import merge_states
-
-    result = merge_states(natives, [m.config for m in metas], setup)
+    weights = _weights(args.weights, len(natives))
+    result = merge(natives, metas, setup, weights)
     native = get_arch(setup.target.family).to_native(result.merged, setup.target)
     inputs = ", ".join(p.name for p in args.checkpoints)
     split = f"merged from {len(natives)} checkpoints by {setup.options.method}: {inputs}"
@@ -224,9 +231,9 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     return result, {"out": str(args.out), "format": fmt, "dtype": args.dtype, "method": options.method,
                     "circuit_heads": corrections.circuit_heads, "restore_norms": corrections.restore_norms,
                     "repair": corrections.repair,
-                    "refit": corrections.refit, "matcher": matcher_record(options.match.start, options.match.weight),
+                    "refit": corrections.refit, "matcher": dataclasses.asdict(options.match.weight),
                     "target": setup.target.to_dict(),
-                    "weights": setup.weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
+                    "weights": weights, "universe": result.history_dicts(), "universe_seconds": result.seconds}
 
 
 def _evaluate(args: argparse.Namespace, natives: list[dict], configs: list, setup: MergeSetup, test: Dataset,
@@ -320,7 +327,6 @@ def run_simplex(args: argparse.Namespace) -> int:
     import torch
 
     from glmc.merging.evaluation import simplex_barrier
-    from glmc.merging.merge import merge_states
 
     if args.simplex_steps < 2:
         raise ConfigError("--simplex-steps must be at least 2")
@@ -330,7 +336,7 @@ def run_simplex(args: argparse.Namespace) -> int:
     panels = []
     for method in args.method or ["none", "weight"]:
         setup = _setup(args, method, target, natives, metas)
-        result = merge_states(natives, [m.config for m in metas], setup)
+        result = merge(natives, metas, setup)
         panel = simplex_barrier(result.aligned, target, test, args.simplex_steps, method=method,
                                 dtype=torch.float32).to_dict()
         panels.append(panel | {"universe_seconds": result.seconds})

@@ -6,12 +6,13 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glmc.cli.learn_options import add_learn_arguments, learn_options, training_data
-from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
+from glmc.cli.data_options import add_data_arguments, training_data
+from glmc.cli.options import add_match_arguments, match_options
 from glmc.errors import ConfigError
+from glmc.match.options import ActivationOptions
 from glmc.match.registry import METHODS, get_method
 
-ACTIVATION_SAMPLES = 512  # default --batch of activation matching
+ACTIVATION_SAMPLES = ActivationOptions.batch  # default --batch of activation matching
 METHOD_NAMES = ", ".join(METHODS)
 PRECISIONS = ["float64", "float32", "stored"]  # what align holds the canonical pair in (stored: the files' own)
 FORM_NAMES = ["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]  # canonical.FORMS, torch-free
@@ -27,9 +28,9 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
                         "state dict)")
     parser.add_argument("b", type=Path, help="checkpoint B, moved towards A (B may be narrower: then it is "
                         "embedded into A's width first, as glmc merge embeds its inputs)")
-    add_learn_arguments(parser, "training samples given to data-driven methods (default: "
-                        f"{ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
-    add_weight_arguments(parser)
+    add_data_arguments(parser, "training samples given to data-driven methods (default: "
+                       f"{ACTIVATION_SAMPLES} for activation, the whole training split for learned ones)")
+    add_match_arguments(parser, skip=["concentration"])
 
 
 def load_pair(a: Path, b: Path, stored: bool = False) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
@@ -65,13 +66,11 @@ def align_loaded(args: argparse.Namespace, method: str, state_a: dict, state_b: 
 
     entry = get_method(method)
     samples = args.batch or (None if entry.learns else ACTIVATION_SAMPLES)
+    options = match_options(args, form, batch=samples)
     data = training_data(meta, args, samples, ([state_a, state_b], [meta.config] * 2)) \
         if entry.reads_data else None
     written = writing_seconds(data)
-    learn = learn_options(args) if entry.learns else None
-    aligned = align_pair(state_a, state_b, meta.config, method, form=form, data=data,
-                         batch=samples or ACTIVATION_SAMPLES, learn=learn, start=weight_start(args),
-                         device=args.device, weight=weight_options(args),
+    aligned = align_pair(state_a, state_b, meta.config, method, options, data=data, device=args.device,
                          dtype=getattr(torch, precision) if precision != "stored" else None)
     if written:  # sampling the text is part of the method's cost
         aligned.result.seconds += written

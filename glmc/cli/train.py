@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmc.cli.learn_options import DATA_HELP, positive
+from glmc.cli.data_options import DATA_HELP, positive
 from glmc.errors import ConfigError
 
 if TYPE_CHECKING:

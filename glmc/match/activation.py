@@ -204,7 +204,7 @@ def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, 
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
 def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
-    """Activation matching on the first ``options.batch`` inputs of ``data``."""
+    """Activation matching on the first ``options.activation.batch`` inputs of ``data``."""
     from glmc.data.tasks import inputs_of
 
-    return activation_match(a, b, cfg, inputs_of(require_data(data), options.batch), form=options.form)
+    return activation_match(a, b, cfg, inputs_of(require_data(data), options.activation.batch), form=options.form)

@@ -20,11 +20,9 @@ from glmc.core.state import State, cast
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
-from glmc.match.learned import LearnConfig
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions
-from glmc.symmetry.canonical import CENTRED, Form, canonicalize
+from glmc.symmetry.canonical import CENTRED, canonicalize
 from glmc.symmetry.transforms import Transform, apply
 
 
@@ -40,24 +38,22 @@ class Alignment:
 
 def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
-    *, form: Form = "standard", data: Dataset | None = None, batch: int = 512,
-    dtype: torch.dtype | None = torch.float64,
-    learn: LearnConfig | None = None, start: Start = DEFAULT_START, device: str | torch.device | None = None,
-    weight: WeightOptions | None = None,
+    options: MatchOptions | None = None, *, data: Dataset | None = None, dtype: torch.dtype | None = torch.float64,
+    device: str | torch.device | None = None,
 ) -> Alignment:
-    """Align native state dict B to A (same config) by ``method``; ``start``: where the weight matching that the
-    weight and learned methods run begins, ``weight``: the weight methods' costs and stopping rule
-    (:func:`glmc.match.weight.weight_match`).
+    """Align native state dict B to A (same config) by ``method`` with ``options`` (:class:`MatchOptions`: the form,
+    and the options of each method; the method reads the sections its registry entry names).
 
     Data-driven methods read ``data``, a dataset of (input, target) pairs from a split the barrier is not
-    measured on; activation matching uses its first ``batch`` inputs, the learned methods all of it (holding
-    out a validation share) with the options ``learn``. ``dual`` returns B moved by π_A⁻¹ ∘ π_B, A in place.
-    In the circuit form the states stay standard (aligned as such) and the learned methods learn the circuit path.
+    measured on; activation matching uses its first ``options.activation.batch`` inputs, the learned methods all of
+    it (holding out a validation share). ``dual`` returns B moved by π_A⁻¹ ∘ π_B, A in place. In the circuit form the
+    states stay standard (aligned as such) and the learned methods learn the circuit path.
     ``device`` is where the work happens and the aligned states stay (None: where the inputs are).
     ``dtype``: what the canonical states are held in; None keeps each input's own precision, so a bfloat16 pair is
     searched tensor by tensor in float32 and never held wider (data-free methods only: the others run the models).
     """
-    entry = get_method(method)
+    options = options or MatchOptions()
+    entry, form = get_method(method), options.form
     if dtype is None and entry.reads_data:
         raise ConfigError(f"method {method!r} runs the models: align it in float32 or float64, not as stored")
     if entry.reads_data and data is None:
@@ -65,11 +61,11 @@ def align_pair(
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
     native_a, native_b = to_device(native_a, device), to_device(native_b, device)
-    if method == "none" and form not in CENTRED:  # the models' own parameters: LayerNorm folding is bilinear
+    if not entry.matches and form not in CENTRED:  # the models' own parameters: LayerNorm folding is bilinear
         a, b = (arch.to_canonical(s if dtype is None else cast(s, dtype), cfg) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     a, b = (canonicalize(arch, s, cfg, form, dtype) for s in (native_a, native_b))
-    if method == "none":
+    if not entry.matches:
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
-    result = entry.match()(a, b, cfg, data, MatchOptions(form, batch, learn, start, weight))
+    result = entry.match()(a, b, cfg, data, options)
     return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)

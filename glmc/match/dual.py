@@ -25,8 +25,9 @@ from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult, require_data
-from glmc.match.learned import Endpoint, Latents, LearnConfig, Sampler, Weights, learn, pair_points
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
+from glmc.match.learned import Endpoint, Latents, Sampler, Weights, learn, pair_points
+from glmc.match.options import LearnConfig, MatchOptions
+from glmc.match.weight import warm_start
 from glmc.symmetry.canonical import Form, residual_group
 from glmc.symmetry.transforms import Transform, compose, invert
 
@@ -43,19 +44,19 @@ class DualResult:
     result: MatchResult
 
 
-def dual_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
-               options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = DEFAULT_START,
-               weight: WeightOptions | None = None) -> DualResult:
-    """Learn π_A and π_B jointly so that λ π_A(θ_A) + (1−λ) π_B(θ_B) has low task loss, λ ~ U(0.4, 0.6)."""
-    options = options or LearnConfig()
-    began = time.perf_counter()
-    fix_ones = residual_group(form, get_arch(cfg.family))
-    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start,
-                        options=weight, rotary=cfg.rotary_dim)
-    sides = [Latents(t, cfg, options, fix_ones=fix_ones, seed=i) for i, t in enumerate((Transform(cfg.depth),
-                                                                                         init.transform))]
-    learned = learn([Endpoint(a, sides[0]), Endpoint(b, sides[1])], cfg, data, Sampler(options.seed, lam=options.lam),
-                    pair_points(options), options, form=form, validation=validation)
+def dual_match(a: State, b: State, cfg: ModelConfig, data: Dataset, options: MatchOptions | None = None, *,
+               validation: Dataset | None = None) -> DualResult:
+    """Learn π_A and π_B jointly so that λ π_A(θ_A) + (1−λ) π_B(θ_B) has low task loss, λ ~ U(0.4, 0.6), B's side
+    starting from weight matching with ``options.weight``."""
+    options = options or MatchOptions()
+    learn_options, began = options.learn, time.perf_counter()
+    fix_ones = residual_group(options.form, get_arch(cfg.family))
+    init = warm_start(a, b, cfg, options)
+    sides = [Latents(t, cfg, learn_options, fix_ones=fix_ones, seed=i) for i, t in enumerate((Transform(cfg.depth),
+                                                                                               init.transform))]
+    learned = learn([Endpoint(a, sides[0]), Endpoint(b, sides[1])], cfg, data,
+                    Sampler(learn_options.seed, lam=learn_options.lam), pair_points(learn_options), learn_options,
+                    form=options.form, validation=validation)
     ta, tb = learned.transforms
     assert ta is not None and tb is not None
     result = MatchResult(compose(invert(ta), tb), learned.history, time.perf_counter() - began,
@@ -105,5 +106,4 @@ def refine_universe(states: Sequence[State], cfg: ModelConfig, data: Dataset, we
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
 def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
     """Dual learned matching; B moved by π_A⁻¹ ∘ π_B, A in place."""
-    return dual_match(a, b, cfg, require_data(data), form=options.form, options=options.learn, start=options.start,
-                      weight=options.weight).result
+    return dual_match(a, b, cfg, require_data(data), options).result

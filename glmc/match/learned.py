@@ -18,7 +18,6 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -32,87 +31,18 @@ from glmc.archs import Arch, get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.state import State, cast, mix
 from glmc.device import device_of
-from glmc.errors import ConfigError, check_options
+from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, require_data
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
+from glmc.match.options import LearnConfig, MatchOptions, Targets, Within
+from glmc.match.weight import warm_start
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import CIRCUITS, Form, residual_group, to_circuit, to_model
 from glmc.symmetry.transforms import Transform, apply, require_folded
 from glmc.train import cosine_schedule, target_count, token_loss
 
-if TYPE_CHECKING:
-    from glmc.match.options import MatchOptions
-
-
 log = logging.getLogger(__name__)
 
 Weights = Sequence[float]  # one mixing weight per endpoint of the path, summing to 1
-Within = Literal["fixed", "orthogonal", "invertible"]
-WITHIN: tuple[Within, ...] = ("fixed", "orthogonal", "invertible")
-Targets = Literal["labels", "endpoints"]
-TARGETS: tuple[Targets, ...] = ("labels", "endpoints")
-
-
-@dataclass(frozen=True)
-class LearnConfig:
-    """Options of learned matching and its variants (paper App. C: narrow uniform λ, early stopping)."""
-
-    epochs: int = 2
-    steps: int | None = None  # this many optimizer steps (cycling through the data) instead of ``epochs``
-    # AdamW on the latents. The paper's 3e-4 left a vit-bench Fashion-MNIST pair (seeds 0, 4) at barrier 0.106
-    # after one epoch, 3e-3 at 0.064 (weight matching: 0.96); 1e-2 was no better on seeds 0, 1.
-    lr: float = 3e-3
-    cosine: bool = True  # decay the learning rate to zero over the run (glmc.train.cosine_schedule)
-    weight_decay: float = 0.0  # the projections are scale-invariant, so decay would only raise the step size
-    # Dropout on the interpolated model's embeddings, attention and residual writes while learning (validation runs
-    # without it). The official GLMC merger learns with its models' dropout 0.1 on.
-    dropout: float = 0.0
-    batch_size: int = 128
-    lam: tuple[float, float] = (0.4, 0.6)  # a pair's λ ~ U(lo, hi), the weight of A (paper App. C.1.1)
-    # Several models' weights ~ Dirichlet(c·N·w), w the normalised weights: c = 10 samples near the weighted mean,
-    # the model a merge keeps (as λ ~ U(0.4, 0.6) does for a pair). Merging 5 vit-bench seeds (20000 samples, one
-    # pass; simulations/results/merging): the paper's c = 0.1, mostly near the corners, 80.8%; c = 10, 84.5%.
-    concentration: float = 10.0
-    val_fraction: float = 0.1  # of the given training data, held out for early stopping
-    val_max: int = 1000
-    # A pair validates at this many λ evenly spaced over ``lam`` (1: its midpoint), so that early stopping watches
-    # the whole range it trains on: a wide-to-narrow path peaks near λ = 0.3, away from the midpoint.
-    val_points: int = 1
-    eval_every: int = 50  # steps between validations
-    patience: int = 5  # validations without improvement before stopping; 0 never stops early
-    noise: float = 0.01  # latents start at the initial transform perturbed by this much (distinct singular values)
-    # The within-head maps: kept from weight matching ("fixed"), learned as orthogonal maps, or learned as any
-    # invertible maps (the whole group of the head's QK and OV circuits, §3.1). On vit-bench seeds 0, 1 one epoch
-    # reached barrier 0.040 with orthogonal maps and 0.051 with fixed ones.
-    within: Within = "orthogonal"
-    # What the path's loss is measured against: the data's labels, or the endpoints' own predictions mixed by the
-    # step's weights, Σ_i w_i softmax(f_i(x)), which reads the inputs only (no labels). None: the endpoints on text
-    # the models wrote (glmc.data.generated.GeneratedText, whose "labels" are their samples), the labels otherwise.
-    targets: Targets | None = None
-    sinkhorn_iters: int = 20  # soft permutations (App. D)
-    soft_gain: float = 0.01  # App. D's noise gain: target P + |N(0, (gain/√n)²)| before the logarithm
-    seed: int = 0
-    dtype: torch.dtype = torch.float32  # of the forward passes; latents and projections stay float64
-    progress: bool = False  # a tqdm bar with the running interpolated loss
-
-    def __post_init__(self) -> None:
-        lo, hi = self.lam
-        if self.within not in WITHIN:
-            raise ConfigError(f"unknown within-head group {self.within!r}; known: {', '.join(WITHIN)}")
-        if self.targets is not None and self.targets not in TARGETS:
-            raise ConfigError(f"unknown targets {self.targets!r}; known: {', '.join(TARGETS)}")
-        check_options("learned matching", [
-            ("≥ 1", lambda v: v >= 1, {"epochs": self.epochs, "steps": self.steps, "batch_size": self.batch_size,
-                                       "val_max": self.val_max, "val_points": self.val_points,
-                                       "eval_every": self.eval_every,
-                                       "sinkhorn_iters": self.sinkhorn_iters}),
-            ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0,
-             {"lr": self.lr, "weight_decay": self.weight_decay, "patience": self.patience}),
-            ("> 0", lambda v: v > 0, {"noise": self.noise, "soft_gain": self.soft_gain,
-                                      "concentration": self.concentration}),
-            ("in (0, 1)", lambda v: 0 < v < 1, {"val_fraction": self.val_fraction}),
-            ("in [0, 1)", lambda v: 0 <= v < 1, {"dropout": self.dropout}),
-            ("in [0, 1], lo ≤ hi", lambda v: 0 <= v <= 1 and lo <= hi, {"λ range lo": lo, "λ range hi": hi})])
 
 
 # Projections (Eq. 5) and latent initialisations.
@@ -465,7 +395,7 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     start = time.perf_counter()
     train, val = split(data, options, validation)
     targets = targets_for(options, data)
-    path = Path(endpoints, cfg, form, options.dtype, options.dropout, targets)
+    path = Path(endpoints, cfg, form, getattr(torch, options.dtype), options.dropout, targets)
     latents = [e.latents.to(path.device) if e.latents else None for e in endpoints]
     params = [p for lat in latents if lat is not None for p in lat.parameters()]
     val_loader = DataLoader(val, batch_size=256)
@@ -524,26 +454,23 @@ def _epochs(loader: DataLoader, total: int) -> Iterator[tuple[torch.Tensor, torc
             yield batch
 
 
-def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
-                  permutations_only: bool = False, options: LearnConfig | None = None,
-                  validation: Dataset | None = None, start: Start = DEFAULT_START,
-                  weight: WeightOptions | None = None) -> MatchResult:
+def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, options: MatchOptions | None = None, *,
+                  permutations_only: bool = False, validation: Dataset | None = None) -> MatchResult:
     """Algorithm 1: T(θ_B) ≡ θ_B as a function with λ θ_A + (1−λ) T(θ_B) of low task loss.
 
-    ``a``, ``b``: canonical states of ``cfg`` in ``form``; ``data``: (input, target) pairs of the training split,
-    a validation share of it held out unless ``validation`` is given. ``permutations_only`` makes the residual a
-    permutation too and starts from permutation-only weight matching (the paper's "permutations" row).
-    ``start`` and ``weight``: the start and costs of that first weight matching (:func:`weight_match`).
+    ``a``, ``b``: canonical states of ``cfg`` in ``options.form``; ``data``: (input, target) pairs of the training
+    split, a validation share of it held out unless ``validation`` is given. It starts from weight matching with
+    ``options.weight`` (:func:`glmc.match.weight.warm_start`) and learns with ``options.learn``.
+    ``permutations_only`` makes the residual a permutation too and starts from permutation-only weight matching
+    (the paper's "permutations" row).
     """
-    options = options or LearnConfig()
-    began = time.perf_counter()
-    arch = get_arch(cfg.family)
-    fix_ones = residual_group(form, arch)
-    init = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=fix_ones, permutations_only=permutations_only,
-                        start=start, options=weight, rotary=cfg.rotary_dim)
-    latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, residual_perm=permutations_only)
-    learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
-                    pair_points(options), options, form=form, validation=validation)
+    options = options or MatchOptions()
+    learn_options, began = options.learn, time.perf_counter()
+    fix_ones = residual_group(options.form, get_arch(cfg.family))
+    init = warm_start(a, b, cfg, options, permutations_only=permutations_only)
+    latents = Latents(init.transform, cfg, learn_options, fix_ones=fix_ones, residual_perm=permutations_only)
+    learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(learn_options.seed, lam=learn_options.lam),
+                    pair_points(learn_options), learn_options, form=options.form, validation=validation)
     transform = learned.transforms[1]
     assert transform is not None
     return MatchResult(transform, learned.history, time.perf_counter() - began,
@@ -552,13 +479,11 @@ def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: 
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
 def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
-    """Learned matching (Algorithm 1) from weight matching at ``options.start``."""
-    return learned_match(a, b, cfg, require_data(data), form=options.form, options=options.learn, start=options.start,
-                         weight=options.weight)
+    """Learned matching (Algorithm 1) from weight matching."""
+    return learned_match(a, b, cfg, require_data(data), options)
 
 
 def pairwise_permutations(a: State, b: State, cfg: ModelConfig, data: Dataset | None,
                           options: MatchOptions) -> MatchResult:
     """Learned matching of permutations only."""
-    return learned_match(a, b, cfg, require_data(data), form=options.form, options=options.learn, start=options.start,
-                         weight=options.weight, permutations_only=True)
+    return learned_match(a, b, cfg, require_data(data), options, permutations_only=True)

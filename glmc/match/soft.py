@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -19,16 +18,13 @@ from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.match.common import MatchResult, require_data
-from glmc.match.learned import Endpoint, Latents, LearnConfig, Path, Sampler, learn, pair_points
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions, weight_match
+from glmc.match.learned import Endpoint, Latents, Path, Sampler, learn, pair_points
+from glmc.match.options import MatchOptions
+from glmc.match.weight import warm_start
 from glmc.symmetry.canonical import Form, residual_group
 from glmc.symmetry.exactness import TOLERANCE
 from glmc.symmetry.transforms import Transform
 from glmc.train import target_count, token_loss
-
-if TYPE_CHECKING:
-    from glmc.match.options import MatchOptions
-
 
 log = logging.getLogger(__name__)
 
@@ -49,22 +45,22 @@ def endpoint_error(b: State, t: Transform, cfg: ModelConfig, data: Dataset, form
     return {"endpoint_max_logit_error": worst, "endpoint_loss_change": change / count}
 
 
-def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: Form = "standard",
-               options: LearnConfig | None = None, validation: Dataset | None = None, start: Start = DEFAULT_START,
-               weight: WeightOptions | None = None) -> MatchResult:
-    """Learn soft head and MLP permutations and the residual map for λ θ_A + (1−λ) T(θ_B) (App. D.3).
+def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, options: MatchOptions | None = None, *,
+               validation: Dataset | None = None) -> MatchResult:
+    """Learn soft head and MLP permutations and the residual map for λ θ_A + (1−λ) T(θ_B) (App. D.3), from weight
+    matching with ``options.weight`` and with ``options.learn``.
 
     The transform's ``heads`` and ``mlp`` are dense doubly stochastic matrices (``apply`` accepts them);
     ``info`` holds the midpoint gain over weight matching and the endpoint error.
     """
-    options = options or LearnConfig()
-    began = time.perf_counter()
+    options = options or MatchOptions()
+    form, began = options.form, time.perf_counter()
     fix_ones = residual_group(form, get_arch(cfg.family))
-    init = weight_match(a, b, get_arch(cfg.family).spec, cfg.depth, cfg.heads, fix_ones=fix_ones, start=start,
-                        options=weight, rotary=cfg.rotary_dim)
-    latents = Latents(init.transform, cfg, options, fix_ones=fix_ones, soft=True)
-    learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(options.seed, lam=options.lam),
-                    pair_points(options), options, form=form, validation=validation)
+    init = warm_start(a, b, cfg, options)
+    learn_options = options.learn
+    latents = Latents(init.transform, cfg, learn_options, fix_ones=fix_ones, soft=True)
+    learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(learn_options.seed, lam=learn_options.lam),
+                    pair_points(learn_options), learn_options, form=form, validation=validation)
     transform = learned.transforms[1]
     assert transform is not None
     gain = learned.history[0] - min(learned.history)
@@ -78,6 +74,5 @@ def soft_match(a: State, b: State, cfg: ModelConfig, data: Dataset, *, form: For
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
 def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
-    """Soft permutations from weight matching at ``options.start``."""
-    return soft_match(a, b, cfg, require_data(data), form=options.form, options=options.learn, start=options.start,
-                      weight=options.weight)
+    """Soft permutations from weight matching."""
+    return soft_match(a, b, cfg, require_data(data), options)

@@ -18,12 +18,12 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from glmc.archs import get_arch
 from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, K, Q, SpecTable, V, expand
 from glmc.core.state import search_view
 from glmc.errors import ConfigError
@@ -37,8 +37,10 @@ from glmc.match.common import (
     require_finite,
 )
 from glmc.match.descent import Descent, Layer
+from glmc.match.options import Start, WeightOptions
 from glmc.match.ov_path import on_the_path
 from glmc.symmetry import groups
+from glmc.symmetry.canonical import residual_group
 from glmc.symmetry.transforms import Transform
 
 if TYPE_CHECKING:
@@ -51,63 +53,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Start = Literal["identity", "relaxed", "embeddings"]
-STARTS: tuple[Start, ...] = get_args(Start)
-DEFAULT_START: Start = "relaxed"
-HeadCost = Literal["norm", "squared"]
-MlpCost = Literal["inner", "l1"]
-Stop = Literal["converged", "fixed"]
-Biases = Literal["skip", "read"]
-OvMaps = Literal["orthogonal", "path"]
 # Block-ascent steps of the relaxed start. In a float64 trial on three vit-bench pairs, 3, 10 and 100 steps gave
 # 12.8%, 13.0% and 12.6% of the vanilla barrier (identity: 15.0%); the bench's float32 search with 3 steps gives
 # 14.3% against the identity's 15.2% (simulations/results/weight-starts).
 RELAXED_STEPS = 3
 RELAXED_TOL = 1e-4  # Q moved by less than this (‖ΔQ‖/‖Q‖, above float32 noise): the ascent has converged
-
-
-@dataclass(frozen=True)
-class WeightOptions:
-    """Choices where this matcher and the official GLMC code differ, the first three defaults measured against the
-    other choice on three disjoint pairs each of vit-bench and gpt2-bench (simulations/results/weight-options).
-
-    ``head_cost``: the head LAP's cost, ‖ΔQK‖ + ‖ΔOV‖ (``norm``, the official's) or ‖ΔQK‖² + ‖ΔOV‖²
-    (``squared``, this project's first). ``mlp_cost``: the MLP LAP's, the inner product ⟨W_A, P W_B⟩ of the units'
-    fc1 rows, biases and fc2 columns (``inner``), or the L1 distance between those rows L2-normalised (``l1``, the
-    official's). From the relaxed start, norm and inner give 17.1% of the vanilla barrier on vit-bench and 30.8% on
-    gpt2-bench (identity start, squared, inner: 20.2% and 30.0%); l1 gains gpt2-bench 1.2 points but is no
-    matrix product: one GPT-2-small layer's L1 cost takes 56 s of this CPU against 1 s for the inner product.
-    ``stop``: sweeps end when the objective improves by less than the tolerance (``converged``), or run all
-    ``max_sweeps`` and keep the last (``fixed``, the official's 15: no better, and slower).
-    ``biases``: the stream's biases (tensors of the residual axis alone: LayerNorm and output biases) are left out
-    of the matching, as the official code's Procrustes reads weights only (``skip``), or read, each weighted in the
-    residual Procrustes as a whole tensor (``read``, the default until 2026-12-02). On the official GLMC GPT-2 pair
-    skip leaves 0.0824 in the standard form (read: 0.1050; simulations/results/official-pair), and it loses nowhere
-    else measured: vit-bench 13.2% of vanilla against 13.5%, with dropout 10.8% against 12.3%
-    (simulations/results/biases).
-    ``ov_maps``: the within-head v/o maps are orthogonal (``orthogonal``, Procrustes on the factors) or, after the
-    matching, invertible maps that bring the standard path's OV circuits onto the circuit path (``path``,
-    :mod:`glmc.match.ov_path`; the ``weight`` method only: learned matching starts from the orthogonal ones).
-    The first four are the official code's choices; it differs in more (docs/matching.md).
-    """
-
-    head_cost: HeadCost = "norm"
-    mlp_cost: MlpCost = "inner"
-    stop: Stop = "converged"
-    biases: Biases = "skip"
-    ov_maps: OvMaps = "orthogonal"
-
-    def __post_init__(self) -> None:
-        for name, kind in (("head_cost", HeadCost), ("mlp_cost", MlpCost), ("stop", Stop), ("biases", Biases),
-                           ("ov_maps", OvMaps)):
-            if getattr(self, name) not in get_args(kind):
-                raise ConfigError(f"unknown weight-matching {name} {getattr(self, name)!r}; "
-                                  f"known: {', '.join(get_args(kind))}")
-
-
-def matcher_record(start: Start, options: WeightOptions | None) -> dict[str, str]:
-    """A weight matcher's start and options as a report records them: a result is reproducible only with them."""
-    return {"start": start, **asdict(options or WeightOptions())}
 
 
 def without_stream_biases(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int) -> dict[str, torch.Tensor]:
@@ -396,7 +346,7 @@ def weight_match(
     a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, heads: int,
     *, fix_ones: bool | groups.ResidualGroup = True, permutations_only: bool = False, max_sweeps: int = 15,
     tol: float = 1e-3,
-    dtype: torch.dtype = torch.float32, start: Start | torch.Tensor = DEFAULT_START,
+    dtype: torch.dtype = torch.float32, start: torch.Tensor | None = None,
     options: WeightOptions | None = None, rotary: int = 0, permute_stream: bool = False,
 ) -> MatchResult:
     """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` searches head and MLP permutations alone, the stream left as
@@ -406,18 +356,16 @@ def weight_match(
     ``fix_ones``: the residual group (:func:`glmc.symmetry.groups.residual_group`: True the orthogonal maps fixing 1,
     False all of O(d), or ``permutation``, where each Procrustes step is a linear assignment).
 
-    ``start``: the residual map the first sweep assumes: the ``relaxed`` solution (:func:`relaxed_residual`, the
-    default), the identity, the ``embeddings``' Procrustes (:func:`embedding_residual`) or a given map. Each can
-    end in another local optimum (``simulations.bench.weight_starts`` measures how far apart they are).
-    ``options``: the costs and the stopping rule (:class:`WeightOptions`).
+    ``options``: the start, the costs and the stopping rule (:class:`glmc.match.options.WeightOptions`). The start is
+    the residual map the first sweep assumes: the ``relaxed`` solution (:func:`relaxed_residual`, the default), the
+    identity, or the ``embeddings``' Procrustes (:func:`embedding_residual`); ``start``, a given map, replaces it.
+    Each can end in another local optimum (``simulations.bench.weight_starts`` measures how far apart they are).
 
     The search runs in ``dtype`` (float32 halves its cost); the result is re-projected in float64, so it is
     exact. Sweeps stop when ‖A − T(B)‖² improves by less than ``tol`` (relative), after ``max_sweeps`` at most.
     """
     began = time.perf_counter()
     options = options or WeightOptions()
-    if isinstance(start, str) and start not in STARTS:
-        raise ConfigError(f"unknown weight-matching start {start!r}; known: {', '.join(STARTS)}")
     require_finite(a, "A")
     require_finite(b, "B")
     if options.biases == "skip":
@@ -428,7 +376,7 @@ def weight_match(
     frozen = permutations_only and not permute_stream  # the stream left as it is: one sweep of assignments
     if frozen and isinstance(start, torch.Tensor):
         raise ConfigError("permutation-only weight matching leaves the residual alone: it takes no start map")
-    residual = None if frozen else _start_residual(work, group, start, dtype)
+    residual = None if frozen else _start_residual(work, group, options.start if start is None else start, dtype)
     if residual is not None and isinstance(start, torch.Tensor):
         residual = groups.procrustes(residual, group)  # a given start, onto the group searched
     t = _solve_units(work, residual, within, options)
@@ -447,33 +395,31 @@ def weight_match(
     return MatchResult(_exact(t, group, rotary), objective, time.perf_counter() - began, {"sweeps": len(objective)})
 
 
+def warm_start(a: State, b: State, cfg: ModelConfig, options: MatchOptions, *, permutations_only: bool = False,
+               permute_stream: bool = False) -> MatchResult:
+    """Weight matching of canonical B to A in ``options.form`` with ``options.weight``: the weight methods' search,
+    and where the learned methods start (permutations only: the residual left alone, or permuted too with
+    ``permute_stream``)."""
+    arch = get_arch(cfg.family)
+    return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=residual_group(options.form, arch),
+                        permutations_only=permutations_only, options=options.weight, rotary=cfg.rotary_dim,
+                        permute_stream=permute_stream)
+
+
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
 def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
     """Weight matching of B to A over every symmetry class of the family (then the path's v/o maps, if chosen)."""
-    result = _pairwise(a, b, cfg, options, permutations_only=False)
-    if options.weight is None or options.weight.ov_maps == "orthogonal":
-        return result
-    return on_the_path(result, a, b, cfg)
+    result = warm_start(a, b, cfg, options)
+    return result if options.weight.ov_maps == "orthogonal" else on_the_path(result, a, b, cfg)
 
 
 def pairwise_permutations(a: State, b: State, cfg: ModelConfig, data: Dataset | None,
                           options: MatchOptions) -> MatchResult:
     """Weight matching restricted to head and MLP permutations, the residual stream left alone."""
-    return _pairwise(a, b, cfg, options, permutations_only=True)
+    return warm_start(a, b, cfg, options, permutations_only=True)
 
 
 def pairwise_stream_permutations(a: State, b: State, cfg: ModelConfig, data: Dataset | None,
                                  options: MatchOptions) -> MatchResult:
     """Weight matching restricted to permutations, of the residual stream, heads and MLP units."""
-    return _pairwise(a, b, cfg, options, permutations_only=True, permute_stream=True)
-
-
-def _pairwise(a: State, b: State, cfg: ModelConfig, options: MatchOptions, permutations_only: bool,
-              permute_stream: bool = False) -> MatchResult:
-    from glmc.archs import get_arch
-    from glmc.symmetry.canonical import residual_group
-
-    arch = get_arch(cfg.family)
-    return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=residual_group(options.form, arch),
-                        permutations_only=permutations_only, start=options.start, options=options.weight,
-                        rotary=cfg.rotary_dim, permute_stream=permute_stream)
+    return warm_start(a, b, cfg, options, permutations_only=True, permute_stream=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from torch.utils.data import Dataset
 
 from glmc.core.config import ModelConfig
+from glmc.core.options import option
 from glmc.core.state import State
 from glmc.errors import ConfigError
 from glmc.merging.circuits import merge_circuits
@@ -25,10 +26,16 @@ ALL = None  # a correction's sample count meaning every sample of the data it is
 class Corrections:
     """Which corrections run. ``refit`` and ``repair``: 0 off, N the first N training samples, None all of them."""
 
-    restore_norms: bool = False  # rescale the merged units to the inputs' mean norm (glmc.merging.rescale)
-    refit: int | None = 0  # refit the merged layers to the inputs' mean outputs (glmc.merging.refit)
-    repair: int | None = 0  # reset the merged channels' mean and std to the inputs' (glmc.merging.repair)
-    circuit_heads: bool = False  # refit the merged heads to the inputs' mean circuits (glmc.merging.circuits)
+    # The run config switches each on (refit and repair then read all of the server's samples); the CLI has its own
+    # flags, with sample counts.
+    restore_norms: bool = option(False, "rescale the merged units to the inputs' mean norm (glmc.merging.rescale)",
+                                 flag=None, key="restore-norms")
+    refit: int | None = option(0, "refit the merged layers to the inputs' mean outputs (glmc.merging.refit)",
+                               flag=None, key="refit", switch=ALL)
+    repair: int | None = option(0, "reset the merged channels' mean and std to the inputs' (glmc.merging.repair)",
+                                flag=None, key="repair", switch=ALL)
+    circuit_heads: bool = option(False, "refit the merged heads to the inputs' mean circuits (glmc.merging.circuits)",
+                                 flag=None, key="circuit-heads")
 
     def __post_init__(self) -> None:
         if any(n is not None and n < 0 for n in (self.refit, self.repair)):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from glmc.errors import ConfigError, check_options
 from glmc.match.options import MatchOptions
@@ -28,7 +27,10 @@ class MergeOptions:
     fill: str = "zeros"  # how narrow models fill the universe's extra heads and units
     corrections: Corrections = field(default_factory=Corrections)
     robustness: Robustness = field(default_factory=Robustness.off)  # clipping and the robust average (FL)
-    min_gain: float = 0.0  # FL, equal widths: below this relative distance gain, average unaligned (0 = off)
+    min_gain: float = 0.0  # equal widths: below this relative distance gain, set the alignment aside (0 = off)
+    # a method that does not match, at one width: average the models with their norms folded (FL's canonical
+    # ablation), not as trained (the paper's vanilla baseline)
+    fold_norms: bool = False
     device: str = "cpu"  # where the merge is computed; the result stays there
 
     def __post_init__(self) -> None:
@@ -43,12 +45,3 @@ class MergeOptions:
     def reads_data(self) -> bool:
         """Whether the method itself reads training data (the corrections may too: :attr:`Corrections.samples`)."""
         return get_method(self.method).reads_data
-
-    def universe(self, pairwise: str | None = None) -> dict[str, Any]:
-        """The keywords of :func:`glmc.merging.universe.universe_match` for this merge: the method's pairwise
-        matching (or ``pairwise``, one alignment without the refinement) and every option it takes."""
-        method = get_method(self.method)
-        return {"method": pairwise or method.merge_pairwise, "refine": pairwise is None and method.refines,
-                "max_iters": self.max_iters, "tol": self.tol, "workers": self.workers, "batch": self.match.batch,
-                "learn": self.match.learn, "fill": self.fill, "weight_start": self.match.start,
-                "weight": self.match.weight}

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from glmc.core.options import option
 from glmc.core.state import State
 from glmc.errors import ConfigError
 
@@ -58,17 +59,26 @@ AVERAGES = ("fedavg", "fedmedian", "fedtrimmedavg")  # Flower's names: the weigh
 
 @dataclass(frozen=True)
 class Robustness:
-    """The robust-aggregation settings of a run (run-config keys of the same names, see pyproject.toml)."""
+    """The robust-aggregation settings of a run, each with its run-config key (pyproject.toml says what it means)."""
 
-    max_examples_ratio: float = 5.0  # a node's num-examples is capped at this multiple of the lower median; 0 = off
-    max_examples: int = 0  # a declared per-node budget of num-examples; 0 = none
-    clip_ratio: float = 5.0  # distance from the global model capped at this multiple of the lower median's; 0 = off
-    peer_examples_ratio: float = 1.6  # num-examples capped at this multiple of the largest other node's; 0 = off
-    max_examples_share: float = 0.49  # and at a common level under which no node keeps more of the total; 0 = off
-    center_clip_ratio: float = 1.0  # distance from the round's median capped at this multiple of the lower median's
-    center_clip_by_examples: bool = True  # ... times a heavier node's examples over the lower median node's
-    average: str = "fedavg"  # fedavg (weighted mean) | fedmedian | fedtrimmedavg
-    trim_beta: float = 0.2  # fedtrimmedavg: the fraction cut from each end of every coordinate
+    max_examples_ratio: float = option(5.0, "cap on num-examples, × the lower median", flag=None,
+                                       key="max-examples-ratio")
+    max_examples: int = option(0, "a declared per-node budget of num-examples; 0 = none", flag=None,
+                               key="max-examples")
+    clip_ratio: float = option(5.0, "clipping around the global model, × the lower median distance", flag=None,
+                               key="clip-ratio")
+    peer_examples_ratio: float = option(1.6, "cap on num-examples, × the largest other node's", flag=None,
+                                        key="peer-examples-ratio")
+    max_examples_share: float = option(0.49, "cap on any node's share of the round", flag=None,
+                                       key="max-examples-share")
+    center_clip_ratio: float = option(1.0, "clipping around the round's median, × the lower median distance",
+                                      flag=None, key="center-clip-ratio")
+    center_clip_by_examples: bool = option(True, "the centred bound grows with a node's examples", flag=None,
+                                           key="center-clip-by-examples")
+    average: str = option("fedavg", "fedavg (weighted mean) | fedmedian | fedtrimmedavg", flag=None,
+                          key="robust-average")
+    trim_beta: float = option(0.2, "fedtrimmedavg: the fraction cut from each end of every coordinate", flag=None,
+                              key="trim-beta")
 
     def __post_init__(self) -> None:
         if self.average not in AVERAGES:

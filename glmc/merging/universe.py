@@ -7,22 +7,22 @@ mean distance to it, changes by less than ``tol`` (relative), or after ``max_ite
 minimises the multi-model barrier of Eq. 2. Models narrower than the universe are embedded exactly first
 (:mod:`glmc.merging.widths`).
 
-``method="none"`` skips alignment: one least-squares merge, i.e. FedAvg at equal widths and HeteroFL with
-coordinate placements, through the same code path. ``refine=True`` finishes with the multi-model learned
-refinement (mixing weights ~ Dirichlet(c·N·ŵ), ``glmc.match.dual.refine_universe``).
+A method that does not match (``none``) skips alignment: one least-squares merge, i.e. FedAvg at equal widths and
+HeteroFL with coordinate placements, through the same code path. A method that refines (``learned``) runs its
+merge pairwise method's iterations, then the multi-model learned refinement (mixing weights ~ Dirichlet(c·N·ŵ),
+``glmc.match.dual.refine_universe``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import multiprocessing
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
@@ -31,18 +31,34 @@ from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.device import device_of, to_device
-from glmc.errors import ConfigError, check_options, check_weights
+from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult, sq_distance
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions
-from glmc.merging.widths import FILLS, Placement, embed, lstsq_merge, move, place, widen
+from glmc.merging.options import MergeOptions
+from glmc.merging.widths import Placement, embed, lstsq_merge, move, place, widen
 from glmc.symmetry.transforms import Transform, apply, compose, maps_to
 
-if TYPE_CHECKING:
-    from glmc.match.learned import LearnConfig
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One model of a merge: its state (native for :func:`glmc.merging.merge.merge_models`, canonical and standard
+    for :func:`universe_match`), its own config (the universe's, or narrower), its weight (an example count) and,
+    when narrow, where it sits in the universe before matching (None: :func:`glmc.merging.widths.place`)."""
+
+    state: State
+    config: ModelConfig
+    weight: float = 1.0
+    placement: Placement | None = None
+
+
+def members(states: Sequence[State], configs: Sequence[ModelConfig],
+            weights: Sequence[float] | None = None) -> list[Member]:
+    """Models of a merge from their states, configs and weights (None: equal), with no start placements."""
+    weights = check_weights([1.0] * len(states) if weights is None else weights, len(states))
+    return [Member(s, c, w) for s, c, w in zip(states, configs, weights, strict=True)]
 
 
 @dataclass
@@ -112,11 +128,12 @@ HOST_MATCH_MAX_PARAMS = 1_000_000
 
 
 def matching_device(method: str, anchor: State) -> torch.device:
-    """Where an iteration's pairwise matchings run: where the anchor lives, or the CPU for a small model's weight
-    matching (:data:`HOST_MATCH_MAX_PARAMS`)."""
+    """Where an iteration's pairwise matchings run: where the anchor lives, or the CPU for a small model when the
+    method matches small models there (:data:`HOST_MATCH_MAX_PARAMS`)."""
     device = device_of(anchor)
     small = sum(x.numel() for x in anchor.values()) <= HOST_MATCH_MAX_PARAMS
-    return torch.device("cpu") if device.type != "cpu" and method == "weight" and small else device
+    on_host = device.type != "cpu" and get_method(method).host_when_small and small
+    return torch.device("cpu") if on_host else device
 
 
 def _align_all(job: _Job, anchor: State, states: Sequence[State], workers: int) -> list[MatchResult]:
@@ -152,17 +169,11 @@ def _small_dataset(data: Dataset | None, n: int | None) -> Dataset | None:
     return TensorDataset(torch.stack([p[0] for p in pairs]), torch.stack([torch.as_tensor(p[1]) for p in pairs]))
 
 
-def _into_universe(states: Sequence[State], cfg: ModelConfig, configs: Sequence[ModelConfig] | None,
-                   starts: Sequence[Placement | None] | None = None, fill: str = "zeros",
-                   ) -> tuple[list[State], list[Placement]]:
-    """Embed every state into the universe config (exact) at its start placement (default: :func:`place`), its
-    heads and units widened to the universe's first when ``fill`` is ``copies``."""
-    configs = list(configs) if configs is not None else [cfg] * len(states)
-    starts = list(starts) if starts is not None else [None] * len(states)
-    if not len(configs) == len(starts) == len(states):
-        raise ConfigError(f"{len(states)} states but {len(configs)} configs and {len(starts)} start placements")
-    if fill not in FILLS:
-        raise ConfigError(f"unknown fill {fill!r}; known: {', '.join(FILLS)}")
+def _into_universe(members: Sequence[Member], cfg: ModelConfig, fill: str) -> tuple[list[State], list[Placement]]:
+    """Embed every member's state into the universe config (exact) at its start placement (default: :func:`place`),
+    its heads and units widened to the universe's first when ``fill`` is ``copies``."""
+    states, configs = [m.state for m in members], [m.config for m in members]
+    starts = [m.placement for m in members]
     if fill == "copies":
         if any(p is not None for p in starts):
             raise ConfigError("start placements place a narrow model's own heads and units; with fill 'copies' "
@@ -177,49 +188,44 @@ def _into_universe(states: Sequence[State], cfg: ModelConfig, configs: Sequence[
     return [embed(s, p) if p.narrow != cfg else dict(s) for s, p in zip(states, placements, strict=True)], placements
 
 
-def universe_match(
-    states: Sequence[State], cfg: ModelConfig, method: str = "weight", *, weights: Sequence[float] | None = None,
-    anchor: State | None = None, reference: int = 0, configs: Sequence[ModelConfig] | None = None,
-    max_iters: int = 5, tol: float = 1e-3, data: Dataset | None = None, batch: int = 512, workers: int = 1,
-    refine: bool = False, learn: LearnConfig | None = None, starts: Sequence[Placement | None] | None = None,
-    fill: str = "zeros", weight_start: Start = DEFAULT_START, weight: WeightOptions | None = None,
-) -> UniverseResult:
+def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOptions | None = None, *,
+                   anchor: State | None = None, reference: int = 0, data: Dataset | None = None,
+                   pairwise: bool = False) -> UniverseResult:
     """Align N canonical standard-form models into one universe of config ``cfg`` and merge them (paper §4.3).
 
-    Stops after ``max_iters`` or once U moves, or the mean distance to U falls, by less than ``tol`` (relative).
-    ``configs[i]`` is state i's own config when it is narrower than ``cfg`` (default: all are ``cfg``);
-    ``weights`` are the example counts n_i; ``anchor`` is the first U (default: model ``reference``);
-    ``method`` is any pairwise method of :mod:`glmc.align`; ``data`` feeds the data-driven ones (activation: its
-    first ``batch`` inputs; learned: all of it) and the refinement; ``workers`` > 1 runs each iteration's
-    alignments in a process pool; ``refine`` adds the multi-model learned refinement with options ``learn``;
-    ``starts[i]`` is where narrow state i sits in the universe before matching (default: :func:`place`);
-    ``fill`` is how a narrow model fills the universe's extra heads and units (:data:`glmc.merging.widths.FILLS`);
-    ``weight_start`` and ``weight``: where each pairwise weight matching starts and its options
-    (:func:`glmc.match.weight.weight_match`).
+    ``options`` (:class:`glmc.merging.options.MergeOptions`): the method, whose merge pairwise matching each iteration
+    runs, finished by the learned refinement where the method refines (``pairwise``: the method's own pairwise
+    matching instead, and no refinement), the matchers' options, the iterations (it stops after ``max_iters`` or once
+    U moves, or the mean distance to U falls, by less than ``tol``, relative), the workers (> 1: each iteration's
+    alignments in a process pool) and how narrow models fill the universe. ``anchor`` is the first U (default: model
+    ``reference``); ``data`` feeds the data-driven methods (activation: its first inputs; learned: all of it) and the
+    refinement.
     """
-    if len(states) == 0:
+    if len(members) == 0:
         raise ConfigError("universe matching needs at least one model")
-    if weights is not None:
-        check_weights(weights, len(states))
-    check_options("universe matching", [("≥ 1", lambda v: v >= 1, {"max_iters": max_iters, "workers": workers}),
-                                        ("finite and ≥ 0", lambda v: math.isfinite(v) and v >= 0, {"tol": tol})])
-    aligned, placements = _into_universe(states, cfg, configs, starts, fill)
+    options = options or MergeOptions()
+    entry = get_method(options.method)
+    method = options.method if pairwise else entry.merge_pairwise
+    assert method is not None  # MergeOptions admits merge methods only
+    weights = check_weights([m.weight for m in members], len(members))
+    aligned, placements = _into_universe(members, cfg, options.fill)
     transforms = [Transform.identity(cfg.depth) for _ in aligned]
-    if method == "none":
+    if not get_method(method).matches:
         start = time.perf_counter()
         merged = lstsq_merge(aligned, placements, weights)
         record = IterationRecord(0, _mean_distance(aligned, merged), 0.0, 0.0, time.perf_counter() - start, method)
         return UniverseResult(aligned, placements, transforms, merged, [record])
     universe = dict(anchor) if anchor is not None else aligned[reference]
-    if workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
-        data = _small_dataset(data, batch if method == "activation" else None)
-    job = _Job(method, cfg, data, MatchOptions("standard", batch, learn, weight_start, weight))
+    match = dataclasses.replace(options.match, form="standard")
+    if options.workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
+        data = _small_dataset(data, match.activation.batch if get_method(method).reads_sample else None)
+    job = _Job(method, cfg, data, match)
     result = UniverseResult(aligned, placements, transforms, universe)
-    for iteration in range(1, max_iters + 1):
-        _iterate(result, job, workers, iteration, weights)
-        if _converged(result.history, tol):
+    for iteration in range(1, options.max_iters + 1):
+        _iterate(result, job, options.workers, iteration, weights)
+        if _converged(result.history, options.tol):
             break
-    if refine and len(aligned) > 1:  # one model's merge is itself: there is no mixture to refine
+    if not pairwise and entry.refines and len(aligned) > 1:  # one model's merge is itself: no mixture to refine
         _refine(result, job, weights, reference)
     return result
 

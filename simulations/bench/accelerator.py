@@ -28,18 +28,19 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from federation.protocol import Client
 from glmc.archs import Arch, build_model, get_arch
 from glmc.core.config import ModelConfig, preset
 from glmc.device import peak_memory_mb, reset_peak_memory, resolve
-from glmc.match.learned import LearnConfig, learned_match
-from glmc.match.options import MatchOptions
+from glmc.match.learned import learned_match
+from glmc.match.options import LearnConfig, MatchOptions
 from glmc.match.weight import weight_match
 from glmc.merging.options import MergeOptions
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, make_optimizer, seed_everything, set_threads, train_step
-from server.aggregation import Client, merge
+from server.aggregation import merge
 from simulations.tomlfile import config_or_exit
 
 VOCAB = 80  # about the character vocabulary of the Shakespeare corpus
@@ -123,12 +124,12 @@ def pair_rows(section: dict[str, Any], device: torch.device) -> list[dict[str, A
     cfg = task_config(section["preset"])
     a, b = _canonical_pair(cfg, device)
     data = TensorDataset(*random_batch(cfg, section["samples"], seed=2))
-    options = LearnConfig(steps=section["steps"], batch_size=section["batch-size"],
-                          eval_every=section["eval-every"], patience=0)
+    options = MatchOptions(learn=LearnConfig(steps=section["steps"], batch_size=section["batch-size"],
+                                             eval_every=section["eval-every"], patience=0))
     arch = get_arch(cfg.family)
     reset_peak_memory(device)
     start_seconds, _ = timed(device, lambda: weight_match(a, b, arch.spec, cfg.depth, cfg.heads))
-    seconds, result = timed(device, lambda: learned_match(a, b, cfg, data, options=options))
+    seconds, result = timed(device, lambda: learned_match(a, b, cfg, data, options))
     return [{"row": f"learned matching, {section['preset']} pair ({section['steps']} steps, batch "
                     f"{section['batch-size']}, with its weight-matching start)", "unit": "s", "value": seconds,
              "weight_start_seconds": start_seconds, "learn_seconds": result.info["learn_seconds"],

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import get_arch
-from glmc.cli.weight_options import parse_weight_flags
+from glmc.cli.options import parse_match_flags
 from glmc.core.config import ModelConfig
 from glmc.core.spec import HEADS, MLP, MLP_IN, QKV, SpecTable, expand
 from glmc.core.state import State, mix
@@ -65,8 +65,7 @@ def pair_sites(natives: tuple[State, State], cfg: ModelConfig, test: Dataset, me
                matcher: list[str]) -> dict[str, Any]:
     """One pair aligned by ``method`` (``matcher``: its weight flags): the ends' and the midpoint's losses, and every
     site's cost."""
-    start, options = parse_weight_flags(matcher)
-    aligned = align_pair(*natives, cfg, method, start=start, weight=options)
+    aligned = align_pair(*natives, cfg, method, parse_match_flags(matcher))
     a, b = aligned.a, aligned.b
     mid = mix([a, b], [0.5, 0.5])
     named = sites(get_arch(cfg.family).spec, cfg.depth, a, b)

@@ -29,7 +29,7 @@ from glmc.cli import main as glmc
 from simulations.tomlfile import config_or_exit
 
 if TYPE_CHECKING:
-    from glmc.match.weight import Start
+    from glmc.match.options import Start
 
 
 def label(model: dict[str, Any]) -> str:
@@ -172,6 +172,7 @@ def time_weight_matching(preset_name: str, repeats: int, pair: tuple[Path, Path]
     from glmc.archs import get_arch
     from glmc.core.config import preset
     from glmc.io.checkpoint import load_checkpoint
+    from glmc.match.options import WeightOptions
     from glmc.match.weight import weight_match
     from glmc.symmetry.canonical import canonicalize
     from glmc.symmetry.exactness import random_native
@@ -188,7 +189,7 @@ def time_weight_matching(preset_name: str, repeats: int, pair: tuple[Path, Path]
     times, cpu, sweeps = [], [], []
     for _ in range(repeats):
         began = time.process_time()
-        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=start)
+        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, options=WeightOptions(start=start))
         cpu.append(time.process_time() - began)
         times.append(result.seconds)
         sweeps.append(len(result.objective))

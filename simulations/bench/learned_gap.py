@@ -29,14 +29,14 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from glmc.archs import get_arch
-from glmc.cli.learn_options import add_learn_arguments, learn_options, train_subset
-from glmc.cli.weight_options import parse_weight_flags
+from glmc.cli.data_options import add_data_arguments, train_subset
+from glmc.cli.options import add_match_arguments, match_options
 from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.data.tasks import held_out, inputs_of
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
-from glmc.match.learned import LearnConfig
+from glmc.match.options import MatchOptions
 from glmc.merging.activations import Hook, Site, hooked_passes
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import Transform, apply
@@ -48,12 +48,13 @@ PLANE_SHARES = {"top plane": 0.0, "top eighth of planes": 1 / 8, "top quarter of
 STREAM_SAMPLES = 64  # test inputs whose every token measures the stream's second moment
 
 
-def learn_flags(flags: list[str]) -> tuple[LearnConfig, int | None]:
-    """The learning options and training-sample count that ``glmc barrier`` would take from ``flags``."""
+def learn_flags(flags: list[str]) -> tuple[MatchOptions, int | None]:
+    """The matchers' options and training-sample count that ``glmc barrier`` would take from ``flags``."""
     parser = argparse.ArgumentParser(prog="learning flags")
-    add_learn_arguments(parser, "training samples")
+    add_data_arguments(parser, "training samples")
+    add_match_arguments(parser)
     args = parser.parse_args([*flags, "--quiet"])
-    return learn_options(args), args.batch
+    return match_options(args), args.batch
 
 
 def crossed(weight: Transform, learned: Transform) -> dict[str, Transform]:
@@ -150,16 +151,15 @@ def plane_rows(a: State, b: State, cfg: ModelConfig, test: Dataset, weight: Tran
 
 
 def pair_gap(names: tuple[str, str], natives: tuple[State, State], cfg: ModelConfig, test: Dataset,
-             train: Dataset, options: LearnConfig, maps: Path, matcher: list[str]) -> dict[str, Any]:
+             train: Dataset, options: MatchOptions, maps: Path) -> dict[str, Any]:
     """One pair's barrier under each of :data:`CURVES` and with the correction in its top planes
     (:func:`plane_rows`), the eigen-angles of Q and of the learned correction Q_wᵀ Q_l, and the units whose
-    assignment learning changed; Q_w and Q_l saved in ``maps``. ``matcher``: the weight-matching flags of both."""
+    assignment learning changed; Q_w and Q_l saved in ``maps``. ``options``: both matchings' (the table's
+    ``matcher`` weight flags and the learning flags)."""
     arch = get_arch(cfg.family)
     a, b = (canonicalize(arch, s, cfg, dtype=torch.float64) for s in natives)  # as align_pair matches them
-    start, weight_options = parse_weight_flags(matcher)
-    weight = align_pair(*natives, cfg, "weight", start=start, weight=weight_options).result
-    learned = align_pair(*natives, cfg, "learned", data=train, learn=options, start=start,
-                         weight=weight_options).result
+    weight = align_pair(*natives, cfg, "weight", options).result
+    learned = align_pair(*natives, cfg, "learned", options, data=train).result
     barriers = {name: barrier(a, apply(b, arch.spec, t, cfg.heads), cfg, test)
                 for name, t in crossed(weight.transform, learned.transform).items()}
     plain = align_pair(*natives, cfg, "none")
@@ -181,7 +181,7 @@ def measure_model(run: dict[str, Any], gap: dict[str, Any], model: dict[str, Any
     """The first ``pairs`` seed pairs of one model, with the settings and wall time."""
     began, limit = time.perf_counter(), model.get("run", {}).get("limit", run["limit"])
     flags = [*model.get("learn", []), *gap.get("args", [])]
-    options, batch = learn_flags(flags)
+    options, batch = learn_flags([*flags, *gap.get("matcher", [])])
     paths = seed_checkpoints(run, model)
     pairs = [(paths[0], p) for p in paths[1:]][:gap["pairs"]]
     loaded = {p: load_checkpoint(p) for p in {q for pair in pairs for q in pair}}
@@ -189,7 +189,7 @@ def measure_model(run: dict[str, Any], gap: dict[str, Any], model: dict[str, Any
     test, train = held_out(model["dataset"], meta.config, limit=limit), train_subset(meta, None, batch)
     maps = Path(run["out"]) / "gap" / label(model)
     reports = [pair_gap((a.stem, b.stem), (loaded[a][0], loaded[b][0]), meta.config, test, train, options,
-                        maps / f"{a.stem}-{b.stem}.safetensors", gap.get("matcher", [])) for a, b in pairs]
+                        maps / f"{a.stem}-{b.stem}.safetensors") for a, b in pairs]
     return {"reports": reports, "flags": flags, "limit": limit, "command": command, "machine": machine(),
             "seconds": time.perf_counter() - began}
 

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from glmc.cli import main as glmc
-from glmc.cli.weight_options import parse_weight_flags
+from glmc.cli.options import parse_match_flags
+from glmc.match.registry import get_method
 from simulations.bench.barriers import results_lock
 from simulations.tomlfile import config_or_exit
 
@@ -47,7 +48,7 @@ def merge(run: dict[str, Any], spec: dict[str, Any], method: str) -> dict[str, A
             f"{out}.safetensors", "--json", f"{out}.json", "--limit", str(spec["limit"]), "--simplex-points",
             str(spec["simplex_points"]), "--workers", str(run["workers"]), "--force", "--quiet"]
     extra = [*spec.get("matcher", run.get("matcher", [])), *spec.get("args", []),
-             *(spec.get("learn", run["learn"]) if method == "learned" else [])]
+             *(spec.get("learn", run["learn"]) if get_method(method).learns else [])]
     if glmc(args + extra) != 0:
         raise SystemExit(f"glmc merge failed: {spec['name']} by {method}")
     return json.loads(Path(f"{out}.json").read_text())
@@ -88,18 +89,19 @@ def timing_states(run: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict]
 
 def time_universe(run: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Wall and CPU time of weight-matching universe matching of all the timing models, per worker count."""
-    from glmc.merging.universe import universe_match
+    from glmc.merging.options import MergeOptions
+    from glmc.merging.universe import members, universe_match
 
     cached = Path(run["out"]) / "timing.json"
     if run.get("resume") and cached.exists():
         return json.loads(cached.read_text())
     states, cfg = timing_states(run, spec)
-    start, options = parse_weight_flags(run.get("matcher", []))
+    match = parse_match_flags(run.get("matcher", []))
     rows = []
     for workers in spec["workers"]:
         wall, cpu, children = time.perf_counter(), time.process_time(), os.times()
-        result = universe_match(states, cfg, "weight", max_iters=spec["max_iters"], workers=workers,
-                                weight_start=start, weight=options)
+        options = MergeOptions("weight", match, max_iters=spec["max_iters"], workers=workers)
+        result = universe_match(members(states, [cfg] * len(states)), cfg, options)
         after = os.times()
         rows.append({"models": len(states), "workers": workers, "wall_seconds": time.perf_counter() - wall,
                      "cpu_seconds": time.process_time() - cpu + (after.children_user - children.children_user),

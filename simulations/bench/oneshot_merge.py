@@ -22,6 +22,7 @@ client knows and would send with its model):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -38,14 +39,15 @@ import torch
 from federation.data import VAL_FRACTION, eval_subset, pool
 from federation.settings import RunSettings
 from glmc.archs import build_model, get_arch
-from glmc.cli.weight_options import add_weight_arguments, weight_options, weight_start
+from glmc.cli.options import add_match_arguments, match_options
 from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.io.checkpoint import load_checkpoint
-from glmc.match.weight import DEFAULT_START, Start, WeightOptions, matcher_record
+from glmc.match.options import MatchOptions
 from glmc.merging.evaluation import ensemble_metrics
+from glmc.merging.options import MergeOptions
 from glmc.merging.rescale import restore_norms
-from glmc.merging.universe import universe_match
+from glmc.merging.universe import members, universe_match
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import evaluate, set_threads
 
@@ -116,10 +118,9 @@ def variants(weights: Sequence[float], counts: Sequence[Sequence[int]], cfg: Mod
             **{f" + norms, {t:g} of the way from the largest client": toward_largest(t) for t in (0.25, 0.5)}}
 
 
-def seed_rows(run: Path, iters: Sequence[int], start: Start = DEFAULT_START,
-              options: WeightOptions | None = None) -> dict[str, float]:
+def seed_rows(run: Path, iters: Sequence[int], match: MatchOptions | None = None) -> dict[str, float]:
     """Test accuracy (%) of the clients, their ensemble and every merge variant, for one seed's saved clients; the
-    universe's weight matching from ``start`` with ``options``."""
+    universe's weight matching with ``match``'s options."""
     settings, natives, weights, counts = load_clients(run)
     cfg = pool(settings).task.config
     arch, test = get_arch(cfg.family), eval_subset(pool(settings).test, settings.eval_limit, settings.seed)
@@ -139,9 +140,9 @@ def seed_rows(run: Path, iters: Sequence[int], start: Start = DEFAULT_START,
         rows[f"no alignment, {t:g} of the way from the largest client"] = 100 * accuracy(
             arch.to_native(between, cfg), cfg, test)
     for n in iters:
-        result = universe_match(states, cfg, "weight", weights=weights, max_iters=n,
-                                reference=max(range(len(states)), key=weights.__getitem__), weight_start=start,
-                                weight=options)
+        options = MergeOptions("weight", match or MatchOptions(), max_iters=n)
+        result = universe_match(members(states, [cfg] * len(states), weights), cfg, options,
+                                reference=max(range(len(states)), key=weights.__getitem__))
         for name, finish in variants(weights, counts, cfg).items():
             merged = finish(result.merged, result.aligned)
             rows[f"weight ({n} iters){name}"] = 100 * accuracy(arch.to_native(merged, cfg), cfg, test)
@@ -167,14 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iters", type=int, nargs="+", default=[5], help="universe iterations to try")
     parser.add_argument("--out", type=Path, default=Path("simulations/results/oneshot-data-free"))
-    add_weight_arguments(parser)
+    add_match_arguments(parser, sections=["weight"])
     args = parser.parse_args(argv)
-    residual_start, options = weight_start(args), weight_options(args)
-    matcher = matcher_record(residual_start, options)
+    match = match_options(args)
+    matcher = dataclasses.asdict(match.weight)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     set_threads(1)
     start = time.perf_counter()
-    per_seed = {s: seed_rows(args.runs / f"{args.cell}_dirichlet0.5_equal_s{s}", args.iters, residual_start, options)
+    per_seed = {s: seed_rows(args.runs / f"{args.cell}_dirichlet0.5_equal_s{s}", args.iters, match)
                 for s in args.seeds}
     minutes = (time.perf_counter() - start) / 60
     args.out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from glmc.archs import get_arch
-from glmc.cli.weight_options import parse_weight_flags
+from glmc.cli.options import parse_match_flags
 from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.data.tasks import held_out, inputs_of
@@ -96,8 +96,7 @@ def pair_candidates(names: tuple[str, str], natives: tuple[State, State], cfg: M
     saved = load_file(str(maps))
     arch = get_arch(cfg.family)
     a, b = (canonicalize(arch, s, cfg, dtype=torch.float64) for s in natives)  # as align_pair matches them
-    start, options = parse_weight_flags(matcher)
-    weight = align_pair(*natives, cfg, "weight", start=start, weight=options).result.transform
+    weight = align_pair(*natives, cfg, "weight", parse_match_flags(matcher)).result.transform
     assert weight.residual is not None
     if not torch.allclose(weight.residual.double(), saved["q_weight"].double(), atol=1e-6):
         raise SystemExit(f"weight matching no longer gives {maps}'s Q_w: run simulations.bench.learned_gap again")

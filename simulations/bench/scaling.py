@@ -38,7 +38,8 @@ from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.match.activation import activation_match
 from glmc.match.common import MatchResult
-from glmc.match.weight import Start, weight_match
+from glmc.match.options import Start, WeightOptions
+from glmc.match.weight import weight_match
 from glmc.symmetry.canonical import canonicalize, fixes_ones
 from glmc.symmetry.transforms import Transform, apply, compose, random_transform
 from simulations.bench.barriers import machine
@@ -101,7 +102,8 @@ def _match(method: str, a: State, b: State, cfg: ModelConfig, run: dict[str, Any
     if method.startswith("weight"):
         start = method.removeprefix("weight").removeprefix("-") or run["weight_start"]
         arch = get_arch(cfg.family)
-        return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=typing.cast(Start, start),
+        options = WeightOptions(start=typing.cast(Start, start))
+        return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, options=options,
                             fix_ones=fixes_ones("standard", arch), rotary=cfg.rotary_dim)
     samples = run["activation_samples"][cfg.family]
     return activation_match(a, b, cfg, random_inputs(cfg, samples, seed=1), batch_size=max(1, samples // 2))

@@ -36,7 +36,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from federation.settings import AGGREGATIONS, DATA_AGGREGATIONS, RunSettings
 from glmc.core.config import preset
-from glmc.match.learned import LearnConfig
+from glmc.match.options import LearnConfig
 from glmc.merging.robust import Robustness, cap_examples, distance
 from glmc.train import TrainConfig
 from server.strategy import SymmetryAwareFedAvg

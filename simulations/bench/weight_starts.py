@@ -12,6 +12,7 @@ the others are Haar-random Q with Q·1 = 1.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -22,13 +23,14 @@ import torch
 from torch.utils.data import Dataset
 
 from glmc.archs import get_arch
-from glmc.cli.weight_options import parse_weight_flags
+from glmc.cli.options import parse_match_flags
 from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.data.tasks import held_out
 from glmc.io.checkpoint import load_checkpoint
 from glmc.match.align import align_pair
-from glmc.match.weight import STARTS, WeightOptions, weight_match
+from glmc.match.options import Start, WeightOptions
+from glmc.match.weight import weight_match
 from glmc.merging.interpolation import barrier_curve
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
@@ -36,6 +38,7 @@ from glmc.symmetry.transforms import apply
 from simulations.bench.barriers import machine, mean_se, seed_checkpoints, table_main
 
 RESULTS = Path("simulations/results/weight-starts")
+NAMED: tuple[Start, ...] = ("identity", "relaxed", "embeddings")  # starts 0, 1 and 2; the rest are random maps
 
 
 def barrier(a: State, b: State, cfg: ModelConfig, test: Dataset) -> float:
@@ -47,13 +50,14 @@ def pair_starts(names: tuple[str, str], natives: tuple[State, State], cfg: Model
                 seed: int, options: WeightOptions | None = None) -> dict[str, Any]:
     """The vanilla barrier, then weight matching (``options``) from ``count`` starts: each one's objective, sweeps
     and barrier."""
-    arch = get_arch(cfg.family)
+    arch, options = get_arch(cfg.family), options or WeightOptions()
     a, b = (canonicalize(arch, s, cfg) for s in natives)
     generator = torch.Generator().manual_seed(seed)
     starts = []
     for index in range(count):
-        q = STARTS[index] if index < len(STARTS) else groups.random_orthogonal(cfg.width, generator)
-        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=q, options=options)
+        named = dataclasses.replace(options, start=NAMED[index]) if index < len(NAMED) else options
+        q = None if index < len(NAMED) else groups.random_orthogonal(cfg.width, generator)
+        result = weight_match(a, b, arch.spec, cfg.depth, cfg.heads, start=q, options=named)
         value = barrier(a, apply(b, arch.spec, result.transform, cfg.heads), cfg, test)
         starts.append({"start": index, "objective": result.objective[-1], "sweeps": len(result.objective),
                        "barrier": value, "align_seconds": result.seconds})
@@ -108,7 +112,7 @@ def measure_model(run: dict[str, Any], starts: dict[str, Any], model: dict[str, 
     loaded = {p.stem: load_checkpoint(p) for p in seed_checkpoints(run, model)}  # each file and the test split once
     cfg = next(iter(loaded.values()))[1].config
     test = held_out(model["dataset"], cfg, limit=limit)
-    _, options = parse_weight_flags(run.get("matcher", []))  # the costs the run pins; the starts are this bench's
+    options = parse_match_flags(run.get("matcher", [])).weight  # the costs the run pins; the starts are this bench's
     reports = [pair_starts((a, b), (loaded[a][0], loaded[b][0]), cfg, test, starts["count"], starts["seed"], options)
                for a, b in itertools.combinations(loaded, 2)]
     return {"reports": reports, "rows": [pair_row(r) for r in reports], "count": starts["count"],

@@ -1,5 +1,6 @@
-"""Options of the data-driven methods, declared once for ``glmc align``, ``barrier`` and ``merge``: which training
-samples they see, and how learned matching trains on them."""
+"""What the data-driven methods read, declared once for ``glmc align``, ``barrier`` and ``merge``: which training
+samples they see, and the held-out samples every barrier is measured on (the matchers' own options are
+:mod:`glmc.cli.options`)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,9 @@ if TYPE_CHECKING:
 
     from glmc.core.config import ModelConfig
     from glmc.io.checkpoint import CheckpointMeta
-    from glmc.match.learned import LearnConfig
 
 log = logging.getLogger(__name__)
 
-TARGET_NAMES = ["labels", "endpoints"]  # glmc.match.learned.TARGETS, without importing torch
-WITHIN_NAMES = ["fixed", "orthogonal", "invertible"]  # glmc.match.learned.WITHIN, without importing torch
-LEARN_LR = 3e-3  # glmc.match.learned.LearnConfig.lr, without importing torch
 DATA_HELP = "dataset directory (default: the dataset's own copy, under $GLMC_DATA, .data/ or the system path)"
 
 
@@ -53,47 +50,15 @@ def positive(text: str) -> float:
     return value
 
 
-def add_learn_arguments(parser: argparse.ArgumentParser, batch_help: str, epochs: int | None = None) -> None:
-    """--data, --data-file, --train-file, --generated, --batch (``batch_help``), --epochs (default ``epochs``, else
-    LearnConfig's 2), --steps, --lr, --batch-size, --weight-decay, --dropout, --lam, --val-points, --val-max,
-    --patience, --targets, --within and --quiet."""
+def add_data_arguments(parser: argparse.ArgumentParser, batch_help: str) -> None:
+    """--data, --data-file, --train-file, --generated and --batch (``batch_help``): what the data-driven methods
+    read."""
     parser.add_argument("--data", help=DATA_HELP)
     add_data_file_arguments(parser)
     parser.add_argument("--generated", action="store_true",
                         help="data-driven methods: train on text the models sample themselves (GPT-2; --batch "
                              "windows, default 20000) instead of training data, so that alignment reads no dataset")
     parser.add_argument("--batch", type=count, help=batch_help)
-    parser.add_argument("--epochs", type=int, default=epochs,
-                        help=f"learned methods: passes over the training samples (default {epochs or 2})")
-    parser.add_argument("--steps", type=int, help="learned methods: this many steps instead of --epochs (default: "
-                                                  "--epochs decides)")
-    parser.add_argument("--lr", type=positive, help=f"learned methods: AdamW learning rate on the latents (> 0; "
-                                                    f"default {LEARN_LR:g})")
-    parser.add_argument("--batch-size", type=int, help="learned methods: samples per step (default 128)")
-    parser.add_argument("--weight-decay", type=float, help="learned methods: AdamW weight decay on the latents "
-                        "(default 0)")
-    parser.add_argument("--dropout", type=float, help="learned methods: dropout on the interpolated model while "
-                        "learning, in [0, 1) (default 0; the official GLMC merger keeps its models' 0.1)")
-    parser.add_argument("--lam", type=float, nargs=2, metavar=("LO", "HI"),
-                        help="learned methods on a pair: train at λ ~ U(LO, HI), the weight of A (default 0.4 0.6, "
-                             "the paper's; a wide-to-narrow pair peaks nearer the narrow end, so widen it there)")
-    parser.add_argument("--val-max", type=count, metavar="N",
-                        help="learned methods: hold out at most N training samples for validation (default 1000, at "
-                             "most a tenth of them); each validation reads them all, at the first step and the last")
-    parser.add_argument("--val-points", type=count,
-                        help="learned methods on a pair: validate at this many λ evenly spaced over --lam for early "
-                             "stopping (default 1, the midpoint)")
-    parser.add_argument("--patience", type=int, metavar="N",
-                        help="learned methods: stop after N validations without improvement (default 5; 0 never "
-                             "stops early)")
-    parser.add_argument("--targets", choices=TARGET_NAMES,
-                        help="learned methods: score the path against the data's labels or against the endpoints' "
-                             "own predictions mixed like their weights, which reads no labels (default: endpoints "
-                             "with --generated, else labels)")
-    parser.add_argument("--within", choices=WITHIN_NAMES,
-                        help="learned methods: the within-head maps, kept from weight matching, learned as "
-                             "orthogonal maps (default) or learned as any invertible maps")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
 
 
 def add_data_file_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,19 +69,6 @@ def add_data_file_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-file", type=Path, metavar="FILE",
                         help="data for the data-driven methods (activation, learned, REPAIR, refit), same formats; "
                              "default: the checkpoint's training split, else --data-file")
-
-
-def learn_options(args: argparse.Namespace) -> LearnConfig:
-    """Learned-matching options from the flags above (and --concentration where a command has it); flags left out
-    keep LearnConfig's defaults."""
-    from glmc.match.learned import LearnConfig
-
-    flags = {"lr": args.lr, "epochs": args.epochs, "batch_size": args.batch_size,
-             "concentration": getattr(args, "concentration", None), "lam": tuple(args.lam) if args.lam else None,
-             "val_points": args.val_points, "val_max": args.val_max, "within": args.within, "targets": args.targets,
-             "patience": args.patience, "weight_decay": args.weight_decay, "dropout": args.dropout}
-    given = {k: v for k, v in flags.items() if v is not None}
-    return LearnConfig(steps=args.steps, progress=not args.quiet, **given)
 
 
 def train_subset(meta: CheckpointMeta, data: str | None, n: int | None) -> Dataset:

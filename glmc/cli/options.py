@@ -1,0 +1,89 @@
+"""The matchers' flags, read off their declarations (:mod:`glmc.match.options`, :func:`glmc.core.options.option`):
+one flag per declared option of each section a method reads, and the :class:`~glmc.match.options.MatchOptions` the
+given flags make. A new option declared there is a new flag here, with no code of its own."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, get_args
+
+from glmc.core.options import Declared, declared
+from glmc.match.options import ActivationOptions, LearnConfig, MatchOptions, WeightOptions
+from glmc.match.registry import OPTION_SECTIONS
+
+if TYPE_CHECKING:
+    from glmc.symmetry.canonical import Form
+
+# Each section of MatchOptions: its class and how its flags' help begins.
+SECTIONS: dict[str, tuple[type, str]] = {"weight": (WeightOptions, "weight matching"),
+                                         "activation": (ActivationOptions, "activation matching"),
+                                         "learn": (LearnConfig, "learned methods")}
+
+
+def add_match_arguments(parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None,
+                        skip: Iterable[str] = (), sections: Iterable[str] = OPTION_SECTIONS) -> None:
+    """A flag for every declared option of ``sections`` (default: every section a registered method reads;
+    ``defaults``: a command's own defaults by field name; ``skip``: fields this command has no use for), and
+    --quiet."""
+    defaults, skip = defaults or {}, set(skip)
+    for section in sections:
+        for option in declared(SECTIONS[section][0]):
+            if option.flag is not None and option.name not in skip:
+                add_option_argument(parser, section, option.name, defaults.get(option.name))
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+
+
+def add_option_argument(parser: argparse.ArgumentParser, section: str, name: str, default: Any = None) -> None:
+    """The flag of one declared option, ``name`` of ``section`` (``default``: this command's own, else the
+    section's)."""
+    cls, what = SECTIONS[section]
+    (option,) = [o for o in declared(cls) if o.name == name]
+    assert option.flag is not None
+    parser.add_argument(option.flag, **_argument(option, what, default))
+
+
+def _argument(option: Declared, what: str, default: Any) -> dict[str, Any]:
+    """add_argument's keywords for ``option``: its choices or type (a pair takes two values), and its help with the
+    default; an option not given stays None, so the section's own default applies."""
+    shown = option.default if default is None else default
+    shown = " ".join(map(str, shown)) if isinstance(shown, tuple) else shown
+    said = "" if shown is None else f" (default {shown})"  # None: the help says what happens
+    keywords: dict[str, Any] = {"default": default, "help": f"{what}: {option.help}{said}"}
+    if option.choices is not None:
+        return keywords | {"choices": [c for c in option.choices if c is not None]}
+    base = option.base
+    if getattr(base, "__origin__", None) is tuple:
+        kinds = get_args(base)
+        return keywords | {"type": kinds[0], "nargs": len(kinds), "metavar": ("LO", "HI")}
+    return keywords | {"type": base}
+
+
+def section_from(args: argparse.Namespace, section: str, **given: Any) -> Any:
+    """One section of MatchOptions from the flags given (the section's defaults for the rest) and ``given``."""
+    cls, _ = SECTIONS[section]
+    for option in declared(cls):
+        value = getattr(args, _dest(option), None) if option.flag is not None else None
+        if value is not None and option.name not in given:
+            given[option.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**given)
+
+
+def match_options(args: argparse.Namespace, form: Form = "standard", batch: int | None = None) -> MatchOptions:
+    """The MatchOptions the flags give: every section, activation matching on ``batch`` samples (None: its
+    default), the learned methods' progress bar unless --quiet."""
+    activation = {"batch": batch} if batch is not None else {}
+    return MatchOptions(form, section_from(args, "weight"), section_from(args, "activation", **activation),
+                        section_from(args, "learn", progress=not getattr(args, "quiet", True)))
+
+
+def parse_match_flags(flags: list[str]) -> MatchOptions:
+    """The MatchOptions that a list of these flags names (a bench config's ``matcher``), for library calls."""
+    parser = argparse.ArgumentParser(prog="matcher")
+    add_match_arguments(parser)
+    return match_options(parser.parse_args(flags))
+
+
+def _dest(option: Declared) -> str:
+    assert option.flag is not None
+    return option.flag[2:].replace("-", "_")
