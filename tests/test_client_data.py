@@ -20,7 +20,6 @@ from glmc.archs import build_model, get_arch
 from glmc.core.config import preset
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError
-from glmc.match.options import LearnConfig
 
 needs_fashion = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
 

@@ -265,7 +265,7 @@ def test_learned_soft_dual_and_universe_matching_run_on_bert_with_every_correcti
     """The permutation residual is learned straight through its assignment: learned and dual matching stay exact;
     universe merging (learned) and REPAIR, refit and restore-norms give back the class, the decoder still tied."""
     import glmc as api
-    from glmc.match.options import LearnConfig
+    from glmc.match.options import LearnConfig, MatchOptions
     from glmc.merging.corrections import Corrections
     from glmc.merging.options import MergeOptions
 
@@ -274,7 +274,7 @@ def test_learned_soft_dual_and_universe_matching_run_on_bert_with_every_correcti
     x = torch.randint(0, 20, (32, 17), generator=torch.Generator().manual_seed(3))
     fast = LearnConfig(steps=3, eval_every=3)
     for method in ("learned", "dual", "soft"):
-        moved = api.align(a, b, method, data=x, learn=fast)
+        moved = api.align(a, b, method, data=x, options=MatchOptions(learn=fast))
         with torch.no_grad():
             error = float((moved(input_ids=x[:, :16]).logits - b(input_ids=x[:, :16]).logits).abs().max())
         assert method == "soft" or error <= 1e-4, method

@@ -18,7 +18,7 @@ from glmc.cli import main
 from glmc.core.config import preset
 from glmc.data.generated import generated_text, shares, writing_seconds
 from glmc.errors import ConfigError
-from glmc.match.options import LearnConfig
+from glmc.match.options import LearnConfig, MatchOptions
 from tests.conftest import synthetic_text
 from tests.interop_models import HF, gpt2, logits, vit
 
@@ -160,7 +160,8 @@ def test_merge_learns_on_text_all_its_inputs_write(hf_pair, tmp_path, capsys):
 def test_the_api_aligns_live_gpt2s_on_the_text_they_write():
     """glmc.align(..., data="generated"): a learned alignment that reads no data and keeps B's function."""
     a, b = gpt2(tied=False, seed=0), gpt2(tied=False, seed=1)
-    moved = glmc.align(a, b, "learned", data="generated", learn=LearnConfig(steps=3, batch_size=16))
+    options = MatchOptions(learn=LearnConfig(steps=3, batch_size=16))
+    moved = glmc.align(a, b, "learned", data="generated", options=options)
     x = HF.inputs(b)
     assert (logits(moved, x) - logits(b, x)).abs().max() < 1e-4
     with pytest.raises(ConfigError, match="cannot write its own inputs"):

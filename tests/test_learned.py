@@ -289,10 +289,14 @@ def test_dropout_acts_on_the_steps_alone_and_a_run_repeats(trained):
     assert runs[0].objective[1:] != runs[2].objective[1:]  # the steps ran with dropout
 
 
-def test_zero_learning_rate_returns_weight_matching():
+def test_a_learning_rate_too_small_to_move_a_latent_returns_weight_matching():
+    """A learning rate of 0 is refused (it learns nothing); one below float64's resolution of the latents moves none
+    of them, so the validation never improves on the start and the start is returned: weight matching's transform."""
     cfg = CONFIGS["vit-odd"]
     arch, _, (a, b) = _pair(cfg)
-    learned = learned_match(a, b, cfg, dataset(cfg, 40), learning(replace(FAST, lr=0.0)))
+    with pytest.raises(ConfigError, match=r"lr=0\.0"):
+        replace(FAST, lr=0.0)
+    learned = learned_match(a, b, cfg, dataset(cfg, 40), learning(replace(FAST, lr=1e-300)))
     weight = weight_match(a, b, arch.spec, cfg.depth, cfg.heads).transform
     t = learned.transform
     assert learned.info["best_step"] == 0

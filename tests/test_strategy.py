@@ -413,19 +413,19 @@ def test_server_only_trains_the_global_model_on_the_server_data_and_ignores_the_
 
 
 @pytest.mark.parametrize(("changes", "reads"), [
-    ({"aggregation": "fedavg"}, "none"), ({"aggregation": "weight", "restore_norms": True}, "none"),
+    ({"aggregation": "fedavg"}, "none"), ({"aggregation": "weight", "restore-norms": True}, "none"),
     ({"aggregation": "weight", "refit": True}, "inputs"), ({"aggregation": "canonical", "repair": True}, "inputs"),
     ({"aggregation": "activation"}, "inputs"), ({"aggregation": "learned"}, "labels"),
     ({"aggregation": "fedavg-ft"}, "labels"), ({"aggregation": "server-only"}, "labels"),
-    ({"aggregation": "learned", "server_data_source": "generated"}, "generated"),
-    ({"aggregation": "fedavg-ft", "server_data_source": "generated"}, "generated"),
-    ({"aggregation": "fedavg", "server_data_source": "generated"}, "none"),
-    ({"aggregation": "weight", "server_data_source": "generated"}, "none"),
-    ({"aggregation": "learned", "refine_targets": "endpoints"}, "inputs"),
-    ({"aggregation": "fedavg-ft", "refine_targets": "endpoints"}, "inputs"),
-    ({"aggregation": "server-only", "refine_targets": "endpoints"}, "inputs")])
+    ({"aggregation": "learned", "server-data-source": "generated"}, "generated"),
+    ({"aggregation": "fedavg-ft", "server-data-source": "generated"}, "generated"),
+    ({"aggregation": "fedavg", "server-data-source": "generated"}, "none"),
+    ({"aggregation": "weight", "server-data-source": "generated"}, "none"),
+    ({"aggregation": "learned", "refine-targets": "endpoints"}, "inputs"),
+    ({"aggregation": "fedavg-ft", "refine-targets": "endpoints"}, "inputs"),
+    ({"aggregation": "server-only", "refine-targets": "endpoints"}, "inputs")])
 def test_each_aggregation_says_what_it_reads_of_the_server_data(changes: dict[str, object], reads: str) -> None:
-    settings = RunSettings(server_data=8, **changes)  # type: ignore[arg-type]
+    settings = RunSettings.from_run_config({"server-data": 8, **changes})
     assert settings.server_data_read() == reads
     assert settings.generated == (8 if reads == "generated" else 0)  # text is sampled only for a reader of it
 
@@ -654,7 +654,7 @@ def test_restore_norms_needs_an_aligned_aggregation() -> None:
 
 
 def test_repair_needs_an_aligned_aggregation_and_server_data() -> None:
-    with pytest.raises(ConfigError, match="repair resets aligned merges"):
+    with pytest.raises(ConfigError, match="repair changes aligned merges"):
         RunSettings.from_run_config({"aggregation": "fedavg", "repair": True, "server-data": 100})
     with pytest.raises(ConfigError, match="set server-data > 0"):
         RunSettings.from_run_config({"aggregation": "weight", "repair": True})
@@ -682,7 +682,7 @@ def test_repair_gives_the_merged_channels_the_clients_statistics_on_the_server_d
 
 
 def test_refit_needs_an_aligned_aggregation_and_server_data() -> None:
-    with pytest.raises(ConfigError, match="refit fits aligned merges"):
+    with pytest.raises(ConfigError, match="refit changes aligned merges"):
         RunSettings.from_run_config({"aggregation": "fedavg", "refit": True, "server-data": 100})
     with pytest.raises(ConfigError, match="set server-data > 0"):
         RunSettings.from_run_config({"aggregation": "weight", "refit": True})

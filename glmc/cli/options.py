@@ -5,10 +5,11 @@ given flags make. A new option declared there is a new flag here, with no code o
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, get_args
 
 from glmc.core.options import Declared, declared
+from glmc.errors import ConfigError
 from glmc.match.options import ActivationOptions, LearnConfig, MatchOptions, WeightOptions
 from glmc.match.registry import OPTION_SECTIONS
 
@@ -40,12 +41,12 @@ def add_option_argument(parser: argparse.ArgumentParser, section: str, name: str
     cls, what = SECTIONS[section]
     (option,) = [o for o in declared(cls) if o.name == name]
     assert option.flag is not None
-    parser.add_argument(option.flag, **_argument(option, what, default))
+    parser.add_argument(option.flag, **_argument(cls, option, what, default))
 
 
-def _argument(option: Declared, what: str, default: Any) -> dict[str, Any]:
-    """add_argument's keywords for ``option``: its choices or type (a pair takes two values), and its help with the
-    default; an option not given stays None, so the section's own default applies."""
+def _argument(cls: type, option: Declared, what: str, default: Any) -> dict[str, Any]:
+    """add_argument's keywords for ``option`` of section ``cls``: its choices or type (a pair takes two values), and
+    its help with the default; an option not given stays None, so the section's own default applies."""
     shown = option.default if default is None else default
     shown = " ".join(map(str, shown)) if isinstance(shown, tuple) else shown
     said = "" if shown is None else f" (default {shown})"  # None: the help says what happens
@@ -55,8 +56,27 @@ def _argument(option: Declared, what: str, default: Any) -> dict[str, Any]:
     base = option.base
     if getattr(base, "__origin__", None) is tuple:
         kinds = get_args(base)
-        return keywords | {"type": kinds[0], "nargs": len(kinds), "metavar": ("LO", "HI")}
-    return keywords | {"type": base}
+        return keywords | {"type": _checked(cls, option, kinds[0], len(kinds)), "nargs": len(kinds),
+                           "metavar": ("LO", "HI")}
+    return keywords | {"type": _checked(cls, option, base)}
+
+
+def _checked(cls: type, option: Declared, kind: type, repeat: int = 0) -> Callable[[str], Any]:
+    """An argparse type: the text as ``kind``, refused at once (naming its flag) unless section ``cls`` accepts it
+    (``repeat``: the field is a tuple of that many, each value checked as all of them)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind.__name__}, got {text!r}") from None
+        try:
+            cls(**{option.name: (value,) * repeat if repeat else value})
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
 
 
 def section_from(args: argparse.Namespace, section: str, **given: Any) -> Any:

@@ -93,7 +93,8 @@ class LearnConfig:
     """Options of learned matching and its variants (paper App. C: narrow uniform λ, early stopping)."""
 
     epochs: int = option(2, "passes over the training samples")
-    steps: int | None = option(None, "this many optimizer steps (cycling through the data) instead of --epochs",
+    steps: int | None = option(None, "this many optimizer steps (cycling through the data) instead of --epochs "
+                               "(default: --epochs decides)",
                                key="server-steps", none=0)
     # AdamW on the latents. The paper's 3e-4 left a vit-bench Fashion-MNIST pair (seeds 0, 4) at barrier 0.106
     # after one epoch, 3e-3 at 0.064 (weight matching: 0.96); 1e-2 was no better on seeds 0, 1.
