@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations import docs
+from harness import docs
 
 ROOT = Path(__file__).resolve().parent.parent
 README_LIMIT = 10_240  # bytes
@@ -59,7 +59,7 @@ def test_no_file_cites_a_path_outside_the_repository_or_an_issue_number():
 
 
 def test_the_generated_docs_are_fresh():
-    """docs/cli.md, run-config.md and results.md equal what their sources give now (`python -m simulations.docs`)."""
+    """docs/cli.md, run-config.md and results.md equal what their sources give now (`python -m harness.docs`)."""
     assert docs.stale() == []
 
 
