@@ -90,7 +90,7 @@ def test_changed_units_counts_the_heads_and_units_assigned_elsewhere() -> None:
 
 def test_learning_flags_read_as_glmc_barrier_reads_them() -> None:
     options, batch = learn_flags(["--batch", "20000", "--epochs", "1", "--within", "invertible", "--lr", "6e-3"])
-    assert (batch, options.epochs, options.within, options.lr, options.progress) == (20000, 1, "invertible", 6e-3,
-                                                                                      False)
+    learn = options.learn
+    assert (batch, learn.epochs, learn.within, learn.lr, learn.progress) == (20000, 1, "invertible", 6e-3, False)
     defaults, none = learn_flags([])
-    assert none is None and defaults.epochs == 2
+    assert none is None and defaults.learn.epochs == 2
