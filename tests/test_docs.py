@@ -87,6 +87,18 @@ def test_every_results_folder_has_a_section():
         assert f"## {folder.parent.name}\n" in page
 
 
+def test_every_module_the_results_page_loads_by_name_exists():
+    """harness.results_doc names the module that renders each results folder and loads it by name (the harness imports
+    no experiment): every name is a module here and every folder exists, so a bench or an analysis moved or removed
+    cannot leave its line behind."""
+    from harness.results_doc import COMPARE, PUBLISHERS, RESULTS
+
+    missing = [module for module in (COMPARE, *(m for m, _ in PUBLISHERS.values()))
+               if not (ROOT / f"{module.replace('.', '/')}.py").is_file()]
+    assert not missing, missing
+    assert not [folder for folder in PUBLISHERS if not (RESULTS / folder / "results.json").is_file()]
+
+
 def test_readme_results_cells_are_short():
     """One row per experiment, no cell over 120 characters: the details live in docs/."""
     rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| ")]
