@@ -47,4 +47,4 @@ demo: setup
 
 # Regenerate docs/cli.md, docs/run-config.md and docs/results.md from their sources (tests/test_docs.py checks them).
 docs: setup
-	$(PY) -m simulations.docs
+	$(PY) -m harness.docs

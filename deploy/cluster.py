@@ -37,7 +37,7 @@ from deploy.files import require_plain_name
 from deploy.keys import NodeKey, make_node_key
 from deploy.processes import Process, launch, stop
 from glmc.errors import ConfigError, DeployError
-from simulations.engine import BIN, PROJECT, RunResult, flwr_env, flwr_json, listening_pid, run_app
+from harness.engine import BIN, PROJECT, RunResult, flwr_env, flwr_json, listening_pid, run_app
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from glmc.errors import DeployError
-from simulations.engine import RunResult, run_status
+from harness.engine import RunResult, run_status
 
 POLL_SECONDS = 2.0
 

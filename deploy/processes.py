@@ -6,7 +6,7 @@ time (``/proc/PID/stat``, field 22); :func:`stop` signals a PID only while both 
 SuperLink and every SuperNode start helpers of their own (a SuperExec, then one ServerApp or ClientApp
 process per task), which follow their parent's exit; :func:`stop` also ends any of them still alive,
 found as descendants of the recorded PID before it is signalled. Nothing is ever matched by name.
-Linux only (``/proc``), like ``ss`` in :mod:`simulations.engine`.
+Linux only (``/proc``), like ``ss`` in :mod:`harness.engine`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from simulations.engine import running, start_time, stop_tree
+from harness.engine import running, start_time, stop_tree
 
 TERM_GRACE = 10.0  # seconds between SIGTERM and SIGKILL
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m simulations.compare --config simulations/configs/NAME.toml [--publish] [--force]
 
-Every cell is a real `flwr run . --stream` (:mod:`simulations.engine`) of the apps in ``client/`` and
+Every cell is a real `flwr run . --stream` (:mod:`harness.engine`) of the apps in ``client/`` and
 ``server/``, sharing one local SuperLink. It writes ``outputs/NAME/``: ``runs/<cell>/`` (each run's own
 metrics, checkpoints and plot), ``cells/<cell>.json`` (a finished cell is not run again unless ``--force``),
 ``results.json``, ``summary.md`` (mean ± s.e. over seeds, the paired difference to fedavg and to the strongest
@@ -36,9 +36,9 @@ import torch
 
 from federation.settings import CONTROLS, RunSettings
 from glmc.errors import ConfigError
+from harness.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
+from harness.tomlfile import read_toml
 from server.plots import plot_curves
-from simulations.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
-from simulations.tomlfile import read_toml
 
 log = logging.getLogger("simulations.compare")
 

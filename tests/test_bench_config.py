@@ -16,21 +16,17 @@ from glmc.match.options import WeightOptions
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
-from simulations.bench import (
-    accelerator,
+from simulations.analyses import (
     barrier_sites,
-    barriers,
     forms,
     learned_gap,
     learning_budget,
     matching_time,
-    merging,
-    precision,
     q_candidates,
     repair_barriers,
-    scaling,
     weight_starts,
 )
+from simulations.bench import accelerator, barriers, merging, precision, scaling
 from tests.symmetry_models import CONFIGS, dataset, random_native
 
 BENCHES: dict[str, Callable[[list[str]], int]] = {

@@ -49,7 +49,7 @@ from deploy.processes import Process, launch, stop
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.errors import ConfigError, DeployError
 from glmc.io.checkpoint import load_checkpoint, state_digest
-from simulations.engine import (
+from harness.engine import (
     descendants,
     flwr_env,
     flwr_json,

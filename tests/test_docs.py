@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations import docs
+from harness import docs
 
 ROOT = Path(__file__).resolve().parent.parent
 README_LIMIT = 10_240  # bytes
@@ -59,7 +59,7 @@ def test_no_file_cites_a_path_outside_the_repository_or_an_issue_number():
 
 
 def test_the_generated_docs_are_fresh():
-    """docs/cli.md, run-config.md and results.md equal what their sources give now (`python -m simulations.docs`)."""
+    """docs/cli.md, run-config.md and results.md equal what their sources give now (`python -m harness.docs`)."""
     assert docs.stale() == []
 
 
@@ -85,6 +85,18 @@ def test_every_results_folder_has_a_section():
     page = docs.results_markdown()
     for folder in (ROOT / "simulations" / "results").glob("*/results.json"):
         assert f"## {folder.parent.name}\n" in page
+
+
+def test_every_module_the_results_page_loads_by_name_exists():
+    """harness.results_doc names the module that renders each results folder and loads it by name (the harness imports
+    no experiment): every name is a module here and every folder exists, so a bench or an analysis moved or removed
+    cannot leave its line behind."""
+    from harness.results_doc import COMPARE, PUBLISHERS, RESULTS
+
+    missing = [module for module in (COMPARE, *(m for m, _ in PUBLISHERS.values()))
+               if not (ROOT / f"{module.replace('.', '/')}.py").is_file()]
+    assert not missing, missing
+    assert not [folder for folder in PUBLISHERS if not (RESULTS / folder / "results.json").is_file()]
 
 
 def test_readme_results_cells_are_short():

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from federation.settings import INITS
 from glmc.data.fashion_mnist import find_fashion_mnist
+from harness.engine import PROJECT
+from harness.tomlfile import read_toml
 from simulations import compare
-from simulations.engine import PROJECT
-from simulations.tomlfile import read_toml
 
 SMOKE = sorted((PROJECT / "simulations" / "configs").glob("*-smoke.toml"))
 

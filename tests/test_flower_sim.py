@@ -2,7 +2,7 @@
 tiny ViT on Fashion-MNIST, with one client that replies NaN weights (the ``fault-partition`` test hook).
 
 The faulty reply must be dropped with a reason in both rounds while the run completes, and the metrics
-file must hold both rounds. :func:`simulations.engine.run_simulation` detects a failed run (flwr exits 0
+file must hold both rounds. :func:`harness.engine.run_simulation` detects a failed run (flwr exits 0
 then) and stops the SuperLink it started, by PID, in a ``finally``. A second, in-process test drives the
 same ServerApp and ClientApp code without Ray to check ``resume=true`` bit for bit.
 """
@@ -32,8 +32,8 @@ from federation import protocol
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
 from glmc.io.checkpoint import load_checkpoint
+from harness.engine import PROJECT, free_local_superlink, free_port, listening_pid, run_simulation, toml_value
 from server import app as server_app
-from simulations.engine import PROJECT, free_local_superlink, free_port, listening_pid, run_simulation, toml_value
 
 needs_data = pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
 
@@ -68,7 +68,7 @@ def test_a_late_local_superlink_on_the_runs_port_is_stopped_before_the_retry() -
 def test_sigterm_runs_the_cleanup_that_stops_the_superlink(tmp_path: Path) -> None:
     """A harness stopped with SIGTERM (kill, a CI timeout) still runs its `finally` blocks."""
     done = tmp_path / "cleaned"
-    script = ("import time; from simulations.engine import exit_on_sigterm; exit_on_sigterm()\n"
+    script = ("import time; from harness.engine import exit_on_sigterm; exit_on_sigterm()\n"
               f"try:\n    print('ready', flush=True); time.sleep(60)\nfinally:\n    open({str(done)!r}, 'w').close()")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"

@@ -13,7 +13,8 @@ import torch
 from glmc.archs import build_model
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.io.formats import read, write
-from simulations.bench import gpu_session, learning_budget, weight_options
+from simulations.analyses import learning_budget, weight_options
+from simulations.bench import gpu_session
 from simulations.bench.barriers import label
 from simulations.bench.gpu_session import Step, pack, results_of, run_steps, seed_paths, seed_training, tiny_configs
 

@@ -12,16 +12,18 @@ import pytest
 from glmc.match.registry import MERGE_METHODS, METHODS, get_method
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("glmc", "federation", "server", "client", "simulations", "deploy")
-# What each package may import of the others: the library at the bottom, then what both apps share, then the apps,
-# then the experiments that drive them, and the deployment, which drives flwr through the experiments' engine.
+PACKAGES = ("glmc", "federation", "server", "client", "harness", "simulations", "deploy")
+# What each package may import of the others: the library at the bottom, then what both apps share, then the apps;
+# the harness (the engine that runs the apps through flwr, the docs generator), which imports neither app; then the
+# experiments and the deployment, which drive flwr through the harness's engine and never import each other.
 ALLOWED = {
     "glmc": set(),
     "federation": {"glmc"},
     "client": {"glmc", "federation"},
     "server": {"glmc", "federation"},
-    "simulations": {"glmc", "federation", "server", "client"},
-    "deploy": {"glmc", "federation", "server", "client", "simulations"},
+    "harness": {"glmc", "federation"},
+    "simulations": {"glmc", "federation", "server", "client", "harness"},
+    "deploy": {"glmc", "federation", "server", "client", "harness"},
 }
 
 
@@ -72,6 +74,14 @@ def test_imports_go_down_the_layers(module: str):
     assert not upward, f"{module} imports {upward}"
     if package == "glmc":
         assert not {n for n in _imported(path, False) if n.split(".")[0] == "flwr"}, f"{module} imports flwr"
+
+
+def test_no_bench_imports_an_analysis():
+    """The product benchmarks stand alone: a one-off analysis may use a bench's helpers, never the other way, so an
+    analysis the docs no longer cite can be removed without touching a bench."""
+    found = {m: sorted(n for n in _imports(MODULES[m], m, False) if n.startswith("simulations.analyses"))
+             for m in MODULES if m.startswith("simulations.bench")}
+    assert len(found) > 5 and not any(found.values()), {m: names for m, names in found.items() if names}
 
 
 def test_no_import_cycle():
@@ -146,7 +156,7 @@ ARCHITECTURE = (ROOT / "docs/architecture.md").read_text()
 
 def test_every_path_and_name_the_architecture_page_names_exists():
     """`path` and `path: name` (a function, class or method defined in that file)."""
-    named = re.findall(r"`((?:glmc|federation|server|client|simulations|deploy|tests)/[\w/.]*)(?:: (\w+))?`",
+    named = re.findall(r"`((?:glmc|federation|server|client|harness|simulations|deploy|tests)/[\w/.]*)(?:: (\w+))?`",
                        ARCHITECTURE)
     assert len(named) > 20, "the page names few files"
     missing = sorted(path for path, _ in named if not (ROOT / path).exists())

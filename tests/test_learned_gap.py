@@ -7,7 +7,7 @@ import torch
 
 from glmc.archs import get_arch
 from glmc.symmetry.transforms import MATCHABLE, Transform, apply, random_transform
-from simulations.bench.learned_gap import (
+from simulations.analyses.learned_gap import (
     angles,
     changed_units,
     correction_planes,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from simulations.bench.oneshot_merge import class_weighted_head
+from simulations.analyses.oneshot_merge import class_weighted_head
 
 
 def test_each_class_row_comes_from_the_clients_that_saw_it_in_proportion() -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.tomlfile import read_toml
 from simulations.bench import barriers, pair_rows
 from simulations.bench.official import PAIR, official_figures
-from simulations.tomlfile import read_toml
 
 CONFIG = Path("simulations/bench/configs/official-pair.toml")
 

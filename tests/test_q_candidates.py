@@ -9,8 +9,8 @@ import torch
 from glmc.archs import get_arch
 from glmc.symmetry import groups
 from glmc.symmetry.transforms import MATCHABLE, apply, invert, random_transform
-from simulations.bench.learned_gap import angles
-from simulations.bench.q_candidates import cross_moment, extrapolated, synthetic
+from simulations.analyses.learned_gap import angles
+from simulations.analyses.q_candidates import cross_moment, extrapolated, synthetic
 from tests.symmetry_models import CONFIGS, canonical, inputs, planted
 
 

@@ -359,7 +359,7 @@ def weight_match(
     ``options``: the start, the costs and the stopping rule (:class:`glmc.match.options.WeightOptions`). The start is
     the residual map the first sweep assumes: the ``relaxed`` solution (:func:`relaxed_residual`, the default), the
     identity, or the ``embeddings``' Procrustes (:func:`embedding_residual`); ``start``, a given map, replaces it.
-    Each can end in another local optimum (``simulations.bench.weight_starts`` measures how far apart they are).
+    Each can end in another local optimum (``simulations.analyses.weight_starts`` measures how far apart they are).
 
     The search runs in ``dtype`` (float32 halves its cost); the result is re-projected in float64, so it is
     exact. Sweeps stop when ‖A − T(B)‖² improves by less than ``tol`` (relative), after ``max_sweeps`` at most.

@@ -40,8 +40,8 @@ from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, make_optimizer, seed_everything, set_threads, train_step
+from harness.tomlfile import config_or_exit
 from server.aggregation import merge
-from simulations.tomlfile import config_or_exit
 
 VOCAB = 80  # about the character vocabulary of the Shakespeare corpus
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from glmc.cli import main as glmc
-from simulations.tomlfile import config_or_exit
+from harness.tomlfile import config_or_exit
 
 if TYPE_CHECKING:
     from glmc.match.options import Start

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from glmc.cli import main as glmc
+from harness.tomlfile import config_or_exit
 from simulations.bench.barriers import machine
-from simulations.tomlfile import config_or_exit
 
 OUT = Path("outputs/bench/families")
 HEADING = "# Barriers between independently trained seeds, per family"

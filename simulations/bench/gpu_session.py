@@ -8,7 +8,7 @@ archive (that machine gives back at most eight files).
 Steps run in order; a failed or timed-out step is recorded and the next one starts. The seeds of every config
 are trained side by side (a seed two configs train with one command is trained once and copied), and each bench
 caches its pair reports, so a step cut short still returns what it finished. Back here, ``--unpack DIR`` puts
-the archive and the seeds (returned in float16, as many as fit) in place; then run ``python -m simulations.docs``.
+the archive and the seeds (returned in float16, as many as fit) in place; then run ``python -m harness.docs``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from glmc.io.formats import read, write
 from simulations.bench.barriers import checkpoint, label, train_args
 
 CONFIGS = {"barriers": Path("simulations/bench/configs/barriers.toml"),
-           "matcher": Path("simulations/bench/configs/matcher.toml"),
+           "matcher": Path("simulations/analyses/configs/matcher.toml"),
            "accelerator": Path("simulations/bench/configs/accelerator.toml")}
 PY = [sys.executable]
 LOGS = Path("outputs/gpu-session")  # git-ignored; packed, not returned file by file (eight files come back at most)
@@ -143,9 +143,9 @@ def plan(configs: dict[str, Path], models: list[str], device: str) -> list[Step]
                                     "load_shakespeare_bpe()"]]),  # cached once, before the seeds read it
         Step("cuda tests and seeds", 300, [tests, *seeds], copies, ok=(0, 5)),  # pytest's 5: none collected
         Step("paper tables", 420, [
-            [*PY, "-m", "simulations.bench.weight_options", "--config", str(configs["matcher"]), *chosen],
+            [*PY, "-m", "simulations.analyses.weight_options", "--config", str(configs["matcher"]), *chosen],
             [*PY, "-m", "simulations.bench.barriers", "--config", str(configs["barriers"]), *chosen, "--no-timing"],
-            [*PY, "-m", "simulations.bench.learning_budget", "--config", str(configs["barriers"]), *chosen]]),
+            [*PY, "-m", "simulations.analyses.learning_budget", "--config", str(configs["barriers"]), *chosen]]),
         Step("accelerator", 240, [[*PY, "-m", "simulations.bench.accelerator", "--config", str(configs["accelerator"]),
                                    "--device", device, "--sections", "round,svd,pair,train,big"]]),
     ]
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.unpack:
         placed = unpack(args.unpack, CONFIGS, args.models)
         print(f"unpacked {args.unpack / 'results.tar.gz'}; {len(placed)} seed checkpoints placed (float16 values); "
-              "now run python -m simulations.docs")
+              "now run python -m harness.docs")
         return 0
     shutil.rmtree(LOGS, ignore_errors=True)
     LOGS.mkdir(parents=True)

@@ -22,8 +22,8 @@ import torch
 from glmc.cli import main as glmc
 from glmc.cli.options import parse_match_flags
 from glmc.match.registry import get_method
+from harness.tomlfile import config_or_exit
 from simulations.bench.barriers import results_lock
-from simulations.tomlfile import config_or_exit
 
 
 def checkpoints(run: dict[str, Any], models: list[list[Any]]) -> list[Path]:

@@ -30,9 +30,9 @@ import torch
 from glmc.archs import build_model
 from glmc.core.config import ModelConfig
 from glmc.io.formats import read
+from harness.tomlfile import config_or_exit
 from simulations.bench.barriers import machine
 from simulations.bench.planting import PLANTERS
-from simulations.tomlfile import config_or_exit
 
 
 def write_pair(cfg: ModelConfig, dtype: torch.dtype, seed: int, folder: Path) -> None:

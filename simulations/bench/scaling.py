@@ -42,9 +42,9 @@ from glmc.match.options import Start, WeightOptions
 from glmc.match.weight import weight_match
 from glmc.symmetry.canonical import canonicalize, fixes_ones
 from glmc.symmetry.transforms import Transform, apply, compose, random_transform
+from harness.tomlfile import config_or_exit
 from simulations.bench.barriers import machine
 from simulations.bench.planting import PLANTERS
-from simulations.tomlfile import config_or_exit
 
 MAP_TOLERANCE = 1e-3  # T̂ ∘ T's continuous maps from the identity (max abs entry): float32 search, exact group
 DISTANCE_TOLERANCE = 1e-10  # ‖A − T̂(B)‖² / ‖A‖²

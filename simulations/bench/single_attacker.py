@@ -4,7 +4,7 @@ less than half of the round's weight.
 
     .venv/bin/python -m simulations.bench.single_attacker [--aggregations fedavg canonical weight ...]
 
-The clients are :mod:`simulations.bench.hostile`'s (vit-tiny, seeded fine-tunes of one global model, 20,000
+The clients are :mod:`simulations.bench.attack_clients`' (vit-tiny, seeded fine-tunes of one global model, 20,000
 examples each), through the real strategy; the aggregations that read server data get 64 seeded random images
 (:func:`server_data`). For each defence (the defaults, the old defaults, FedMedian, FedTrimmedAvg, lower cap and clip
 ratios) and attack (10⁹ examples, ×1000, all 9999, a ×10 sign flip of the honest mean update) it prints
@@ -41,7 +41,7 @@ from glmc.merging.robust import Robustness, cap_examples, distance
 from glmc.train import TrainConfig
 from server.strategy import SymmetryAwareFedAvg
 from server.validation import ReplySchema
-from simulations.bench.hostile import HONEST_EXAMPLES, MODEL, STEP, State, _honest, _model, _reply
+from simulations.bench.attack_clients import HONEST_EXAMPLES, MODEL, STEP, State, global_model, honest_clients, reply
 
 OUT = Path("outputs/bench/single-attacker")  # --publish: simulations/results/single-attacker
 RESULTS = Path("simulations/results/single-attacker")
@@ -80,7 +80,7 @@ def _aggregate(aggregation: str, robust: Robustness, g: State, states: Sequence[
                                    server_data=server_data(aggregation),
                                    tune=TrainConfig(epochs=1, batch_size=32, lr=1e-3, seed=5, threads=1))
     strategy.global_arrays = ArrayRecord(g)  # type: ignore[arg-type]
-    replies = [_reply(s, n, i + 1) for i, (s, n) in enumerate(zip(states, examples, strict=True))]
+    replies = [reply(s, n, i + 1) for i, (s, n) in enumerate(zip(states, examples, strict=True))]
     arrays, _ = strategy.aggregate_train(1, replies)
     return arrays.to_torch_state_dict() if arrays is not None else g
 
@@ -100,14 +100,14 @@ def attacks(g: State, honest: Sequence[State]) -> dict[str, tuple[State, int]]:
 
 def influence(aggregation: str, robust: Robustness) -> dict[str, float]:
     """Every attack's displacement of the aggregate over the farthest honest client's (the target: ≤ 1)."""
-    g = _model(0)
-    honest = _honest(g)
+    g = global_model(0)
+    honest = honest_clients(g)
     counts = [HONEST_EXAMPLES] * len(honest)
     alone = _aggregate(aggregation, robust, g, honest, counts)
     reference = max(distance(_aggregate(aggregation, robust, g, [*honest, h], [*counts, HONEST_EXAMPLES]), alone)
                     for h in honest)
-    moved = {name: distance(_aggregate(aggregation, robust, g, [*honest, reply], [*counts, n]), alone)
-             for name, (reply, n) in attacks(g, honest).items()}
+    moved = {name: distance(_aggregate(aggregation, robust, g, [*honest, attacker], [*counts, n]), alone)
+             for name, (attacker, n) in attacks(g, honest).items()}
     return {name: d / reference if reference else (0.0 if d == 0 else math.inf) for name, d in moved.items()}
 
 

@@ -1,7 +1,7 @@
 """Weight-matching time alone, apart from the barrier benchmark: the ``[timing]`` presets of its config between
 random inits, and every configured model's first trained pair whose checkpoints exist (no training here).
 
-    .venv/bin/python -m simulations.bench.matching_time [--config simulations/bench/configs/barriers.toml]
+    .venv/bin/python -m simulations.analyses.matching_time [--config simulations/bench/configs/barriers.toml]
 
 Run it on an idle machine: it is the figure that a shared CPU distorts most.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from harness.tomlfile import config_or_exit
 from simulations.bench.barriers import measure_timing, timing_table
-from simulations.tomlfile import config_or_exit
 
 RESULTS = Path("simulations/results/matching-time")
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     timing = measure_timing(config)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = ["# Weight-matching time", "",
-             f"Command: `python -m simulations.bench.matching_time --config {args.config}`. Machine: "
+             f"Command: `python -m simulations.analyses.matching_time --config {args.config}`. Machine: "
              f"{platform.machine()}, {os.cpu_count()} cores, python "
              f"{platform.python_version()}, torch {torch.__version__}; wall time {time.perf_counter() - start:.0f} s; "
              f"load average at the end {load}.",

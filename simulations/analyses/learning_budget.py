@@ -3,7 +3,7 @@ row, on the same checkpoints. Uses the barrier benchmark's checkpoints (no train
 ``[budget]`` table; a setting with ``models`` runs on those models only, and one with ``method`` learns by that
 method instead of the table's.
 
-    .venv/bin/python -m simulations.bench.learning_budget [--config simulations/bench/configs/barriers.toml]
+    .venv/bin/python -m simulations.analyses.learning_budget [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
 
 Each setting's flags are added after the model's own learning flags (``learn``; glmc's defaults without it), so
@@ -142,7 +142,7 @@ HEADING = ["# Learned matching with more learning", "",
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "budget", "simulations.bench.learning_budget", __doc__.splitlines()[0], measure_model,
+    return table_main(argv, "budget", "simulations.analyses.learning_budget", __doc__.splitlines()[0], measure_model,
                       None, HEADING, markdown)
 
 

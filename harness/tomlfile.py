@@ -1,4 +1,5 @@
-"""Reading the experiments' and benches' TOML configs, so a missing file or bad TOML is one line, not a traceback."""
+"""Reading the experiment grids', benches' and analyses' TOML configs, so a missing file or bad TOML is one line, not a
+traceback."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """docs/results.md from the committed ``simulations/results/*/results.json``: one section per experiment, its tables
-rendered from the JSON by the code that published it (:mod:`simulations.compare`, :mod:`simulations.bench`)."""
+rendered from the JSON by the code that published it (:mod:`simulations.compare` for the FL grids, a bench of
+:mod:`simulations.bench` or an analysis of :mod:`simulations.analyses` for the others), which :data:`PUBLISHERS` names
+and :func:`results_markdown` loads by name (see :mod:`harness`: the harness imports no experiment)."""
 
 from __future__ import annotations
 
@@ -7,19 +9,17 @@ import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from simulations import compare
-from simulations.engine import PROJECT
+from harness.engine import PROJECT
 
 RESULTS = PROJECT / "simulations" / "results"
-# The columns of a comparison's summary kept here (summary.md has them all).
+# The module of every FL grid's results (a results.json of an experiment's rows), and the columns of its summary kept
+# here (summary.md has them all; its rounds-set-aside column is added where the grid has it).
+COMPARE = "simulations.compare"
 COMPARE_COLUMNS = ("split", "widths", "aggregation", "server data read", "runs", "accuracy %", "Δ vs fedavg (pts)",
-                   "Δ, all rounds", "Δ vs strongest control (pts)", compare.SET_ASIDE)
-# Benches that publish one entry per model: folder → the module whose HEADING and markdown(name, entry) render it.
-PER_MODEL = {"barrier-sites": "barrier_sites", "barriers-repair": "repair_barriers", "forms": "forms",
-             "learning-budget": "learning_budget", "learned-gap": "learned_gap", "q-candidates": "q_candidates",
-             "weight-starts": "weight_starts"}
+                   "Δ, all rounds", "Δ vs strongest control (pts)")
 # What each experiment asks, in the order the page gives them, and the page that discusses it.
 ABOUT: dict[str, tuple[str, str]] = {
     "accelerator": ("The same workloads on an NVIDIA H200 and on this project's CPU.", "accelerators.md"),
@@ -61,13 +61,15 @@ def _demote(lines: list[str]) -> list[str]:
 
 def _compare(data: dict[str, Any]) -> list[str]:
     """A comparison's table, reduced to its headline columns, from its rows alone."""
+    compare = importlib.import_module(COMPARE)
     rows = data["rows"]
     labels = {axis: tuple({"label": v} for v in dict.fromkeys(r[axis] for r in rows)) for axis in ("split", "widths")}
     exp = compare.Experiment(data["experiment"], 0, tuple(dict.fromkeys(r["seed"] for r in rows)), data["config"],
                              labels["split"], labels["widths"],
                              {a: {"aggregation": a} for a in dict.fromkeys(r["aggregation"] for r in rows)})
     summary = compare.summary_rows(rows, exp, data.get("server_data_read"))
-    table = [{k: v for k, v in row.items() if k in COMPARE_COLUMNS} for row in summary]
+    kept = (*COMPARE_COLUMNS, compare.SET_ASIDE)
+    table = [{k: v for k, v in row.items() if k in kept} for row in summary]
     settings = ", ".join(f"{k}={v}" for k, v in data["config"].items())
     return [f"Seeds {list(exp.seeds)}; {settings}. Accuracy: the global model after the last round, mean ± s.e. over "
             "seeds; Δ: paired by seed with FedAvg (HeteroFL with mixed widths); server data read: what the row reads "
@@ -75,57 +77,53 @@ def _compare(data: dict[str, Any]) -> list[str]:
             "with the better of fedavg-ft and server-only, where the grid has them.", "", compare.markdown(table)]
 
 
-def _per_model(module: str) -> Callable[[dict[str, Any]], list[str]]:
-    def render(data: dict[str, Any]) -> list[str]:
-        bench = importlib.import_module(f"simulations.bench.{module}")
-        return _demote([*bench.HEADING[2:], *(line for name, entry in data.items()
-                                                for line in bench.markdown(name, entry))])
-    return render
+def _per_model(bench: ModuleType, data: dict[str, Any]) -> list[str]:
+    """A bench that publishes one entry per model: its ``HEADING``, then ``markdown(name, entry)`` of each."""
+    entries = (line for name, entry in data.items() for line in bench.markdown(name, entry))
+    return _demote([*bench.HEADING[2:], *entries])
 
 
-def _barriers(data: dict[str, Any]) -> list[str]:
-    from simulations.bench import barriers
-
-    text = barriers.markdown(data["rows"], data["timing"], data["meta"], barriers.approximate_table(data["pairs"]))
+def _barriers(bench: ModuleType, data: dict[str, Any]) -> list[str]:
+    text = bench.markdown(data["rows"], data["timing"], data["meta"], bench.approximate_table(data["pairs"]))
     return text.splitlines()[2:]
 
 
-def _merging(data: dict[str, Any]) -> list[str]:
-    from simulations.bench import merging
-
-    return merging.markdown(data["rows"], data["simplex"], data["timing"], data["meta"]).splitlines()[2:]
+def _merging(bench: ModuleType, data: dict[str, Any]) -> list[str]:
+    return bench.markdown(data["rows"], data["simplex"], data["timing"], data["meta"]).splitlines()[2:]
 
 
-def _matching_time(data: dict[str, Any]) -> list[str]:
-    from simulations.bench.barriers import timing_table
-
+def _matching_time(bench: ModuleType, data: dict[str, Any]) -> list[str]:
     load = ", ".join(f"{x:.1f}" for x in data["load_average"])
-    return ["Command: `python -m simulations.bench.matching_time`; median wall and CPU seconds of weight matching "
-            f"at each torch thread count; load average at the end {load}.", "", *timing_table(data["timing"])]
+    return [f"Command: `python -m {bench.__name__}`; median wall and CPU seconds of weight matching at each torch "
+            f"thread count; load average at the end {load}.", "", *bench.timing_table(data["timing"])]
 
 
-def _accelerator(data: dict[str, Any]) -> list[str]:
-    from simulations.bench import accelerator
-
-    return accelerator.table(data).splitlines()[2:]
+def _accelerator(bench: ModuleType, data: dict[str, Any]) -> list[str]:
+    return bench.table(data).splitlines()[2:]
 
 
-def _families(data: dict[str, Any]) -> list[str]:
-    from simulations.bench import families
-
-    return families.markdown(data)
-
-
-def _single_attacker(data: dict[str, Any]) -> list[str]:
-    from simulations.bench import single_attacker
-
-    return single_attacker.markdown(data)
+def _markdown(bench: ModuleType, data: dict[str, Any]) -> list[str]:
+    """A bench whose ``markdown(data)`` renders its whole results.json."""
+    return bench.markdown(data)
 
 
-RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "barriers": _barriers, "merging": _merging, "matching-time": _matching_time, "accelerator": _accelerator,
-    "single-attacker": _single_attacker, "families": _families,
-    **{folder: _per_model(module) for folder, module in PER_MODEL.items()},
+Render = Callable[[ModuleType, dict[str, Any]], list[str]]
+# Every results folder that is not an FL grid's and has a table here: the module that published it, and how that
+# module renders it.
+PUBLISHERS: dict[str, tuple[str, Render]] = {
+    "barriers": ("simulations.bench.barriers", _barriers),
+    "merging": ("simulations.bench.merging", _merging),
+    "accelerator": ("simulations.bench.accelerator", _accelerator),
+    "families": ("simulations.bench.families", _markdown),
+    "single-attacker": ("simulations.bench.single_attacker", _markdown),
+    "matching-time": ("simulations.analyses.matching_time", _matching_time),
+    "barrier-sites": ("simulations.analyses.barrier_sites", _per_model),
+    "barriers-repair": ("simulations.analyses.repair_barriers", _per_model),
+    "forms": ("simulations.analyses.forms", _per_model),
+    "learning-budget": ("simulations.analyses.learning_budget", _per_model),
+    "learned-gap": ("simulations.analyses.learned_gap", _per_model),
+    "q-candidates": ("simulations.analyses.q_candidates", _per_model),
+    "weight-starts": ("simulations.analyses.weight_starts", _per_model),
 }
 
 
@@ -134,8 +132,9 @@ def _section(folder: Path) -> list[str]:
     about, page = ABOUT.get(folder.name, ("", ""))
     if "rows" in data and "experiment" in data:
         body = _compare(data)
-    elif folder.name in RENDER:
-        body = RENDER[folder.name](data)
+    elif folder.name in PUBLISHERS:
+        module, render = PUBLISHERS[folder.name]
+        body = render(importlib.import_module(module), data)
     else:
         body = ["(No table here for this experiment yet: see its summary.md.)"]
     where = f"Files: [`simulations/results/{folder.name}/`](../simulations/results/{folder.name}/)" + (
@@ -150,6 +149,6 @@ def results_markdown(root: Path = RESULTS) -> str:
     head = ["# Results", "",
             "Every table below is rendered from a committed `results.json` by the code that measured it, so the page "
             "cannot drift from the data. Each experiment's folder also holds its full `summary.md` (the command, "
-            "machine and wall time) and its plots; each config is in `simulations/configs/` or "
-            "`simulations/bench/configs/`.", ""]
+            "machine and wall time) and its plots; each config is in `simulations/configs/`, "
+            "`simulations/bench/configs/` or `simulations/analyses/configs/`.", ""]
     return "\n".join([*head, *(line for folder in folders for line in _section(folder))])

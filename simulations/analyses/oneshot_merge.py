@@ -2,7 +2,7 @@
 their mean accuracy. Reads the client models a one-shot FL run saved (``save-clients``) and scores merges of them
 on the run's own central test subset, with no server-held data.
 
-    .venv/bin/python -m simulations.bench.oneshot_merge --runs outputs/oneshot/runs --cell fedavg-ft --seeds 0 1 2
+    .venv/bin/python -m simulations.analyses.oneshot_merge --runs outputs/oneshot/runs --cell fedavg-ft --seeds 0 1 2
 
 Variants (every one data-free at the server; ``class-weighted head`` uses each client's label histogram, which the
 client knows and would send with its model):
@@ -51,7 +51,7 @@ from glmc.merging.universe import members, universe_match
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import evaluate, set_threads
 
-log = logging.getLogger("simulations.bench.oneshot_merge")
+log = logging.getLogger("simulations.analyses.oneshot_merge")
 
 HEAD = ("head.w", "head.b")  # the canonical classifier: one row (and bias) per class
 
@@ -161,7 +161,7 @@ def markdown(per_seed: dict[int, dict[str, float]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulations.bench.oneshot_merge",
+    parser = argparse.ArgumentParser(prog="python -m simulations.analyses.oneshot_merge",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=Path, default=Path("outputs/oneshot/runs"))
     parser.add_argument("--cell", default="fedavg-ft", help="the aggregation label of the cells that saved clients")
@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     minutes = (time.perf_counter() - start) / 60
     args.out.mkdir(parents=True, exist_ok=True)
     given = sys.argv[1:] if argv is None else list(argv)
-    meta = {"command": " ".join(["python -m simulations.bench.oneshot_merge", *given]),
+    meta = {"command": " ".join(["python -m simulations.analyses.oneshot_merge", *given]),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
             "minutes": round(minutes, 1), "load": [round(x, 2) for x in os.getloadavg()], "matcher": matcher}
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "accuracy": per_seed}, indent=1))

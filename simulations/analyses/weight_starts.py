@@ -1,7 +1,7 @@
 """Weight matching from several residual starts: how flat its objective is across the local optima it ends in,
 and how far apart their barriers are. Uses the barrier benchmark's checkpoints (no training here).
 
-    .venv/bin/python -m simulations.bench.weight_starts [--config simulations/bench/configs/barriers.toml]
+    .venv/bin/python -m simulations.analyses.weight_starts [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
 
 Each model's entry is added to results.json when it ends, so models can run one per process, in parallel.
@@ -128,7 +128,7 @@ HEADING = ["# Weight matching from several residual starts", "",
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "starts", "simulations.bench.weight_starts", __doc__.splitlines()[0], measure_model,
+    return table_main(argv, "starts", "simulations.analyses.weight_starts", __doc__.splitlines()[0], measure_model,
                       RESULTS, HEADING, markdown)
 
 

@@ -1,9 +1,9 @@
 """The audit's figures of hostile but well-formed replies, measured with the robust defences off and at the defaults.
 
-    .venv/bin/python -m simulations.bench.hostile
+    .venv/bin/python -m simulations.analyses.hostile
 
-Three honest clients of 20,000 examples each (vit-tiny, seeded fine-tunes: the global model plus Gaussian steps of
-0.02) and one attacker, through the real strategy on real flwr replies:
+Three honest clients of 20,000 examples each (:mod:`simulations.bench.attack_clients`: vit-tiny, seeded fine-tunes,
+the global model plus Gaussian steps of 0.02) and one attacker, through the real strategy on real flwr replies:
 
 - inflation: the attacker's share of the weights when it claims 10⁹ examples;
 - scaling: the global model's norm after a reply of the attacker's weights × 1000;
@@ -28,48 +28,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.app import ArrayRecord
 
-from federation import protocol
 from federation.settings import RunSettings
-from glmc.archs import build_model
 from glmc.core.config import preset
 from glmc.merging.robust import Robustness, cap_examples, distance
-from glmc.train import seed_everything
 from server.strategy import SymmetryAwareFedAvg
 from server.validation import ReplySchema
+from simulations.bench.attack_clients import HONEST_EXAMPLES, MODEL, STEP, State, global_model, honest_clients, reply
 
 RESULTS = Path("simulations/results/hostile")
-MODEL = "vit-tiny"
-HONEST_EXAMPLES = 20_000
-STEP = 0.02
-State = dict[str, torch.Tensor]
-
-
-def _model(seed: int) -> State:
-    seed_everything(seed)
-    return {k: v.detach().clone() for k, v in build_model(preset(MODEL)).state_dict().items()}
-
-
-def _reply(state: State, examples: int, node: int) -> Message:
-    values = {key: 0.5 for key in protocol.TRAIN_METRICS} | {protocol.TIER_KEY: 1.0, protocol.WEIGHT_KEY: examples}
-    meta = Metadata(run_id=1, message_id=f"m{node}", src_node_id=0, dst_node_id=node, reply_to_message_id="",
-                    group_id="1", created_at=time.time(), ttl=3600.0, message_type=MessageType.TRAIN)
-    # flwr's own constructor for a message as the SuperLink delivers it (metadata given), outside its typed overloads
-    instruction = Message(RecordDict({protocol.CONFIG: ConfigRecord()}), metadata=meta)  # type: ignore[call-overload]
-    return Message(RecordDict({protocol.ARRAYS: ArrayRecord(state),  # type: ignore[arg-type]
-                               protocol.METRICS: MetricRecord(values)}), reply_to=instruction)  # type: ignore[arg-type]
 
 
 def _round(aggregation: str, robust: Robustness, attacker: State, examples: int) -> dict[str, Any]:
     """One round: three honest clients and the attacker; the global model's norm and the record."""
-    g = _model(0)
-    honest = _honest(g)
+    g = global_model(0)
+    honest = honest_clients(g)
     schema = ReplySchema({1.0: {k: tuple(v.shape) for k, v in g.items()}})
     options = dataclasses.replace(RunSettings(server_device="cpu").merge_options, robustness=robust, min_gain=0.0)
     s = SymmetryAwareFedAvg(aggregation, schema, preset(MODEL), options=options, min_train_nodes=2)
     s.global_arrays = ArrayRecord(g)  # type: ignore[arg-type]
-    replies = [_reply(h, HONEST_EXAMPLES, i + 1) for i, h in enumerate(honest)] + [_reply(attacker, examples, 9)]
+    replies = [reply(h, HONEST_EXAMPLES, i + 1) for i, h in enumerate(honest)] + [reply(attacker, examples, 9)]
     arrays, _ = s.aggregate_train(1, replies)
     merged = arrays.to_torch_state_dict() if arrays is not None else g
     honest_mean = {k: torch.stack([h[k] for h in honest]).mean(0) for k in g}
@@ -81,35 +60,29 @@ def _round(aggregation: str, robust: Robustness, attacker: State, examples: int)
             "distance_from_honest_mean": distance(merged, honest_mean), "merged": merged}
 
 
-def _honest(g: State) -> list[State]:
-    """Three honest clients: ``g`` plus seeded Gaussian steps (seed 2)."""
-    gen = torch.Generator().manual_seed(2)
-    return [{k: v + STEP * torch.randn(v.shape, generator=gen) for k, v in g.items()} for _ in range(3)]
-
-
 def _radius() -> float:
     """R: the largest distance of an honest client from the global model."""
-    g = _model(0)
-    return max(distance(h, g) for h in _honest(g))
+    g = global_model(0)
+    return max(distance(h, g) for h in honest_clients(g))
 
 
 def inflation(robust: Robustness) -> dict[str, Any]:
     torch.manual_seed(1)
-    result = _round("fedavg", robust, {k: v + STEP * torch.randn_like(v) for k, v in _model(0).items()}, 10**9)
+    result = _round("fedavg", robust, {k: v + STEP * torch.randn_like(v) for k, v in global_model(0).items()}, 10**9)
     weights = cap_examples([HONEST_EXAMPLES] * 3 + [10**9], robust)  # as the strategy caps them
     return {"attacker_weight_share": weights[-1] / sum(weights)} | result
 
 
 def scaling(robust: Robustness) -> dict[str, Any]:
     torch.manual_seed(1)
-    g = _model(0)
+    g = global_model(0)
     result = _round("fedavg", robust, {k: 1000 * (v + STEP * torch.randn_like(v)) for k, v in g.items()},
                     HONEST_EXAMPLES)
     return result | {"global_norm_before": distance(g, {k: 0 * v for k, v in g.items()})}
 
 
 def replacement(robust: Robustness) -> dict[str, Any]:
-    g, target = _model(0), _model(123)
+    g, target = global_model(0), global_model(123)
     result = _round("fedavg", robust, {k: g[k] + 4 * (target[k] - g[k]) for k in g}, HONEST_EXAMPLES)
     return {"distance_to_target_before": distance(g, target),
             "distance_to_target_after": distance(result["merged"], target)} | result
@@ -117,7 +90,7 @@ def replacement(robust: Robustness) -> dict[str, Any]:
 
 def constant(aggregation: str) -> Callable[[Robustness], dict[str, Any]]:
     def measure(robust: Robustness) -> dict[str, Any]:
-        return _round(aggregation, robust, {k: torch.full_like(v, 9999.0) for k, v in _model(0).items()},
+        return _round(aggregation, robust, {k: torch.full_like(v, 9999.0) for k, v in global_model(0).items()},
                       HONEST_EXAMPLES)
     return measure
 
@@ -136,7 +109,7 @@ def main() -> int:
                for name, measure in CASES.items()}
     radius = _radius()
     lines = ["# Hostile replies: the audit's figures, defences off and at the defaults", "",
-             f"Command: `python -m simulations.bench.hostile`. Machine: {platform.machine()}, {os.cpu_count()} "
+             f"Command: `python -m simulations.analyses.hostile`. Machine: {platform.machine()}, {os.cpu_count()} "
              f"cores, python {platform.python_version()}, torch {torch.__version__}; wall time "
              f"{time.perf_counter() - start:.0f} s. Model {MODEL}; seeds 0 (global), 2 (honest), 1 (attacker), "
              f"123 (target); three honest clients of {HONEST_EXAMPLES} examples, one attacker.",

@@ -2,7 +2,7 @@
 each layer's MLP, the readout) moved alone to the midpoint of A and the aligned B, the rest left as it was. Uses
 the barrier benchmark's checkpoints (no training here) and its config's ``[sites]`` table.
 
-    .venv/bin/python -m simulations.bench.barrier_sites [--config simulations/bench/configs/barriers.toml]
+    .venv/bin/python -m simulations.analyses.barrier_sites [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
 
 A site's cost is ½[L(A, site at the midpoint) − L(A)] + ½[L(T(B), site at the midpoint) − L(T(B))]: what its own
@@ -124,7 +124,7 @@ HEADING = ["# Where the midpoint loss comes from", "",
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "sites", "simulations.bench.barrier_sites", __doc__.splitlines()[0], measure_model,
+    return table_main(argv, "sites", "simulations.analyses.barrier_sites", __doc__.splitlines()[0], measure_model,
                       RESULTS, HEADING, markdown)
 
 

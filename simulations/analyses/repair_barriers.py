@@ -1,7 +1,7 @@
 """Pairwise barriers with REPAIR at every point of the path (Jordan et al., 2022), next to the same pairs without it.
 Uses the barrier benchmark's checkpoints (no training here) and its config's ``[repair]`` table.
 
-    .venv/bin/python -m simulations.bench.repair_barriers [--config simulations/bench/configs/barriers.toml]
+    .venv/bin/python -m simulations.analyses.repair_barriers [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
 
 Each pair runs ``glmc barrier`` twice on the current checkpoints, once plain and once with ``--repair N`` (both
@@ -74,7 +74,7 @@ def plot(name: str, entry: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "repair", "simulations.bench.repair_barriers", __doc__.splitlines()[0], measure_model,
+    return table_main(argv, "repair", "simulations.analyses.repair_barriers", __doc__.splitlines()[0], measure_model,
                       RESULTS, HEADING, markdown, plot)
 
 

@@ -1,7 +1,7 @@
 """Weight matching's choices, one at a time, against the official GLMC matcher's: pairwise barriers through
 ``glmc barrier`` with each variant's flags, on the config's seed pairs (disjoint where a model has the seeds).
 
-    .venv/bin/python -m simulations.bench.weight_options [--config simulations/bench/configs/matcher.toml]
+    .venv/bin/python -m simulations.analyses.weight_options [--config simulations/analyses/configs/matcher.toml]
         [--models NAME ...]
 
 Each variant is a list of ``glmc barrier`` flags (``--start``, ``--head-cost``, ``--mlp-cost``, ``--stop``,
@@ -88,8 +88,8 @@ HEADING = ["# Weight matching: this project's choices against the official GLMC 
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "options", "simulations.bench.weight_options", __doc__.splitlines()[0], measure_model,
-                      None, HEADING, markdown, config="simulations/bench/configs/matcher.toml")
+    return table_main(argv, "options", "simulations.analyses.weight_options", __doc__.splitlines()[0], measure_model,
+                      None, HEADING, markdown, config="simulations/analyses/configs/matcher.toml")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ learned-gap bench found that the learned Q carries most of learned matching's ga
 directions where A's stream varies most; each candidate here replaces weight matching's Q (its unit maps kept)
 and is scored by the barrier and by its distance to the learned Q. Reads the maps that bench saved.
 
-    .venv/bin/python -m simulations.bench.q_candidates [--config simulations/bench/configs/barriers.toml]
+    .venv/bin/python -m simulations.analyses.q_candidates [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
 
 The stream candidates solve weight matching's Procrustes step on the cross-moment E[x_A x_Bᵀ] of the two
@@ -35,9 +35,9 @@ from glmc.match.descent import Descent
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
 from glmc.symmetry.transforms import Transform, apply
+from simulations.analyses.learned_gap import STREAM_SAMPLES, real_schur, stream_tokens
+from simulations.analyses.weight_starts import barrier
 from simulations.bench.barriers import label, machine, mean_se, seed_checkpoints, table_main
-from simulations.bench.learned_gap import STREAM_SAMPLES, real_schur, stream_tokens
-from simulations.bench.weight_starts import barrier
 
 BEYOND = 1.25  # the learned correction extrapolated: does learning stop short along its own direction?
 DATA_FREE = {"weight": True, "learned Q": False, f"learned correction × {BEYOND}": False,
@@ -92,14 +92,14 @@ def pair_candidates(names: tuple[str, str], natives: tuple[State, State], cfg: M
     """One pair: the vanilla barrier, and each candidate's barrier with weight matching's unit maps and its
     distance to the learned Q (relative Frobenius). ``matcher``: the weight-matching flags the maps were made with."""
     if not maps.is_file():
-        raise SystemExit(f"missing {maps}: run simulations.bench.learned_gap on this model first")
+        raise SystemExit(f"missing {maps}: run simulations.analyses.learned_gap on this model first")
     saved = load_file(str(maps))
     arch = get_arch(cfg.family)
     a, b = (canonicalize(arch, s, cfg, dtype=torch.float64) for s in natives)  # as align_pair matches them
     weight = align_pair(*natives, cfg, "weight", parse_match_flags(matcher)).result.transform
     assert weight.residual is not None
     if not torch.allclose(weight.residual.double(), saved["q_weight"].double(), atol=1e-6):
-        raise SystemExit(f"weight matching no longer gives {maps}'s Q_w: run simulations.bench.learned_gap again")
+        raise SystemExit(f"weight matching no longer gives {maps}'s Q_w: run simulations.analyses.learned_gap again")
     q_l = saved["q_learned"].double()
     plain = align_pair(*natives, cfg, "none")
     rows = {}
@@ -147,7 +147,7 @@ HEADING = ["# Candidates for the residual map Q, against the learned one", "",
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "candidates", "simulations.bench.q_candidates", __doc__.splitlines()[0], measure_model,
+    return table_main(argv, "candidates", "simulations.analyses.q_candidates", __doc__.splitlines()[0], measure_model,
                       None, HEADING, markdown)
 
 

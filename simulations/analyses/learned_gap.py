@@ -3,7 +3,7 @@ keeps weight matching's permutations and only corrects the residual map Q, so th
 most of the gap. Here each pair is weight-matched and learned, then the two are crossed: weight matching with the
 learned Q, and learned matching with weight matching's Q. Uses the barrier benchmark's checkpoints (no training).
 
-    .venv/bin/python -m simulations.bench.learned_gap [--config simulations/bench/configs/barriers.toml]
+    .venv/bin/python -m simulations.analyses.learned_gap [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
 
 Both matchings run with glmc's defaults but for the table's ``matcher`` weight flags (the learned one after the
@@ -40,8 +40,8 @@ from glmc.match.options import MatchOptions
 from glmc.merging.activations import Hook, Site, hooked_passes
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import Transform, apply
+from simulations.analyses.weight_starts import barrier
 from simulations.bench.barriers import label, machine, mean_se, seed_checkpoints, table_main
-from simulations.bench.weight_starts import barrier
 
 CURVES = ("vanilla", "weight", "weight, learned Q", "learned, weight Q", "learned")
 PLANE_SHARES = {"top plane": 0.0, "top eighth of planes": 1 / 8, "top quarter of planes": 1 / 4}  # 0: just one
@@ -244,7 +244,7 @@ HEADING = ["# Where learned matching's gain lies: the residual map or the unit m
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "gap", "simulations.bench.learned_gap", __doc__.splitlines()[0], measure_model,
+    return table_main(argv, "gap", "simulations.analyses.learned_gap", __doc__.splitlines()[0], measure_model,
                       None, HEADING, markdown)
 
 

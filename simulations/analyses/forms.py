@@ -1,7 +1,7 @@
 """Pairwise barriers in the paper's reparameterised forms (rmsnorm, circuit) next to the standard form, on the
 barrier benchmark's checkpoints (no training here) and its config's ``[forms]`` table.
 
-    .venv/bin/python -m simulations.bench.forms [--config simulations/bench/configs/barriers.toml]
+    .venv/bin/python -m simulations.analyses.forms [--config simulations/bench/configs/barriers.toml]
         [--models NAME ...]
 
 The paper measures its barriers after two reparameterisations: LayerNorm as RMSNorm, which frees the residual
@@ -67,7 +67,7 @@ HEADING = ["# Barriers in the paper's forms", "",
 
 
 def main(argv: list[str] | None = None) -> int:
-    return table_main(argv, "forms", "simulations.bench.forms", __doc__.splitlines()[0], measure_model,
+    return table_main(argv, "forms", "simulations.analyses.forms", __doc__.splitlines()[0], measure_model,
                       RESULTS, HEADING, markdown)
 
 
