@@ -133,19 +133,26 @@ def registry_markdown() -> str:
     """docs/registry.md: every alignment method of :mod:`glmc.match.registry` and every FL aggregation of
     :data:`federation.settings.AGGREGATION_TABLE`, with what each reads."""
     from federation.settings import AGGREGATION_TABLE
+    from glmc.cli.options import SECTIONS
+    from glmc.core.options import declared
     from glmc.match.registry import METHODS
 
     lines = [GENERATED_NOTE, "", "# Methods and aggregations", "",
              "Every alignment method (`glmc align`, `glmc barrier`, `glmc merge`, the API) as `glmc/match/registry.py` "
              "declares it, and every FL aggregation as `federation/settings.py` declares it; what an aggregation "
              "reads follows from its method.", "", "## Alignment methods", "",
-             "| method | reads data | reads labels | learns its maps | exact | merges N models (pairwise, refined) | "
-             "function | what it does |", "|---|---|---|---|---|---|---|---|"]
+             "| method | options it reads | reads data | reads labels | learns its maps | exact | merges N models "
+             "(pairwise, refined) | function | what it does |", "|---|---|---|---|---|---|---|---|---|"]
     for m in METHODS.values():
         merges = f"`{m.merge_pairwise}`" + (", refined" if m.refines else "") if m.merge_pairwise else ""
-        lines.append(f"| `{m.name}` | {_mark(m.reads_data)} | {_mark(m.reads_labels)} | {_mark(m.learns)} | "
-                     f"{_mark(m.exact)} | {merges} | {f'`{m.function}`' if m.function else ''} | {_cell(m.summary)} |")
-    lines += ["", "Reads labels: when it learns against labels, the default on any data but text the models write.",
+        options = ", ".join(f"`{s}`" for s in m.options)
+        lines.append(f"| `{m.name}` | {options} | {_mark(m.reads_data)} | {_mark(m.reads_labels)} | "
+                     f"{_mark(m.learns)} | {_mark(m.exact)} | {merges} | {f'`{m.function}`' if m.function else ''} | {_cell(m.summary)} |")
+    flags = "; ".join(f"`{name}`: " + (", ".join(f"`{o.flag}`" for o in declared(cls) if o.flag) or "no flag")
+                      for name, (cls, _) in SECTIONS.items())
+    lines += ["", "Options it reads: the sections of `MatchOptions` (`glmc/match/options.py`), each a dataclass whose "
+              f"declared options are the method's flags ({flags}) and, where declared, its run-config keys.",
+              "", "Reads labels: when it learns against labels, the default on any data but text the models write.",
               "", "## FL aggregations (`aggregation`)", "",
               "| aggregation | aligns by | reads server data | reads its labels | control | guarded |",
               "|---|---|---|---|---|---|"]
