@@ -147,7 +147,8 @@ def registry_markdown() -> str:
         merges = f"`{m.merge_pairwise}`" + (", refined" if m.refines else "") if m.merge_pairwise else ""
         options = ", ".join(f"`{s}`" for s in m.options)
         lines.append(f"| `{m.name}` | {options} | {_mark(m.reads_data)} | {_mark(m.reads_labels)} | "
-                     f"{_mark(m.learns)} | {_mark(m.exact)} | {merges} | {f'`{m.function}`' if m.function else ''} | {_cell(m.summary)} |")
+                     f"{_mark(m.learns)} | {_mark(m.exact)} | {merges} | {f'`{m.function}`' if m.function else ''} | "
+                     f"{_cell(m.summary)} |")
     flags = "; ".join(f"`{name}`: " + (", ".join(f"`{o.flag}`" for o in declared(cls) if o.flag) or "no flag")
                       for name, (cls, _) in SECTIONS.items())
     lines += ["", "Options it reads: the sections of `MatchOptions` (`glmc/match/options.py`), each a dataclass whose "
