@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from federation.preflight import check_run_config
 from federation.settings import CONTROLS, RunSettings
 from glmc.errors import ConfigError
 from server.plots import plot_curves
@@ -98,7 +99,7 @@ class Cell:
         """The run-config overrides of this cell, checked by the apps' own parser before anything starts."""
         config = {**exp.run, **_keys(self.split), **_keys(self.widths), **exp.variants[self.aggregation],
                   "seed": self.seed, "output-dir": str(out / "runs"), "run-name": self.name}
-        RunSettings.from_run_config(config)
+        check_run_config(config)  # every cell's keys, values and fit, before any cell runs
         return config
 
 
