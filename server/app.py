@@ -155,7 +155,7 @@ def main(grid: Grid, context: Context) -> None:
     # makes the many small ops of alignment many times slower; align-workers adds processes instead.
     set_threads(1)
     cfg = pool(settings).task.config
-    check_fit(settings, cfg)  # the model an init checkpoint gives, which check_run_config could not see
+    check_fit(settings, cfg)  # the width tiers of a model an init checkpoint gives, unseen by check_run_config
     if settings.generated:
         text_writer(cfg)  # a model that cannot write its own inputs is refused before round 1
     if settings.circuit_heads:

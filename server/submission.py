@@ -10,7 +10,8 @@ the app's defaults with the run's overrides as the apps will (:func:`federation.
 Anywhere else, the apps' own processes and tests included, it does nothing.
 
 For a simulation, `flwr run` starts a local SuperLink as its own child and detaches it: it would outlive the run,
-and every later `flwr run` on this FLWR_HOME would reuse it, with the environment of the shell that started it. With
+and every later `flwr run` would reuse it (by its port, whatever its FLWR_HOME), with the environment of the shell
+that started it. With
 ``--stream`` the run has ended when `flwr run` exits, so the SuperLink that this command started is stopped then
 (:func:`stop_own_superlink`). Without ``--stream`` the run goes on in it, and it stays (docs/federated.md says how to
 stop it); a SuperLink that was already running is no child of this command and is left alone."""
