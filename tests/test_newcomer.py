@@ -62,6 +62,24 @@ def _run_processes(env: dict[str, str], port: int) -> list[str]:
     return found
 
 
+def test_a_copy_of_the_code_finds_the_data_of_the_checkout_it_was_installed_from(tmp_path, monkeypatch):
+    """What Flower's copy of the app sees (no .data beside the code): the editable install's checkout's .data; a
+    copy with its own .data, and GLMC_DATA, come first."""
+    import glmc
+    from glmc.data.paths import editable_source
+
+    installed = editable_source()
+    if installed is None or not (installed / ".data").is_dir():
+        pytest.skip("the project is not installed in editable mode from a checkout with .data (make setup)")
+    monkeypatch.delenv("GLMC_DATA", raising=False)
+    monkeypatch.setattr(glmc, "__file__", str(tmp_path / "copy" / "glmc" / "__init__.py"))
+    assert data_root() == installed / ".data"
+    (tmp_path / "copy" / ".data").mkdir(parents=True)
+    assert data_root() == tmp_path / "copy" / ".data"
+    monkeypatch.setenv("GLMC_DATA", str(tmp_path / "mine"))
+    assert data_root() == tmp_path / "mine"
+
+
 @pytest.mark.parametrize(("overrides", "expect"), [
     ("aggregation='wieght'", ["aggregation must be one of", "'weight'", "got 'wieght'"]),
     ("agregation='weight'", ["unknown run-config key 'agregation'", "did you mean 'aggregation'"]),
