@@ -21,6 +21,7 @@ from torch import nn
 from client.attacks import attack
 from federation import protocol
 from federation.data import ClientShare, client_share, eval_subset, pool
+from federation.preflight import check_run_config
 from federation.restriction import principal_placement, restrict
 from federation.settings import RunSettings, places_principal
 from glmc.archs import build_model, get_arch
@@ -56,7 +57,7 @@ class Node:
 
 def _setup(context: Context) -> tuple[RunSettings, Node, ModelConfig, ClientShare]:
     """Settings, node identity, the model config at this node's width, and its data (cached)."""
-    settings = RunSettings.from_run_config(context.run_config)
+    settings = check_run_config(context.run_config)
     node = Node.from_context(context, settings)
     set_threads(settings.client_threads)
     share = client_share(settings, node.partition_id, node.num_partitions)

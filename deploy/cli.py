@@ -29,7 +29,7 @@ from deploy.cluster import INSECURE_WARNING, Cluster, ClusterSpec, deployed_conf
 from deploy.connection import default_flwr_home, write_connection
 from deploy.follow import follow
 from deploy.keys import make_node_key
-from federation.settings import RunSettings
+from federation.preflight import check_run_config
 from glmc.core.options import parse_floats
 from glmc.errors import ConfigError, GlmcError
 
@@ -86,7 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Submit the run, report each round as the ServerApp writes it, then its status and where its outputs are."""
     cluster = Cluster.load(args.name, args.output_dir)
     config = deployed_config(cluster, parse_overrides(args.run_config))
-    settings = RunSettings.from_run_config(config)  # a bad key fails here, before the run is submitted
+    settings = check_run_config(config)  # a bad key or value fails here, before the run is submitted
     start = time.monotonic()
     started = run(cluster, config, wait=False)
     if started.run_id is None:

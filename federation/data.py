@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
+from federation.preflight import check_partitioner
 from federation.settings import NATURAL_SPLITS, RunSettings
-from glmc.archs import get_arch
 from glmc.core.config import ModelConfig, preset
 from glmc.data.tasks import Task, load_task
 from glmc.data.vision import ArrayDataset
@@ -105,11 +105,11 @@ def _start_config(dataset: str, model: str, checkpoints: tuple[Path, ...]) -> Mo
 def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: int, train_limit: int,
           checkpoints: tuple[Path, ...], dropout: float) -> Pool:
     task = load_task(dataset, base_config(dataset, model, checkpoints, dropout), seed=seed)
+    check_partitioner(partitioner, dataset, task.config.family)
     if partitioner in NATURAL_SPLITS:
         return _text_pool(task, partitioner, seed, server_data)
     train = task.train
-    if not isinstance(train, ArrayDataset):
-        raise ConfigError(f"partitioner {partitioner!r} splits labelled images; {dataset!r} has none")
+    assert isinstance(train, ArrayDataset), "check_partitioner gives label splits only to labelled images"
     rows = np.random.default_rng(seed).permutation(len(train))
     server = train.subset(np.sort(rows[:server_data])) if server_data else None
     clients = rows[server_data:server_data + train_limit] if train_limit else rows[server_data:]
@@ -120,11 +120,6 @@ def _text_pool(task: Task, by: str, seed: int, server_data: int) -> Pool:
     """Natural clients in a seeded order; the first few go to the server until it has ``server_data`` windows."""
     from glmc.data import shakespeare_partitions
 
-    if task.dataset != "shakespeare":
-        raise ConfigError(f"partitioner {by!r} is a natural split of shakespeare, not of {task.dataset!r}")
-    if get_arch(task.config.family).objective != "causal":
-        raise ConfigError(f"natural shakespeare clients hold next-token windows; a {task.config.family} model learns "
-                          "masked tokens, which the federated clients do not yet draw")
     units = shakespeare_partitions(None, by=by, context=task.config.context)
     units = [units[i] for i in np.random.default_rng(seed).permutation(len(units))]
     held: list[Dataset] = []

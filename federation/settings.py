@@ -75,13 +75,22 @@ SLICED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.method is None)
 GUARDED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.guarded)
 INITS = ("shared", "independent")
 SERVER_DATA_SOURCES = ("split", "generated")
-REFINE_TARGETS = ("auto", *TARGETS)  # auto: chosen by the server data's source (RunSettings.targets)
+AUTO = "auto"  # partitioner: chosen by the dataset (default_partitioner)
+# refine-targets: "auto" (the key's stand-in for LearnConfig's None: chosen by the server data's source,
+# RunSettings.targets), or one of LearnConfig's
+REFINE_TARGETS = (keyed(LearnConfig)["refine-targets"].none, *TARGETS)
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
 ATTACKS = ("none", "inflate", "scale", "signflip", "replace", "constant")  # client.attacks (a test hook)
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # a run's folder name under output-dir, never a path
+
+
+def default_partitioner(dataset: str) -> str:
+    """The split ``partitioner = "auto"`` gives a dataset: a text's natural clients (Shakespeare's speaking roles),
+    else Dirichlet label skew of labelled images (federation.preflight says which splits fit which dataset)."""
+    return "role" if dataset == "shakespeare" else "dirichlet"
 
 
 def places_principal(aggregation: str, narrow_placement: str) -> bool:
@@ -131,7 +140,7 @@ class RunSettings:
 
     model: str = "vit-tiny"  # a glmc preset
     dataset: str = "fashion-mnist"
-    partitioner: str = "dirichlet"  # iid | dirichlet | pathological | shard | role | play
+    partitioner: str = "auto"  # auto (default_partitioner) | iid | dirichlet | pathological | shard | role | play
     alpha: float = 0.5  # Dirichlet concentration
     classes_per_client: int = 2  # k of the pathological and shard splits
     num_server_rounds: int = 3
@@ -196,6 +205,8 @@ class RunSettings:
     deployment: Deployment = field(default_factory=Deployment)  # how rounds sample, wait for and need nodes
 
     def __post_init__(self) -> None:
+        if self.partitioner == AUTO:
+            object.__setattr__(self, "partitioner", default_partitioner(self.dataset))
         _require(self.aggregation in AGGREGATIONS,
                  f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         _require(self.init in INITS or Path(self.init).exists(),

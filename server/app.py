@@ -16,17 +16,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from federation.data import eval_subset, label_counts, pool, server_reads, split_config
+from federation.preflight import check_fit, check_run_config
 from federation.settings import GUARDED, NATURAL_SPLITS, RunSettings
 from glmc.archs import build_model, get_arch
 from glmc.core.config import ModelConfig, scale_width
 from glmc.core.state import cast
 from glmc.data.generated import text_writer
 from glmc.device import resolve
-from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta, state_digest
 from glmc.match.options import LearnConfig
 from glmc.merging.circuits import require_circuit_layout
-from glmc.merging.widths import widths_may_differ
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.guard import set_aside_note
 from server.hooks import (
@@ -66,11 +65,7 @@ def configure_logging(run_dir: Path) -> None:
 
 
 def reply_schema(settings: RunSettings, cfg: ModelConfig) -> ReplySchema:
-    """The array shapes of every width tier the run allows; a family whose widths cannot differ (separate q, k, v
-    projections) is refused narrower tiers in one line, before round 1."""
-    if any(tier != 1 for tier in settings.width_tiers) and not widths_may_differ(cfg.family):
-        raise ConfigError(f"width-tiers {','.join(f'{t:g}' for t in settings.width_tiers)}: a {cfg.family} model's "
-                          "widths cannot differ (separate q, k, v projections are not sliced); use width-tiers='1'")
+    """The array shapes of every width tier the run allows (checked to fit the family by check_fit)."""
     shapes = {}
     for tier in settings.width_tiers:
         model = build_model(scale_width(cfg, tier))
@@ -153,13 +148,14 @@ def output_hooks(settings: RunSettings, run_dir: Path, start_round: int, num_nod
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """One federated run: ``num-server-rounds`` rounds of train → validate → align → merge → evaluate."""
-    settings = RunSettings.from_run_config(context.run_config)
+    settings = check_run_config(context.run_config)
     run_dir = settings.run_dir(context.run_id)
     configure_logging(run_dir)
     # One thread: the ServerApp shares the CPUs with the simulated clients, and a descheduled OpenMP thread
     # makes the many small ops of alignment many times slower; align-workers adds processes instead.
     set_threads(1)
     cfg = pool(settings).task.config
+    check_fit(settings, cfg)  # the width tiers of a model an init checkpoint gives, unseen by check_run_config
     if settings.generated:
         text_writer(cfg)  # a model that cannot write its own inputs is refused before round 1
     if settings.corrections.circuit_heads:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from federation.preflight import check_run_config
 from federation.settings import CONTROLS, RunSettings
 from glmc.errors import ConfigError
 from harness.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
@@ -98,7 +99,7 @@ class Cell:
         """The run-config overrides of this cell, checked by the apps' own parser before anything starts."""
         config = {**exp.run, **_keys(self.split), **_keys(self.widths), **exp.variants[self.aggregation],
                   "seed": self.seed, "output-dir": str(out / "runs"), "run-name": self.name}
-        RunSettings.from_run_config(config)
+        check_run_config(config)  # every cell's keys, values and fit, before any cell runs
         return config
 
 
@@ -237,10 +238,10 @@ def trained(row: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in row["records"] if r["round"] > 0]
 
 
-def round_mean(row: dict[str, Any], last: int | None = None) -> float | None:
-    """Mean central accuracy over the trained rounds (the last ``last`` of them if given): steadier than the final
-    round's, which swings by several points from round to round in the drift runs."""
-    values = [r["central_accuracy"] for r in trained(row) if r["central_accuracy"] is not None]
+def round_mean(row: dict[str, Any], last: int | None = None, key: str = "central_accuracy") -> float | None:
+    """Mean ``key`` (central accuracy) over the trained rounds (the last ``last`` of them if given): steadier than the
+    final round's, which swings by several points from round to round in the drift runs."""
+    values = [r[key] for r in trained(row) if r.get(key) is not None]
     kept = values[-last:] if last else values
     return statistics.fmean(kept) if kept else None
 
@@ -268,6 +269,9 @@ def align_share(row: dict[str, Any]) -> float | None:
 
 
 SET_ASIDE = "rounds set aside %"  # the summary's column, there when the guard set any round aside
+# The clients' mean pairwise distance before and after alignment, averaged over every trained round: the last round
+# alone hid the rounds where matching acted (from independent inits, only the first).
+DISTANCE = "distance before → after, mean of rounds"
 SET_ASIDE_NOTE = ("Rounds set aside: the share of trained rounds whose matching brought the clients less than "
                   "min-alignment-gain closer; the guard averaged those rounds as FedAvg, so a row at 100 is FedAvg's "
                   "run.\n")
@@ -363,8 +367,8 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
                 "clients % (mean)": _fmt([final(r, "mean_client_accuracy") for r in ok]),
                 "ensemble %": _fmt([final(r, "ensemble_accuracy") for r in ok]),
                 "align / round time %": _fmt([align_share(r) for r in ok]),
-                "distance before → after": f"{_fmt([final(r, 'distance_before') for r in ok], 1, 2)} → "
-                                           f"{_fmt([final(r, 'distance_after') for r in ok], 1, 2)}",
+                DISTANCE: " → ".join(_fmt([round_mean(r, key=key) for r in ok], 1, 2)
+                                     for key in ("distance_before", "distance_after")),
                 **({SET_ASIDE: _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),
                 **({"rounds capped, clipped (before matching), recentred, failed; max spread": " / ".join(
                     defences(r) for r in ok)} if defended else {}),

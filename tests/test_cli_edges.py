@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -182,3 +183,12 @@ def test_every_option_states_its_default_in_help():
     assert not silent, silent
     merge_help = sub.choices["merge"].format_help()
     assert "(default: weight)" in merge_help and "(default: 5)" in merge_help  # --method, --iters
+
+
+@pytest.mark.parametrize(("model", "shown", "hidden"), [("llama-tiny", "rotary_pct", "patch"),
+                                                        ("vit-tiny", "patch", "vocab_size")])
+def test_check_shows_only_the_fields_its_models_family_reads(model, shown, hidden, capsys):
+    """A Llama has no image size, patch or class count, and a ViT no vocabulary: check prints neither."""
+    assert main(["check", "--model", model]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert shown in config and hidden not in config and config["family"] == preset(model).family

@@ -4,6 +4,7 @@ cites a path outside the repository or an issue number."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import tomllib
@@ -126,3 +127,55 @@ def test_relative_links_and_their_anchors_resolve(page):
         if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
             broken.append(f"{target}#{anchor}" if anchor else target)
     assert not broken, broken
+
+
+README = (ROOT / "README.md").read_text()
+RESULTS = ROOT / "simulations" / "results"
+
+
+def _merging(group: str, method: str, key: str = "merged_accuracy") -> float:
+    """A merging-bench figure in %: ``key`` of the row of ``group`` and ``method``."""
+    rows = json.loads((RESULTS / "merging" / "results.json").read_text())["rows"]
+    return 100 * next(r[key] for r in rows if (r["group"], r["method"]) == (group, method))
+
+
+def _family(model: str, method: str) -> float:
+    """A families-bench figure: the vanilla barrier, or a method's barrier in % of it."""
+    summary = json.loads((RESULTS / "families" / "results.json").read_text())["summary"]
+    row = next(r for r in summary if (r["model"], r["method"]) == (model, method))
+    return row["barrier"] if method == "none" else 100 * row["ratio"]
+
+
+TODAYS_MATCHER = "vit-bench, same width, today's matcher (2026-12-03 seeds)"
+# (the README results row's first words, the words before a figure in it, the figure simulations/results/ holds)
+HEADLINES = [
+    ("merging 5 vit-bench", "mean input", lambda: _merging("vit-bench, same width", "none", "mean_input_accuracy")),
+    ("merging 5 vit-bench", "averaging", lambda: _merging("vit-bench, same width", "none")),
+    ("merging 5 vit-bench", "weight", lambda: _merging(TODAYS_MATCHER, "weight")),
+    ("merging 5 vit-bench", "learned", lambda: _merging("vit-bench, same width", "learned")),
+    ("merging 5 vit-bench", "`--refit 512`", lambda: _merging("vit-bench, same width, refit", "weight")),
+    ("merging 5 llama-tiny", "inputs", lambda: _merging("llama-tiny, same width", "none", "mean_input_accuracy")),
+    ("merging 5 llama-tiny", "ensemble", lambda: _merging("llama-tiny, same width", "none", "ensemble_accuracy")),
+    ("merging 5 llama-tiny", "averaging", lambda: _merging("llama-tiny, same width", "none")),
+    ("merging 5 llama-tiny", "weight", lambda: _merging("llama-tiny, same width", "weight")),
+    ("merging 5 llama-tiny", "learned", lambda: _merging("llama-tiny, same width", "learned")),
+    ("merging 5 llama-tiny", "`--refit 512`", lambda: _merging("llama-tiny, same width, refit", "weight")),
+    *[(f"{model}, 3 pairs", label, lambda model=model, method=method: _family(model, method))
+      for model in ("llama-tiny", "neox-tiny")
+      for label, method in (("vanilla", "none"), ("weight", "weight"), ("learned", "learned"), ("dual", "dual"),
+                            ("permutations only", "weight-perm-stream"))],
+    ("bert-tiny (masked LM)", "vanilla", lambda: _family("bert-tiny", "none")),
+    ("bert-tiny (masked LM)", "weight", lambda: _family("bert-tiny", "weight")),
+    ("bert-tiny (masked LM)", "stay at", lambda: _family("bert-tiny", "learned")),
+]
+
+
+@pytest.mark.parametrize(("row", "label", "measured"), HEADLINES, ids=lambda x: x if isinstance(x, str) else "")
+def test_the_readmes_headline_figures_are_those_simulations_results_holds(row, label, measured):
+    """A README figure is the committed result rounded to the digits it shows: a re-measured result, or a figure
+    edited by hand, that disagrees fails here."""
+    (line,) = [line for line in README.splitlines() if line.startswith(f"| {row}")]
+    found = re.search(rf"{re.escape(label)} ([0-9]+(?:\.([0-9]+))?)", line.rsplit(" | ", 1)[0])  # not the link
+    assert found, f"no figure after {label!r} in {line}"
+    shown, digits = float(found[1]), len(found[2] or "")
+    assert abs(shown - measured()) <= 0.5 * 10 ** -digits + 1e-9, (line, label, measured())

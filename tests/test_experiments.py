@@ -215,6 +215,16 @@ def test_a_grid_without_controls_has_no_control_column() -> None:
     assert {row["server data read"] for row in table} == {"no"}
 
 
+def test_the_distance_column_averages_every_trained_round_not_only_the_last() -> None:
+    """From independent inits matching acts in round 1 only: the last round alone showed no gain at all."""
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
+    rows = _finished_rows(exp)
+    for row in rows:
+        for record, before, after in zip(row["records"], (None, 10.0, 4.0), (None, 5.0, 4.0), strict=True):
+            record["distance_before"], record["distance_after"] = before, after
+    assert {r[compare.DISTANCE] for r in compare.summary_rows(rows, exp)} == {"7.00 ± 0.00 → 4.50 ± 0.00"}
+
+
 def test_a_table_rebuilt_from_rows_alone_takes_the_marks_it_is_given() -> None:
     """docs/results.md rebuilds a table from results.json rows, labels standing for aggregations: a variant's label
     is no aggregation, so its mark is unknown ("–") unless the JSON's server_data_read is passed."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from glmc.cli import merge as cli_merge
 from glmc.cli.data_options import count, test_data, training_data
+from glmc.cli.outputs import write_report
 from glmc.cli.pair import FORM_NAMES, METHOD_NAMES, add_pair_arguments, align_loaded, load_pair
 from glmc.errors import ConfigError
 
@@ -24,8 +25,10 @@ def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
                              "multiplied out into its QK and OV circuits, paper §3.2.2) or circuit-rmsnorm (both, as "
                              "the official GLMC code interpolates); all but standard change the architecture, as the "
                              "paper's barriers do")
-    parser.add_argument("--json", required=True, type=Path, help="write the curves here")
+    parser.add_argument("--json", type=Path, help="write the curves here (default: none; the barriers are printed)")
     parser.add_argument("--plot", type=Path, help="write a loss/accuracy plot here (.png; default: none)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --json or --plot that glmc did "
+                        "not write (a report or plot glmc wrote is replaced without it)")
     parser.add_argument("--repair", type=count, metavar="N",
                         help="REPAIR every point of the path first (Jordan et al. 2022): reset each channel's mean "
                              "and std to the λ-mean of A's and B's, measured on N training samples; each curve is "
@@ -85,8 +88,8 @@ def _write_barrier_outputs(args: argparse.Namespace, curves: list[dict]) -> None
               "curves": curves}
     if len(curves) == 1:
         report |= curves[0]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    if args.json:
+        write_report(args.json, report, "barrier")
     if args.plot:
         fields = BarrierCurve.__dataclass_fields__
         plot_barrier_curves([BarrierCurve(**{k: c[k] for k in fields}) for c in curves], args.plot)

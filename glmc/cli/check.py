@@ -42,13 +42,15 @@ def run_check(args: argparse.Namespace) -> int:
         cfg = cfg.replace(vocab_size=67)  # any vocabulary will do for an invariance check
     errors = invariance_errors(cfg, args.form, args.seed, device=args.device)
     ok = max(errors.values()) <= TOLERANCE
-    print(json.dumps({"model": args.model, "config": cfg.to_dict(), "form": args.form, "tolerance": TOLERANCE,
+    shown = cfg.fields_read(get_arch(cfg.family).modality)
+    print(json.dumps({"model": args.model, "config": shown, "form": args.form, "tolerance": TOLERANCE,
                       "max_abs_logit_error": errors, "ok": ok}, indent=2))
     return 0 if ok else 1
 
 
 def _check_checkpoint(args: argparse.Namespace) -> int:
     """``glmc check CHECKPOINT``: the invariance errors of the model's own weights."""
+    from glmc.archs import get_arch
     from glmc.io.formats import read
     from glmc.symmetry.exactness import TOLERANCE, invariance_errors
 
@@ -58,6 +60,7 @@ def _check_checkpoint(args: argparse.Namespace) -> int:
     state, meta = read(args.checkpoint)
     errors = invariance_errors(meta.config, args.form, args.seed, device=args.device, native=state)
     ok = max(errors.values()) <= TOLERANCE
-    print(json.dumps({"checkpoint": str(args.checkpoint), "config": meta.config.to_dict(), "form": args.form,
+    shown = meta.config.fields_read(get_arch(meta.config.family).modality)
+    print(json.dumps({"checkpoint": str(args.checkpoint), "config": shown, "form": args.form,
                       "tolerance": TOLERANCE, "max_abs_logit_error": errors, "ok": ok}, indent=2))
     return 0 if ok else 1

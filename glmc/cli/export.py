@@ -40,6 +40,7 @@ def early_format(args: argparse.Namespace) -> str:
 def output_format(args: argparse.Namespace, meta: CheckpointMeta) -> str:
     """The output format: --format, else for a folder hf (a GPT-2, or a ViT read from HF) or timm (another ViT),
     else the first input's (timm stays timm)."""
+    from glmc.cli.outputs import check_outputs
     from glmc.io.formats import check_output, format_of
 
     fmt = args.format or early_format(args)
@@ -47,6 +48,7 @@ def output_format(args: argparse.Namespace, meta: CheckpointMeta) -> str:
                                 (fmt == "hf" and meta.config.family == "vit" and format_of(meta) != "hf")):
         fmt = "timm"
     check_output(args.out, fmt, args.force)
+    check_outputs(args, fmt)  # a timm state dict writes its kwargs JSON too: on no input, no other output
     return fmt
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from glmc.cli.data_options import add_data_arguments, count, test_data, training_data
 from glmc.cli.export import add_format_argument, early_format, output_format
 from glmc.cli.options import add_match_arguments, add_option_argument, match_options
+from glmc.cli.outputs import write_report
 from glmc.errors import ConfigError, check_weights
 from glmc.match.options import ActivationOptions
 from glmc.match.registry import MERGE_METHODS, get_method
@@ -45,7 +46,8 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="comma-separated weights n1,n2,... (e.g. example counts; default equal)")
     parser.add_argument("--out", required=True, type=Path, help="merged standard checkpoint (.safetensors)")
     parser.add_argument("--json", type=Path, help="write the full report here (default: none)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out, or a --json that is not a "
+                        "report glmc wrote")
     add_format_argument(parser)
     parser.add_argument("--simplex-points", type=int, help="at most this many weights on the simplex grid of the "
                         f"merge's barrier (Eq. 2); default {POINTS_PER_MODEL} per model beyond the first: a pair's 11 "
@@ -199,8 +201,7 @@ def run_merge(args: argparse.Namespace) -> int:
     report |= _evaluate(args, natives, configs, setup, test, steps, result)
     _print_merge(report)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
+        write_report(args.json, report, "merge")
     return 0
 
 
@@ -348,9 +349,9 @@ def run_simplex(args: argparse.Namespace) -> int:
 def _write_simplex(args: argparse.Namespace, paths: list[Path], panels: list[dict[str, Any]]) -> None:
     from glmc.plots import plot_simplex
 
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"models": [str(p) for p in paths], "steps": args.simplex_steps,
-                                     "panels": panels}, indent=1))
+    if args.json:
+        write_report(args.json, {"models": [str(p) for p in paths], "steps": args.simplex_steps, "panels": panels},
+                     "barrier")
     if args.plot:
         plot_simplex([(f"{p['method']} (barrier {p['barrier']:.3f})", p["weights"], p["losses"]) for p in panels],
                      args.plot, names=[f"{p.parent.name}/{p.stem}" for p in paths])

@@ -16,6 +16,11 @@ Family = Literal["vit", "gpt2", "llama", "mistral", "qwen2", "neox", "bert"]
 DEFAULT_NORM_EPS: dict[str, float] = {"vit": 1e-6, "gpt2": 1e-5, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6,
                                       "neox": 1e-5, "bert": 1e-12}
 PARALLEL_FAMILIES = ("neox",)  # the families whose builders can run attention and MLP side by side
+# The fields only one modality's models read (the sections of ModelConfig below): a view of a config leaves the
+# other modality's out (ModelConfig.fields_read).
+IMAGE_FIELDS = ("img_size", "patch", "in_chans", "num_classes", "class_token", "reg_tokens", "global_pool", "fc_norm",
+                "layer_scale", "no_embed_class")
+TEXT_FIELDS = ("vocab_size", "context", "rotary_pct", "rope_theta", "parallel_residual")
 POOLS = ("token", "avg")  # the timm ViT poolings glmc covers
 
 
@@ -99,6 +104,11 @@ class ModelConfig:
     def group(self) -> int:
         """Query heads per key/value head, G = H / H_kv."""
         return self.heads // self.kv_heads
+
+    def fields_read(self, modality: Literal["image", "text"]) -> dict[str, Any]:
+        """:meth:`to_dict` without the fields that only models of the other modality read (a Llama has no patch)."""
+        unread = TEXT_FIELDS if modality == "image" else IMAGE_FIELDS
+        return {k: v for k, v in self.to_dict().items() if k not in unread}
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed; head_dim (and kv_heads, where it equalled heads) re-derived unless

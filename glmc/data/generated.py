@@ -33,7 +33,7 @@ SAMPLE_BATCH = 250  # windows one generate call writes at a time
 
 class GeneratedText(TensorDataset):
     """(inputs, sampled next tokens) that the models wrote: learned matching's targets default to the endpoints'
-    mixed predictions on it (glmc.match.learned.LearnConfig.targets), which were lower on all 6 measured pairs.
+    mixed predictions on it (glmc.match.options.LearnConfig.targets), which were lower on all 6 measured pairs.
     ``seconds``: the time the writing took, which every front-end counts as part of the method's cost."""
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, seconds: float = 0.0) -> None:

@@ -37,6 +37,7 @@ from glmc.core.config import ModelConfig
 from glmc.core.state import State, cast
 from glmc.errors import CheckpointError, ConfigError, first_line
 from glmc.io.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
+from glmc.io.files import kwargs_path
 from glmc.io.live import read_module
 
 log = logging.getLogger(__name__)
@@ -332,11 +333,6 @@ def _replace_folder(folder: Path, fill: Callable[[Path], None]) -> None:
 
 
 # --- timm state dicts --------------------------------------------------------------------------------------------
-
-
-def kwargs_path(path: Path) -> Path:
-    """The JSON of timm.create_model kwargs beside a timm state dict: same stem, .json."""
-    return path.with_suffix(".json")
 
 
 def timm_model(kwargs: Mapping[str, Any], where: Path | str) -> nn.Module:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glmc.archs import get_arch
+from glmc.archs import ARCHS, get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, block_linears, expand
 from glmc.core.state import State
@@ -64,6 +64,16 @@ def widths_may_differ(family: str) -> bool:
     """Whether models of ``family`` embed into wider ones: the fused q|k|v families (embedding separate q, k, v
     projections, with grouped queries and rotary positions, is not implemented)."""
     return any(QKV in axes for axes in get_arch(family).spec.values())
+
+
+def require_widths_may_differ(family: str, asked: str, instead: str) -> None:
+    """ConfigError naming what is missing where ``asked`` (e.g. "--width-mult 0.5") would give a ``family`` model a
+    width others of its family cannot be merged with; ``instead``: what to ask for."""
+    if not widths_may_differ(family):
+        may = ", ".join(f for f in ARCHS if widths_may_differ(f))
+        raise ConfigError(f"{asked}: {family} models of different widths cannot be merged (embedding separate q, k, v "
+                          f"projections, with grouped queries and rotary positions, is not implemented; {may} widths "
+                          f"may differ); {instead}")
 
 
 def check_embeddable(narrow: ModelConfig, wide: ModelConfig) -> None:
