@@ -95,7 +95,7 @@ def _allowed(key: str, kind: str) -> str:
 
     choices: dict[str, Sequence[object]] = {
         "model": list(PRESETS), "dataset": list(TASKS), "aggregation": settings.AGGREGATIONS,
-        "init": settings.INITS, "partitioner": settings.LABEL_SPLITS + settings.NATURAL_SPLITS,
+        "init": settings.INITS, "partitioner": (settings.AUTO, *settings.LABEL_SPLITS, *settings.NATURAL_SPLITS),
         "narrow-placement": settings.NARROW_PLACEMENTS, "refine-within": WITHIN,
         "refine-targets": settings.REFINE_TARGETS, "server-data-source": settings.SERVER_DATA_SOURCES}
     if key in choices:
