@@ -38,6 +38,8 @@ ABOUT: dict[str, tuple[str, str]] = {
     "barriers-repair": ("Barriers with REPAIR at every point of the path.", "methods.md"),
     "forms": ("Barriers in the paper's rmsnorm and circuit forms.", "methods.md"),
     "weight-starts": ("Weight matching from several residual starts.", "methods.md"),
+    "unsearched-drift": ("llama-tiny trained 100, 300 and 1000 steps: drift along the classes weight matching does "
+                         "not search, and the barrier after balancing them.", "matching.md"),
     "learning-budget": ("Learned matching with more learning.", "methods.md"),
     "learned-gap": ("Where learned matching's gain over weight matching lies: the residual map or the unit maps.",
                     "methods.md"),
@@ -124,6 +126,7 @@ PUBLISHERS: dict[str, tuple[str, Render]] = {
     "learned-gap": ("simulations.analyses.learned_gap", _per_model),
     "q-candidates": ("simulations.analyses.q_candidates", _per_model),
     "weight-starts": ("simulations.analyses.weight_starts", _per_model),
+    "unsearched-drift": ("simulations.analyses.unsearched_drift", _markdown),
 }
 
 
