@@ -180,7 +180,7 @@ def run_merge(args: argparse.Namespace) -> int:
     get_method(args.method, merging=True)
     if len(args.checkpoints) < 2:
         raise ConfigError(f"merge needs at least 2 checkpoints, got {len(args.checkpoints)}")
-    _weights(args.weights, len(args.checkpoints))  # checked before any work
+    weights = _weights(args.weights, len(args.checkpoints))  # checked before any work
     check_output(args.out, early_format(args), args.force)
     natives, metas, target, mult = _prepare(args, args.checkpoints)
     fmt = output_format(args, metas[0])
@@ -190,7 +190,7 @@ def run_merge(args: argparse.Namespace) -> int:
     # Before the merge: a bad --limit or missing data costs nothing. Outside models with no --data-file are merged
     # and written, not evaluated.
     test = _test_split(metas[0], target, args) if args.data_file or metas[0].dataset else None
-    result, report = _merge_and_save(args, natives, metas, setup, mult, fmt)
+    result, report = _merge_and_save(args, natives, metas, setup, (mult, fmt), weights)
     report |= written  # the time the inputs took to write the training text, beside universe_seconds
     if test is None:
         print("no held-out data (these models name no glmc dataset): the merge is written but not evaluated; pass "
@@ -216,11 +216,14 @@ def merge(natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
 
 
 def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
-                    mult: float, fmt: str) -> tuple[UniverseResult, dict[str, Any]]:
-    """Universe matching, then the merged model written as a standard checkpoint in ``fmt``, stored as --dtype."""
+                    written_as: tuple[float, str], weights: list[float] | None,
+                    ) -> tuple[UniverseResult, dict[str, Any]]:
+    """The merge, then the merged model written as a standard checkpoint of width multiplier and format
+    ``written_as``, stored as --dtype."""
     from glmc.archs import get_arch
     from glmc.io.formats import write
-    weights = _weights(args.weights, len(natives))
+
+    mult, fmt = written_as
     result = merge(natives, metas, setup, weights)
     native = get_arch(setup.target.family).to_native(result.merged, setup.target)
     inputs = ", ".join(p.name for p in args.checkpoints)

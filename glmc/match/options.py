@@ -17,8 +17,6 @@ if TYPE_CHECKING:
     from glmc.symmetry.canonical import Form
 
 Start = Literal["relaxed", "identity", "embeddings"]
-STARTS: tuple[Start, ...] = get_args(Start)
-DEFAULT_START: Start = "relaxed"
 HeadCost = Literal["norm", "squared"]
 MlpCost = Literal["inner", "l1"]
 Stop = Literal["converged", "fixed"]
@@ -56,7 +54,7 @@ class WeightOptions:
     official code differs in more (docs/matching.md).
     """
 
-    start: Start = option(DEFAULT_START, "where it starts the residual map: 'relaxed': solved first with every unit "
+    start: Start = option("relaxed", "where it starts the residual map: 'relaxed': solved first with every unit "
                           "map relaxed to an orthogonal one, which assumes nothing of B's basis; 'identity' (the old "
                           "default, which can end in a local optimum even for a transformed copy of B); or "
                           "'embeddings': Procrustes on the embeddings and the head alone (the official GLMC code's "
