@@ -24,7 +24,7 @@ from typing import Any
 from glmc.core.options import coerce, from_keys, keyed, option, to_keys
 from glmc.device import check_name
 from glmc.errors import ConfigError, check_options
-from glmc.match.options import TARGETS, LearnConfig, MatchOptions, Targets, WeightOptions
+from glmc.match.options import TARGETS, LearnConfig, MatchOptions, SymmetryOptions, Targets, WeightOptions
 from glmc.match.registry import METHODS
 from glmc.merging.corrections import Corrections
 from glmc.merging.options import MergeOptions
@@ -129,7 +129,8 @@ class Deployment:
                  f"{self.node_wait_timeout}")
 
 
-SECTIONS: dict[str, type] = {"weight": WeightOptions, "learn": LearnConfig, "robustness": Robustness,
+SECTIONS: dict[str, type] = {"symmetry": SymmetryOptions, "weight": WeightOptions, "learn": LearnConfig,
+                             "robustness": Robustness,
                              "corrections": Corrections, "deployment": Deployment}
 
 
@@ -198,6 +199,7 @@ class RunSettings:
     fault_partition: int = -1  # TEST HOOK: this partition replies NaN weights (-1 = off)
     attack: str = "none"  # TEST HOOK: the attack-partition's well-formed hostile reply (client.attacks.ATTACKS)
     attack_partition: int = -1  # TEST HOOK: the partition that attacks (-1 = none)
+    symmetry: SymmetryOptions = field(default_factory=SymmetryOptions)  # group: the part of the group searched
     weight: WeightOptions = field(default_factory=WeightOptions)  # weight-*: weight matching, everywhere it runs
     learn: LearnConfig = field(default_factory=LearnConfig)  # refine-*, server-steps: the learned refinement
     robustness: Robustness = field(default_factory=Robustness)  # the defences (glmc.merging.robust)
@@ -281,7 +283,7 @@ class RunSettings:
         the universe iterations and workers, the corrections on all the server data, robustness, the guard and the
         device; a merge without matching folds the clients' norms (the canonical ablation)."""
         method = AGGREGATION_TABLE[self.aggregation].method or "none"
-        match = MatchOptions(weight=self.weight, learn=self.learn_options)
+        match = MatchOptions(weight=self.weight, learn=self.learn_options, symmetry=self.symmetry)
         return MergeOptions(method, match, max_iters=self.align_iters, workers=self.align_workers,
                             corrections=self.corrections, robustness=self.robustness, min_gain=self.min_alignment_gain,
                             fold_norms=True, device=self.server_device)

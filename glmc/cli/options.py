@@ -10,14 +10,16 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from glmc.core.options import Declared, declared
 from glmc.errors import ConfigError
-from glmc.match.options import ActivationOptions, LearnConfig, MatchOptions, WeightOptions
+from glmc.match.options import ActivationOptions, LearnConfig, MatchOptions, SymmetryOptions, WeightOptions
 from glmc.match.registry import OPTION_SECTIONS
 
 if TYPE_CHECKING:
     from glmc.symmetry.canonical import Form
 
 # Each section of MatchOptions: its class and how its flags' help begins.
-SECTIONS: dict[str, tuple[type, str]] = {"weight": (WeightOptions, "weight matching"),
+SECTIONS: dict[str, tuple[type, str]] = {"symmetry": (SymmetryOptions, "every matcher but the permutation-only "
+                                                                      "ones"),
+                                         "weight": (WeightOptions, "weight matching"),
                                          "activation": (ActivationOptions, "activation matching"),
                                          "learn": (LearnConfig, "learned methods")}
 
@@ -94,7 +96,8 @@ def match_options(args: argparse.Namespace, form: Form = "standard", batch: int 
     default), the learned methods' progress bar unless --quiet."""
     activation = {"batch": batch} if batch is not None else {}
     return MatchOptions(form, section_from(args, "weight"), section_from(args, "activation", **activation),
-                        section_from(args, "learn", progress=not getattr(args, "quiet", True)))
+                        section_from(args, "learn", progress=not getattr(args, "quiet", True)),
+                        section_from(args, "symmetry"))
 
 
 def parse_match_flags(flags: list[str]) -> MatchOptions:

@@ -7,6 +7,7 @@ first and returns B transformed by an exact symmetry, so it computes the same fu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,11 +20,12 @@ from glmc.core.spec import check_same_shapes
 from glmc.core.state import State, cast
 from glmc.device import to_device
 from glmc.errors import ConfigError
+from glmc.match.balance import balance, balances
 from glmc.match.common import MatchResult
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.symmetry.canonical import CENTRED, canonicalize
-from glmc.symmetry.transforms import Transform, apply
+from glmc.symmetry.transforms import Transform, apply, compose, invert
 
 
 @dataclass
@@ -67,5 +69,23 @@ def align_pair(
     a, b = (canonicalize(arch, s, cfg, form, dtype) for s in (native_a, native_b))
     if not entry.matches:
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
-    result = entry.match()(a, b, cfg, data, options)
-    return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)
+    if not balances(method, options):
+        result = entry.match()(a, b, cfg, data, options)
+        return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)
+    return _balanced(a, b, cfg, method, options, data)
+
+
+def _balanced(a: State, b: State, cfg: ModelConfig, method: str, options: MatchOptions,
+              data: Dataset | None) -> Alignment:
+    """The matching over the whole group: both models balanced (:mod:`glmc.match.balance`), the balanced pair
+    matched, and B moved by D_A⁻¹ ∘ T ∘ D_B, so it lands next to A as given. The transform is that whole map, applied
+    to B once; for a soft matching, whose reorderings are dense and do not compose, T ∘ D_B is applied in two steps
+    and the result keeps D_A⁻¹ ∘ T, the map from balanced B."""
+    spec = get_arch(cfg.family).spec
+    (a_bal, d_a), (b_bal, d_b) = balance(a, cfg), balance(b, cfg)
+    result = get_method(method).match()(a_bal, b_bal, cfg, data, options)
+    back = compose(invert(d_a), result.transform)
+    if not back.indexed:
+        return Alignment(a, apply(b_bal, spec, back, cfg.heads), method, dataclasses.replace(result, transform=back))
+    whole = compose(back, d_b)
+    return Alignment(a, apply(b, spec, whole, cfg.heads), method, dataclasses.replace(result, transform=whole))

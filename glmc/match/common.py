@@ -64,6 +64,20 @@ def head_factors(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
     return torch.stack([q, k, v]), out, kv
 
 
+def kv_factors(qkv: torch.Tensor, out: torch.Tensor, kv: int,
+               ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Per KV head, the factors its within-head maps act on, from :func:`head_factors`' output: ((q, k), (v, o)),
+    each (H_kv, d_h, ·); q is the group's queries side by side, which M moves (k takes M⁻ᵀ), o the group's output
+    factors W_Oᵀ, which take N⁻ᵀ where v takes N."""
+    first = torch.arange(0, qkv.shape[1], qkv.shape[1] // kv)  # a group's k and v, once
+    return (_by_group(qkv[0], kv), qkv[1, first]), (qkv[2, first], _by_group(out, kv))
+
+
+def _by_group(x: torch.Tensor, kv: int) -> torch.Tensor:
+    """(H, d_h, m) per query head → (H_kv, d_h, G·m): a group's queries side by side."""
+    return x.reshape(kv, -1, *x.shape[1:]).permute(0, 2, 1, 3).reshape(kv, x.shape[1], -1)
+
+
 def head_circuits(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int, heads: int,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (H, m, m) QK circuits Q̃ᵀK̃ and (H, d, m) OV circuits O Ṽ, one per query head, over x̃ = [x; 1]

@@ -77,6 +77,21 @@ class WeightOptions:
 
 
 @dataclass(frozen=True)
+class SymmetryOptions:
+    """Which part of each family's declared symmetry group a matcher searches: the whole of it (both models balanced
+    along the non-orthogonal classes first, :mod:`glmc.match.balance`: within-head invertible maps, rotary pair
+    scales, MLP unit scales), or only its orthogonal part (the matchers before 2026-12-06)."""
+
+    group: Literal["whole", "orthogonal"] = option(
+        "whole", "the symmetry group searched: the whole declared group (each model balanced along its invertible "
+        "within-head maps, rotary pair scales and MLP unit scales first, which undoes any transform from it), or "
+        "its orthogonal part only", key="group")
+
+    def __post_init__(self) -> None:
+        check_choices(self, "symmetry")
+
+
+@dataclass(frozen=True)
 class ActivationOptions:
     """Activation matching's sample: the first ``batch`` inputs of the data it is given."""
 
@@ -167,4 +182,5 @@ class MatchOptions:
     weight: WeightOptions = field(default_factory=WeightOptions)
     activation: ActivationOptions = field(default_factory=ActivationOptions)
     learn: LearnConfig = field(default_factory=LearnConfig)
+    symmetry: SymmetryOptions = field(default_factory=SymmetryOptions)
 

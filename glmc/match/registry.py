@@ -58,25 +58,30 @@ class Method:
         return getattr(importlib.import_module(module), name)
 
 
-WEIGHT = ("weight",)  # weight matching's options (glmc.match.options.WeightOptions)
-LEARNED = ("weight", "learn")  # the learned methods: the weight matching they start from, then LearnConfig
+# A method that reads ``symmetry`` searches the whole declared group unless told otherwise (SymmetryOptions); the
+# permutation-only ablations search their subgroup and do not.
+WEIGHT = ("symmetry", "weight")  # weight matching's options (glmc.match.options.WeightOptions)
+LEARNED = ("symmetry", "weight", "learn")  # the learned methods: the weight matching they start from, then LearnConfig
+PERMUTATIONS = ("weight",)  # weight matching's options, on permutations alone
+LEARNED_PERMUTATIONS = ("weight", "learn")
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("none", "no alignment: the models as trained (the vanilla baseline)", None, merge_pairwise="none"),
     Method("weight", "weight matching: residual orthogonal maps, head and MLP permutations, within-head maps (§4.1)",
            "glmc.match.weight:pairwise", WEIGHT, merge_pairwise="weight", host_when_small=True),
     Method("weight-perm", "weight matching with head and MLP permutations only, the residual stream left alone",
-           "glmc.match.weight:pairwise_permutations", WEIGHT, merge_pairwise="weight-perm"),
+           "glmc.match.weight:pairwise_permutations", PERMUTATIONS, merge_pairwise="weight-perm"),
     Method("weight-perm-stream", "weight matching with permutations only: of the residual stream, heads and MLP units",
-           "glmc.match.weight:pairwise_stream_permutations", WEIGHT, merge_pairwise="weight-perm-stream"),
+           "glmc.match.weight:pairwise_stream_permutations", PERMUTATIONS, merge_pairwise="weight-perm-stream"),
     Method("activation", "activation matching: correlations of the models' activations on training inputs",
-           "glmc.match.activation:pairwise", ("activation",), reads_data=True, reads_sample=True,
+           "glmc.match.activation:pairwise", ("symmetry", "activation"), reads_data=True, reads_sample=True,
            merge_pairwise="activation"),
     Method("learned", "learned matching: the maps trained so that the midpoint model's loss falls (Algorithm 1)",
            "glmc.match.learned:pairwise", LEARNED, reads_data=True, reads_labels=True, learns=True,
            merge_pairwise="weight", refines=True),
     Method("learned-perm", "learned matching with permutations only",
-           "glmc.match.learned:pairwise_permutations", LEARNED, reads_data=True, reads_labels=True, learns=True),
+           "glmc.match.learned:pairwise_permutations", LEARNED_PERMUTATIONS, reads_data=True, reads_labels=True,
+           learns=True),
     Method("soft", "soft permutations: doubly stochastic mixing, learned (approximates B; paper App. D)",
            "glmc.match.soft:pairwise", LEARNED, reads_data=True, reads_labels=True, learns=True, exact=False),
     Method("dual", "dual learned matching: both endpoints learn their maps toward one shared path",

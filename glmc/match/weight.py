@@ -33,6 +33,7 @@ from glmc.match.common import (
     grouped_assignment,
     head_factors,
     kind_first,
+    kv_factors,
     matched_order,
     require_finite,
 )
@@ -242,11 +243,6 @@ def _within_head(fa: list[torch.Tensor], fb: list[torch.Tensor], rotary: int = 0
     return maps
 
 
-def _by_group(x: torch.Tensor, kv: int) -> torch.Tensor:
-    """(H, d_h, m) per query head → (H_kv, d_h, G·m): a group's queries side by side."""
-    return x.reshape(kv, -1, *x.shape[1:]).permute(0, 2, 1, 3).reshape(kv, x.shape[1], -1)
-
-
 def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
                 layer: int, heads: int, within: bool, options: WeightOptions = WeightOptions(), rotary: int = 0,
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -257,14 +253,13 @@ def solve_heads(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], sp
                                      kv)
     if not within:
         return perm, group, None, None
-    g = heads // kv
     order = matched_order(perm, group, heads)
     qkv_b, o_b = qkv_b[:, order], o_b[order]
-    first = torch.arange(0, heads, g)  # a group's k and v, once
+
     def stacked(qkv: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
         """Per KV head, the factors its q/k map and its v/o map act on: its queries and k; v and its outputs."""
-        return [torch.cat([_by_group(qkv[0], kv), qkv[1, first]], -1),
-                torch.cat([qkv[2, first], _by_group(out, kv)], -1)]
+        (q, k), (v, o) = kv_factors(qkv, out, kv)
+        return [torch.cat([q, k], -1), torch.cat([v, o], -1)]
 
     qk, ov = _within_head(stacked(qkv_a, o_a), stacked(qkv_b, o_b), rotary)
     return perm, group, qk, ov

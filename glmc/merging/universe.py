@@ -32,6 +32,7 @@ from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_weights
+from glmc.match.balance import balance, balances
 from glmc.match.common import MatchResult, sq_distance
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
@@ -215,8 +216,12 @@ def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOp
         merged = lstsq_merge(aligned, placements, weights)
         record = IterationRecord(0, _mean_distance(aligned, merged), 0.0, 0.0, time.perf_counter() - start, method)
         return UniverseResult(aligned, placements, transforms, merged, [record])
-    universe = dict(anchor) if anchor is not None else aligned[reference]
     match = dataclasses.replace(options.match, form="standard")
+    if balances(method, match):  # the whole group searched: every model, and the anchor, balanced first
+        balanced = [balance(s, cfg) for s in aligned]
+        aligned, transforms = [s for s, _ in balanced], [t for _, t in balanced]
+        anchor = None if anchor is None else balance(anchor, cfg)[0]
+    universe = dict(anchor) if anchor is not None else aligned[reference]
     if options.workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
         data = _small_dataset(data, match.activation.batch if get_method(method).reads_sample else None)
     job = _Job(method, cfg, data, match)
