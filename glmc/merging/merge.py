@@ -19,7 +19,6 @@ from glmc.core.state import State, cast
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta
-from glmc.match.balance import balance, balances
 from glmc.match.registry import get_method
 from glmc.merging.options import MergeOptions
 from glmc.merging.robust import Clipping, Robustness, clip, coordinatewise, recentre_round, screen, unclipped
@@ -96,10 +95,6 @@ def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mappin
     raw = not entry.matches and not options.fold_norms and all(c == target for c in configs)
     states = [_canonical(arch, to_device(m.state, options.device), m.config, raw) for m in members]
     start = _canonical(arch, to_device(anchor, options.device), target, False) if anchor is not None else None
-    if entry.merge_pairwise is not None and balances(entry.merge_pairwise, options.match):
-        # screened and clipped as universe matching will see them: balanced (which it does again, to no effect)
-        states = [balance(s, c)[0] for s, c in zip(states, configs, strict=True)]
-        start = None if start is None else balance(start, target)[0]
     starts, robust = [m.placement for m in members], options.robustness
     early = around_anchor(screen, states, configs, starts, start, target, robust.clip_ratio)  # no runaway matched
     before = embedded_distance(early.states, configs, target, starts)
