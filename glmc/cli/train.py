@@ -57,13 +57,13 @@ def run_train(args: argparse.Namespace) -> int:
     from glmc.core.config import preset, scale_width
     from glmc.data.tasks import load_task, train_on_fraction
     from glmc.io.checkpoint import CheckpointMeta, check_out, save_checkpoint
-    from glmc.merging.widths import require_widths_may_differ
+    from glmc.merging.widths import require_width_tier
     from glmc.train import evaluate, seed_everything, train
 
     check_out(args.out, args.force)
     if args.width_mult != 1:  # a narrower (or wider) model is trained to be merged with others of its family
-        require_widths_may_differ(preset(args.model).family, f"--width-mult {args.width_mult:g}",
-                                  "train it at --width-mult 1")
+        require_width_tier(preset(args.model), args.width_mult, f"--width-mult {args.width_mult:g}",
+                           "train it at --width-mult 1 or one whose model nests in it (0.5, 2, ...)")
     shape = scale_width(preset(args.model), args.width_mult)
     if args.dropout is not None:
         shape = shape.replace(dropout=args.dropout)
