@@ -25,8 +25,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the order of the data")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the training split")
     parser.add_argument("--width-mult", type=float, default=1.0,
-                        help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2; ViT and GPT-2 "
-                             "only: other families cannot yet merge models of different widths)")
+                        help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2): whole KV groups; "
+                             "a post-LayerNorm model by whole factors, and only with ReLU")
     parser.add_argument("--dropout", type=float, help="dropout while training, in [0, 1) (embeddings, attention, "
                         "residual writes); default: the preset's (0.1 for gpt2-paper, else 0)")
     parser.add_argument("--batch-size", type=int, help="default: the dataset's")
