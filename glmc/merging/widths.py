@@ -6,20 +6,22 @@ the spec: the residual stream through a semi-orthogonal ``E`` (D, d) with ``E·1
 coordinates of a head and MLP units through index maps (the rest are zero heads and dead neurons). Every
 function here reads only the spec, the arch's writer and LayerNorm tables, and the configs.
 
-Embedding a standard-form state is exact. A pre-norm stream (LayerNorm or RMSNorm, gains folded): writers take
-``E W``; the centring of a LayerNorm commutes with ``E`` because E maps 1 to 1 (an RMSNorm has none, so it would
-need only orthonormal columns), and the root mean square over D of ``E x`` is √(d/D) times the one over d once
-the eps becomes ``eps·d/D`` (√(‖x‖²/D + eps·d/D) = √(d/D)·√(‖x‖²/d + eps)), so the norm's output is √(D/d)·E n(x)
-and its readers take ``W Eᵀ·√(d/D)``; an LN bias read by a bias-less reader becomes ``√(D/d)·E β``. A
-post-LayerNorm stream (x ← γ ⊙ n(x + f(x)) + β, nothing folded) is read as it is, so every residual axis takes E
-alone, readers ``W Eᵀ`` and the gain and bias ``E γ``, ``E β``: with the same eps·d/D, n(E y) = √(D/d)·E n(y),
-and ``(E γ) ⊙ √(D/d)·E z = E(γ ⊙ z)`` holds for every γ only when each row of E has one nonzero, which with E's
-orthonormal columns and E·1 ∝ 1 means each coordinate repeated D/d times with weight √(d/D), so D must be a
-multiple of d. Heads move whole, by KV head (a group's G query heads with it) and coordinate; zero q/k rows in a
-head change 1/√d_h, so q is scaled by √(d_h'/d_h), and rotary positions forbid that (their frequencies and the
-pairing of i with i + r/2 depend on d_h), so they keep d_h. Gated MLP units move with their gate rows; a zero
-``up`` row makes a dead unit whatever the gate. :func:`widen` instead fills the extra heads and units with copies
-of the model's own (Net2Net), also exactly.
+Embedding a standard-form state is exact. A pre-norm stream (LayerNorm or RMSNorm, gains folded): writers take ``E
+W``; the centring of a LayerNorm commutes with ``E`` because E maps 1 to 1 (an RMSNorm has none, so it would need
+only orthonormal columns), and the root mean square over D of ``E x`` is √(d/D) times the one over d once the eps
+becomes ``eps·d/D`` (√(‖x‖²/D + eps·d/D) = √(d/D)·√(‖x‖²/d + eps)), so the norm's output is √(D/d)·E n(x) and its
+readers take ``W Eᵀ·√(d/D)``; an LN bias read by a bias-less reader becomes ``√(D/d)·E β``. A post-LayerNorm stream
+(x ← γ ⊙ n(x + f(x)) + β, nothing folded) is read as it is, so every residual axis takes E alone, readers ``W Eᵀ``
+and the gain and bias ``E γ``, ``E β``: with the same eps·d/D, n(E y) = √(D/d)·E n(y), and ``(E γ) ⊙ √(D/d)·E z =
+E(γ ⊙ z)`` holds for every γ only when each row of E has one nonzero, which with E's orthonormal columns and E·1 ∝ 1
+means each coordinate repeated D/d times with weight √(d/D), so D must be a multiple of d. A GELU between two
+residual-width spaces (a masked-LM head) does not pass that √(d/D) through; an exact embedding would repeat the
+stream at scale 1 and the head's norm at d/D, which needs the head's space declared apart from the stream's, so a
+post-LayerNorm model changes width only with ReLU. Heads move whole, by KV head (a group's G query heads with it)
+and coordinate; zero q/k rows in a head change 1/√d_h, so q is scaled by √(d_h'/d_h), and rotary positions forbid
+that (their frequencies and the pairing of i with i + r/2 depend on d_h), so they keep d_h. Gated MLP units move
+with their gate rows; a zero ``up`` row makes a dead unit whatever the gate. :func:`widen` instead fills the extra
+heads and units with copies of the model's own (Net2Net), also exactly.
 """
 
 from __future__ import annotations
