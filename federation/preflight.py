@@ -1,7 +1,7 @@
 """A run config checked whole before round 1, each error one line naming the key and its choices: the keys
 themselves (a misspelled one gets its nearest names), what RunSettings checks of every value, then what the data and
-the model can take: a dataset that can be split among clients, a partitioner that splits it, width tiers the model's
-family can merge. The ServerApp and every ClientApp read their config through :func:`check_run_config`, and so does
+the model can take: a dataset that can be split among clients, a partitioner that splits it, width tiers whose models
+nest in the full one. The ServerApp and every ClientApp read their config through :func:`check_run_config`, and so does
 ``flwr run`` itself before it submits a run (``server/submission.py``)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from glmc.archs import get_arch
 from glmc.core.config import ModelConfig, preset
 from glmc.data.hub import HUB_DATASETS
 from glmc.errors import ConfigError
-from glmc.merging.widths import require_widths_may_differ
+from glmc.merging.widths import require_width_tier
 
 TEXT_SPLITS = {"shakespeare": NATURAL_SPLITS}  # text datasets and their natural clients (LEAF)
 FEDERATED_DATASETS = (*HUB_DATASETS, *TEXT_SPLITS)  # labelled images take the label splits
@@ -47,9 +47,10 @@ def check_fit(settings: RunSettings, cfg: ModelConfig) -> None:
     """ConfigError unless the dataset can be split by ``settings.partitioner`` for a model of ``cfg`` and its family
     can merge the width tiers."""
     check_partitioner(settings.partitioner, settings.dataset, cfg.family)
-    if any(tier != 1 for tier in settings.width_tiers):
-        tiers = ",".join(f"{t:g}" for t in settings.width_tiers)
-        require_widths_may_differ(cfg.family, f"width-tiers '{tiers}'", "use width-tiers='1'")
+    tiers = ",".join(f"{t:g}" for t in settings.width_tiers)
+    for tier in settings.width_tiers:
+        if tier != 1:
+            require_width_tier(cfg, tier, f"width-tiers '{tiers}'", "use width-tiers whose models nest (1, 0.5, ...)")
 
 
 def fitting_partitioners(dataset: str, family: str) -> tuple[str, ...]:

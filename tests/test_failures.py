@@ -166,16 +166,16 @@ def test_metrics_files_survive_a_write_that_fails_half_way(tmp_path: Path, monke
     assert "0.5" in before and len(before.splitlines()) == 2
 
 
-def test_a_family_whose_widths_cannot_differ_is_refused_narrower_tiers_before_round_1() -> None:
-    """Separate q, k, v projections are not sliced: width tiers below 1 are one line, equal widths run."""
+def test_a_tier_that_splits_a_kv_group_is_refused_before_round_1() -> None:
+    """Grouped queries keep whole groups: a tier that splits one is one line, tiers that keep them run."""
     from federation.preflight import check_fit
     from glmc.core.config import preset
     from glmc.errors import ConfigError
     from server.app import reply_schema
 
     cfg = preset("llama-tiny").replace(vocab_size=20, context=8)
-    with pytest.raises(ConfigError, match=r"width-tiers '1,0\.5': llama models of different widths cannot") as err:
-        check_fit(RunSettings(model="llama-tiny", dataset="shakespeare", width_tiers=(1.0, 0.5)), cfg)
-    assert "\n" not in str(err.value) and "use width-tiers='1'" in str(err.value)
-    check_fit(RunSettings(model="llama-tiny", dataset="shakespeare"), cfg)
+    with pytest.raises(ConfigError, match=r"width-tiers '1,0\.25': llama models of these widths cannot") as err:
+        check_fit(RunSettings(model="llama-tiny", dataset="shakespeare", width_tiers=(1.0, 0.25)), cfg)
+    assert "\n" not in str(err.value) and "use width-tiers whose models nest" in str(err.value)
+    check_fit(RunSettings(model="llama-tiny", dataset="shakespeare", width_tiers=(1.0, 0.5)), cfg)
     assert reply_schema(RunSettings(model="llama-tiny"), cfg) is not None

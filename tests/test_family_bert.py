@@ -255,7 +255,7 @@ def test_forms_and_widths_a_post_layernorm_family_lacks_are_refused_in_one_line(
     with pytest.raises(ConfigError, match=refusal) as err:
         canonicalize(arch, random_native(cfg, 0), cfg, "rmsnorm")
     assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match="widths cannot differ") as err:
+    with pytest.raises(ConfigError, match="post-LayerNorm stream's norm statistics change with the width") as err:
         check_embeddable(cfg.replace(width=30, heads=2, mlp=40, head_dim=15), cfg)
     assert "\n" not in str(err.value)
     assert preset("bert-tiny").norm_eps == 1e-12 and arch.hf_class == "BertForMaskedLM"

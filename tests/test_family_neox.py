@@ -199,15 +199,15 @@ def test_options_glmc_does_not_model_are_refused_in_one_line(model, message: str
 
 
 def test_what_neox_cannot_do_is_refused_in_one_line() -> None:
-    """No circuit forms (q|k|v are not fused in thirds), no width changes, no REPAIR without attention biases, no
-    parallel residual outside the families that have one."""
+    """No circuit forms (q|k|v are not fused in thirds), no head size change (rotary positions), no REPAIR without
+    attention biases, no parallel residual outside the families that have one."""
     cfg = NEOX_CONFIGS["neox-nobias"]
     arch = get_arch(cfg.family)
     state = canonicalize(arch, random_native(cfg, 0), cfg)
     errors = []
     for attempt, message in [
         (lambda: canonicalize(arch, build_model(cfg).state_dict(), cfg, "circuit"), "only the standard and rmsnorm"),
-        (lambda: check_embeddable(cfg.replace(mlp=20), cfg), "widths cannot differ"),
+        (lambda: check_embeddable(cfg.replace(width=24, heads=3, head_dim=8), cfg), "rotary positions fix"),
         (lambda: repair(state, [state], cfg, TensorDataset(inputs(cfg, 4), inputs(cfg, 4))), "attn.proj has none"),
         (lambda: preset("gpt2-tiny").replace(parallel_residual=True), "parallel_residual needs one of neox"),
     ]:

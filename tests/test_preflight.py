@@ -30,7 +30,11 @@ def test_a_datasets_default_partitioner_fits_it() -> None:
     ({"dataset": "shakespeare-bpe", "model": "gpt2-tiny"}, "dataset 'shakespeare-bpe' cannot be split among clients"),
     ({"dataset": "shakespeare", "model": "bert-tiny"}, "a bert model learns masked tokens"),
     ({"model": "gpt2-tiny", "dataset": "shakespeare", "width-tiers": "1,0.5"}, None),  # GPT-2 widths may differ
-    ({"model": "neox-tiny", "dataset": "shakespeare", "width-tiers": "0.5"}, "width-tiers '0.5': neox models"),
+    ({"model": "neox-tiny", "dataset": "shakespeare", "width-tiers": "1,0.5,0.25"}, None),  # every family's may
+    ({"model": "llama-tiny", "dataset": "shakespeare", "width-tiers": "1,0.5"}, None),
+    ({"model": "llama-tiny", "dataset": "shakespeare", "width-tiers": "1,0.25"},
+     "width-tiers '1,0.25': llama models of these widths cannot be merged (width multiplier 0.25 does not divide the "
+     "2 KV heads"),
 ])
 def test_a_bad_run_config_is_one_line_naming_the_key_and_its_choices(config, expect) -> None:
     if expect is None:

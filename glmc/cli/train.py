@@ -25,8 +25,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the order of the data")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the training split")
     parser.add_argument("--width-mult", type=float, default=1.0,
-                        help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2; ViT and GPT-2 "
-                             "only: other families cannot yet merge models of different widths)")
+                        help="scale width, MLP and heads, head size fixed (0.25, 0.5, 1, 2): whole KV groups; "
+                             "a post-LayerNorm model by whole factors, and only with ReLU")
     parser.add_argument("--dropout", type=float, help="dropout while training, in [0, 1) (embeddings, attention, "
                         "residual writes); default: the preset's (0.1 for gpt2-paper, else 0)")
     parser.add_argument("--batch-size", type=int, help="default: the dataset's")
@@ -57,13 +57,13 @@ def run_train(args: argparse.Namespace) -> int:
     from glmc.core.config import preset, scale_width
     from glmc.data.tasks import load_task, train_on_fraction
     from glmc.io.checkpoint import CheckpointMeta, check_out, save_checkpoint
-    from glmc.merging.widths import require_widths_may_differ
+    from glmc.merging.widths import require_width_tier
     from glmc.train import evaluate, seed_everything, train
 
     check_out(args.out, args.force)
     if args.width_mult != 1:  # a narrower (or wider) model is trained to be merged with others of its family
-        require_widths_may_differ(preset(args.model).family, f"--width-mult {args.width_mult:g}",
-                                  "train it at --width-mult 1")
+        require_width_tier(preset(args.model), args.width_mult, f"--width-mult {args.width_mult:g}",
+                           "train it at --width-mult 1 or one whose model nests in it (0.5, 2, ...)")
     shape = scale_width(preset(args.model), args.width_mult)
     if args.dropout is not None:
         shape = shape.replace(dropout=args.dropout)

@@ -158,15 +158,21 @@ def preset(name: str) -> ModelConfig:
 
 
 def scale_width(cfg: ModelConfig, mult: float) -> ModelConfig:
-    """Scale d, f and H by ``mult`` with d_h fixed: below 1 as HeteroFL-style width tiers do, above 1 for a wider
-    model of the same shape (the federated tiers check their own range)."""
+    """Scale d, f and the KV heads H_kv by ``mult`` with d_h and the query heads per KV head G fixed: below 1 as
+    HeteroFL-style width tiers do (whole KV groups, so that grouped queries keep their groups, and whole heads, so
+    that rotary positions keep their frequencies), above 1 for a wider model of the same shape (the federated tiers
+    check their own range)."""
     if not 0 < mult < math.inf:  # NaN fails too
         raise ConfigError(f"width multiplier must be positive and finite, got {mult}")
-    heads = cfg.heads * mult
-    if abs(heads - round(heads)) > 1e-9 or round(heads) < 1:
-        raise ConfigError(f"width multiplier {mult} does not divide the {cfg.heads} heads")
-    mlp = cfg.mlp * mult
-    if abs(mlp - round(mlp)) > 1e-9:
-        raise ConfigError(f"width multiplier {mult} does not divide the MLP width {cfg.mlp}")
-    h = round(heads)
-    return cfg.replace(width=h * cfg.head_dim, heads=h, mlp=round(mlp), head_dim=cfg.head_dim)
+    heads = f"{cfg.kv_heads} heads" if cfg.kv_heads == cfg.heads else f"{cfg.kv_heads} KV heads (whole groups)"
+    kv, mlp, width = (_scaled(size, mult, label) for size, label in
+                      ((cfg.kv_heads, heads), (cfg.mlp, f"MLP width {cfg.mlp}"), (cfg.width, f"width {cfg.width}")))
+    return cfg.replace(width=width, heads=kv * cfg.group, kv_heads=kv, mlp=mlp, head_dim=cfg.head_dim)
+
+
+def _scaled(size: int, mult: float, label: str) -> int:
+    """size·mult (positive, as mult is), or a ConfigError naming ``label`` where it is no whole number."""
+    scaled = size * mult
+    if abs(scaled - round(scaled)) > 1e-9:
+        raise ConfigError(f"width multiplier {mult} does not divide the {label}")
+    return round(scaled)

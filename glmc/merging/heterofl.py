@@ -2,10 +2,12 @@
 Communication Efficient Federated Learning for Heterogeneous Clients", ICLR 2021, arXiv:2010.01264).
 
 A client of width tier r holds the leading slice of every axis of the global model: the first r·d residual
-coordinates (LayerNorm gains included), the first r·H heads (in each of q, k and v, and in the columns the
-output projection reads), and the first r·f MLP units. Aggregation averages every entry over the clients
-that hold it, weighted by example counts; an entry no client holds keeps its global value. At equal widths
-this is FedAvg. The slices are read from the symmetry spec's axis kinds, so no architecture is named here.
+coordinates (LayerNorm and RMSNorm gains included), the first r·H heads (in each of q, k and v, and in the columns
+the output projection reads; with grouped-query attention the first r·H_kv KV heads and the G query heads of each,
+whole groups), and the first r·f MLP units (a gated MLP's gate rows with them). Heads keep their size. Aggregation
+averages every entry over the clients that hold it, weighted by example counts; an entry no client holds keeps its
+global value. At equal widths this is FedAvg. The slices are read from the symmetry spec's axis kinds, so no
+architecture is named here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
-from glmc.core.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, expand
+from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, NORM, QKV, RES, AxisKind, K, Q, V, expand
 from glmc.core.state import State
 
 
@@ -24,12 +26,14 @@ def _axis_index(kind: AxisKind | None, size: int, narrow: ModelConfig, full: Mod
     """Indices of the global axis (length ``size``) that a ``narrow`` client holds."""
     if kind in (RES, NORM):
         return torch.arange(narrow.width)
-    if kind in (MLP, MLP_IN):
+    if kind in (MLP, MLP_GATE, MLP_IN):
         return torch.arange(narrow.mlp)
-    if kind in (QKV, HEADS):
-        blocks = 3 if kind == QKV else 1  # fused q|k|v rows are (3, H, d_h); proj columns are (H, d_h)
-        grid = torch.arange(size).reshape(blocks, full.heads, full.head_dim)
-        return grid[:, : narrow.heads, : narrow.head_dim].reshape(-1)
+    if kind in (QKV, Q, K, V, HEADS):
+        # fused q|k|v rows are (3, H, d_h), q rows and proj columns (H, d_h), k and v rows (H_kv, d_h); a query
+        # head's index is its KV head's times G plus its place in the group, so the first heads are whole groups
+        count = "kv_heads" if kind in (K, V) else "heads"
+        grid = torch.arange(size).reshape(-1, getattr(full, count), full.head_dim)
+        return grid[:, : getattr(narrow, count), : narrow.head_dim].reshape(-1)
     return torch.arange(size)
 
 
@@ -54,7 +58,7 @@ def restrict(global_native: Mapping[str, torch.Tensor], full: ModelConfig, narro
     arch = get_arch(full.family)
     canonical = arch.to_canonical(global_native, full)
     where = _canonical_positions(canonical, narrow, full)
-    return arch.to_native({k: v.reshape(-1)[where[k]] for k, v in canonical.items()}, full)
+    return arch.to_native({k: v.reshape(-1)[where[k]] for k, v in canonical.items()}, narrow)
 
 
 def merge(states: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], weights: Sequence[float],
@@ -66,7 +70,7 @@ def merge(states: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelC
     count = {k: torch.zeros(v.numel(), dtype=torch.float64) for k, v in base.items()}
     for state, cfg, weight in zip(states, configs, weights, strict=True):
         where = _canonical_positions(base, cfg, full)
-        for name, value in arch.to_canonical(state, full).items():
+        for name, value in arch.to_canonical(state, cfg).items():
             total[name].index_add_(0, where[name].reshape(-1), weight * value.reshape(-1).double())
             count[name].index_add_(0, where[name].reshape(-1), torch.full((value.numel(),), float(weight),
                                                                           dtype=torch.float64))

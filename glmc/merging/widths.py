@@ -6,11 +6,22 @@ the spec: the residual stream through a semi-orthogonal ``E`` (D, d) with ``E·1
 coordinates of a head and MLP units through index maps (the rest are zero heads and dead neurons). Every
 function here reads only the spec, the arch's writer and LayerNorm tables, and the configs.
 
-Embedding a standard-form state is exact: the centring of LayerNorm commutes with ``E`` because E maps 1 to
-1, the root mean square over D is √(d/D) times the one over d, so readers take ``W Eᵀ·√(d/D)``, the LN eps
-becomes ``eps·d/D`` and an LN bias read by a bias-less head becomes ``√(D/d)·E β``. Zero q/k rows in a head
-change 1/√d_h, so q is scaled by √(d_h'/d_h). :func:`widen` instead fills the extra heads and units with copies of
-the model's own (Net2Net), also exactly.
+Embedding a standard-form state is exact. A pre-norm stream (LayerNorm or RMSNorm, gains folded): writers take ``E
+W``; the centring of a LayerNorm commutes with ``E`` because E maps 1 to 1 (an RMSNorm has none, so it would need
+only orthonormal columns), and the root mean square over D of ``E x`` is √(d/D) times the one over d once the eps
+becomes ``eps·d/D`` (√(‖x‖²/D + eps·d/D) = √(d/D)·√(‖x‖²/d + eps)), so the norm's output is √(D/d)·E n(x) and its
+readers take ``W Eᵀ·√(d/D)``; an LN bias read by a bias-less reader becomes ``√(D/d)·E β``. A post-LayerNorm stream
+(x ← γ ⊙ n(x + f(x)) + β, nothing folded) is read as it is, so every residual axis takes E alone, readers ``W Eᵀ``
+and the gain and bias ``E γ``, ``E β``: with the same eps·d/D, n(E y) = √(D/d)·E n(y), and ``(E γ) ⊙ √(D/d)·E z =
+E(γ ⊙ z)`` holds for every γ only when each row of E has one nonzero, which with E's orthonormal columns and E·1 ∝ 1
+means each coordinate repeated D/d times with weight √(d/D), so D must be a multiple of d. A GELU between two
+residual-width spaces (a masked-LM head) does not pass that √(d/D) through; an exact embedding would repeat the
+stream at scale 1 and the head's norm at d/D, which needs the head's space declared apart from the stream's, so a
+post-LayerNorm model changes width only with ReLU. Heads move whole, by KV head (a group's G query heads with it)
+and coordinate; zero q/k rows in a head change 1/√d_h, so q is scaled by √(d_h'/d_h), and rotary positions forbid
+that (their frequencies and the pairing of i with i + r/2 depend on d_h), so they keep d_h. Gated MLP units move
+with their gate rows; a zero ``up`` row makes a dead unit whatever the gate. :func:`widen` instead fills the extra
+heads and units with copies of the model's own (Net2Net), also exactly.
 """
 
 from __future__ import annotations
@@ -21,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from glmc.archs import ARCHS, get_arch
-from glmc.core.config import ModelConfig
-from glmc.core.spec import HEADS, MLP, MLP_IN, NORM, QKV, RES, AxisKind, block_linears, expand
+from glmc.archs import get_arch
+from glmc.core.config import ModelConfig, scale_width
+from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, NORM, QKV, RES, AxisKind, K, Q, V, block_linears, expand
 from glmc.core.state import State
 from glmc.errors import ConfigError, SpecError
 from glmc.match.common import head_factors, kind_first
@@ -37,6 +48,8 @@ FILLS = ("zeros", "copies")
 WIDTH_FIELDS = ("width", "heads", "mlp", "head_dim", "norm_eps")
 WIDE_SIZES = (("width", "residual width d"), ("heads", "heads H"), ("head_dim", "head size d_h"),
               ("mlp", "MLP width f"))
+HEAD_KINDS = (QKV, Q, K, V, HEADS)  # axes that hold heads: they move by KV head and head coordinate
+UNIT_KINDS = (MLP, MLP_GATE, MLP_IN)  # axes that hold MLP units
 
 
 @dataclass
@@ -44,8 +57,9 @@ class Placement:
     """Where the units of a ``narrow`` model sit in the ``wide`` universe model.
 
     ``residual`` (D, d): orthonormal columns, E·1_d/√d = 1_D/√D for an exact embedding (a coordinate
-    selection gives HeteroFL's masks instead). ``heads[l]`` (H,) and ``mlp[l]`` (f,): the universe index
-    of each of the model's heads and MLP units. ``head_dim`` (d_h,): the coordinates of a head it uses.
+    selection gives HeteroFL's masks instead). ``heads[l]`` (H_kv,) and ``mlp[l]`` (f,): the universe index
+    of each of the model's KV heads (with its group of query heads; H_kv = H without grouped queries) and MLP
+    units. ``head_dim`` (d_h,): the coordinates of a head it uses.
     """
 
     narrow: ModelConfig
@@ -60,20 +74,14 @@ class Placement:
         return self.residual @ self.residual.T
 
 
-def widths_may_differ(family: str) -> bool:
-    """Whether models of ``family`` embed into wider ones: the fused q|k|v families (embedding separate q, k, v
-    projections, with grouped queries and rotary positions, is not implemented)."""
-    return any(QKV in axes for axes in get_arch(family).spec.values())
-
-
-def require_widths_may_differ(family: str, asked: str, instead: str) -> None:
-    """ConfigError naming what is missing where ``asked`` (e.g. "--width-mult 0.5") would give a ``family`` model a
-    width others of its family cannot be merged with; ``instead``: what to ask for."""
-    if not widths_may_differ(family):
-        may = ", ".join(f for f in ARCHS if widths_may_differ(f))
-        raise ConfigError(f"{asked}: {family} models of different widths cannot be merged (embedding separate q, k, v "
-                          f"projections, with grouped queries and rotary positions, is not implemented; {may} widths "
-                          f"may differ); {instead}")
+def require_width_tier(cfg: ModelConfig, mult: float, asked: str, instead: str) -> None:
+    """ConfigError (one line) naming what is missing where ``asked`` (e.g. "--width-mult 0.5") would give a ``cfg``
+    model a width others of its shape cannot be merged with; ``instead``: what to ask for."""
+    try:
+        other = scale_width(cfg, mult)
+        check_embeddable(*sorted((cfg, other), key=lambda c: c.width))
+    except ConfigError as err:
+        raise ConfigError(f"{asked}: {cfg.family} models of these widths cannot be merged ({err}); {instead}") from None
 
 
 def check_embeddable(narrow: ModelConfig, wide: ModelConfig) -> None:
@@ -92,13 +100,27 @@ def check_embeddable(narrow: ModelConfig, wide: ModelConfig) -> None:
     if narrow.group != wide.group:
         raise ConfigError(f"query heads per KV head differ ({narrow.group} vs {wide.group}): a narrower model must "
                           "keep its groups")
-    if narrow != wide and not widths_may_differ(wide.family):
-        raise ConfigError(f"a {wide.family} model's widths cannot differ: embedding separate q, k, v projections "
-                          "into a wider model is not implemented (equal widths only)")
+    if narrow.head_dim != wide.head_dim and wide.rotary_pct > 0:
+        raise ConfigError(f"head sizes differ ({narrow.head_dim} vs {wide.head_dim}): rotary positions fix a head's "
+                          "size (their frequencies and pairs depend on it)")
+    if narrow != wide and get_arch(wide.family).norm == "post":
+        _require_repeatable(narrow, wide)
     for name, label in WIDE_SIZES:
         if getattr(narrow, name) > getattr(wide, name):
             raise ConfigError(f"the target is narrower than an input: {label} {getattr(wide, name)} < "
                               f"{getattr(narrow, name)}")
+
+
+def _require_repeatable(narrow: ModelConfig, wide: ModelConfig) -> None:
+    """ConfigError unless a post-LayerNorm ``narrow`` embeds exactly by :func:`repeated_embedding`: D a multiple of
+    d, and no layer that reads and writes the stream's width (BERT's MLM head) applies an activation that the
+    embedding's √(d/D) does not pass through (ReLU does)."""
+    if wide.width % narrow.width:
+        raise ConfigError(f"a post-LayerNorm stream's norm statistics change with the width unless each coordinate "
+                          f"is repeated: residual width {wide.width} is not a multiple of {narrow.width}")
+    if wide.activation != "relu" and (RES, RES) in get_arch(wide.family).spec.values():
+        raise ConfigError(f"a post-LayerNorm {wide.family}'s {wide.activation} at the stream's width (its head) does "
+                          "not commute with the embedding's √(d/D) scale: only a relu one changes width")
 
 
 def residual_embedding(d: int, big: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -109,23 +131,42 @@ def residual_embedding(d: int, big: int, dtype: torch.dtype = torch.float64) -> 
     return (ones + ones_complement(big)[:, : d - 1] @ ones_complement(d).T).to(dtype)
 
 
+def repeated_embedding(d: int, big: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """E (D, d) repeating each coordinate D/d times with weight √(d/D) (D a multiple of d): the one embedding
+    whose rows have a single nonzero, so that it commutes with a post-LayerNorm's gains (module docstring)."""
+    return torch.eye(d, dtype=dtype).repeat_interleave(big // d, 0) * (d / big) ** 0.5
+
+
+def stream_embedding(narrow: ModelConfig, wide: ModelConfig, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The residual map of the default placement: :func:`repeated_embedding` on a post-LayerNorm stream, else
+    :func:`residual_embedding`."""
+    post = get_arch(wide.family).norm == "post"
+    return (repeated_embedding if post else residual_embedding)(narrow.width, wide.width, dtype)
+
+
 def place(narrow: ModelConfig, wide: ModelConfig, dtype: torch.dtype = torch.float64) -> Placement:
-    """The default placement: residual by :func:`residual_embedding`, the first H heads, d_h coordinates, f units."""
+    """The default placement: residual by :func:`stream_embedding`, the first H_kv KV heads (with their query
+    heads), d_h coordinates, f units."""
     check_embeddable(narrow, wide)
     first = [torch.arange(narrow.kv_heads) for _ in range(narrow.depth)]  # heads move by KV head, as transforms do
-    return Placement(narrow, wide, residual_embedding(narrow.width, wide.width, dtype), first,
+    return Placement(narrow, wide, stream_embedding(narrow, wide, dtype), first,
                      torch.arange(narrow.head_dim), [torch.arange(narrow.mlp) for _ in range(narrow.depth)])
 
 
 def principal_place(state: Mapping[str, torch.Tensor], narrow: ModelConfig, wide: ModelConfig) -> Placement:
-    """The placement keeping most of a wide canonical ``state`` (data-free): per layer the heads of largest
-    ‖W_O W_V‖ and the MLP units of largest ‖fc1 row‖·‖fc2 column‖, and the residual subspace spanned by 1 and
-    the top eigenvectors of the weights' residual Gram. HeteroFL's first-k slice ignores where the weight is."""
+    """The placement keeping most of a wide canonical ``state`` (data-free): per layer the KV groups of largest
+    Σ ‖W_O W_V‖ over their heads and the MLP units of largest ‖fc1 row‖·‖fc2 column‖, and the residual subspace
+    spanned by 1 and the top eigenvectors of the weights' residual Gram (a post-LayerNorm stream keeps
+    :func:`repeated_embedding`: no other commutes with its gains). HeteroFL's first-k slice ignores where the weight
+    is."""
     check_embeddable(narrow, wide)
     d_h = torch.arange(narrow.head_dim)
-    heads = [_top(_head_energy(state, wide, layer), narrow.heads) for layer in range(wide.depth)]
+    heads = [_top(_head_energy(state, wide, layer).reshape(wide.kv_heads, -1).sum(1), narrow.kv_heads)
+             for layer in range(wide.depth)]
     mlp = [_top(_unit_energy(state, wide, layer), narrow.mlp) for layer in range(wide.depth)]
-    return Placement(narrow, wide, _principal_residual(state, narrow.width, wide), heads, d_h, mlp)
+    post = get_arch(wide.family).norm == "post"
+    residual = stream_embedding(narrow, wide) if post else _principal_residual(state, narrow.width, wide)
+    return Placement(narrow, wide, residual, heads, d_h, mlp)
 
 
 def _top(energy: torch.Tensor, k: int) -> torch.Tensor:
@@ -178,33 +219,42 @@ def embedding_config(p: Placement) -> ModelConfig:
 
 
 def _residual_scale(p: Placement, template: str) -> float:
-    """How a residual axis scales besides E: 1 for writers, √(d/D) for readers, √(D/d) for LN biases."""
+    """How a residual axis scales besides E: 1 for writers and on a post-LayerNorm stream, √(d/D) for readers of a
+    pre-norm, √(D/d) for LN biases."""
     arch = get_arch(p.wide.family)
     prefix = template.rsplit(".", 1)[0]
     ratio = p.narrow.width / p.wide.width
-    if template in arch.writers or prefix in arch.writers:
+    if template in arch.writers or prefix in arch.writers or arch.norm == "post":
         return 1.0
     return ratio**-0.5 if prefix in arch.folds else ratio**0.5
 
 
-def _unit_shape(kind: AxisKind, cfg: ModelConfig) -> tuple[int, int, int]:
-    """QKV rows as (3, H, d_h) and HEADS columns as (1, H, d_h)."""
-    return (3 if kind == QKV else 1, cfg.heads, cfg.head_dim)
+def _unit_shape(kind: AxisKind, cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """A head axis as (blocks, H_kv, G, d_h): fused QKV rows (3, H, 1, d_h), Q rows and HEADS columns
+    (1, H_kv, G, d_h), K and V rows (1, H_kv, 1, d_h)."""
+    if kind == QKV:
+        return (3, cfg.heads, 1, cfg.head_dim)
+    return (1, cfg.kv_heads, 1 if kind in (K, V) else cfg.group, cfg.head_dim)
 
 
 def _head_units(x: torch.Tensor, kind: AxisKind, p: Placement, layer: int, embed: bool) -> torch.Tensor:
-    """Scatter (embed) or gather (project) the head rows of x (n, rest); q is rescaled by √(d_h'/d_h)."""
+    """Scatter (embed) or gather (project) the head rows of x (n, rest), KV head by KV head; q is rescaled by
+    √(d_h'/d_h)."""
     src, dst = (p.narrow, p.wide) if embed else (p.wide, p.narrow)
     y = x.reshape(*_unit_shape(kind, src), -1)
-    heads, coords = p.heads[layer][:, None], p.head_dim[None, :]
+    heads, coords = p.heads[layer].to(x.device), p.head_dim.to(x.device)
     if embed:
+        within = y.new_zeros(*y.shape[:3], p.wide.head_dim, y.shape[-1])
+        within[:, :, :, coords] = y
         out = y.new_zeros(*_unit_shape(kind, dst), y.shape[-1])
-        out[:, heads, coords] = y
+        out[:, heads] = within
     else:
-        out = y[:, heads, coords]
+        out = y[:, heads][:, :, :, coords]
+    scale = (p.wide.head_dim / p.narrow.head_dim) ** (0.5 if embed else -0.5)
     if kind == QKV:
-        scale = (p.wide.head_dim / p.narrow.head_dim) ** (0.5 if embed else -0.5)
         out[0] = out[0] * scale
+    elif kind == Q:
+        out = out * scale
     return out.reshape(-1, x.shape[1])
 
 
@@ -228,7 +278,7 @@ def _map_axis(x: torch.Tensor, kind: AxisKind, p: Placement, layer: int | None, 
             raise SpecError("a LayerNorm gain is not folded; canonicalise (standard form) before changing widths")
         return x.new_ones(p.wide.width if embed else p.narrow.width, x.shape[1])
     assert layer is not None
-    if kind in (QKV, HEADS):
+    if kind in HEAD_KINDS:
         return _head_units(x, kind, p, layer, embed)
     return _mlp_units(x, p, layer, embed)
 
@@ -271,8 +321,8 @@ def widen(state: Mapping[str, torch.Tensor], cfg: ModelConfig, wide: ModelConfig
     its output. Exact; embedded, the copies fill the heads and units that :func:`embed` leaves zero, so that
     they have a partner to interpolate with."""
     check_embeddable(cfg, wide)
-    wider = cfg.replace(heads=wide.heads, mlp=wide.mlp, head_dim=cfg.head_dim)
-    sources = {HEADS: torch.arange(wide.heads) % cfg.heads, MLP: torch.arange(wide.mlp) % cfg.mlp}
+    wider = cfg.replace(heads=wide.heads, kv_heads=wide.kv_heads, mlp=wide.mlp, head_dim=cfg.head_dim)
+    sources = {HEADS: torch.arange(wide.kv_heads) % cfg.kv_heads, MLP: torch.arange(wide.mlp) % cfg.mlp}
     spec = get_arch(cfg.family).spec
     out: State = {}
     for name, (_, template) in expand(spec, cfg.depth).items():
@@ -280,7 +330,7 @@ def widen(state: Mapping[str, torch.Tensor], cfg: ModelConfig, wide: ModelConfig
             continue
         x = state[name]
         for axis, kind in enumerate(spec[template]):
-            if kind in (QKV, HEADS, MLP, MLP_IN):
+            if kind in (*HEAD_KINDS, *UNIT_KINDS):
                 x = _copy_units(x.movedim(axis, 0), kind, cfg, sources).movedim(0, axis)
         out[name] = x
     return out, wider
@@ -288,14 +338,14 @@ def widen(state: Mapping[str, torch.Tensor], cfg: ModelConfig, wide: ModelConfig
 
 def _copy_units(x: torch.Tensor, kind: AxisKind, cfg: ModelConfig, sources: dict[AxisKind, torch.Tensor],
                 ) -> torch.Tensor:
-    """The unit axis (first) of x gathered from its sources; the reading side (HEADS, MLP_IN) divided by each
-    source's number of copies."""
-    heads = kind in (QKV, HEADS)
+    """The unit axis (first) of x gathered from its sources (heads by KV head, with their groups); the reading side
+    (HEADS, MLP_IN) divided by each source's number of copies."""
+    heads = kind in HEAD_KINDS
     src = sources[HEADS if heads else MLP]
     share = 1.0 / torch.bincount(src)[src].to(x.dtype)
     if heads:
         units = x.reshape(*_unit_shape(kind, cfg), -1)[:, src]
-        units = units * share[None, :, None, None] if kind == HEADS else units
+        units = units * share[None, :, None, None, None] if kind == HEADS else units
     else:
         units = x.reshape(x.shape[0], -1)[src]
         units = units * share[:, None] if kind == MLP_IN else units
@@ -334,11 +384,12 @@ def move(p: Placement, t: Transform) -> Placement:
 
 def axis_mask(kind: AxisKind, p: Placement, layer: int | None) -> torch.Tensor | None:
     """(n,) 0/1 coverage of a non-residual axis in the universe, or None where the model covers all of it."""
-    if kind in (QKV, HEADS) and layer is not None:
-        mask = torch.zeros(p.wide.heads, p.wide.head_dim, dtype=torch.float64)
+    if kind in HEAD_KINDS and layer is not None:
+        blocks, kv, group, d_h = _unit_shape(kind, p.wide)
+        mask = torch.zeros(kv, d_h, dtype=torch.float64)
         mask[p.heads[layer][:, None], p.head_dim[None, :]] = 1.0
-        return mask.flatten().repeat(_unit_shape(kind, p.wide)[0])
-    if kind in (MLP, MLP_IN) and layer is not None:
+        return mask[None, :, None, :].expand(blocks, kv, group, d_h).flatten()
+    if kind in UNIT_KINDS and layer is not None:
         return torch.zeros(p.wide.mlp, dtype=torch.float64).index_fill_(0, p.mlp[layer], 1.0)
     return None
 
