@@ -41,9 +41,20 @@ def _run(argv: list[str]) -> tuple[int, str]:
     return code, lines[-1] if lines else ""
 
 
+def label(family: dict[str, Any]) -> str:
+    """What a family's rows and seed folder are called: its ``label`` (a preset trained for another number of steps),
+    else its preset."""
+    return str(family.get("label", family["model"]))
+
+
+def _preset(family: dict[str, Any]) -> str:
+    """The preset a recipe line names, where its label is not the preset itself."""
+    return "" if label(family) == family["model"] else f"`{family['model']}` on "
+
+
 def train(family: dict[str, Any], run: dict[str, Any]) -> list[Path]:
     """The family's seeds, trained here unless their checkpoints exist."""
-    root = OUT / family["model"]
+    root = OUT / label(family)
     paths = [root / f"seed{seed}.safetensors" for seed in range(2 * len(run["pairs"]))]
     for seed, path in enumerate(paths):
         if path.is_file():
@@ -58,7 +69,7 @@ def train(family: dict[str, Any], run: dict[str, Any]) -> list[Path]:
 
 def curve(a: Path, b: Path, method: str, family: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     """One method's barrier between a and b (``glmc barrier --json``, the run's ``matcher`` flags), or its refusal."""
-    report = OUT / family["model"] / f"barrier-{a.stem}-{b.stem}-{method}.json"
+    report = a.parent / f"barrier-{a.stem}-{b.stem}-{method}.json"
     code, why = _run(["barrier", str(a), str(b), "--method", method, "--steps", str(run["learn_steps"]), "--points",
                       str(run["points"]), "--limit", str(run["limit"]), "--threads", str(run["threads"]), "--json",
                       str(report), *run.get("matcher", [])])
@@ -75,8 +86,8 @@ def measure(family: dict[str, Any], run: dict[str, Any], methods: list[str]) -> 
     rows = []
     for i, j in run["pairs"]:
         for method in methods:
-            rows.append({"model": family["model"], "pair": [i, j], **curve(paths[i], paths[j], method, family, run)})
-            print(f"{family['model']} seeds {i},{j} {method}: {rows[-1].get('barrier', rows[-1].get('refused'))}",
+            rows.append({"model": label(family), "pair": [i, j], **curve(paths[i], paths[j], method, family, run)})
+            print(f"{label(family)} seeds {i},{j} {method}: {rows[-1].get('barrier', rows[-1].get('refused'))}",
                   flush=True)
     return rows
 
@@ -114,7 +125,7 @@ def markdown(data: dict[str, Any]) -> list[str]:
              f"first {run['limit']} held-out windows; learned and dual matching {run['learn_steps']} steps. Barrier: "
              "the mean over the pairs (± their spread); ratio: the mean of barrier ÷ the same pair's vanilla; time: "
              "the alignment's mean wall seconds.", "", "Recipes:", "",
-             *(f"- `{f['model']}`: {f['dataset']}, {f['steps']} steps, dropout {f['dropout']}; {f['note']}"
+             *(f"- `{label(f)}`: {_preset(f)}{f['dataset']}, {f['steps']} steps, dropout {f['dropout']}; {f['note']}"
                for f in config["families"]), "",
              "| model | method | barrier | ratio to vanilla | align s |", "|---|---|---|---|---|"]
     for r in summary:
@@ -136,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     config = config_or_exit(parser, args.config)
     run, out = config["run"], Path(config["run"]["results"])
     methods = args.methods or run["methods"]
-    families = [f for f in config["families"] if not args.models or f["model"] in args.models]
+    families = [f for f in config["families"] if not args.models or {f["model"], label(f)} & set(args.models)]
     kept = json.loads((out / "results.json").read_text()) if (args.models or args.methods) and (
         out / "results.json").is_file() else {}
-    todo = {(f["model"], m) for f in families for m in methods}
+    todo = {(label(f), m) for f in families for m in methods}
     rows = [r for r in kept.get("rows", []) if (r["model"], r["method"]) not in todo and r["method"] in run["methods"]]
     began = time.perf_counter()
     this = {"command": " ".join(["python -m simulations.bench.families", *(sys.argv[1:] if argv is None else argv)]),
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for family in families:
         rows += measure(family, run, methods)
         this["wall_minutes"] = (time.perf_counter() - began) / 60
-        order = {f["model"]: i for i, f in enumerate(config["families"])}
+        order = {label(f): i for i, f in enumerate(config["families"])}
         rows.sort(key=lambda r: (order.get(r["model"], len(order)), run["methods"].index(r["method"])))
         data = {"config": config, "runs": runs, "rows": rows, "summary": table(rows, run["methods"])}
         out.mkdir(parents=True, exist_ok=True)
