@@ -301,7 +301,8 @@ SYMMETRY_CLASSES = ("residual", "head-perm", "within-head-orthogonal", "within-h
                     "mlp-scale")
 
 
-# The orthogonal classes, which weight matching searches (within-head invertible maps and MLP scales it does not).
+# The orthogonal classes, which the matchers search directly; the others (within-head invertible maps, MLP scales) they
+# reach by balancing both models first (glmc.match.balance).
 MATCHABLE = ("residual", "head-perm", "within-head-orthogonal", "mlp-perm")
 
 
