@@ -4,9 +4,12 @@ full-width-only's FedAvg of the full tier, and the per-tier records they are com
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from flwr.app import ArrayRecord
+from test_flower_sim import needs_data, run_in_process, server_identity  # noqa: F401  (a fixture)
 from test_strategy import CFG, HALF, as_numpy, half_state, instruction, metrics, mixed_strategy, reply, state
 
 from federation import protocol
@@ -14,6 +17,7 @@ from federation.restriction import received, restrict
 from federation.settings import RunSettings
 from glmc.core.config import preset, scale_width
 from glmc.errors import ConfigError
+from glmc.io.checkpoint import load_checkpoint
 from server.records import RoundRecord, rounds_to_target
 
 FC1, QKV, PROJ = "blocks.0.mlp.fc1.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight"
@@ -140,3 +144,33 @@ def test_rounds_to_target_is_each_tiers_first_round_at_the_target() -> None:
     assert rounds_to_target(records, (1.0, 0.5, 0.25), 0.7) == {"1": 1, "0.5": 2, "0.25": None}
     with pytest.raises(ConfigError, match="target-accuracy"):
         RunSettings(target_accuracy=0.0)
+
+
+@needs_data
+def test_a_fedrolex_run_sends_each_round_its_window_and_scores_every_tier(tmp_path, server_identity) -> None:
+    """The real ServerApp and ClientApps in-process: round 2's narrow node gets round 2's window of the round-1
+    model, and every round records each tier's accuracy, the CSV as columns, metrics.json the rounds to target."""
+    grid = run_in_process(tmp_path, **{"num-server-rounds": 2, "aggregation": "fedrolex", "target-accuracy": 0.01})
+    run = tmp_path / "inproc"
+    body = json.loads((run / "metrics.json").read_text())
+    for r in body["records"]:
+        assert set(r["tier_metrics"]) == {"accuracy@1", "loss@1", "accuracy@0.5", "loss@0.5"}
+        assert r["tier_metrics"]["accuracy@1"] == r["central_accuracy"]
+    assert body["rounds_to_target"] == {"1": 0, "0.5": 0}
+    assert "accuracy@0.5" in (run / "metrics.csv").read_text().splitlines()[0]
+    global1, _ = load_checkpoint(run / "checkpoints" / "round-001.safetensors")
+    full = preset("vit-tiny")
+    [narrow] = [m for m in grid.sent[2] if m.content[protocol.ARRAYS]["norm.weight"].shape[0] < full.width]
+    sent = narrow.content[protocol.ARRAYS].to_torch_state_dict()
+    expected = restrict(global1, full, 0.5, "fedrolex", server_round=2)
+    assert all(torch.equal(sent[k], expected[k]) for k in expected)
+
+
+@needs_data
+def test_a_smallest_width_run_trains_the_small_model_and_scores_it_at_every_tier(tmp_path, server_identity) -> None:
+    run_in_process(tmp_path, **{"num-server-rounds": 1, "aggregation": "smallest-width"})
+    state_, meta = load_checkpoint(tmp_path / "inproc" / "checkpoints" / "round-001.safetensors")
+    assert meta.config == scale_width(preset("vit-tiny"), 0.5)
+    last = json.loads((tmp_path / "inproc" / "metrics.json").read_text())["records"][-1]
+    assert last["valid"] == 3 and last["aggregated"]
+    assert last["tier_metrics"]["accuracy@1"] == last["tier_metrics"]["accuracy@0.5"] == last["central_accuracy"]
