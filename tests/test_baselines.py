@@ -5,11 +5,12 @@ full-width-only's FedAvg of the full tier, and the per-tier records they are com
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from flwr.app import ArrayRecord
-from test_flower_sim import needs_data, run_in_process, server_identity  # noqa: F401  (a fixture)
+from test_flower_sim import needs_data, run_in_process, server_identity  # noqa: F401  (a fixture, used by name)
 from test_strategy import CFG, HALF, as_numpy, half_state, instruction, metrics, mixed_strategy, reply, state
 
 from federation import protocol
@@ -132,7 +133,7 @@ def test_smallest_width_trains_every_client_at_the_smallest_tier_and_averages_th
         torch.testing.assert_close(torch.from_numpy(merged[k]), (30 * v + 10 * half_state(2)[k]) / 40)
 
 
-def test_smallest_width_refuses_a_full_width_init_checkpoint(tmp_path) -> None:
+def test_smallest_width_refuses_a_full_width_init_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "m.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match="smallest-width"):
         RunSettings(aggregation="smallest-width", init=str(tmp_path / "m.safetensors"))
@@ -147,7 +148,8 @@ def test_rounds_to_target_is_each_tiers_first_round_at_the_target() -> None:
 
 
 @needs_data
-def test_a_fedrolex_run_sends_each_round_its_window_and_scores_every_tier(tmp_path, server_identity) -> None:
+@pytest.mark.usefixtures("server_identity")
+def test_a_fedrolex_run_sends_each_round_its_window_and_scores_every_tier(tmp_path: Path) -> None:
     """The real ServerApp and ClientApps in-process: round 2's narrow node gets round 2's window of the round-1
     model, and every round records each tier's accuracy, the CSV as columns, metrics.json the rounds to target."""
     grid = run_in_process(tmp_path, **{"num-server-rounds": 2, "aggregation": "fedrolex", "target-accuracy": 0.01})
@@ -167,9 +169,10 @@ def test_a_fedrolex_run_sends_each_round_its_window_and_scores_every_tier(tmp_pa
 
 
 @needs_data
-def test_a_smallest_width_run_trains_the_small_model_and_scores_it_at_every_tier(tmp_path, server_identity) -> None:
+@pytest.mark.usefixtures("server_identity")
+def test_a_smallest_width_run_trains_the_small_model_and_scores_it_at_every_tier(tmp_path: Path) -> None:
     run_in_process(tmp_path, **{"num-server-rounds": 1, "aggregation": "smallest-width"})
-    state_, meta = load_checkpoint(tmp_path / "inproc" / "checkpoints" / "round-001.safetensors")
+    _, meta = load_checkpoint(tmp_path / "inproc" / "checkpoints" / "round-001.safetensors")
     assert meta.config == scale_width(preset("vit-tiny"), 0.5)
     last = json.loads((tmp_path / "inproc" / "metrics.json").read_text())["records"][-1]
     assert last["valid"] == 3 and last["aggregated"]
