@@ -45,7 +45,7 @@ class Aggregation:
     # width axis that rolls one unit a round (glmc.merging.heterofl); smallest-width trains every client at the run's
     # smallest tier, the global model being that narrow one; full-width-only averages the full tier's replies only,
     # the narrow clients sampled, sent work and left out as the papers' "largest model on the clients that can hold
-    # it" control, so that its rounds sample the nodes HeteroFL's and FedRolex's do
+    # it" control, so that its rounds sample the same share of the nodes as HeteroFL's and FedRolex's
     rolls: bool = False
     smallest: bool = False
     full_only: bool = False

@@ -3,7 +3,7 @@ records and calls the hooks; the guard, the hooks and the app read them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,11 +65,16 @@ def tier_name(tier: float) -> str:
     return f"{tier:g}"
 
 
+def first_round_at(points: Iterable[tuple[int, float | None]], target: float) -> int | None:
+    """The first round of (round, accuracy) ``points`` whose accuracy reaches ``target`` (None: none does)."""
+    return next((round_ for round_, accuracy in points if accuracy is not None and accuracy >= target), None)
+
+
 def rounds_to_target(records: Sequence[RoundRecord], tiers: Sequence[float], target: float) -> dict[str, int | None]:
     """Per width tier, the first round at which the global model at that tier reaches ``target`` central accuracy
     (None: never in these records)."""
-    return {tier_name(t): next((r.round for r in records if (a := r.accuracy_at(tier_name(t))) is not None
-                                and a >= target), None) for t in tiers}
+    return {tier_name(t): first_round_at(((r.round, r.accuracy_at(tier_name(t))) for r in records), target)
+            for t in tiers}
 
 
 class RoundHooks:
