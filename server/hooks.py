@@ -149,12 +149,13 @@ def checkpoint_path(run_dir: Path, round_: int) -> Path:
 
 
 # What a resumed run may change: how long it runs and waits (and for how many nodes), how many threads or workers
-# and which devices it computes with, what it saves, the federated evaluations that train nothing, and the NaN test
-# hook. Any other run-config key would make the resumed rounds another experiment than the checkpoints' own.
+# and which devices it computes with, what it saves, the federated evaluations that train nothing, the accuracy the
+# summary counts rounds to, and the NaN test hook. Any other run-config key would make the resumed rounds another
+# experiment than the checkpoints' own.
 RESUME_MAY_CHANGE = frozenset({"num-server-rounds", "resume", "round-timeout", "node-wait-timeout", "client-threads",
                                "align-workers", "output-dir", "fraction-evaluate", "ensemble-eval", "min-train-nodes",
                                "min-available-nodes", "client-device", "server-device", "save-clients",
-                               "fault-partition"})
+                               "target-accuracy", "fault-partition"})
 
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

@@ -177,3 +177,15 @@ def test_a_smallest_width_run_trains_the_small_model_and_scores_it_at_every_tier
     last = json.loads((tmp_path / "inproc" / "metrics.json").read_text())["records"][-1]
     assert last["valid"] == 3 and last["aggregated"]
     assert last["tier_metrics"]["accuracy@1"] == last["tier_metrics"]["accuracy@0.5"] == last["central_accuracy"]
+
+
+def test_the_summary_gives_each_tiers_final_accuracy_and_rounds_to_target() -> None:
+    from simulations.compare import tier_columns
+
+    def row(*accuracies: tuple[float, float]) -> dict[str, object]:
+        return {"records": [{"round": k, "tier_metrics": {"accuracy@1": a, "accuracy@0.5": b}}
+                            for k, (a, b) in enumerate(accuracies)]}
+
+    columns = tier_columns([row((0.1, 0.1), (0.8, 0.5), (0.9, 0.6)), row((0.1, 0.1), (0.6, 0.4), (0.7, 0.8))], 0.7)
+    assert columns == {"accuracy@1 %": "80.0 ± 10.0", "rounds to 0.7@1": "1.5 (2/2)",
+                       "accuracy@0.5 %": "70.0 ± 10.0", "rounds to 0.7@0.5": "2.0 (1/2)"}
