@@ -201,6 +201,7 @@ class SymmetryAwareFedAvg(FedAvg):
         if AGGREGATION_TABLE[self.aggregation].full_only:
             valid = self._full_width(valid)
             record.left_out = record.valid - len(valid)
+            log.info("round %d: full-width-only left %d narrow replies out", record.round, record.left_out)
         record.dropped = [f"node {node}: {reason}" for node, reason in dropped]
         for line in record.dropped:
             log.warning("round %d: dropped reply from %s", record.round, line)
@@ -241,7 +242,7 @@ class SymmetryAwareFedAvg(FedAvg):
         downlink, their replies left out of the average."""
         kept = []
         for msg in valid:
-            tier = self.schema.tier(float(_metrics(msg)[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
+            tier = self._tier(msg)
             self.node_tiers[msg.metadata.src_node_id] = tier
             if tier == 1.0:
                 kept.append(msg)
@@ -254,8 +255,7 @@ class SymmetryAwareFedAvg(FedAvg):
         kept = []
         for msg in valid:
             node = msg.metadata.src_node_id
-            tier = self.schema.tier(float(_metrics(msg)[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
-            sent = self._sent_to(node, tier)
+            sent = self._sent_to(node, self._tier(msg))
             if sent is not None and all(torch.equal(v, sent[k]) for k, v in _state(msg).items()):
                 dropped.append((node, "identical to the model it was sent (drop-unchanged: a free rider)"))
             else:
@@ -284,10 +284,13 @@ class SymmetryAwareFedAvg(FedAvg):
                 log.warning("round %d: dropped evaluate reply from %s", record.round, record.evaluate_dropped[-1])
         return super().aggregate_evaluate(server_round, valid) if valid else None
 
+    def _tier(self, msg: Message) -> float:
+        """The width tier a valid reply reports, as the schema spells it."""
+        return self.schema.tier(float(_metrics(msg)[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
+
     def _decode(self, msg: Message) -> Client:
         """A valid reply as a client model; remembers the node's width tier for the downlink."""
-        metrics = _metrics(msg)
-        tier = self.schema.tier(float(metrics[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
+        metrics, tier = _metrics(msg), self._tier(msg)
         node = msg.metadata.src_node_id
         self.node_tiers[node] = tier
         # A principal reply is embedded where its tier's model was placed (a new node placed it itself, the same
