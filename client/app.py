@@ -22,8 +22,8 @@ from client.attacks import attack
 from federation import protocol
 from federation.data import ClientShare, client_share, eval_subset, pool
 from federation.preflight import check_run_config
-from federation.restriction import principal_placement, restrict
-from federation.settings import RunSettings, places_principal
+from federation.restriction import received
+from federation.settings import RunSettings
 from glmc.archs import build_model, get_arch
 from glmc.core.config import ModelConfig, scale_width
 from glmc.core.state import cast
@@ -51,8 +51,8 @@ class Node:
         if "partition-id" not in config or "num-partitions" not in config:
             raise ConfigError("node config needs partition-id and num-partitions (--node-config)")
         pid, count = int(config["partition-id"]), int(config["num-partitions"])
-        tier = float(config["width-tier"]) if "width-tier" in config else settings.tier_of(pid)
-        return cls(pid, count, tier)
+        declared = float(config["width-tier"]) if "width-tier" in config else None
+        return cls(pid, count, settings.tier_of(pid, declared))
 
 
 def _setup(context: Context) -> tuple[RunSettings, Node, ModelConfig, ClientShare]:
@@ -66,22 +66,27 @@ def _setup(context: Context) -> tuple[RunSettings, Node, ModelConfig, ClientShar
 
 def _received_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: Node) -> nn.Module:
     """A model at this node's width holding the weights the server sent."""
-    return _model_at_tier(dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()), cfg, settings, node)
+    state = dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict())
+    return _model_at_tier(state, cfg, settings, node, _round(msg))
 
 
-def _model_at_tier(state: dict[str, torch.Tensor], cfg: ModelConfig, settings: RunSettings, node: Node) -> nn.Module:
+def _round(msg: Message) -> int:
+    """The global round of the server's instruction (train and evaluate both carry it)."""
+    return int(msg.content.config_records[protocol.CONFIG][protocol.ROUND_KEY])  # type: ignore[arg-type]
+
+
+def _model_at_tier(state: dict[str, torch.Tensor], cfg: ModelConfig, settings: RunSettings, node: Node,
+                   server_round: int) -> nn.Module:
     """A model at this node's width holding ``state``.
 
     A server that has not heard from this node yet sends the full-width model (and a pretrained start is one);
-    the node then restricts it itself, exactly as the server would (its HeteroFL slice, or its projection for
-    aligned merging).
+    the node then restricts it itself, exactly as the server would (its HeteroFL slice or FedRolex window of round
+    ``server_round``, or its projection for aligned merging).
     """
     model = build_model(cfg)
     if any(state[k].shape != v.shape for k, v in model.state_dict().items() if k in state):
-        full = pool(settings).task.config
-        principal = places_principal(settings.aggregation, settings.narrow_placement)
-        placement = principal_placement(state, full, node.tier) if principal else None
-        state = restrict(state, full, node.tier, settings.aggregation, placement)
+        state = received(state, pool(settings).task.config, node.tier, settings.aggregation,
+                         settings.narrow_placement, server_round)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
@@ -97,7 +102,7 @@ def _start_model(msg: Message, cfg: ModelConfig, settings: RunSettings, node: No
 
         own = starts[node.partition_id % len(starts)]
         log.info("partition %d starts from %s", node.partition_id, own)
-        return _model_at_tier(cast(read(own)[0], torch.float32), cfg, settings, node)
+        return _model_at_tier(cast(read(own)[0], torch.float32), cfg, settings, node, server_round)
     if settings.init == "independent" and server_round == 1:
         seed_everything(settings.seed + 1000 * node.partition_id)
         return build_model(cfg)
@@ -130,7 +135,7 @@ def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[st
 def train_fn(msg: Message, context: Context) -> Message:
     """One round of local training."""
     settings, node, cfg, share = _setup(context)
-    server_round = int(msg.content.config_records[protocol.CONFIG][protocol.ROUND_KEY])  # type: ignore[arg-type]
+    server_round = _round(msg)
     arch, device = get_arch(cfg.family), _device(context, settings)
     model = _start_model(msg, cfg, settings, node, server_round)
     received = {k: v.detach().to(torch.float32, copy=True) for k, v in model.state_dict().items()}  # before training

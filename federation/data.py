@@ -25,7 +25,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from federation.preflight import check_partitioner
 from federation.settings import NATURAL_SPLITS, RunSettings
-from glmc.core.config import ModelConfig, preset
+from glmc.core.config import ModelConfig, preset, scale_width
 from glmc.data.tasks import Task, load_task
 from glmc.data.vision import ArrayDataset
 from glmc.errors import ConfigError
@@ -54,14 +54,14 @@ class ClientShare:
     description: dict[str, Any]
 
 
-PoolKey = tuple[str, str, str, int, int, int, tuple[Path, ...], float]
+PoolKey = tuple[str, str, str, int, int, int, tuple[Path, ...], float, float]
 
 
 def pool_key(settings: RunSettings) -> PoolKey:
     """What shapes a pool: the one cache key of :func:`pool` and of the label splits drawn from it (one load per
     process)."""
     return (settings.dataset, settings.model, settings.partitioner, settings.seed, settings.held_back,
-            settings.train_limit, tuple(settings.init_checkpoints), settings.dropout)
+            settings.train_limit, tuple(settings.init_checkpoints), settings.dropout, settings.global_width)
 
 
 def pool(settings: RunSettings) -> Pool:
@@ -78,11 +78,12 @@ def server_reads(settings: RunSettings) -> Dataset | None:
     return held.subset(rows) if isinstance(held, ArrayDataset) else Subset(held, rows.tolist())
 
 
-def base_config(dataset: str, model: str, checkpoints: tuple[Path, ...], dropout: float = -1.0) -> ModelConfig:
-    """The model preset, or the config of the first ``init`` checkpoint, whose data-dependent sizes must be the
-    dataset's (a run cannot retrain a 1000-class head on 10 classes without saying so); ``dropout`` ≥ 0 replaces
-    its training dropout."""
-    cfg = _start_config(dataset, model, checkpoints)
+def base_config(dataset: str, model: str, checkpoints: tuple[Path, ...], dropout: float = -1.0,
+                width: float = 1.0) -> ModelConfig:
+    """The global model's config: the model preset, or the config of the first ``init`` checkpoint, whose
+    data-dependent sizes must be the dataset's (a run cannot retrain a 1000-class head on 10 classes without saying
+    so), at ``width`` (RunSettings.global_width); ``dropout`` ≥ 0 replaces its training dropout."""
+    cfg = scale_width(_start_config(dataset, model, checkpoints), width)
     return cfg if dropout < 0 else cfg.replace(dropout=dropout)
 
 
@@ -103,8 +104,8 @@ def _start_config(dataset: str, model: str, checkpoints: tuple[Path, ...]) -> Mo
 
 @functools.lru_cache(maxsize=4)
 def _pool(dataset: str, model: str, partitioner: str, seed: int, server_data: int, train_limit: int,
-          checkpoints: tuple[Path, ...], dropout: float) -> Pool:
-    task = load_task(dataset, base_config(dataset, model, checkpoints, dropout), seed=seed)
+          checkpoints: tuple[Path, ...], dropout: float, width: float) -> Pool:
+    task = load_task(dataset, base_config(dataset, model, checkpoints, dropout, width), seed=seed)
     check_partitioner(partitioner, dataset, task.config.family)
     if partitioner in NATURAL_SPLITS:
         return _text_pool(task, partitioner, seed, server_data)

@@ -41,6 +41,24 @@ class Aggregation:
     # a control for the server-held data: what its samples are worth with no alignment. fedavg-ft trains FedAvg's
     # model on them, server-only the server's own model, ignoring the clients; both with the same budget
     control: bool = False
+    # the width-heterogeneous baselines (HeteroFL's protocol): FedRolex's narrow clients hold a window of every
+    # width axis that rolls one unit a round (glmc.merging.heterofl); smallest-width trains every client at the run's
+    # smallest tier, the global model being that narrow one; full-width-only averages the full tier's replies only,
+    # the narrow clients sampled, sent work and left out as the papers' "largest model on the clients that can hold
+    # it" control, so that its rounds sample the same share of the nodes as HeteroFL's and FedRolex's
+    rolls: bool = False
+    smallest: bool = False
+    full_only: bool = False
+
+    @property
+    def averages(self) -> bool:
+        """Whether it averages the clients' width slices, untrained and unaligned: FedAvg exactly at equal widths."""
+        return self.method is None and not self.control
+
+    def offset(self, server_round: int) -> int:
+        """Where round ``server_round``'s narrow windows start (glmc.merging.heterofl): the round for FedRolex, the
+        leading slice (0) for the others."""
+        return server_round if self.rolls else 0
 
     @property
     def reads_data(self) -> bool:
@@ -66,12 +84,16 @@ AGGREGATION_TABLE: dict[str, Aggregation] = {a.name: a for a in (
     Aggregation("canonical", "none"),  # the ablation: the aligned path's canonical form and merge, no matching
     Aggregation("fedavg-ft", None, control=True),
     Aggregation("server-only", None, control=True),
+    Aggregation("fedrolex", None, rolls=True),
+    Aggregation("smallest-width", None, smallest=True),
+    Aggregation("full-width-only", None, full_only=True),
 )}
 AGGREGATIONS = tuple(AGGREGATION_TABLE)
 DATA_AGGREGATIONS = tuple(a.name for a in AGGREGATION_TABLE.values() if a.reads_data)
 CONTROLS = tuple(a.name for a in AGGREGATION_TABLE.values() if a.control)
 LABEL_AGGREGATIONS = tuple(a.name for a in AGGREGATION_TABLE.values() if a.reads_labels)
 SLICED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.method is None)
+AVERAGING = tuple(a.name for a in AGGREGATION_TABLE.values() if a.averages)
 GUARDED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.guarded)
 INITS = ("shared", "independent")
 SERVER_DATA_SOURCES = ("split", "generated")
@@ -189,6 +211,8 @@ class RunSettings:
     # independently initialised clients gain 13–15% (simulations/results/oneshot)
     min_alignment_gain: float = 0.05
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
+    # the central accuracy whose first round each width tier's model reaches (the summary's rounds-to-target)
+    target_accuracy: float = 0.7
     # write each round's valid client models to <run>/clients/round-NNN/client-K.safetensors (offline merging)
     save_clients: bool = False
     client_threads: int = 1  # torch threads per ClientApp (the simulation gives each client one CPU)
@@ -251,6 +275,9 @@ class RunSettings:
                  f"{SERVER_DATA_SOURCES}, got {self.server_data_source!r}")
         _require(self.aggregation not in DATA_AGGREGATIONS or self.server_data > 0,
                  f"aggregation {self.aggregation!r} uses server-held data: set server-data > 0")
+        _require(not (AGGREGATION_TABLE[self.aggregation].smallest and self.init not in INITS),
+                 f"smallest-width trains the smallest tier's model from a seed; init {self.init!r} is full width")
+        _require(0 < self.target_accuracy <= 1, f"target-accuracy must be in (0, 1], got {self.target_accuracy}")
         _require(0 <= self.server_reads <= self.held_back, f"server-reads must be in [0, server-data held back = "
                  f"{self.held_back}], got {self.server_reads}")
         self._check_corrections()
@@ -353,9 +380,23 @@ class RunSettings:
         """Whether round 1's clients start from unrelated models: their own seeds, or a folder of checkpoints."""
         return self.init == "independent" or len(self.init_checkpoints) > 1
 
-    def tier_of(self, partition_id: int) -> float:
-        """The width tier of a partition when its node config does not name one."""
-        return self.width_tiers[partition_id % len(self.width_tiers)]
+    def tier_of(self, partition_id: int, declared: float | None = None) -> float:
+        """The width tier a partition trains at, relative to the global model: ``declared`` (its node config's), else
+        width-tiers mapped over partitions; 1 for every one under smallest-width, whose global model is the smallest
+        tier's (:attr:`global_width`)."""
+        if AGGREGATION_TABLE[self.aggregation].smallest:
+            return 1.0
+        return declared if declared is not None else self.width_tiers[partition_id % len(self.width_tiers)]
+
+    @property
+    def global_width(self) -> float:
+        """The global model's width multiplier of the model preset: the smallest tier for smallest-width, else 1."""
+        return min(self.width_tiers) if AGGREGATION_TABLE[self.aggregation].smallest else 1.0
+
+    @property
+    def trained_tiers(self) -> tuple[float, ...]:
+        """The tiers clients train at, relative to the global model (the replies' shapes)."""
+        return (1.0,) if AGGREGATION_TABLE[self.aggregation].smallest else self.width_tiers
 
     def run_dir(self, run_id: int) -> Path:
         """Where this run's metrics, checkpoints and plots go."""

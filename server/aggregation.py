@@ -5,6 +5,9 @@ method:
 
 - ``fedavg``: HeteroFL's coverage-weighted average of width slices (:mod:`glmc.merging.heterofl`). The strategy
   itself takes flwr's own FedAvg code path when every client is full width, so that case is FedAvg exactly.
+- ``fedrolex``: the same average of FedRolex's windows, which roll one unit a round (``server_round``).
+  ``smallest-width`` and ``full-width-only`` are FedAvg of equal widths: the strategy trains every client at the
+  smallest tier, or leaves the narrow replies out.
 - ``weight`` / ``activation``: canonicalise (LayerNorms folded), embed every client exactly into the
   universe width, universe matching anchored at the previous global model (:func:`glmc.merging.universe.universe_match`,
   iterating U ← least-squares coverage-weighted mean), then back to the native form. At equal widths a round
@@ -126,7 +129,8 @@ def clients_teacher(states: Sequence[State], clients: Sequence[Client], full: Mo
 
 
 def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, options: MergeOptions, *,
-          anchor: State | None, data: Dataset | None = None, tune: TrainConfig | None = None) -> MergeResult:
+          anchor: State | None, data: Dataset | None = None, tune: TrainConfig | None = None,
+          server_round: int = 0) -> MergeResult:
     """Merge ``clients`` into one full-width native model by ``aggregation`` (see the module docstring), which sets
     the method of ``options``; the rest of ``options`` says how (iterations, workers, matching, corrections on
     ``data``, robustness: the clients' weights come already capped, the guard, and the device; the result comes back
@@ -134,6 +138,7 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, option
 
     ``anchor``: the previous global model (native, full width), or None to start from the heaviest client.
     ``tune``: how ``fedavg-ft`` and ``server-only`` train on ``data`` (default: one epoch, one thread).
+    ``server_round``: the round whose width windows the narrow clients held (FedRolex's offset).
     """
     robust, device = options.robustness, options.device
     method = AGGREGATION_TABLE[aggregation].method
@@ -141,7 +146,8 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, option
         tune = replace(tune or TrainConfig(threads=1), device=device)
         distil = AGGREGATION_TABLE[aggregation].control and data is not None and \
             targets_for(options.match.learn, data) == "endpoints"
-        return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust, distil)
+        offset = AGGREGATION_TABLE[aggregation].offset(server_round)
+        return _merge_sliced(clients, full, aggregation, anchor, data, tune, robust, distil, offset)
     options = replace(options, method=method)
     if data is not None:  # activation matching reads all of the server data
         options = replace(options, match=replace(options.match, activation=ActivationOptions(len(data))))  # type: ignore[arg-type]
@@ -158,14 +164,16 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, option
 
 
 def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str, anchor: State | None,
-                  data: Dataset | None, tune: TrainConfig, robust: Robustness, distil: bool) -> MergeResult:
-    """HeteroFL's average of the clipped width slices (or their FedMedian / FedTrimmedAvg at equal widths), then
-    for fedavg-ft the fine-tuning on the server data; server-only trains the previous global model instead. With
-    ``distil`` both train against the clipped clients' mixed predictions (:func:`clients_teacher`), not labels."""
+                  data: Dataset | None, tune: TrainConfig, robust: Robustness, distil: bool,
+                  offset: int = 0) -> MergeResult:
+    """HeteroFL's average of the clipped width slices (their windows at ``offset``; or their FedMedian /
+    FedTrimmedAvg at equal widths), then for fedavg-ft the fine-tuning on the server data; server-only trains the
+    previous global model instead. With ``distil`` both train against the clipped clients' mixed predictions
+    (:func:`clients_teacher`), not labels."""
     states, configs = universe_states(clients, full)
     before = embedded_distance(states, configs, full, [c.placement for c in clients])
     previous = anchor if anchor is not None else _zeros(full)  # no global model yet: what no client holds is 0
-    centers = [previous if cfg == full else heterofl.restrict(previous, full, cfg) for cfg in configs]
+    centers = [previous if cfg == full else heterofl.restrict(previous, full, cfg, offset) for cfg in configs]
     natives = [c.state for c in clients]
     clipping = clip(natives, centers, robust.clip_ratio) if anchor is not None else unclipped(natives)
     weights = [c.weight for c in clients]
@@ -175,7 +183,7 @@ def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str
         native, seconds = finetune(_server_only(anchor), full, data, tune, teacher)
         return MergeResult(native, seconds, before, before, [None] * len(clients), 0, clipping if distil else None)
     if robust.weighted_mean:
-        native = heterofl.merge(clipping.states, configs, weights, full, previous)
+        native = heterofl.merge(clipping.states, configs, weights, full, previous, offset)
     else:
         require_equal_widths(any(cfg != full for cfg in configs), robust)
         native = coordinatewise(clipping.states, robust.average, robust.trim_beta)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from federation.data import eval_subset, label_counts, pool, server_reads, split_config
 from federation.preflight import check_fit, check_run_config
+from federation.restriction import received
 from federation.settings import GUARDED, NATURAL_SPLITS, RunSettings
 from glmc.archs import build_model, get_arch
 from glmc.core.config import ModelConfig, scale_width
@@ -37,7 +39,7 @@ from server.hooks import (
     load_records,
     resume_point,
 )
-from server.records import RoundHooks
+from server.records import ACCURACY_AT, LOSS_AT, RoundHooks, tier_name
 from server.strategy import EvaluateFn, SymmetryAwareFedAvg
 from server.validation import ReplySchema
 
@@ -67,7 +69,7 @@ def configure_logging(run_dir: Path) -> None:
 def reply_schema(settings: RunSettings, cfg: ModelConfig) -> ReplySchema:
     """The array shapes of every width tier the run allows (checked to fit the family by check_fit)."""
     shapes = {}
-    for tier in settings.width_tiers:
+    for tier in settings.trained_tiers:
         model = build_model(scale_width(cfg, tier))
         shapes[tier] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     return ReplySchema(shapes)
@@ -91,17 +93,31 @@ def initial_model(settings: RunSettings, run_dir: Path, cfg: ModelConfig) -> tup
 
 
 def central_evaluator(settings: RunSettings, cfg: ModelConfig) -> EvaluateFn:
-    """evaluate_fn(round, arrays): the full-width global model on ``eval-limit`` held-out test samples, on the
-    server's device."""
+    """evaluate_fn(round, arrays): the global model on ``eval-limit`` held-out test samples, on the server's device,
+    and the same at every width tier of the run as that tier's clients receive it (``accuracy@<tier>``,
+    ``loss@<tier>``; smallest-width's global model is the same at every tier)."""
     test = eval_subset(pool(settings).test, settings.eval_limit, settings.seed)
     arch, device = get_arch(cfg.family), resolve(settings.server_device)
 
+    def score(state: Mapping[str, torch.Tensor], tier: float) -> dict[str, float]:
+        model = build_model(scale_width(cfg, tier))
+        model.load_state_dict(state, strict=True)
+        return evaluate(model.to(device), arch, test)
+
     def evaluate_global(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        model = build_model(cfg)
-        model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
-        result = evaluate(model.to(device), arch, test)
-        log.info("round %d: central test loss %.4f, accuracy %.4f", server_round, result["loss"], result["accuracy"])
-        return MetricRecord({"central-loss": float(result["loss"]), "central-accuracy": float(result["accuracy"])})
+        state = arrays.to_torch_state_dict()
+        scores = {1.0: score(state, 1.0)}
+        metrics = {"central-loss": float(scores[1.0]["loss"]), "central-accuracy": float(scores[1.0]["accuracy"])}
+        for tier in settings.width_tiers:
+            own = settings.tier_of(0, tier)  # relative to the global model
+            if own not in scores:
+                scores[own] = score(received(state, cfg, own, settings.aggregation, settings.narrow_placement,
+                                             server_round), own)
+            metrics |= {f"{ACCURACY_AT}{tier_name(tier)}": float(scores[own]["accuracy"]),
+                        f"{LOSS_AT}{tier_name(tier)}": float(scores[own]["loss"])}
+        log.info("round %d: central test loss %.4f, accuracy %.4f; by tier %s", server_round, metrics["central-loss"],
+                 metrics["central-accuracy"], {k: round(v, 4) for k, v in metrics.items() if k.startswith(ACCURACY_AT)})
+        return MetricRecord(metrics)  # type: ignore[arg-type]
 
     return evaluate_global
 
@@ -135,7 +151,8 @@ def output_hooks(settings: RunSettings, run_dir: Path, start_round: int, num_nod
                           split=task.split, train=settings.to_run_config(),
                           vocab=task.vocab.to_json() if task.vocab else None)
     previous = load_records(run_dir, start_round) if settings.resume else []
-    hooks: list[RoundHooks] = [MetricsWriter(run_dir, run_header(settings, num_nodes), previous),
+    hooks: list[RoundHooks] = [MetricsWriter(run_dir, run_header(settings, num_nodes), previous, settings.width_tiers,
+                                             settings.target_accuracy),
                                CheckpointWriter(run_dir, meta)]
     if settings.save_clients:
         hooks.append(ClientsWriter(run_dir, meta))

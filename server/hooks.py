@@ -2,12 +2,13 @@
 
 Layout of ``outputs/<run>/``::
 
-    metrics.json   {"settings", "split", "model", "records": [RoundRecord...]}
-    metrics.csv    one row per round (dropped replies as a count)
+    metrics.json   {"settings", "split", "model", "records": [RoundRecord...], "rounds_to_target": {tier: round}}
+    metrics.csv    one row per round (dropped replies as a count, each tier's metric a column)
     checkpoints/round-NNN.safetensors   the global model after round N (round 0 = the initial model)
     clients/round-NNN/client-K.safetensors   with save-clients: the K-th valid client model of round N (its example
                                              count in the metadata's metrics["examples"])
-    accuracy.png   central test accuracy of the global model and of the clients' models (mean) per round
+    accuracy.png   central test accuracy of the global model (at every width tier) and of the clients' models (mean)
+                   per round
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from glmc.errors import CheckpointError, ConfigError
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from glmc.merging.evaluation import ensemble_metrics
 from server.aggregation import client_models
-from server.records import RoundHooks, RoundRecord
+from server.records import RoundHooks, RoundRecord, rounds_to_target, tier_name
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +46,23 @@ class MetricsWriter(RoundHooks):
     """Rewrites metrics.json and metrics.csv after every round, each atomically (a temporary file renamed over it), so
     a run killed at any moment keeps what it measured."""
 
-    def __init__(self, run_dir: Path, header: dict[str, Any], records: Sequence[RoundRecord] = ()) -> None:
+    def __init__(self, run_dir: Path, header: dict[str, Any], records: Sequence[RoundRecord] = (),
+                 tiers: Sequence[float] = (1.0,), target: float = RunSettings.target_accuracy) -> None:
+        """``tiers``: the run's width tiers, each reaching ``target`` accuracy in its ``rounds_to_target`` round."""
         self.run_dir, self.header = run_dir, header
         self.records = list(records)
+        self.tiers, self.target = tuple(tiers), target
 
     def on_round_end(self, record: RoundRecord, arrays: ArrayRecord) -> None:
         self.records.append(record)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        body = self.header | {"records": [r.to_dict() for r in self.records]}
+        body = self.header | {"records": [r.to_dict() for r in self.records], "target_accuracy": self.target,
+                              "rounds_to_target": rounds_to_target(self.records, self.tiers, self.target)}
         _atomic_write(self.run_dir / "metrics.json", json.dumps(body, indent=1))
-        rows = [r.to_dict() | {"dropped": len(r.dropped)} for r in self.records]
+        rows = [_row(r) for r in self.records]
         table = io.StringIO(newline="")
-        writer = csv.DictWriter(table, fieldnames=list(rows[0]))
+        # a resumed run's older rows may lack a later key (a tier's metric)
+        writer = csv.DictWriter(table, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
         _atomic_write(self.run_dir / "metrics.csv", table.getvalue())
@@ -67,10 +73,19 @@ class MetricsWriter(RoundHooks):
 
         curves = {
             "global model": [(r.round, r.central_accuracy) for r in self.records],
+            **{f"global model @ width {tier_name(t)}": [(r.round, r.accuracy_at(tier_name(t))) for r in self.records]
+               for t in self.tiers if t != 1.0},
             "clients (mean)": [(r.round, r.mean_client_accuracy) for r in self.records],
         }
         path = plot_curves(curves, self.run_dir / "accuracy.png", str(self.header.get("title", "")))
         log.info("accuracy plot: %s", path)
+
+
+def _row(record: RoundRecord) -> dict[str, Any]:
+    """One round's CSV row: its record, the dropped replies counted, each tier's metric a column."""
+    row = record.to_dict() | {"dropped": len(record.dropped)} | record.tier_metrics
+    del row["tier_metrics"]
+    return row
 
 
 def load_records(run_dir: Path, up_to: int) -> list[RoundRecord]:
@@ -134,12 +149,13 @@ def checkpoint_path(run_dir: Path, round_: int) -> Path:
 
 
 # What a resumed run may change: how long it runs and waits (and for how many nodes), how many threads or workers
-# and which devices it computes with, what it saves, the federated evaluations that train nothing, and the NaN test
-# hook. Any other run-config key would make the resumed rounds another experiment than the checkpoints' own.
+# and which devices it computes with, what it saves, the federated evaluations that train nothing, the accuracy the
+# summary counts rounds to, and the NaN test hook. Any other run-config key would make the resumed rounds another
+# experiment than the checkpoints' own.
 RESUME_MAY_CHANGE = frozenset({"num-server-rounds", "resume", "round-timeout", "node-wait-timeout", "client-threads",
                                "align-workers", "output-dir", "fraction-evaluate", "ensemble-eval", "min-train-nodes",
                                "min-available-nodes", "client-device", "server-device", "save-clients",
-                               "fault-partition"})
+                               "target-accuracy", "fault-partition"})
 
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

@@ -1,7 +1,8 @@
 """SymmetryAwareFedAvg: FedAvg whose averaging step first aligns the clients' Transformers.
 
 ``aggregation="fedavg"`` runs flwr's own ``FedAvg.aggregate_train`` on the valid replies, so it is
-FedAvg exactly. ``weight``, ``activation``, ``learned``, ``canonical``, ``fedavg-ft`` and ``server-only`` hand the
+FedAvg exactly (as are fedrolex and smallest-width at equal widths, and full-width-only, which leaves the narrow
+replies out). ``weight``, ``activation``, ``learned``, ``canonical``, ``fedavg-ft`` and ``server-only`` hand the
 decoded client states to :func:`server.aggregation.merge`. Every reply is validated first
 (:mod:`server.validation`); a bad one is dropped with a one-line reason, and with fewer than ``min_train_nodes``
 valid replies the global model is kept for the round; so it is when the merge itself raises (any exception, logged
@@ -33,7 +34,15 @@ from torch.utils.data import Dataset
 from federation import protocol
 from federation.protocol import Client
 from federation.restriction import principal_placement, restrict
-from federation.settings import AGGREGATIONS, NARROW_PLACEMENTS, Deployment, RunSettings, places_principal
+from federation.settings import (
+    AGGREGATION_TABLE,
+    AGGREGATIONS,
+    AVERAGING,
+    NARROW_PLACEMENTS,
+    Deployment,
+    RunSettings,
+    places_principal,
+)
 from glmc.core.config import ModelConfig, scale_width
 from glmc.core.state import State
 from glmc.data.generated import generated_text, writing_seconds
@@ -46,7 +55,7 @@ from glmc.merging.widths import Placement
 from glmc.train import TrainConfig
 from server.aggregation import MergeResult, merge, universe_states
 from server.guard import guard_note
-from server.records import RoundHooks, RoundRecord
+from server.records import ACCURACY_AT, LOSS_AT, RoundHooks, RoundRecord
 from server.validation import ReplySchema, check_evaluate_reply, check_model, split_replies
 
 log = logging.getLogger(__name__)
@@ -114,7 +123,7 @@ class SymmetryAwareFedAvg(FedAvg):
         if not self.await_nodes(grid, max(self.min_available_nodes, self.min_train_nodes)):
             return []
         messages = list(super().configure_train(server_round + self.round_offset, arrays, config, grid))
-        self.instructions = self.restrict_to_widths(messages, arrays)
+        self.instructions = self.restrict_to_widths(messages, arrays, self.current.round)
         return self.instructions
 
     def await_nodes(self, grid: Grid, needed: int) -> bool:
@@ -133,8 +142,9 @@ class SymmetryAwareFedAvg(FedAvg):
             time.sleep(NODE_POLL_SECONDS)
         return True
 
-    def restrict_to_widths(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
-        """Give every node whose width tier is known (from its last reply) the global model at its own width.
+    def restrict_to_widths(self, messages: list[Message], arrays: ArrayRecord, server_round: int = 0) -> list[Message]:
+        """Give every node whose width tier is known (from its last reply) the global model at its own width, as
+        round ``server_round`` windows it (FedRolex).
 
         A node not heard from yet gets the full model and restricts it itself the same way (client.app).
         """
@@ -150,7 +160,7 @@ class SymmetryAwareFedAvg(FedAvg):
             placement = self._placement(node, tier)
             key = (tier, id(placement) if placement is not None else None)
             if key not in cache:
-                state = restrict(self._sent_state, self.model_config, tier, self.aggregation, placement)
+                state = restrict(self._sent_state, self.model_config, tier, self.aggregation, placement, server_round)
                 cache[key] = ArrayRecord(state)  # type: ignore[arg-type]
             msg.content = RecordDict({self.arrayrecord_key: cache[key],
                                       self.configrecord_key: msg.content[self.configrecord_key]})
@@ -175,7 +185,7 @@ class SymmetryAwareFedAvg(FedAvg):
         if self.fraction_evaluate == 0 or not self.await_nodes(grid, needed):
             return []
         messages = list(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid))
-        return self.restrict_to_widths(messages, arrays)
+        return self.restrict_to_widths(messages, arrays, server_round + self.round_offset)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -188,6 +198,10 @@ class SymmetryAwareFedAvg(FedAvg):
             valid, dropped = self._drop_unchanged(valid, dropped)
         record = self.current
         record.replies, record.valid = len(replies), len(valid)
+        if AGGREGATION_TABLE[self.aggregation].full_only:
+            valid = self._full_width(valid)
+            record.left_out = record.valid - len(valid)
+            log.info("round %d: full-width-only left %d narrow replies out", record.round, record.left_out)
         record.dropped = [f"node {node}: {reason}" for node, reason in dropped]
         for line in record.dropped:
             log.warning("round %d: dropped reply from %s", record.round, line)
@@ -223,6 +237,17 @@ class SymmetryAwareFedAvg(FedAvg):
             self.global_arrays = arrays
         return arrays, metrics
 
+    def _full_width(self, valid: list[Message]) -> list[Message]:
+        """``full-width-only``: the full tier's valid replies; the narrow nodes' tiers are remembered for the
+        downlink, their replies left out of the average."""
+        kept = []
+        for msg in valid:
+            tier = self._tier(msg)
+            self.node_tiers[msg.metadata.src_node_id] = tier
+            if tier == 1.0:
+                kept.append(msg)
+        return kept
+
     def _drop_unchanged(self, valid: list[Message], dropped: list[tuple[int, str]],
                         ) -> tuple[list[Message], list[tuple[int, str]]]:
         """``drop-unchanged``: the valid replies that are, to the bit, the model their node was sent move to
@@ -230,8 +255,7 @@ class SymmetryAwareFedAvg(FedAvg):
         kept = []
         for msg in valid:
             node = msg.metadata.src_node_id
-            tier = self.schema.tier(float(_metrics(msg)[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
-            sent = self._sent_to(node, tier)
+            sent = self._sent_to(node, self._tier(msg))
             if sent is not None and all(torch.equal(v, sent[k]) for k, v in _state(msg).items()):
                 dropped.append((node, "identical to the model it was sent (drop-unchanged: a free rider)"))
             else:
@@ -244,7 +268,8 @@ class SymmetryAwareFedAvg(FedAvg):
             self.global_arrays.to_torch_state_dict() if self.global_arrays is not None else None)
         if state is None or tier == 1.0:
             return state
-        return restrict(state, self.model_config, tier, self.aggregation, self._placement(node, tier))
+        return restrict(state, self.model_config, tier, self.aggregation, self._placement(node, tier),
+                        self.current.round)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """FedAvg's weighted metrics over the evaluate replies that pass :func:`check_evaluate_reply`; the others
@@ -259,10 +284,13 @@ class SymmetryAwareFedAvg(FedAvg):
                 log.warning("round %d: dropped evaluate reply from %s", record.round, record.evaluate_dropped[-1])
         return super().aggregate_evaluate(server_round, valid) if valid else None
 
+    def _tier(self, msg: Message) -> float:
+        """The width tier a valid reply reports, as the schema spells it."""
+        return self.schema.tier(float(_metrics(msg)[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
+
     def _decode(self, msg: Message) -> Client:
         """A valid reply as a client model; remembers the node's width tier for the downlink."""
-        metrics = _metrics(msg)
-        tier = self.schema.tier(float(metrics[protocol.TIER_KEY])) or 1.0  # type: ignore[arg-type]
+        metrics, tier = _metrics(msg), self._tier(msg)
         node = msg.metadata.src_node_id
         self.node_tiers[node] = tier
         # A principal reply is embedded where its tier's model was placed (a new node placed it itself, the same
@@ -279,9 +307,9 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def _aggregate(self, record: RoundRecord, valid: list[Message],
                    clients: list[Client]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The one aggregation step: FedAvg (:meth:`_fedavg`) for fedavg at equal widths and for a round that
-        min-alignment-gain sets aside, else :func:`merge`."""
-        if self.aggregation == "fedavg" and all(c.tier == 1.0 for c in clients):
+        """The one aggregation step: FedAvg (:meth:`_fedavg`) for the averaging aggregations at equal widths and for
+        a round that min-alignment-gain sets aside, else :func:`merge`."""
+        if AGGREGATION_TABLE[self.aggregation].averages and all(c.tier == 1.0 for c in clients):
             states, configs = universe_states(clients, self.model_config)
             record.distance_before = record.distance_after = embedded_distance(states, configs, self.model_config)
             return self._fedavg(record, valid, clients)
@@ -322,11 +350,12 @@ class SymmetryAwareFedAvg(FedAvg):
     def _merge(self, global_round: int, clients: list[Client]) -> MergeResult:
         # With independent inits the round-1 global model is an unrelated random net: no anchor then (server-only
         # trains it: from scratch).
-        fresh = self.independent_init and global_round == 1 and self.aggregation not in ("fedavg", "server-only")
+        fresh = self.independent_init and global_round == 1 and self.aggregation not in (*AVERAGING, "server-only")
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
         tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
         data = self._round_data(global_round, clients)
-        result = merge(clients, self.model_config, self.aggregation, self.options, anchor=anchor, data=data, tune=tune)
+        result = merge(clients, self.model_config, self.aggregation, self.options, anchor=anchor, data=data, tune=tune,
+                       server_round=global_round)
         return dataclasses.replace(result, align_seconds=result.align_seconds + writing_seconds(data))
 
     def _round_data(self, global_round: int, clients: list[Client]) -> Dataset | None:
@@ -371,6 +400,8 @@ class SymmetryAwareFedAvg(FedAvg):
         if metrics is not None:
             record.central_loss = _optional_float(metrics.get("central-loss"))
             record.central_accuracy = _optional_float(metrics.get("central-accuracy"))
+            record.tier_metrics = {k: float(v) for k, v in metrics.items()  # type: ignore[arg-type]
+                                   if k.startswith((ACCURACY_AT, LOSS_AT))}
         record.round_seconds = time.perf_counter() - self._round_start if global_round > self.round_offset else 0.0
         record.server_peak_gpu_mb = peak_memory_mb(self.device)  # aggregation and central evaluation
         self.records.append(record)

@@ -40,6 +40,7 @@ from glmc.errors import ConfigError
 from harness.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
 from harness.tomlfile import read_toml
 from server.plots import plot_curves
+from server.records import ACCURACY_AT, first_round_at
 
 log = logging.getLogger("simulations.compare")
 
@@ -261,6 +262,28 @@ DELTAS: tuple[tuple[str, Callable[[dict[str, Any]], float | None]], ...] = (
 )
 
 
+def tier_accuracies(row: dict[str, Any]) -> dict[str, list[tuple[int, float | None]]]:
+    """Width tier ("0.5") → (round, central accuracy of the global model at that tier) over the row's rounds."""
+    tiers = dict.fromkeys(k.removeprefix(ACCURACY_AT) for r in row["records"] for k in r.get("tier_metrics", {})
+                          if k.startswith(ACCURACY_AT))
+    return {t: [(r["round"], r.get("tier_metrics", {}).get(ACCURACY_AT + t)) for r in row["records"]] for t in tiers}
+
+
+def tier_columns(ok: list[dict[str, Any]], target: float) -> dict[str, str]:
+    """Per width tier: the final accuracy at it (%, mean ± s.e.) and the rounds to ``target`` (mean over the runs
+    that reached it, and how many did)."""
+    columns = {}
+    tiers = dict.fromkeys(t for r in ok for t in tier_accuracies(r))
+    for tier in tiers:
+        curves = [tier_accuracies(r).get(tier, []) for r in ok]
+        columns[f"accuracy@{tier} %"] = _fmt([next((a for _, a in reversed(c) if a is not None), None)
+                                              for c in curves])
+        reached = [k for c in curves if (k := first_round_at(c, target)) is not None]
+        columns[f"rounds to {target:g}@{tier}"] = (f"{statistics.fmean(reached):.1f} ({len(reached)}/{len(ok)})"
+                                                   if reached else f"– (0/{len(ok)})")
+    return columns
+
+
 def align_share(row: dict[str, Any]) -> float | None:
     """Alignment seconds over total round seconds, over the trained rounds."""
     rounds = trained(row)
@@ -351,6 +374,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
     reads = reads or {label: server_data_read(exp, label) for label in exp.aggregations}
     table = []
     guarded = any(r.get("unaligned") for row in rows for r in row["records"])
+    target = float(exp.run.get("target-accuracy", RunSettings.target_accuracy))
     defended = any("spread" in r for row in rows for r in row["records"])
     for split, widths in groups(exp):
         base = finished(rows, split, widths, "fedavg")
@@ -362,7 +386,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
             table.append({
                 "split": split, "widths": widths, "aggregation": agg,
                 "server data read": READS[reads.get(agg, "unknown")], "runs": f"{len(ok)}/{len(cell)}",
-                "accuracy %": _fmt([final(r, "central_accuracy") for r in ok]), **deltas,
+                "accuracy %": _fmt([final(r, "central_accuracy") for r in ok]), **tier_columns(ok, target), **deltas,
                 **({"Δ vs strongest control (pts)": against_control(agg)} if controls(exp) else {}),
                 "clients % (mean)": _fmt([final(r, "mean_client_accuracy") for r in ok]),
                 "ensemble %": _fmt([final(r, "ensemble_accuracy") for r in ok]),
@@ -397,7 +421,27 @@ def plot_groups(rows: list[dict[str, Any]], exp: Experiment, out: Path) -> list[
             bands[agg] = [se for _, se in stats]
         title = f"{exp.name}: {split}, widths {widths} ({len(exp.seeds)} seeds)"
         paths.append(plot_curves(curves, out / f"accuracy-{split}-{widths}.png", title, bands, "central test accuracy"))
+        tiers = tier_curves(rows, exp, split, widths)
+        if tiers:
+            paths.append(plot_curves(tiers, out / f"accuracy-{split}-{widths}-tiers.png", f"{title}, by width tier",
+                                     ylabel="central test accuracy at the tier"))
     return paths
+
+
+def tier_curves(rows: list[dict[str, Any]], exp: Experiment, split: str,
+                widths: str) -> dict[str, list[tuple[int, float | None]]]:
+    """"<aggregation> @<tier>" → mean accuracy per round of the global model at each narrow tier, over the seeds."""
+    curves: dict[str, list[tuple[int, float | None]]] = {}
+    for agg in exp.aggregations:
+        runs = [tier_accuracies(r) for r in select(rows, split, widths, agg) if r["records"]]
+        for tier in dict.fromkeys(t for run in runs for t in run if t != "1"):
+            by_round: dict[int, list[float]] = {}
+            for run in runs:
+                for k, a in run.get(tier, []):
+                    if a is not None:
+                        by_round.setdefault(k, []).append(a)
+            curves[f"{agg} @{tier}"] = [(k, statistics.fmean(v)) for k, v in sorted(by_round.items())]
+    return curves
 
 
 def provenance(config: Path, rows: list[dict[str, Any]]) -> str:
