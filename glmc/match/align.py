@@ -20,8 +20,8 @@ from glmc.core.spec import check_same_shapes
 from glmc.core.state import State, cast
 from glmc.device import to_device
 from glmc.errors import ConfigError
-from glmc.match.balance import balance, balances
-from glmc.match.common import MatchResult
+from glmc.match.balance import balance, balances, nearer
+from glmc.match.common import MatchResult, sq_distance
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.symmetry.canonical import CENTRED, canonicalize
@@ -69,23 +69,30 @@ def align_pair(
     a, b = (canonicalize(arch, s, cfg, form, dtype) for s in (native_a, native_b))
     if not entry.matches:
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
+    result = match_pair(method, a, b, cfg, data, options)
+    return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)
+
+
+def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset | None,
+               options: MatchOptions) -> MatchResult:
+    """The transform that brings canonical B next to A by ``method``: over the whole declared group where the method
+    searches it (:func:`glmc.match.balance.balances`), else over what the method searches.
+
+    Over the whole group, both models are balanced (:mod:`glmc.match.balance`), the balanced pair matched, and B's
+    map is D_A⁻¹ ∘ T ∘ D_B, each head's and unit's maps kept or replaced by the orthogonal choice, whichever is nearer
+    A (:func:`glmc.match.balance.nearer`). A data-free method also searches the models as given, and the nearer of
+    the two ends is kept: the descent is not convex, and seeds trained apart can sit nearer in their own frames
+    (on the official GLMC pair, 0.9212 against 0.9231 of ‖A‖); a planted transform is found only from the balanced
+    pair. A data-driven method runs once, on the balanced pair."""
+    entry = get_method(method)
     if not balances(method, options):
-        result = entry.match()(a, b, cfg, data, options)
-        return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)
-    return _balanced(a, b, cfg, method, options, data)
-
-
-def _balanced(a: State, b: State, cfg: ModelConfig, method: str, options: MatchOptions,
-              data: Dataset | None) -> Alignment:
-    """The matching over the whole group: both models balanced (:mod:`glmc.match.balance`), the balanced pair
-    matched, and B moved by D_A⁻¹ ∘ T ∘ D_B, so it lands next to A as given. The transform is that whole map, applied
-    to B once; for a soft matching, whose reorderings are dense and do not compose, T ∘ D_B is applied in two steps
-    and the result keeps D_A⁻¹ ∘ T, the map from balanced B."""
-    spec = get_arch(cfg.family).spec
+        return entry.match()(a, b, cfg, data, options)
     (a_bal, d_a), (b_bal, d_b) = balance(a, cfg), balance(b, cfg)
-    result = get_method(method).match()(a_bal, b_bal, cfg, data, options)
-    back = compose(invert(d_a), result.transform)
-    if not back.indexed:
-        return Alignment(a, apply(b_bal, spec, back, cfg.heads), method, dataclasses.replace(result, transform=back))
-    whole = compose(back, d_b)
-    return Alignment(a, apply(b, spec, whole, cfg.heads), method, dataclasses.replace(result, transform=whole))
+    found = entry.match()(a_bal, b_bal, cfg, data, options)
+    whole = dataclasses.replace(found, transform=nearer(a, b, compose(compose(invert(d_a), found.transform), d_b),
+                                                        cfg))
+    if entry.reads_data:
+        return whole
+    plain = entry.match()(a, b, cfg, data, options)
+    spec = get_arch(cfg.family).spec
+    return min((whole, plain), key=lambda r: sq_distance(a, apply(b, spec, r.transform, cfg.heads)))

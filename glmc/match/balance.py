@@ -31,7 +31,7 @@ from glmc.core.state import State
 from glmc.match.common import gather, head_factors, kv_factors
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
-from glmc.symmetry.groups import rotary_halves
+from glmc.symmetry.groups import polar, rotary_halves, rotary_polar
 from glmc.symmetry.transforms import Transform, apply
 
 MlpScale = Literal["none", "positive", "nonzero"]
@@ -131,3 +131,61 @@ def balances(method: str, options: MatchOptions) -> bool:
     """Whether ``method`` searches the whole declared group with ``options``: it reads the symmetry section (the
     permutation-only ablations do not) and the section asks for the whole group."""
     return "symmetry" in get_method(method).options and options.symmetry.group == "whole"
+
+
+def nearer(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], found: Transform,
+           cfg: ModelConfig) -> Transform:
+    """``found`` (B's whole map, searched between the balanced models) with each KV head's q/k and v/o maps and each
+    MLP unit's scale replaced by the orthogonal choice (the Procrustes maps between A and B moved by ``found``'s
+    permutations and residual map; scale 1) where that leaves the head or unit nearer A: both are exact, and ‖A −
+    T(B)‖, which every matcher lowers, decides. A planted transform keeps the balanced maps (distance 0); seeds
+    trained apart may sit nearer in their own frames than in their balanced ones."""
+    spec = get_arch(cfg.family).spec
+    bare = Transform(cfg.depth, residual=found.residual, heads=found.heads, mlp=found.mlp, group=found.group)
+    moved = apply(b, spec, bare, cfg.heads)
+    kind = mlp_scale(spec, cfg)
+    out = Transform(cfg.depth, residual=found.residual, heads=found.heads, mlp=found.mlp, group=found.group)
+    for layer in range(cfg.depth):
+        (qa, ka), (va, oa) = _pairs(a, spec, cfg, layer)
+        (qb, kb), (vb, ob) = _pairs(moved, spec, cfg, layer)
+        out.qk[layer] = _nearer_maps(found.qk[layer], rotary_polar(torch.cat([qa, ka], -1) @ torch.cat([qb, kb], -1).mT,
+                                                                   cfg.rotary_dim), (qa, ka), (qb, kb))
+        out.ov[layer] = _nearer_maps(found.ov[layer], polar(torch.cat([va, oa], -1) @ torch.cat([vb, ob], -1).mT),
+                                     (va, oa), (vb, ob))
+        out.mlp_scale[layer] = _nearer_scales(found.mlp_scale[layer], a, moved, spec, cfg.depth, layer, kind)
+    return out
+
+
+def _pairs(state: Mapping[str, torch.Tensor], spec: SpecTable, cfg: ModelConfig,
+           layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """One layer's ((q, k), (v, o)) factors per KV head in float64 (:func:`glmc.match.common.kv_factors`)."""
+    qkv, out, kv = head_factors(state, spec, cfg.depth, layer, cfg.heads)
+    return kv_factors(qkv.double(), out.double(), kv)
+
+
+def _nearer_maps(found: torch.Tensor | None, orthogonal: torch.Tensor, fa: tuple[torch.Tensor, torch.Tensor],
+                 fb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Per KV head, whichever map M (F → M F, G → M⁻ᵀ G) leaves (F_B, G_B) nearer (F_A, G_A)."""
+    if found is None:
+        return orthogonal
+    found = found.to(orthogonal)
+
+    def distance(m: torch.Tensor) -> torch.Tensor:
+        inv_t = torch.linalg.inv(m).mT
+        return (fa[0] - m @ fb[0]).square().sum((-2, -1)) + (fa[1] - inv_t @ fb[1]).square().sum((-2, -1))
+
+    keep = distance(found) <= distance(orthogonal)
+    return torch.where(keep[:, None, None], found, orthogonal)
+
+
+def _nearer_scales(found: torch.Tensor | None, a: Mapping[str, torch.Tensor], moved: Mapping[str, torch.Tensor],
+                   spec: SpecTable, depth: int, layer: int, kind: MlpScale) -> torch.Tensor | None:
+    """Per MLP unit, the scale ``found`` or 1, whichever leaves the unit's up row and fc2 column nearer A's."""
+    if found is None or kind == "none":
+        return None
+    up_a, down_a, up_b, down_b = (gather(state, spec, depth, k, layer).double()
+                                  for state in (a, moved) for k in (MLP, MLP_IN))
+    s = found.to(up_a)
+    scaled = (up_a - s[:, None] * up_b).square().sum(1) + (down_a - down_b / s[:, None]).square().sum(1)
+    plain = (up_a - up_b).square().sum(1) + (down_a - down_b).square().sum(1)
+    return torch.where(scaled <= plain, s, torch.ones_like(s))

@@ -59,11 +59,11 @@ class Method:
 
 
 # A method that reads ``symmetry`` searches the whole declared group unless told otherwise (SymmetryOptions); the
-# permutation-only ablations search their subgroup and do not.
+# permutation-only ablations search their subgroup and do not, nor do soft permutations, which only approximate B.
 WEIGHT = ("symmetry", "weight")  # weight matching's options (glmc.match.options.WeightOptions)
 LEARNED = ("symmetry", "weight", "learn")  # the learned methods: the weight matching they start from, then LearnConfig
 PERMUTATIONS = ("weight",)  # weight matching's options, on permutations alone
-LEARNED_PERMUTATIONS = ("weight", "learn")
+LEARNED_PERMUTATIONS = ("weight", "learn")  # the learned methods that search their subgroup alone
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("none", "no alignment: the models as trained (the vanilla baseline)", None, merge_pairwise="none"),
@@ -83,7 +83,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "glmc.match.learned:pairwise_permutations", LEARNED_PERMUTATIONS, reads_data=True, reads_labels=True,
            learns=True),
     Method("soft", "soft permutations: doubly stochastic mixing, learned (approximates B; paper App. D)",
-           "glmc.match.soft:pairwise", LEARNED, reads_data=True, reads_labels=True, learns=True, exact=False),
+           "glmc.match.soft:pairwise", LEARNED_PERMUTATIONS, reads_data=True, reads_labels=True, learns=True,
+           exact=False),
     Method("dual", "dual learned matching: both endpoints learn their maps toward one shared path",
            "glmc.match.dual:pairwise", LEARNED, reads_data=True, reads_labels=True, learns=True),
 )}

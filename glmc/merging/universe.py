@@ -32,13 +32,13 @@ from glmc.core.config import ModelConfig
 from glmc.core.state import State
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_weights
-from glmc.match.balance import balance, balances
+from glmc.match.align import match_pair
 from glmc.match.common import MatchResult, sq_distance
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.merging.options import MergeOptions
 from glmc.merging.widths import Placement, embed, lstsq_merge, move, place, widen
-from glmc.symmetry.transforms import Transform, apply, compose, invert, maps_to
+from glmc.symmetry.transforms import Transform, apply, compose, maps_to
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class _Job:
 def _align_one(job: _Job, anchor: State, state: State) -> MatchResult:
     """The transform that brings ``state`` next to ``anchor`` (both canonical, standard form, width of cfg), by the
     registry's pairwise function of ``job.method``."""
-    return get_method(job.method).match()(anchor, state, job.cfg, job.data, job.options)
+    return match_pair(job.method, anchor, state, job.cfg, job.data, job.options)
 
 
 _SHARED: dict[str, Any] = {}  # a worker's copy of one iteration's job, anchor and states
@@ -217,12 +217,6 @@ def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOp
         record = IterationRecord(0, _mean_distance(aligned, merged), 0.0, 0.0, time.perf_counter() - start, method)
         return UniverseResult(aligned, placements, transforms, merged, [record])
     match = dataclasses.replace(options.match, form="standard")
-    back = None
-    if balances(method, match):  # the whole group searched: every model, and the anchor, balanced first
-        balanced = [balance(s, cfg) for s in aligned]
-        aligned, transforms = [s for s, _ in balanced], [t for _, t in balanced]
-        anchor, first = (None, transforms[reference]) if anchor is None else balance(anchor, cfg)
-        back = invert(first)
     universe = dict(anchor) if anchor is not None else aligned[reference]
     if options.workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
         data = _small_dataset(data, match.activation.batch if get_method(method).reads_sample else None)
@@ -234,16 +228,6 @@ def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOp
             break
     if not pairwise and entry.refines and len(aligned) > 1:  # one model's merge is itself: no mixture to refine
         _refine(result, job, weights, reference)
-    return result if back is None else _brought_back(result, back, cfg)
-
-
-def _brought_back(result: UniverseResult, back: Transform, cfg: ModelConfig) -> UniverseResult:
-    """``result`` moved by ``back``, the inverse of the first U's balancing: U, and every model with it, in the frame
-    of the anchor (or reference model) as it was given. ``back`` acts within heads and units, so the placements stay."""
-    spec, heads = get_arch(cfg.family).spec, cfg.heads
-    result.aligned = [apply(s, spec, back, heads) for s in result.aligned]
-    result.transforms = [compose(back, t) for t in result.transforms]
-    result.merged = apply(result.merged, spec, back, heads)
     return result
 
 

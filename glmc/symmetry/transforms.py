@@ -58,12 +58,6 @@ class Transform:
     def identity(cls, depth: int) -> Transform:
         return cls(depth)
 
-    @property
-    def indexed(self) -> bool:
-        """Whether every reordering is an index permutation (or the identity), as :func:`compose` and
-        :func:`invert` need: a soft matching's are dense."""
-        return all(p is None or p.dim() == 1 for p in self.heads + self.mlp)
-
 
 def _batched(maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Apply per-head maps (H, a, b) to x (H, b, rest) → (H, a, rest)."""
