@@ -48,7 +48,7 @@ def check_fit(settings: RunSettings, cfg: ModelConfig) -> None:
     can merge the width tiers."""
     check_partitioner(settings.partitioner, settings.dataset, cfg.family)
     tiers = ",".join(f"{t:g}" for t in settings.width_tiers)
-    for tier in settings.width_tiers:
+    for tier in settings.trained_tiers:  # relative to the global model (smallest-width's is the smallest tier's)
         if tier != 1:
             require_width_tier(cfg, tier, f"width-tiers '{tiers}'", "use width-tiers whose models nest (1, 0.5, ...)")
 

@@ -85,7 +85,7 @@ def test_a_copy_of_the_code_finds_the_data_of_the_checkout_it_was_installed_from
     ("agregation='weight'", ["unknown run-config key 'agregation'", "did you mean 'aggregation'"]),
     ("dataset='shakespeare' partitioner='dirichlet'", ["partitioner 'dirichlet' does not split shakespeare",
                                                        "role, play"]),
-    ("model='llama-tiny' dataset='shakespeare' width-tiers='1,0.5'", ["width-tiers '1,0.5'", "width-tiers='1'"]),
+    ("model='llama-tiny' dataset='shakespeare' width-tiers='1,0.25'", ["width-tiers '1,0.25'", "KV heads"]),
 ])
 def test_a_bad_run_config_is_refused_in_one_line_before_anything_starts(overrides, expect, newcomer):
     env, port = newcomer

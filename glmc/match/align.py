@@ -82,22 +82,24 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     searches it (:func:`glmc.match.balance.balances`), else over what the method searches.
 
     Over the whole group, both models are balanced (:mod:`glmc.match.balance`), the balanced pair matched, and B's
-    map is D_A⁻¹ ∘ T ∘ D_B, each head's and unit's maps kept or replaced by the orthogonal choice, whichever is nearer
-    A (:func:`glmc.match.balance.nearer`). A data-free method also searches the models as given, and the nearer of
-    the two ends is kept: the descent is not convex, and seeds trained apart can sit nearer in their own frames
-    (on the official GLMC pair, 0.9212 against 0.9231 of ‖A‖); a planted transform is found only from the balanced
-    pair, and where it lands B on A (:data:`RECOVERED`) the second search is skipped. A data-driven method runs
-    once, on the balanced pair."""
+    map is D_A⁻¹ ∘ T ∘ D_B. A data-driven method stops there, once. A data-free method then keeps each head's and
+    unit's maps or replaces them by the orthogonal choice, whichever is nearer A (:func:`glmc.match.balance.nearer`),
+    searches the models as given too, and keeps the nearer end: the descent is not convex, and seeds trained apart
+    can sit nearer in their own frames (on the official GLMC pair, 0.9212 against 0.9231 of ‖A‖). A planted
+    transform is found only from the balanced pair; where that lands B on A (:data:`RECOVERED`), the second search
+    is skipped."""
     entry = get_method(method)
     if not balances(method, options):
         return entry.match()(a, b, cfg, data, options)
     (a_bal, d_a), (b_bal, d_b) = balance(a, cfg), balance(b, cfg)
     found = entry.match()(a_bal, b_bal, cfg, data, options)
-    whole = dataclasses.replace(found, transform=nearer(a, b, compose(compose(invert(d_a), found.transform), d_b),
-                                                        cfg))
+    moved = compose(compose(invert(d_a), found.transform), d_b)
+    if entry.reads_data:  # its maps serve its own objective, not the distance
+        return dataclasses.replace(found, transform=moved)
+    whole = dataclasses.replace(found, transform=nearer(a, b, moved, cfg))
     spec = get_arch(cfg.family).spec
     left = sq_distance(a, apply(b, spec, whole.transform, cfg.heads))
-    if entry.reads_data or left <= RECOVERED * sum(sq_norm(x) for x in a.values()):
-        return whole  # a data-driven method runs once; B recovered to within 1e-4 of ‖A‖: nothing can be nearer
+    if left <= RECOVERED * sum(sq_norm(x) for x in a.values()):
+        return whole  # B recovered to within 1e-4 of ‖A‖: nothing can be nearer
     plain = entry.match()(a, b, cfg, data, options)
     return plain if sq_distance(a, apply(b, spec, plain.transform, cfg.heads)) < left else whole
