@@ -208,6 +208,25 @@ def test_a_bench_whose_published_rows_predate_the_matchers_defaults_pins_the_mat
     run = tomllib.loads(Path(f"simulations/bench/configs/{config}.toml").read_text())["run"]
     pinned = WeightOptions(start="identity", head_cost="squared", mlp_cost="inner", biases="read")
     assert parse_match_flags(run["matcher"]).weight == pinned
+    assert parse_match_flags(run["matcher"]).symmetry.group == "orthogonal"
+
+
+def test_every_published_federated_grid_pins_the_group_it_ran_with() -> None:
+    """The grids published before the whole group became the default ran over its orthogonal part; their configs
+    say so (a smoke config and a grid without results run today's defaults)."""
+    unpinned = [path.name for path in Path("simulations/configs").glob("*.toml")
+                if Path("simulations/results", path.stem).is_dir()
+                and tomllib.loads(path.read_text())["run"].get("group") != "orthogonal"]
+    assert not unpinned, unpinned
+
+
+def test_the_server_cost_bench_fits_the_growth_it_measures() -> None:
+    """Costs that grow as N² read as slope 2; a single row fits nothing."""
+    from simulations.bench.server_cost import slope
+
+    rows = [{"clients": n, "cpu_seconds": 0.5 * n * n} for n in (10, 30, 100)]
+    assert slope(rows, "cpu_seconds") == pytest.approx(2.0)
+    assert slope(rows[:1], "cpu_seconds") is None
 
 
 def test_the_barrier_summary_shows_a_timing_table_only_when_timing_was_measured() -> None:
