@@ -22,8 +22,8 @@ from glmc.errors import ConfigError
 from glmc.match.common import MatchResult
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
-from glmc.symmetry.canonical import CENTRED, canonicalize
-from glmc.symmetry.transforms import Transform, apply
+from glmc.symmetry.canonical import CENTRED, canonical_view, canonicalize
+from glmc.symmetry.transforms import Transform, apply, moved
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Alignment:
 def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
     options: MatchOptions | None = None, *, data: Dataset | None = None, dtype: torch.dtype | None = torch.float64,
-    device: str | torch.device | None = None,
+    device: str | torch.device | None = None, lazy: bool = False,
 ) -> Alignment:
     """Align native state dict B to A (same config) by ``method`` with ``options`` (:class:`MatchOptions`: the form,
     and the options of each method; the method reads the sections its registry entry names).
@@ -51,6 +51,9 @@ def align_pair(
     ``device`` is where the work happens and the aligned states stay (None: where the inputs are).
     ``dtype``: what the canonical states are held in; None keeps each input's own precision, so a bfloat16 pair is
     searched tensor by tensor in float32 and never held wider (data-free methods only: the others run the models).
+    ``lazy`` (data-free methods): the canonical states and the moved B are :class:`glmc.core.state.Lazy`, each tensor
+    made bit for bit as here on each read from the natives, so no canonical copy of either model is held whole (for
+    a caller that reads each tensor once or twice, as ``glmc align`` writing B).
     """
     options = options or MatchOptions()
     entry, form = get_method(method), options.form
@@ -64,8 +67,9 @@ def align_pair(
     if not entry.matches and form not in CENTRED:  # the models' own parameters: LayerNorm folding is bilinear
         a, b = (arch.to_canonical(s if dtype is None else cast(s, dtype), cfg) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
-    a, b = (canonicalize(arch, s, cfg, form, dtype) for s in (native_a, native_b))
+    lazy = lazy and not entry.reads_data
+    a, b = ((canonical_view if lazy else canonicalize)(arch, s, cfg, form, dtype) for s in (native_a, native_b))
     if not entry.matches:
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     result = entry.match()(a, b, cfg, data, options)
-    return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)
+    return Alignment(a, (moved if lazy else apply)(b, arch.spec, result.transform, cfg.heads), method, result)
