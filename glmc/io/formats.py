@@ -310,14 +310,16 @@ class _StreamedModel:
     """What :func:`write_hf` saves for a streamed state: the model's config and generation config (of a model built
     on the meta device) and its weights written one tensor at a time, cast to the folder's dtype."""
 
-    def __init__(self, model: Any, native: Lazy, dtype: torch.dtype) -> None:
-        self.model, self.native, self.dtype = model, native, dtype
+    def __init__(self, model: Any, native: Lazy, dtype: torch.dtype, saved: Mapping[str, str]) -> None:
+        self.model, self.native, self.dtype, self.saved = model, native, dtype, saved
 
     def save_pretrained(self, folder: str) -> None:
+        self.model.config.dtype = str(self.dtype).split(".")[1]  # as save_pretrained records it
+        self.model.config.architectures = [type(self.model).__name__]
         self.model.config.save_pretrained(folder)
         if self.model.can_generate():
             self.model.generation_config.save_pretrained(folder)
-        cast_view = Lazy(self.native, lambda name: self.native[name].detach().to(self.dtype))
+        cast_view = Lazy(self.saved, lambda name: self.native[self.saved[name]].detach().to(self.dtype))
         stream_safetensors(Path(folder) / "model.safetensors", cast_view, lambda _: {"format": "pt"})
 
 
@@ -331,10 +333,25 @@ def _stream_hf(native: Lazy, meta: CheckpointMeta, dtype: torch.dtype) -> _Strea
         return None
     with torch.device("meta"):
         model: Any = build_model(meta.config).to(dtype)
-    if getattr(model.config, "tie_word_embeddings", False) or set(model.state_dict()) != set(native):
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False) or set(state) != set(native):
         return None
-    model.config.architectures = [arch.hf_class]
-    return _StreamedModel(model, native, dtype)
+    saved = _saved_names(model, state)
+    if saved is None:
+        return None
+    return _StreamedModel(model, native, dtype, saved)
+
+
+def _saved_names(model: Any, state: State) -> dict[str, str] | None:
+    """The names ``save_pretrained`` gives the model's parameters (the checkpoint's own, where transformers renames
+    them on loading: GPT-NeoX's ``embed_out``) → the model's names; None where saving converts a tensor rather than
+    renaming it (computed on the meta device: no tensor is read)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    ids = {id(v): k for k, v in state.items()}
+    reverted = revert_weight_conversion(model, dict(state))
+    saved = {new: ids.get(id(v)) for new, v in reverted.items()}
+    return None if None in saved.values() or len(saved) != len(state) else saved  # type: ignore[return-value]
 
 
 def _write_saved(folder: Path, meta: CheckpointMeta) -> None:
