@@ -67,14 +67,14 @@ def run_align(args: argparse.Namespace) -> int:
     return 0
 
 
-WORKING_COPIES = 4  # what aligning holds beyond the two models read, in models of the precision: the folded
-# canonical tensors, the moved B and the matching's per-layer copies (measured: a float32 TinyLlama-1.1B pair peaked
-# above 24 GB, 8.8 GB of it the two models)
+WORKING_COPIES = 4  # what aligning by a data-driven method holds beyond the two models read, in models of the
+# precision: the folded canonical tensors, the moved B and the matching's per-layer copies (measured: a float32
+# TinyLlama-1.1B pair peaked above 24 GB, 8.8 GB of it the two models). Data-free methods hold none of them whole.
 
 
 def require_room(states: list[dict], precision: str) -> None:
-    """ConfigError before the work where aligning in ``precision`` would need more memory than the system has
-    available now (Linux's MemAvailable; elsewhere, and for ``stored``, nothing is checked)."""
+    """ConfigError before the work where aligning by a data-driven method in ``precision`` would need more memory
+    than the system has available now (Linux's MemAvailable; elsewhere, and for ``stored``, nothing is checked)."""
     from glmc.device import available_memory
 
     itemsize = {"float64": 8, "float32": 4}.get(precision)
@@ -85,5 +85,6 @@ def require_room(states: list[dict], precision: str) -> None:
     need = WORKING_COPIES * itemsize * params
     if need > available:
         raise ConfigError(f"aligning {params / 1e9:.2f}B-parameter models in {precision} needs about {need / 1e9:.1f} "
-                          f"GB beyond the two read, and {available / 1e9:.1f} GB is available: pass --precision "
-                          f"{'float32 or ' * (precision == 'float64')}stored")
+                          f"GB beyond the two read, and {available / 1e9:.1f} GB is available: "
+                          f"{'pass --precision float32, or ' * (precision == 'float64')}align them by a data-free "
+                          "method (weight), which holds only the two models")

@@ -163,8 +163,8 @@ class _Folds:
                 self.norm_of[f"{r}.w"] = norm
                 if absorbs and f"{norm}.b" in names:
                     self.norm_of[f"{r}.b"] = norm
-        self.gains = {f"{norm}.w": norm for norm in self.readers} | {
-            f"{scale}.g": scale for scale in self.scale_of.values()}
+        self.gains = {f"{norm}.w" for norm in self.readers} | set(self.scale_of.values())
+        self.scales = set(self.scale_of.values())  # the LayerScales' own gains, folded to ones
         self.shifts = {f"{norm}.b": norm for norm in self.readers if f"{norm}.b" in names}
 
     def touches(self, name: str) -> bool:
@@ -189,7 +189,7 @@ def canonical_view(arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelCon
 
     def scaled(name: str) -> torch.Tensor:  # fold_scales: γ ⊙ (W y + c)
         value = read(name)
-        if name in folds.gains and name in folds.scale_of.values():
+        if name in folds.scales:
             return torch.ones_like(value)
         if name not in folds.scale_of:
             return value
