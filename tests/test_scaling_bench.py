@@ -102,5 +102,6 @@ def test_a_cli_row_times_glmc_align_on_a_saved_pair_and_checks_its_output(family
     assert row["exit"] == 0 and row["recovered"] and row["relative_error"] <= tolerance < 0.05 < row["b_error"]
     assert 0.1 < row["peak_rss_mb"] / 1024 < 8 and row["cpu_seconds"] > 0 and row["inputs_gb"] > 0
     assert row["load_at_start"] >= 0 and row["load_at_end"] >= 0 and row["sweeps"] >= 1
-    summary = scaling.markdown([row | {"run": 0}], [], [{"command": "c", "config": "x", "machine": "m", "load_before": "0"}])
+    run = {"command": "c", "config": "x", "machine": "m", "load_before": "0"}
+    summary = scaling.markdown([row | {"run": 0}], [], [run])
     assert f"| {model['name']} | 0 | {stored} |" in summary

@@ -132,7 +132,7 @@ def stream_safetensors(path: str | Path, state: Mapping[str, torch.Tensor],
                 tensor = state[name].detach().to("cpu").contiguous()
                 data = tensor.reshape(-1).view(torch.uint8).numpy()
                 h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-                h.update(data)
+                h.update(data.data)
                 f.write(data.data)
                 header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                                 "data_offsets": [offset, offset + data.nbytes]}

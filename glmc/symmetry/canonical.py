@@ -206,13 +206,13 @@ def canonical_view(arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelCon
                 return torch.zeros_like(beta)
             return _over_gain(beta, scaled(f"{norm}.w"), norm)
         value = scaled(name)
-        norm = folds.norm_of.get(name)
-        if norm is None:
+        read_from = folds.norm_of.get(name)
+        if read_from is None:
             return value
         if name.endswith(".w"):
-            return value * scaled(f"{norm}.w")
+            return value * scaled(f"{read_from}.w")
         weight = scaled(name.removesuffix(".b") + ".w")
-        return value + weight @ scaled(f"{norm}.b")
+        return value + weight @ scaled(f"{read_from}.b")
 
     def search(name: str, into: torch.dtype) -> torch.Tensor:
         if not folds.touches(name):

@@ -53,8 +53,8 @@ from glmc.match.weight import weight_match
 from glmc.symmetry.canonical import canonicalize, fixes_ones
 from glmc.symmetry.transforms import Transform, apply, compose, random_transform
 from harness.tomlfile import config_or_exit
-from simulations.bench.barriers import machine
 from simulations.bench import precision
+from simulations.bench.barriers import machine
 from simulations.bench.planting import PLANTERS
 
 MAP_TOLERANCE = 1e-3  # T̂ ∘ T's continuous maps from the identity (max abs entry): float32 search, exact group
@@ -266,8 +266,8 @@ def _cli_table(rows: list[dict[str, Any]]) -> list[str]:
              "process's own VmHWM, reading, the read check, matching and writing included; load: the 1-minute load "
              "average at the start and the end of the run). Recovered: C within the row's tolerance of A (relative "
              "Frobenius distance over the native tensors), B itself far from it.", "",
-             "| model | params (M) | stored | inputs GB | flags | threads | wall s | matching s | CPU s | peak RSS GB | "
-             "target | ‖C − A‖/‖A‖ | ‖B − A‖/‖A‖ | recovered | load | run |", "|" + "---|" * 16]
+             "| model | params (M) | stored | inputs GB | flags | threads | wall s | matching s | CPU s | "
+             "peak RSS GB | target | ‖C − A‖/‖A‖ | ‖B − A‖/‖A‖ | recovered | load | run |", "|" + "---|" * 16]
     for r in rows:
         flags = " ".join(r["command"].split("--force --dtype")[1].split()[1:]) or "–"
         peak = "killed" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb'] / 1024:.2f}"
