@@ -219,6 +219,15 @@ def canonical_view(arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelCon
             stored = arch.canonical_tensor(native, name, sources[name], cfg)
             if _exact_in(dtype, stored.dtype):  # widening first changes nothing: read it as stored
                 return stored.detach().to(into)
+        elif name.endswith(".w") and name in folds.norm_of and name not in folds.scale_of:
+            # W diag γ: a product of two float32 values is exact in float64, so rounding it to float32 once is the
+            # float32 product; no float64 copy of a vocabulary-sized head is made for the search
+            weight = arch.canonical_tensor(native, name, sources[name], cfg)
+            gain_name = f"{folds.norm_of[name]}.w"
+            gain = arch.canonical_tensor(native, gain_name, sources[gain_name], cfg)
+            if into == torch.float32 and dtype in (torch.float64, torch.float32) and {weight.dtype, gain.dtype} <= {
+                    torch.float32, *HALF}:
+                return weight.detach().to(into) * gain.detach().to(into)
         return make(name).to(into)
 
     return Lazy(sources, make, search)
