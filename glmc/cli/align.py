@@ -36,6 +36,7 @@ def run_align(args: argparse.Namespace) -> int:
 
     from glmc.archs import get_arch
     from glmc.core.state import Lazy, cast
+    from glmc.device import release_heap
     from glmc.io.formats import check_output, write
     from glmc.match.registry import get_method
 
@@ -59,6 +60,7 @@ def run_align(args: argparse.Namespace) -> int:
         report = {"seconds": round(result.seconds, 3), "objective": result.objective,
                   **{k: v for k, v in result.info.items() if k != "sweeps"}}
     arch = get_arch(config.family)
+    release_heap()  # what the matching freed, before B is made and written tensor by tensor
     native = arch.native_view(moved, config) if isinstance(moved, Lazy) else arch.to_native(moved, config)
     split = f"{meta_b.split}; aligned to {args.a.name} by {args.method}"
     out_meta = dataclasses.replace(meta_b, config=config, width_mult=meta.width_mult, split=split)
