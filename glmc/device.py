@@ -100,6 +100,16 @@ def released(device: torch.device) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
+def release_heap() -> None:
+    """Hand the heap that freed tensors left back to the system (glibc's ``malloc_trim``; elsewhere nothing): a
+    matching's many per-layer temporaries leave holes that the next phase, writing a model tensor by tensor, cannot
+    reuse, and the process would otherwise grow by them."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def available_memory() -> int | None:
     """Bytes of memory the system can give now without swapping (Linux's MemAvailable); None where unknown."""
     try:

@@ -135,8 +135,9 @@ def test_align_refuses_what_the_stored_precision_cannot_do_in_one_line(bf16_pair
     assert glmc(["align", str(a), str(b), "--out", out, "--precision", "stored", "--method", "activation"]) == 2
     assert "runs the models" in capsys.readouterr().err
     monkeypatch.setattr("glmc.device.available_memory", lambda: 10_000)
-    assert glmc(["align", str(a), str(b), "--out", out]) == 2
+    assert glmc(["align", str(a), str(b), "--out", out, "--method", "activation"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--precision float32 or stored" in err and "\n" not in err
-    assert glmc(["align", str(a), str(b), "--out", out, "--precision", "stored"]) == 0
-    assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
+    assert "--precision float32, or align them by a data-free method" in err and "\n" not in err
+    for precision in ("float64", "stored"):  # a data-free method holds only the two models: nothing to refuse
+        assert glmc(["align", str(a), str(b), "--out", out, "--precision", precision, "--force"]) == 0
+        assert json.loads(capsys.readouterr().out)["dtype"] == "float32"

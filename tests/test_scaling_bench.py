@@ -90,3 +90,18 @@ def test_the_precision_bench_aligns_a_bfloat16_pair_in_a_fresh_process(tmp_path:
     assert 0.1 < row["peak_rss_gb"] < 8 and row["report"]["dtype"] == "bfloat16"  # the child's own VmHWM
     assert "| tiny-llama | 0 | stored | 0 |" in precision.markdown([row | {"run": 0}], [
         {"command": "c", "machine": "m", "wall_minutes": 0.1, "load_before": "0"}], 1e-2)
+
+
+@pytest.mark.parametrize(("family", "stored", "tolerance"), [("neox", "float32", 1e-4), ("llama", "bfloat16", 1e-2)])
+def test_a_cli_row_times_glmc_align_on_a_saved_pair_and_checks_its_output(family: str, stored: str, tolerance: float,
+                                                                         tmp_path: Path) -> None:
+    """A ``through = "cli"`` row: the pair saved in the stored dtype, glmc align in a fresh process (its own peak
+    RSS and CPU time), the output within tolerance of A and B far from it, and its line in the summary."""
+    model = MODELS[family] | {"through": "cli", "stored": stored, "tolerance": tolerance, "target": "1 s"}
+    row = scaling.measured(model, "weight", RUN | {"work": str(tmp_path)})
+    assert row["exit"] == 0 and row["recovered"] and row["relative_error"] <= tolerance < 0.05 < row["b_error"]
+    assert 0.1 < row["peak_rss_mb"] / 1024 < 8 and row["cpu_seconds"] > 0 and row["inputs_gb"] > 0
+    assert row["load_at_start"] >= 0 and row["load_at_end"] >= 0 and row["sweeps"] >= 1
+    run = {"command": "c", "config": "x", "machine": "m", "load_before": "0"}
+    summary = scaling.markdown([row | {"run": 0}], [], [run])
+    assert f"| {model['name']} | 0 | {stored} |" in summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -11,7 +12,7 @@ from torch import nn
 
 from glmc.core.config import ModelConfig
 from glmc.core.spec import SpecTable, expand
-from glmc.core.state import State
+from glmc.core.state import Lazy, State
 from glmc.errors import CheckpointError, ConfigError
 
 
@@ -119,8 +120,15 @@ class Arch:
 
     def to_canonical(self, native: Mapping[str, torch.Tensor], cfg: ModelConfig) -> State:
         """Rename a native (timm / HF) state dict to canonical names, weights as (out, in)."""
+        return {name: self.canonical_tensor(native, name, rule, cfg)
+                for name, rule in self.canonical_sources(native, cfg).items()}
+
+    def canonical_sources(self, native: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, KeyRule]:
+        """Each canonical name ``native`` holds, with the rule that reads it (in the key table's order), checked as
+        :meth:`to_canonical` checks it (missing, unexpected and untied parameters refused) without reading a
+        tensor but the tied ones."""
         depth = cfg.depth
-        out: State = {}
+        out: dict[str, KeyRule] = {}
         for name, (layer, template) in expand(self.keys, depth).items():
             rule = self.keys[template]
             key = rule.native.format(l=layer)
@@ -128,8 +136,7 @@ class Arch:
                 if rule.optional:
                     continue
                 raise CheckpointError(f"missing parameter {key!r} for a {self.family} of depth {depth}")
-            value = native[key].t() if rule.transpose else native[key]
-            out[name] = value if rule.part is None else rule.part.take(value, cfg.heads)
+            out[name] = dataclasses.replace(rule, native=key)
         for alias, source in self.tied.items():
             if alias in native and source in native and not torch.equal(native[alias], native[source]):
                 raise CheckpointError(f"{alias!r} is tied to {source!r} in a {self.family} but differs from it")
@@ -139,32 +146,74 @@ class Arch:
             raise CheckpointError(f"unexpected parameter {sorted(extra)[0]!r} for a {self.family} of depth {depth}")
         return out
 
+    def canonical_tensor(self, native: Mapping[str, torch.Tensor], name: str, rule: KeyRule,
+                         cfg: ModelConfig) -> torch.Tensor:
+        """One canonical tensor read from ``native`` by ``rule`` (its native name formatted, as
+        :meth:`canonical_sources` gives it): transposed to (out, in), or its part of a fused tensor."""
+        value = native[rule.native].t() if rule.transpose else native[rule.native]
+        return value if rule.part is None else rule.part.take(value, cfg.heads)
+
     def to_native(self, canonical: Mapping[str, torch.Tensor], cfg: ModelConfig) -> State:
         """Inverse of :meth:`to_canonical`: the key table read the other way (keys a form dropped are skipped), the
         parts of a fused native tensor joined back."""
+        sources = self.native_sources(canonical, cfg)
         out: State = {}
-        parts: dict[str, dict[int, torch.Tensor]] = {}
+        for key, (rule, names) in sources.items():
+            if key not in self.tied:
+                out[key] = self.native_tensor(canonical, rule, names, cfg)
+        for alias, source in self.tied.items():
+            if source in out:
+                out[alias] = out[source].clone()
+        return out
+
+    def native_sources(self, canonical: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                       ) -> dict[str, tuple[KeyRule, list[str]]]:
+        """Each native name the canonical state writes, with its rule and the canonical names it is made of (one, or
+        a fused tensor's parts in slot order; a tied alias: its source's), in :meth:`to_native`'s order; a fused
+        tensor missing a part is refused."""
+        out: dict[str, tuple[KeyRule, list[str]]] = {}
+        parts: dict[str, dict[int, str]] = {}
         rules: dict[str, KeyRule] = {}
         for name, (layer, template) in expand(self.keys, cfg.depth).items():
             if name not in canonical:
                 continue
             rule, key = self.keys[template], self.keys[template].native.format(l=layer)
-            if rule.part is not None:
-                parts.setdefault(key, {})[rule.part.index] = canonical[name]
-                rules[key] = rule
+            if rule.part is None:
+                out[key] = (rule, [name])
                 continue
-            out[key] = (canonical[name].t() if rule.transpose else canonical[name]).contiguous()
+            parts.setdefault(key, {})[rule.part.index] = name
+            rules[key] = rule
         for key, held in parts.items():
             part = rules[key].part
             assert part is not None
             if len(held) != part.count:
                 raise CheckpointError(f"{key!r} needs all {part.count} of its parts, got {len(held)}")
-            fused = part.join([held[i] for i in range(part.count)], cfg.heads)
-            out[key] = (fused.t() if rules[key].transpose else fused).contiguous()
+            out[key] = (rules[key], [held[i] for i in range(part.count)])
         for alias, source in self.tied.items():
             if source in out:
-                out[alias] = out[source].clone()
+                out[alias] = out[source]
         return out
+
+    def native_tensor(self, canonical: Mapping[str, torch.Tensor], rule: KeyRule, names: list[str],
+                      cfg: ModelConfig) -> torch.Tensor:
+        """One native tensor made of the canonical ``names`` (:meth:`native_sources`), contiguous."""
+        if rule.part is None:
+            value = canonical[names[0]]
+            return (value.t() if rule.transpose else value).contiguous()
+        fused = rule.part.join([canonical[n] for n in names], cfg.heads)
+        return (fused.t() if rule.transpose else fused).contiguous()
+
+    def native_view(self, canonical: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Lazy:
+        """:meth:`to_native` made one native tensor at a time on each read (a tied alias: a copy of its source), from
+        a canonical state that may itself be :class:`glmc.core.state.Lazy`."""
+        sources = self.native_sources(canonical, cfg)
+
+        def make(key: str) -> torch.Tensor:
+            rule, names = sources[key]
+            value = self.native_tensor(canonical, rule, names, cfg)
+            return value.clone() if key in self.tied else value
+
+        return Lazy(sources, make)
 
     def module(self, model: nn.Module, canonical_prefix: str, layer: int | None = None) -> nn.Module:
         """The native submodule behind a canonical prefix such as ``blocks.{l}.mlp.fc2``."""

@@ -33,17 +33,21 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     add_match_arguments(parser, skip=["concentration"])
 
 
-def load_pair(a: Path, b: Path, stored: bool = False) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
-    """Both checkpoints (in float32, or ``stored``: in their files' precision), refusing before any work a NaN or inf
-    (named as the file names it), different families or a B that does not fit inside A (only widths may differ, and
-    B is then embedded into A's width)."""
+def load_pair(a: Path, b: Path, stored: bool = False, half: bool = False,
+              ) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
+    """Both checkpoints (in float32, or ``stored``: in their files' precision; ``half``: a half-precision file in
+    its own, any other in float32, as read so: widening half precision later is exact), refusing before any work a NaN
+    or inf (named as the file names it), different families or a B that does not fit inside A (only widths may
+    differ, and B is then embedded into A's width)."""
     from glmc.core.spec import check_same_shapes
     from glmc.io.formats import read
     from glmc.match.common import require_finite
     from glmc.merging.widths import check_embeddable
 
-    state_a, meta_a = read(a, stored=stored)
-    state_b, meta_b = read(b, stored=stored)
+    state_a, meta_a = read(a, stored=stored or half)
+    state_b, meta_b = read(b, stored=stored or half)
+    if half and not stored:
+        state_a, state_b = (_half_or_float32(s) for s in (state_a, state_b))
     require_finite(state_a, str(a))
     require_finite(state_b, str(b))
     if meta_a.config.family != meta_b.config.family:
@@ -55,10 +59,19 @@ def load_pair(a: Path, b: Path, stored: bool = False) -> tuple[dict, dict, Check
     return state_a, state_b, meta_a, meta_b
 
 
+def _half_or_float32(state: dict) -> dict:
+    """Each floating-point tensor in its own precision where that is half, else in float32 (what ``read`` gives)."""
+    import torch
+
+    from glmc.core.state import HALF
+
+    return {k: v if v.dtype in HALF or not v.is_floating_point() else v.to(torch.float32) for k, v in state.items()}
+
+
 def align_loaded(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
-                 form: Form = "standard", precision: str = "float64") -> Alignment:
+                 form: Form = "standard", precision: str = "float64", lazy: bool = False) -> Alignment:
     """B aligned to A by ``method`` with the flags' options, the canonical states held in ``precision``
-    (:data:`PRECISIONS`)."""
+    (:data:`PRECISIONS`); ``lazy``: made tensor by tensor, never held whole (``align_pair``'s ``lazy``)."""
     import torch
 
     from glmc.data.generated import writing_seconds
@@ -71,7 +84,7 @@ def align_loaded(args: argparse.Namespace, method: str, state_a: dict, state_b: 
         if entry.reads_data else None
     written = writing_seconds(data)
     aligned = align_pair(state_a, state_b, meta.config, method, options, data=data, device=args.device,
-                         dtype=getattr(torch, precision) if precision != "stored" else None)
+                         dtype=getattr(torch, precision) if precision != "stored" else None, lazy=lazy)
     if written:  # sampling the text is part of the method's cost
         aligned.result.seconds += written
         aligned.result.info["generate_seconds"] = round(written, 3)

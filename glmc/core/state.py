@@ -3,7 +3,7 @@ sums of states (the points of a linear path, Eq. 1)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -35,9 +35,54 @@ class Widened(Mapping[str, torch.Tensor]):
         return len(self.state)
 
 
+class Lazy(Mapping[str, torch.Tensor]):
+    """A state whose tensors are made on each read by ``make(name)`` and held by no one but the reader: a canonical
+    form folded, or a model moved, one tensor at a time from the stored state it reads (a billion-parameter model
+    is not held twice). ``search(name, dtype)``, where given, is the tensor as a search in ``dtype`` reads it (the
+    stored tensor itself where that equals the made one rounded to ``dtype``)."""
+
+    def __init__(self, names: Iterable[str], make: Callable[[str], torch.Tensor],
+                 search: Callable[[str, torch.dtype], torch.Tensor] | None = None) -> None:
+        self.names, self.make = list(names), make
+        self.search = search or (lambda name, dtype: make(name).to(dtype))
+        self._known = frozenset(self.names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self.make(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def only(self, names: Iterable[str]) -> Lazy:
+        """The same state restricted to ``names`` (in this state's order), still made on each read."""
+        keep = frozenset(names)
+        return Lazy([n for n in self.names if n in keep], self.make, self.search)
+
+    def searched(self, dtype: torch.dtype) -> Lazy:
+        """This state as a search in ``dtype`` reads it, tensor by tensor."""
+        return Lazy(self.names, lambda name: self.search(name, dtype))
+
+
+def restrict(state: Mapping[str, torch.Tensor], names: Iterable[str]) -> Mapping[str, torch.Tensor]:
+    """``state``'s tensors of ``names`` (those it has), made on each read where ``state`` is :class:`Lazy`."""
+    if isinstance(state, Lazy):
+        return state.only(n for n in names if n in state)
+    return {n: state[n] for n in names if n in state}
+
+
 def search_view(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Mapping[str, torch.Tensor]:
-    """``state`` as a search in ``dtype`` reads it: widened tensor by tensor where it is stored in half precision,
-    else :func:`cast` (a copy, as exact searches in float64 need)."""
+    """``state`` as a search in ``dtype`` reads it: made tensor by tensor where it is :class:`Lazy`, widened tensor by
+    tensor where it is stored in half precision, else :func:`cast` (a copy, as exact searches in float64 need)."""
+    if isinstance(state, Lazy):
+        return state.searched(dtype)
     if state and all(v.dtype in HALF for v in state.values() if v.is_floating_point()):
         return Widened(state, dtype)
     return cast(state, dtype)

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +102,64 @@ def save_checkpoint(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return path
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+_ENTRY_ROOM = 64 + 8 * 21 + 2 * 21  # a header entry's dtype, shape (up to 8 axes) and offsets, at most
+
+
+def stream_safetensors(path: str | Path, state: Mapping[str, torch.Tensor],
+                       metadata: Callable[[str], dict[str, str]], room: int = 0) -> Path:
+    """Write ``state`` as a safetensors file one tensor at a time, reading each tensor once (a
+    :class:`glmc.core.state.Lazy` state is made tensor by tensor and never held whole), in sorted key order;
+    ``metadata(digest)`` is the header's string metadata given the tensors' :func:`state_digest`, its length
+    known beforehand up to ``room`` characters. The header is written last into room reserved before the data (a
+    safetensors header may end in spaces); atomically, as :func:`save_checkpoint`."""
+    path = Path(path)
+    names = sorted(state)
+    reserved = len(json.dumps({"__metadata__": metadata("0" * 64)})) + room + sum(
+        len(json.dumps(name)) + _ENTRY_ROOM for name in names)
+    reserved += -reserved % 8
+    h, header, offset = hashlib.sha256(), {}, 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.seek(8 + reserved)
+            for name in names:
+                tensor = state[name].detach().to("cpu").contiguous()
+                data = tensor.reshape(-1).view(torch.uint8).numpy()
+                h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+                h.update(data.data)
+                f.write(data.data)
+                header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                                "data_offsets": [offset, offset + data.nbytes]}
+                offset += data.nbytes
+                del tensor, data
+            text = json.dumps({"__metadata__": metadata(h.hexdigest()), **header}).encode()
+            if len(text) > reserved:
+                raise CheckpointError(f"{path}: the safetensors header outgrew the room reserved for it")
+            f.seek(0)
+            f.write(len(text + b" " * (reserved - len(text))).to_bytes(8, "little") + text
+                    + b" " * (reserved - len(text)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return path
+
+
+def save_streamed(path: str | Path, state: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> Path:
+    """:func:`save_checkpoint` of a state read one tensor at a time (:func:`stream_safetensors`): the same file, the
+    same checksum, without a copy of the model in memory."""
+    def metadata(digest: str) -> dict[str, str]:
+        return {META_KEY: json.dumps({**meta.to_dict(), "format": FORMAT_VERSION, "sha256": digest}, sort_keys=True)}
+
+    return stream_safetensors(path, state, metadata)
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], CheckpointMeta]:

@@ -34,9 +34,17 @@ from torch import nn
 
 from glmc.archs import ARCHS, get_arch, hf_vit
 from glmc.core.config import ModelConfig
-from glmc.core.state import State, cast
+from glmc.core.state import Lazy, State, cast
 from glmc.errors import CheckpointError, ConfigError, first_line
-from glmc.io.checkpoint import META_KEY, CheckpointMeta, check_out, load_checkpoint, save_checkpoint
+from glmc.io.checkpoint import (
+    META_KEY,
+    CheckpointMeta,
+    check_out,
+    load_checkpoint,
+    save_checkpoint,
+    save_streamed,
+    stream_safetensors,
+)
 from glmc.io.files import kwargs_path
 from glmc.io.live import read_module
 
@@ -284,8 +292,10 @@ def _write_tokenizer(folder: Path, meta: CheckpointMeta) -> None:
 def write_hf(folder: Path, native: Mapping[str, torch.Tensor], meta: CheckpointMeta,
              dtype: torch.dtype = torch.float32) -> None:
     """``save_pretrained`` of the state's GPT2LMHeadModel in ``dtype`` (its config.json says which), its tokenizer,
-    and glmc's metadata."""
-    model = hf_model(cast(native, dtype), meta).to(dtype)
+    and glmc's metadata. A :class:`Lazy` state of a family transformers builds untied is streamed instead
+    (:func:`_stream_hf`): the same folder, without a copy of the model in memory."""
+    streamed = isinstance(native, Lazy) and _stream_hf(native, meta, dtype)
+    model = streamed or hf_model(cast(native, dtype), meta).to(dtype)
 
     def fill(tmp: Path) -> None:
         with _quiet_transformers():
@@ -294,6 +304,54 @@ def write_hf(folder: Path, native: Mapping[str, torch.Tensor], meta: CheckpointM
         _write_saved(tmp, meta)
 
     _replace_folder(folder, fill)
+
+
+class _StreamedModel:
+    """What :func:`write_hf` saves for a streamed state: the model's config and generation config (of a model built
+    on the meta device) and its weights written one tensor at a time, cast to the folder's dtype."""
+
+    def __init__(self, model: Any, native: Lazy, dtype: torch.dtype, saved: Mapping[str, str]) -> None:
+        self.model, self.native, self.dtype, self.saved = model, native, dtype, saved
+
+    def save_pretrained(self, folder: str) -> None:
+        self.model.config.dtype = str(self.dtype).split(".")[1]  # as save_pretrained records it
+        self.model.config.architectures = [type(self.model).__name__]
+        self.model.config.save_pretrained(folder)
+        if self.model.can_generate():
+            self.model.generation_config.save_pretrained(folder)
+        cast_view = Lazy(self.saved, lambda name: self.native[self.saved[name]].detach().to(self.dtype))
+        stream_safetensors(Path(folder) / "model.safetensors", cast_view, lambda _: {"format": "pt"})
+
+
+def _stream_hf(native: Lazy, meta: CheckpointMeta, dtype: torch.dtype) -> _StreamedModel | None:
+    """The streamed save of a state whose family transformers loads by class, untied, with exactly the model's
+    parameter names (None otherwise: it is saved by ``save_pretrained`` of the model holding it)."""
+    from glmc.archs import build_model
+
+    arch = get_arch(meta.config.family)
+    if not arch.hf_class or arch.tied:
+        return None
+    with torch.device("meta"):
+        model: Any = build_model(meta.config).to(dtype)
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False) or set(state) != set(native):
+        return None
+    saved = _saved_names(model, state)
+    if saved is None:
+        return None
+    return _StreamedModel(model, native, dtype, saved)
+
+
+def _saved_names(model: Any, state: State) -> dict[str, str] | None:
+    """The names ``save_pretrained`` gives the model's parameters (the checkpoint's own, where transformers renames
+    them on loading: GPT-NeoX's ``embed_out``) → the model's names; None where saving converts a tensor rather than
+    renaming it (computed on the meta device: no tensor is read)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    ids = {id(v): k for k, v in state.items()}
+    reverted = revert_weight_conversion(model, dict(state))
+    saved = {new: ids.get(id(v)) for new, v in reverted.items()}
+    return None if None in saved.values() or len(saved) != len(state) else saved  # type: ignore[return-value]
 
 
 def _write_saved(folder: Path, meta: CheckpointMeta) -> None:
@@ -484,7 +542,9 @@ def write(path: str | Path, fmt: str, native: Mapping[str, torch.Tensor], meta: 
     if fmt == "hf":
         write_hf(path, native, meta, DTYPES[dtype])
     elif fmt == "timm":
-        write_timm(path, native, meta, DTYPES[dtype])
+        write_timm(path, dict(native), meta, DTYPES[dtype])
+    elif fmt == "glmc" and isinstance(native, Lazy):  # made tensor by tensor: written so, never held whole
+        save_streamed(path, Lazy(native, lambda name: native[name].detach().to(DTYPES[dtype])), meta)
     elif fmt == "glmc":
         save_checkpoint(path, cast(native, DTYPES[dtype]), meta)
     else:

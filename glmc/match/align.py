@@ -8,8 +8,10 @@ first and returns B transformed by an exact symmetry, so it computes the same fu
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar, overload
 
 import torch
 from torch.utils.data import Dataset
@@ -17,35 +19,53 @@ from torch.utils.data import Dataset
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.spec import check_same_shapes
-from glmc.core.state import State, cast
+from glmc.core.state import Lazy, State, cast
 from glmc.device import to_device
 from glmc.errors import ConfigError
 from glmc.match.balance import balance, balances, nearer
-from glmc.match.common import MatchResult, sq_distance, sq_norm
+from glmc.match.common import MatchResult, sq_norm
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
-from glmc.symmetry.canonical import CENTRED, canonicalize
-from glmc.symmetry.transforms import Transform, apply, compose, invert
+from glmc.symmetry.canonical import CENTRED, canonical_view, canonicalize
+from glmc.symmetry.transforms import Transform, apply, compose, invert, moved
 
+S = TypeVar("S", State, State | Lazy)
 # ‖A − T(B)‖² at or below this share of ‖A‖² (1e-4 of ‖A‖): B is A's transformed copy, found; no second search.
 RECOVERED = 1e-8
 
 
 @dataclass
-class Alignment:
-    """Canonical A, aligned canonical B, and how B was moved."""
+class Alignment(Generic[S]):
+    """Canonical A, aligned canonical B (each made tensor by tensor on each read where aligned ``lazy``), and how B
+    was moved."""
 
-    a: State
-    b: State
+    a: S
+    b: S
     method: str
     result: MatchResult
+
+
+@overload
+def align_pair(
+    native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
+    options: MatchOptions | None = None, *, data: Dataset | None = None, dtype: torch.dtype | None = torch.float64,
+    device: str | torch.device | None = None, lazy: Literal[False] = False,
+) -> Alignment[State]: ...
+
+
+@overload
+def align_pair(
+    native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
+    options: MatchOptions | None = None, *, data: Dataset | None = None, dtype: torch.dtype | None = torch.float64,
+    device: str | torch.device | None = None, lazy: bool,
+) -> Alignment[State | Lazy]: ...
 
 
 def align_pair(
     native_a: Mapping[str, torch.Tensor], native_b: Mapping[str, torch.Tensor], cfg: ModelConfig, method: str,
     options: MatchOptions | None = None, *, data: Dataset | None = None, dtype: torch.dtype | None = torch.float64,
-    device: str | torch.device | None = None,
-) -> Alignment:
+    device: str | torch.device | None = None, lazy: bool = False,
+) -> Alignment[State] | Alignment[State | Lazy]:
     """Align native state dict B to A (same config) by ``method`` with ``options`` (:class:`MatchOptions`: the form,
     and the options of each method; the method reads the sections its registry entry names).
 
@@ -56,6 +76,9 @@ def align_pair(
     ``device`` is where the work happens and the aligned states stay (None: where the inputs are).
     ``dtype``: what the canonical states are held in; None keeps each input's own precision, so a bfloat16 pair is
     searched tensor by tensor in float32 and never held wider (data-free methods only: the others run the models).
+    ``lazy`` (data-free methods): the canonical states and the moved B are :class:`glmc.core.state.Lazy`, each tensor
+    made bit for bit as here on each read from the natives, so no canonical copy of either model is held whole (for
+    a caller that reads each tensor once or twice, as ``glmc align`` writing B).
     """
     options = options or MatchOptions()
     entry, form = get_method(method), options.form
@@ -66,14 +89,18 @@ def align_pair(
     arch = get_arch(cfg.family)
     check_same_shapes(native_a, native_b)
     native_a, native_b = to_device(native_a, device), to_device(native_b, device)
+    a: State | Lazy
+    b: State | Lazy
     if not entry.matches and form not in CENTRED:  # the models' own parameters: LayerNorm folding is bilinear
         a, b = (arch.to_canonical(s if dtype is None else cast(s, dtype), cfg) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
-    a, b = (canonicalize(arch, s, cfg, form, dtype) for s in (native_a, native_b))
+    lazy = lazy and not entry.reads_data
+    a, b = ((canonical_view if lazy else canonicalize)(arch, s, cfg, form, dtype) for s in (native_a, native_b))
     if not entry.matches:
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
-    result = match_pair(method, a, b, cfg, data, options)
-    return Alignment(a, apply(b, arch.spec, result.transform, cfg.heads), method, result)
+    # a data-free matcher reads its states by name alone, as a Lazy state is read (tests/test_lazy.py)
+    result = match_pair(method, typing.cast(State, a), typing.cast(State, b), cfg, data, options)
+    return Alignment(a, (moved if lazy else apply)(b, arch.spec, result.transform, cfg.heads), method, result)
 
 
 def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset | None,
@@ -87,19 +114,24 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     searches the models as given too, and keeps the nearer end: the descent is not convex, and seeds trained apart
     can sit nearer in their own frames (on the official GLMC pair, 0.9212 against 0.9231 of ‖A‖). A planted
     transform is found only from the balanced pair; where that lands B on A (:data:`RECOVERED`), the second search
-    is skipped."""
+    is skipped. States made on each read (:class:`glmc.core.state.Lazy`) stay so: nothing here holds a model whole."""
     entry = get_method(method)
     if not balances(method, options):
         return entry.match()(a, b, cfg, data, options)
     (a_bal, d_a), (b_bal, d_b) = balance(a, cfg), balance(b, cfg)
     found = entry.match()(a_bal, b_bal, cfg, data, options)
-    moved = compose(compose(invert(d_a), found.transform), d_b)
+    back = compose(compose(invert(d_a), found.transform), d_b)
     if entry.reads_data:  # its maps serve its own objective, not the distance
-        return dataclasses.replace(found, transform=moved)
-    whole = dataclasses.replace(found, transform=nearer(a, b, moved, cfg))
-    spec = get_arch(cfg.family).spec
-    left = sq_distance(a, apply(b, spec, whole.transform, cfg.heads))
-    if left <= RECOVERED * sum(sq_norm(x) for x in a.values()):
+        return dataclasses.replace(found, transform=back)
+    whole = dataclasses.replace(found, transform=nearer(a, b, back, cfg))
+    left = _distance(a, b, whole.transform, cfg)
+    if left <= RECOVERED * sum(sq_norm(a[name]) for name in a):
         return whole  # B recovered to within 1e-4 of ‖A‖: nothing can be nearer
     plain = entry.match()(a, b, cfg, data, options)
-    return plain if sq_distance(a, apply(b, spec, plain.transform, cfg.heads)) < left else whole
+    return plain if _distance(a, b, plain.transform, cfg) < left else whole
+
+
+def _distance(a: State, b: State, t: Transform, cfg: ModelConfig) -> float:
+    """‖A − T(B)‖², B moved one tensor at a time."""
+    view = moved(b, get_arch(cfg.family).spec, t, cfg.heads)
+    return sum(float((a[name] - view[name]).double().square().sum()) for name in a)

@@ -19,6 +19,7 @@ heads of an embedded narrow model), a unit with a zero row, and a gated unit who
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from typing import Literal
 
@@ -27,12 +28,12 @@ import torch
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.spec import MLP, MLP_GATE, MLP_IN, SpecTable
-from glmc.core.state import State
+from glmc.core.state import Lazy, State
 from glmc.match.common import gather, head_factors, kv_factors
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.symmetry.groups import polar, rotary_halves, rotary_polar
-from glmc.symmetry.transforms import Transform, apply
+from glmc.symmetry.transforms import Transform, apply, moved
 
 MlpScale = Literal["none", "positive", "nonzero"]
 # A Gram whose smallest eigenvalue is below this share of its largest is treated as singular: left unbalanced.
@@ -122,9 +123,11 @@ def balancing(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Transform:
 
 
 def balance(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> tuple[State, Transform]:
-    """``state`` balanced (:func:`balancing`), in its own dtype, and the map that did it."""
+    """``state`` balanced (:func:`balancing`), in its own dtype, and the map that did it; a state made on each read
+    (:class:`Lazy`) is balanced on each read too."""
     t = balancing(state, cfg)
-    return apply(state, get_arch(cfg.family).spec, t, cfg.heads), t
+    move = moved if isinstance(state, Lazy) else apply
+    return typing.cast(State, move(state, get_arch(cfg.family).spec, t, cfg.heads)), t
 
 
 def balances(method: str, options: MatchOptions) -> bool:
@@ -142,17 +145,17 @@ def nearer(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], found: 
     trained apart may sit nearer in their own frames than in their balanced ones."""
     spec = get_arch(cfg.family).spec
     bare = Transform(cfg.depth, residual=found.residual, heads=found.heads, mlp=found.mlp, group=found.group)
-    moved = apply(b, spec, bare, cfg.heads)
+    b_moved = moved(b, spec, bare, cfg.heads)  # made per tensor as each layer reads it
     kind = mlp_scale(spec, cfg)
     out = Transform(cfg.depth, residual=found.residual, heads=found.heads, mlp=found.mlp, group=found.group)
     for layer in range(cfg.depth):
         (qa, ka), (va, oa) = _pairs(a, spec, cfg, layer)
-        (qb, kb), (vb, ob) = _pairs(moved, spec, cfg, layer)
+        (qb, kb), (vb, ob) = _pairs(b_moved, spec, cfg, layer)
         out.qk[layer] = _nearer_maps(found.qk[layer], rotary_polar(torch.cat([qa, ka], -1) @ torch.cat([qb, kb], -1).mT,
                                                                    cfg.rotary_dim), (qa, ka), (qb, kb))
         out.ov[layer] = _nearer_maps(found.ov[layer], polar(torch.cat([va, oa], -1) @ torch.cat([vb, ob], -1).mT),
                                      (va, oa), (vb, ob))
-        out.mlp_scale[layer] = _nearer_scales(found.mlp_scale[layer], a, moved, spec, cfg.depth, layer, kind)
+        out.mlp_scale[layer] = _nearer_scales(found.mlp_scale[layer], a, b_moved, spec, cfg.depth, layer, kind)
     return out
 
 

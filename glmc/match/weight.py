@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from glmc.archs import get_arch
 from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, K, Q, SpecTable, V, expand
-from glmc.core.state import search_view
+from glmc.core.state import restrict, search_view
 from glmc.errors import ConfigError
 from glmc.match.common import (
     MatchResult,
@@ -61,11 +61,12 @@ RELAXED_STEPS = 3
 RELAXED_TOL = 1e-4  # Q moved by less than this (‖ΔQ‖/‖Q‖, above float32 noise): the ascent has converged
 
 
-def without_stream_biases(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int) -> dict[str, torch.Tensor]:
+def without_stream_biases(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
+                          ) -> Mapping[str, torch.Tensor]:
     """``state`` without its tensors of the residual axis alone (the stream's biases), for a matching that reads
-    weights only (``WeightOptions.biases`` skip): they then count neither in the Procrustes nor in the distance."""
-    return {name: state[name] for name, (_, template) in expand(spec, depth).items()
-            if name in state and spec[template] != (RES,)}
+    weights only (``WeightOptions.biases`` skip): they then count neither in the Procrustes nor in the distance. A
+    :class:`glmc.core.state.Lazy` state stays lazy."""
+    return restrict(state, [name for name, (_, template) in expand(spec, depth).items() if spec[template] != (RES,)])
 
 
 def embedding_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,

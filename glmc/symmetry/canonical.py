@@ -19,7 +19,7 @@ from torch import nn
 from glmc.archs import Arch, get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.spec import HEADS, QKV, RES, block_linears, expand
-from glmc.core.state import State, cast
+from glmc.core.state import HALF, Lazy, State, cast
 from glmc.errors import ConfigError, NonFiniteError
 from glmc.symmetry import groups
 
@@ -134,6 +134,103 @@ def canonicalize(
         state = centre_writers(arch, state, depth)
         state = {k: v for k, v in state.items() if not _is_norm_gain(arch, k, depth)}
     return state
+
+
+def _exact_in(wide: torch.dtype | None, stored: torch.dtype) -> bool:
+    """Whether ``wide`` (None: ``stored`` itself) holds every value of ``stored`` exactly."""
+    return wide is None or wide == stored or wide == torch.float64 or (wide == torch.float32 and stored in HALF)
+
+
+class _Folds:
+    """Where each canonical tensor's value comes from once norms and LayerScales are folded (:func:`fold_scales`,
+    then :func:`fold_layernorms`), as names: read per tensor by :func:`canonical_view`."""
+
+    def __init__(self, arch: Arch, names: set[str], depth: int) -> None:
+        self.scale_of: dict[str, str] = {}  # a scaled writer's .w / .b -> its LayerScale's .g
+        for scale, (layer, template) in expand(arch.scales, depth).items():
+            if f"{scale}.g" in names:
+                writer = arch.scales[template].format(l=layer)
+                self.scale_of |= {f"{writer}.w": f"{scale}.g", f"{writer}.b": f"{scale}.g"}
+        self.norm_of: dict[str, str] = {}  # a reader's .w (and its .b where the readers absorb β) -> the norm
+        self.readers: dict[str, tuple[list[str], bool]] = {}  # norm -> (its readers, whether they absorb β)
+        for norm, (layer, template) in expand(arch.folds, depth).items():
+            if f"{norm}.w" not in names:
+                continue
+            readers = [r.format(l=layer) for r in arch.folds[template]]
+            absorbs = all(f"{r}.b" in names for r in readers)
+            self.readers[norm] = readers, absorbs
+            for r in readers:
+                self.norm_of[f"{r}.w"] = norm
+                if absorbs and f"{norm}.b" in names:
+                    self.norm_of[f"{r}.b"] = norm
+        self.gains = {f"{norm}.w" for norm in self.readers} | set(self.scale_of.values())
+        self.scales = set(self.scale_of.values())  # the LayerScales' own gains, folded to ones
+        self.shifts = {f"{norm}.b": norm for norm in self.readers if f"{norm}.b" in names}
+
+    def touches(self, name: str) -> bool:
+        return name in self.scale_of or name in self.norm_of or name in self.gains or name in self.shifts
+
+
+def canonical_view(arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelConfig, form: Form = "standard",
+                   dtype: torch.dtype | None = None) -> State | Lazy:
+    """:func:`canonicalize`, made one tensor at a time on each read from ``native`` (:class:`Lazy`): renamed, cast to
+    ``dtype``, and folded with the same operations in the same order, so each tensor is bit for bit the one
+    :func:`canonicalize` holds, and neither a wider copy of the model nor its folded readers are ever held whole.
+    A search in another dtype reads a tensor no fold touches straight from ``native`` where that is exact. The
+    centred forms, which centre every writer, are made whole by :func:`canonicalize`."""
+    if form in CENTRED or form not in forms_for(arch):
+        return canonicalize(arch, native, cfg, form, dtype)
+    sources = arch.canonical_sources(native, cfg)
+    folds = _Folds(arch, set(sources), cfg.depth)
+
+    def read(name: str) -> torch.Tensor:
+        value = arch.canonical_tensor(native, name, sources[name], cfg)
+        return value if dtype is None else value.detach().to(dtype)
+
+    def scaled(name: str) -> torch.Tensor:  # fold_scales: γ ⊙ (W y + c)
+        value = read(name)
+        if name in folds.scales:
+            return torch.ones_like(value)
+        if name not in folds.scale_of:
+            return value
+        gamma = read(folds.scale_of[name])
+        return gamma[:, None] * value if name.endswith(".w") else gamma * value
+
+    def make(name: str) -> torch.Tensor:  # fold_layernorms: W y + c reading γ⊙n(x) + β
+        if name in folds.gains:
+            return torch.ones_like(scaled(name))
+        if name in folds.shifts:
+            norm = folds.shifts[name]
+            beta = scaled(name)
+            if folds.readers[norm][1]:
+                return torch.zeros_like(beta)
+            return _over_gain(beta, scaled(f"{norm}.w"), norm)
+        value = scaled(name)
+        read_from = folds.norm_of.get(name)
+        if read_from is None:
+            return value
+        if name.endswith(".w"):
+            return value * scaled(f"{read_from}.w")
+        weight = scaled(name.removesuffix(".b") + ".w")
+        return value + weight @ scaled(f"{read_from}.b")
+
+    def search(name: str, into: torch.dtype) -> torch.Tensor:
+        if not folds.touches(name):
+            stored = arch.canonical_tensor(native, name, sources[name], cfg)
+            if _exact_in(dtype, stored.dtype):  # widening first changes nothing: read it as stored
+                return stored.detach().to(into)
+        elif name.endswith(".w") and name in folds.norm_of and name not in folds.scale_of:
+            # W diag γ: a product of two float32 values is exact in float64, so rounding it to float32 once is the
+            # float32 product; no float64 copy of a vocabulary-sized head is made for the search
+            weight = arch.canonical_tensor(native, name, sources[name], cfg)
+            gain_name = f"{folds.norm_of[name]}.w"
+            gain = arch.canonical_tensor(native, gain_name, sources[gain_name], cfg)
+            if into == torch.float32 and dtype in (torch.float64, torch.float32) and {weight.dtype, gain.dtype} <= {
+                    torch.float32, *HALF}:
+                return weight.detach().to(into) * gain.detach().to(into)
+        return make(name).to(into)
+
+    return Lazy(sources, make, search)
 
 
 def _is_norm_gain(arch: Arch, name: str, depth: int) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from glmc.core.config import ModelConfig
 from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, NORM, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
-from glmc.core.state import HALF, State
+from glmc.core.state import HALF, Lazy, State
 from glmc.errors import SpecError
 from glmc.symmetry import groups
 
@@ -174,17 +174,32 @@ def apply(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, head
     the gains (:func:`require_folded`) once, as a learned path does for its endpoints, instead of at every call."""
     if t.residual is not None and not folded:
         require_folded(state, spec, t.depth)
-    out: State = {}
-    for name, (layer, template) in expand(spec, t.depth).items():
-        if name not in state:
-            continue
-        stored = state[name]
-        x = stored.float() if stored.dtype in HALF else stored  # half precision: moved in float32, rounded once
-        for axis, kind in enumerate(spec[template]):
-            if kind not in (None, NORM):
-                x = _apply_axis(x, axis, kind, t, layer, heads)
-        out[name] = x.to(stored.dtype)
-    return out
+    return {name: _move(state[name], spec[template], t, layer, heads)
+            for name, (layer, template) in expand(spec, t.depth).items() if name in state}
+
+
+def moved(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, heads: int) -> Lazy:
+    """:func:`apply`, made one tensor at a time on each read (:class:`Lazy`), bit for bit the tensor :func:`apply`
+    returns: B moved by a matching is written tensor by tensor, never held whole. The gains are checked now."""
+    if t.residual is not None:
+        require_folded(state, spec, t.depth)
+    where = {name: (layer, template) for name, (layer, template) in expand(spec, t.depth).items() if name in state}
+
+    def make(name: str) -> torch.Tensor:
+        layer, template = where[name]
+        return _move(state[name], spec[template], t, layer, heads)
+
+    return Lazy(where, make)
+
+
+def _move(stored: torch.Tensor, axes: tuple[AxisKind | None, ...], t: Transform, layer: int | None,
+          heads: int) -> torch.Tensor:
+    """One tensor moved by ``t`` along each of its axes; half precision moved in float32 and rounded once."""
+    x = stored.float() if stored.dtype in HALF else stored
+    for axis, kind in enumerate(axes):
+        if kind not in (None, NORM):
+            x = _apply_axis(x, axis, kind, t, layer, heads)
+    return x.to(stored.dtype)
 
 
 def maps_to(t: Transform, device: torch.device) -> Transform:

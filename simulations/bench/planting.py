@@ -10,6 +10,7 @@ linear side of a gated MLP where ``orthogonal`` is false).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -90,7 +91,7 @@ def _llama_heads(s: State, p: str, hf: Any, q: torch.Tensor, g: torch.Generator,
     s[names["o"]] = q.to(new_o.dtype) @ new_o.reshape(d, -1)
 
 
-def plant_llama(sd: State, hf: Any, seed: int, is_orthogonal: bool = True) -> State:
+def plant_llama(sd: Mapping[str, torch.Tensor], hf: Any, seed: int, is_orthogonal: bool = True) -> State:
     """A ``LlamaForCausalLM`` (or Mistral, Qwen2 without biases) state dict moved by every symmetry class of the
     family, in its own dtype; ``hf`` is its transformers config. Replaces the dict's tensors one by one."""
     g = torch.Generator().manual_seed(seed)
@@ -160,7 +161,7 @@ def _neox_heads(s: State, p: str, hf: Any, q: torch.Tensor, g: torch.Generator, 
     s[f"{p}attention.dense.bias"] = _times(s[f"{p}attention.dense.bias"], q.T)
 
 
-def plant_neox(sd: State, hf: Any, seed: int, is_orthogonal: bool = True) -> State:
+def plant_neox(sd: Mapping[str, torch.Tensor], hf: Any, seed: int, is_orthogonal: bool = True) -> State:
     """A ``GPTNeoXForCausalLM`` state dict (attention biases on) moved by every symmetry class of the family, in its
     own dtype: LayerNorms folded, a residual rotation fixing the ones vector, head permutations, per-head maps
     commuting with the partial rotary, MLP permutations (GELU: no scale)."""

@@ -12,6 +12,13 @@ what building the pair freed), so ``peak RSS`` is the whole process's peak durin
 included) and ``added`` that peak minus the resident size just before it. ``recovered`` asks for
 ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖² (float64) and T̂ ∘ T = identity: permutations equal, continuous maps within 1e-3. With
 ``--models`` only those models run; the others' rows are kept from the results file.
+
+A model with ``through = "cli"`` is measured as a user runs it instead: A (its seeded initialisation) and B (A moved
+by the orthogonal classes planted on the HF names by :mod:`simulations.bench.planting`) are saved by transformers in
+the ``stored`` dtype, and ``glmc align A B --method weight --threads N --out C`` (plus the row's ``flags``) runs in a
+fresh process: wall time, the process's CPU time and peak RSS (its own VmHWM: reading, the read check, matching and
+writing), the inputs' size on disk, and the load average before and after. Recovered: C within ``tolerance`` of A
+(relative Frobenius distance over the native tensors, float64 one tensor at a time), B itself far from it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import json
 import math
 import multiprocessing
 import os
+import resource
+import subprocess
 import sys
 import time
 import typing
@@ -35,7 +44,8 @@ import torch
 
 from glmc.archs import build_model, get_arch, random_inputs
 from glmc.core.config import ModelConfig
-from glmc.core.state import State
+from glmc.core.state import Lazy, State
+from glmc.io.formats import read
 from glmc.match.activation import activation_match
 from glmc.match.common import MatchResult
 from glmc.match.options import Start, WeightOptions
@@ -43,6 +53,7 @@ from glmc.match.weight import weight_match
 from glmc.symmetry.canonical import canonicalize, fixes_ones
 from glmc.symmetry.transforms import Transform, apply, compose, random_transform
 from harness.tomlfile import config_or_exit
+from simulations.bench import precision
 from simulations.bench.barriers import machine
 from simulations.bench.planting import PLANTERS
 
@@ -138,6 +149,58 @@ def measure(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[str
             "recovered": distance <= DISTANCE_TOLERANCE and inverse}
 
 
+def write_pair(cfg: ModelConfig, dtype: torch.dtype, seed: int, folder: Path) -> None:
+    """A (seeded init in ``dtype``) and B = planted(A) as save_pretrained folders ``folder``/a, /b, as
+    :func:`simulations.bench.precision.write_pair` writes them (planted in float32, rounded once) but holding one
+    float32 copy of the model at most besides the stored one: a billion-parameter pair is built in about 7 GB."""
+    if (folder / "b" / "config.json").is_file():
+        return
+    torch.manual_seed(seed)
+    model: Any = build_model(cfg).to(dtype)  # a transformers model: save_pretrained, config
+    model.save_pretrained(str(folder / "a"))
+    stored = model.state_dict()
+    moved = PLANTERS[cfg.family](Lazy(stored, lambda name: stored[name].float()), model.config, seed)
+    with torch.no_grad():
+        for name in list(moved):
+            stored[name].copy_(moved.pop(name))  # rounded to the stored dtype, one tensor at a time
+    model.save_pretrained(str(folder / "b"))
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def through_cli(model: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """One ``through = "cli"`` row: the pair written once (in a spawned process), ``glmc align`` timed in a fresh
+    one, C checked against A."""
+    cfg = ModelConfig.from_dict(model["config"])
+    folder = Path(run["work"]) / model["name"]
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(write_pair, cfg, getattr(torch, model["stored"]), run["seed"], folder).result()
+    args = ["align", str(folder / "a"), str(folder / "b"), "--method", "weight", "--threads", str(run["threads"]),
+            "--out", str(folder / "c"), "--force", "--dtype", model["stored"], *model.get("flags", [])]
+    load, began, cpu = os.getloadavg(), time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, "-c", precision.CHILD, *args], capture_output=True, text=True, check=False)
+    wall, after = time.perf_counter() - began, resource.getrusage(resource.RUSAGE_CHILDREN)
+    said = done.stderr.strip().splitlines() or [""]
+    peak = int(said.pop().split()[1]) / 1024 if said[-1].startswith("VmHWM") else None
+    row: dict[str, Any] = {
+        "model": model["name"], "method": "weight", "family": cfg.family, "width": cfg.width, "depth": cfg.depth,
+        "through": "cli", "stored": model["stored"], "command": "glmc " + " ".join(args), "exit": done.returncode,
+        "inputs_gb": (_bytes(folder / "a") + _bytes(folder / "b")) / 1e9, "wall_seconds": wall,
+        "cpu_seconds": (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime), "peak_rss_mb": peak,
+        "load_at_start": load[0], "load_at_end": os.getloadavg()[0], "threads": run["threads"],
+        "target": model.get("target", ""), "recovered": False}
+    if done.returncode:
+        return row | {"refusal": said[-1] if said else ""}
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    target, _ = read(folder / "a", stored=True)
+    error, apart = (precision.distance(read(folder / x, stored=True)[0], target) for x in ("c", "b"))
+    return row | {"params": sum(v.numel() for v in target.values()), "matching_seconds": report["seconds"],
+                  "sweeps": len(report["objective"]), "relative_error": error, "b_error": apart,
+                  "recovered": error <= model["tolerance"] < apart}
+
+
 def fit(rows: list[dict[str, Any]], x: str, y: str) -> float | None:
     """The least-squares slope of log y against log x (the growth exponent), None for fewer than two rows."""
     if len(rows) < 2:
@@ -177,12 +240,13 @@ def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]], runs: list[
              "resident size just before. Recovered: ‖A − T̂(B)‖² ≤ 1e-10 ‖A‖² and T̂ ∘ T = identity.", "",
              "| model | d | layers | params (M) | method | threads | wall s | CPU s | peak RSS MB | added MB | sweeps "
              "| ‖A − T̂(B)‖²/‖A‖² | recovered | load | run |", "|" + "---|" * 15]
-    for r in rows:
+    for r in (r for r in rows if r.get("through") != "cli"):
         lines.append(f"| {r['model']} | {r['width']} | {r['depth']} | {r['params'] / 1e6:.1f} | {r['method']} | "
                      f"{r.get('threads', 1)} | "
                      f"{r['wall_seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['peak_rss_mb']:.0f} | "
                      f"{r['added_rss_mb']:.0f} | {r['sweeps']} | {r['relative_distance']:.1e} | "
                      f"{'yes' if r['recovered'] else 'NO'} | {r['load_at_start']:.1f} | {r.get('run', 0)} |")
+    lines += _cli_table([r for r in rows if r.get("through") == "cli"])
     lines += ["", "Growth exponents (least-squares slope of log cost against log size, over the 12-layer series on "
               "the config's threads):",
               "", "| family | method | models | wall vs params | CPU vs params | CPU vs d | added memory vs params |",
@@ -194,6 +258,29 @@ def markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]], runs: list[
     return "\n".join(lines) + "\n"
 
 
+def _cli_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows measured through ``glmc align``, one line each."""
+    if not rows:
+        return []
+    lines = ["", "Through `glmc align A B --method weight` (a fresh process, from the saved pair; peak RSS: the "
+             "process's own VmHWM, reading, the read check, matching and writing included; load: the 1-minute load "
+             "average at the start and the end of the run). Recovered: C within the row's tolerance of A (relative "
+             "Frobenius distance over the native tensors), B itself far from it.", "",
+             "| model | params (M) | stored | inputs GB | flags | threads | wall s | matching s | CPU s | "
+             "peak RSS GB | target | ‖C − A‖/‖A‖ | ‖B − A‖/‖A‖ | recovered | load | run |", "|" + "---|" * 16]
+    for r in rows:
+        flags = " ".join(r["command"].split("--force --dtype")[1].split()[1:]) or "–"
+        peak = "killed" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb'] / 1024:.2f}"
+        done = r["exit"] == 0
+        params, matching = (f"{r['params'] / 1e6:.0f}", f"{r['matching_seconds']:.0f}") if done else ("–", "–")
+        error, apart = (f"{r['relative_error']:.1e}", f"{r['b_error']:.2f}") if done else ("–", "–")
+        lines.append(f"| {r['model']} | {params} | {r['stored']} | {r['inputs_gb']:.2f} | {flags} | {r['threads']} | "
+                     f"{r['wall_seconds']:.0f} | {matching} | {r['cpu_seconds']:.0f} | {peak} | {r['target']} | "
+                     f"{error} | {apart} | {'yes' if r['recovered'] else 'NO'} | {r['load_at_start']:.1f} → "
+                     f"{r['load_at_end']:.1f} | {r.get('run', 0)} |")
+    return lines
+
+
 def selected(config: dict[str, Any], names: list[str] | None, methods: list[str] | None = None,
              ) -> list[tuple[dict[str, Any], str]]:
     """Every (model, method) to run, in the config's order (``methods``: only those of the model's methods)."""
@@ -202,7 +289,10 @@ def selected(config: dict[str, Any], names: list[str] | None, methods: list[str]
 
 
 def measured(model: dict[str, Any], method: str, run: dict[str, Any]) -> dict[str, Any]:
-    """:func:`measure` in a fresh spawned process (its own peak RSS, no memory left from the row before)."""
+    """:func:`measure` in a fresh spawned process (its own peak RSS, no memory left from the row before); a
+    ``through = "cli"`` model by :func:`through_cli`."""
+    if model.get("through") == "cli":
+        return through_cli(model, run)
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(measure, model, method, run).result()
 
@@ -250,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     for model, method in todo:  # saved after every row: a long run that is cut off keeps what it measured
         rows.append(measured(model, method, config["run"] | {"threads": threads}) | {"run": len(runs) - 1})
         print(f"{model['name']} {method}: {rows[-1]['wall_seconds']:.1f} s wall, {rows[-1]['cpu_seconds']:.1f} s "
-              f"CPU, peak {rows[-1]['peak_rss_mb']:.0f} MB, recovered {rows[-1]['recovered']}", flush=True)
+              f"CPU, peak {rows[-1]['peak_rss_mb']} MB, recovered {rows[-1]['recovered']}", flush=True)
         run |= {"wall_minutes": (time.perf_counter() - start) / 60, "load_after": _load()}
         save(out, config, runs, rows)
     print((out / "summary.md").read_text())
