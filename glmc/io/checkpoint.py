@@ -15,10 +15,10 @@ import hashlib
 import json
 import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -89,19 +89,26 @@ def save_checkpoint(
         raise CheckpointError(f"{path} already exists; refusing to overwrite it")
     state = _cpu_state(model_or_state)
     blob = json.dumps({**meta.to_dict(), "format": FORMAT_VERSION, "sha256": state_digest(state)}, sort_keys=True)
+    with written_whole(path) as f:  # by us rather than save_file, which creates 0600 files: the umask's mode
+        f.write(save(state, metadata={META_KEY: blob}))
+    return path
+
+
+@contextlib.contextmanager
+def written_whole(path: Path) -> Iterator[BinaryIO]:
+    """A file written beside ``path`` and moved onto it once complete and synced, so that a crash leaves the old
+    file or none, never half of one; the temporary file is removed whatever happens."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        # Written by us rather than save_file, which creates 0600 files: the checkpoint gets the umask's mode.
         with open(tmp, "wb") as f:
-            f.write(save(state, metadata={META_KEY: blob}))
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    return path
 
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -123,33 +130,24 @@ def stream_safetensors(path: str | Path, state: Mapping[str, torch.Tensor],
         len(json.dumps(name)) + _ENTRY_ROOM for name in names)
     reserved += -reserved % 8
     h, header, offset = hashlib.sha256(), {}, 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.seek(8 + reserved)
-            for name in names:
-                tensor = state[name].detach().to("cpu").contiguous()
-                data = tensor.reshape(-1).view(torch.uint8).numpy()
-                h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-                h.update(data.data)
-                f.write(data.data)
-                header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                                "data_offsets": [offset, offset + data.nbytes]}
-                offset += data.nbytes
-                del tensor, data
-            text = json.dumps({"__metadata__": metadata(h.hexdigest()), **header}).encode()
-            if len(text) > reserved:
-                raise CheckpointError(f"{path}: the safetensors header outgrew the room reserved for it")
-            f.seek(0)
-            f.write(len(text + b" " * (reserved - len(text))).to_bytes(8, "little") + text
-                    + b" " * (reserved - len(text)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    with written_whole(path) as f:
+        f.seek(8 + reserved)
+        for name in names:
+            tensor = state[name].detach().to("cpu").contiguous()
+            data = tensor.reshape(-1).view(torch.uint8).numpy()
+            h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            h.update(data.data)
+            f.write(data.data)
+            header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset, offset + data.nbytes]}
+            offset += data.nbytes
+            del tensor, data
+        text = json.dumps({"__metadata__": metadata(h.hexdigest()), **header}).encode()
+        if len(text) > reserved:
+            raise CheckpointError(f"{path}: the safetensors header outgrew the room reserved for it")
+        f.seek(0)
+        f.write(len(text + b" " * (reserved - len(text))).to_bytes(8, "little") + text
+                + b" " * (reserved - len(text)))
     return path
 
 

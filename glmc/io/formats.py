@@ -44,6 +44,7 @@ from glmc.io.checkpoint import (
     save_checkpoint,
     save_streamed,
     stream_safetensors,
+    written_whole,
 )
 from glmc.io.files import kwargs_path
 from glmc.io.live import read_module
@@ -504,13 +505,8 @@ def _fill_timm_folder(folder: Path, model: nn.Module, kwargs: Mapping[str, Any],
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    with written_whole(path) as f:
+        f.write(text.encode())
 
 
 # --- writing any format ------------------------------------------------------------------------------------------
