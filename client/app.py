@@ -114,12 +114,15 @@ def _device(context: Context, settings: RunSettings) -> torch.device:
     return resolve(str(context.node_config.get("device", settings.client_device)))
 
 
-def _train_config(settings: RunSettings, defaults: dict, seed: int, device: torch.device) -> TrainConfig:
-    """Local training hyper-parameters: the run config where set, else the dataset's defaults."""
+def _train_config(settings: RunSettings, defaults: dict, seed: int, device: torch.device,
+                  server_round: int) -> TrainConfig:
+    """Local training hyper-parameters: the run config where set, else the dataset's defaults; the learning rate
+    as lr-decay sets it for ``server_round``."""
     given = {"batch_size": settings.batch_size, "lr": settings.lr}
+    chosen = defaults | {k: v for k, v in given.items() if v}
+    chosen["lr"] = settings.round_lr(chosen["lr"], server_round)
     return TrainConfig(epochs=settings.local_epochs, seed=seed, max_steps=settings.local_steps or None,
-                       threads=settings.client_threads, device=str(device),
-                       **(defaults | {k: v for k, v in given.items() if v}))
+                       threads=settings.client_threads, device=str(device), **chosen)
 
 
 def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[str, torch.Tensor]:
@@ -142,7 +145,7 @@ def train_fn(msg: Message, context: Context) -> Message:
     seed = settings.seed + 1000 * node.partition_id + server_round
     reset_peak_memory(device)
     with released(device):  # an idle client (a Ray actor between rounds) keeps no cached GPU memory
-        config = _train_config(settings, pool(settings).task.defaults, seed, device)
+        config = _train_config(settings, pool(settings).task.defaults, seed, device, server_round)
         fit = train(model, arch, share.train, config, progress=False)
         test = evaluate(model, arch, eval_subset(pool(settings).test, settings.eval_limit, settings.seed))
         model.cpu()

@@ -103,6 +103,7 @@ AUTO = "auto"  # partitioner: chosen by the dataset (default_partitioner)
 REFINE_TARGETS = (keyed(LearnConfig)["refine-targets"].none, *TARGETS)
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
+LR_DECAYS = ("none", "cosine")
 ATTACKS = ("none", "inflate", "scale", "signflip", "replace", "constant")  # client.attacks (a test hook)
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
@@ -180,6 +181,9 @@ class RunSettings:
     resume: bool = False  # continue outputs/<run-name>/ from its last checkpoint
     batch_size: int = 0  # 0 = the dataset's measured default
     lr: float = 0.0  # 0 = the dataset's measured default
+    # the clients' learning rate across rounds: none (every round starts at lr) | cosine (round r of R starts at
+    # lr·½(1 + cos(π(r−1)/R)), the decayed global schedule HeteroFL and FedRolex train with, so runs settle)
+    lr_decay: str = "none"
     # training dropout (embeddings, attention weights, residual writes) of the clients and of the server's own
     # training in fedavg-ft and server-only; -1 = the model's own (the preset's or the init checkpoint's). Seeds
     # trained with it match better (docs/methods.md, dropout and connectivity)
@@ -263,6 +267,7 @@ class RunSettings:
                 raise ConfigError(f"{key}: {err}") from None
         _require(min(self.align_iters, self.align_workers, self.client_threads) >= 1,
                  "align-iters, align-workers and client-threads must be >= 1")
+        _require(self.lr_decay in LR_DECAYS, f"lr-decay must be one of {LR_DECAYS}, got {self.lr_decay!r}")
         _require(self.narrow_placement in NARROW_PLACEMENTS,
                  f"narrow-placement must be one of {NARROW_PLACEMENTS}, got {self.narrow_placement!r}")
         _require(0 <= self.min_alignment_gain < 1, f"min-alignment-gain must be in [0, 1), got "
@@ -298,6 +303,13 @@ class RunSettings:
                      f"{self.width_tiers}")
             _require(self.robustness.weighted_mean, f"circuit-heads averages circuits; robust-average "
                      f"{self.robustness.average!r} would lose its heads")
+
+    def round_lr(self, lr: float, server_round: int) -> float:
+        """The clients' learning rate in global round ``server_round`` (1-based) under lr-decay, from its base ``lr``."""
+        if self.lr_decay == "none":
+            return lr
+        done = min(server_round, self.num_server_rounds) - 1  # a resumed run's later rounds keep the last round's
+        return lr * 0.5 * (1 + math.cos(math.pi * done / self.num_server_rounds))
 
     @property
     def learn_options(self) -> LearnConfig:
