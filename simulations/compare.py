@@ -247,6 +247,26 @@ def round_mean(row: dict[str, Any], last: int | None = None, key: str = "central
     return statistics.fmean(kept) if kept else None
 
 
+PLATEAU_SHARE, PLATEAU_GAIN = 0.2, 0.005  # a run has plateaued when its last 20% of rounds gain under 0.5 points
+PLATEAU = "last 20% of rounds gain (pts), runs under 0.5"
+
+
+def late_gain(row: dict[str, Any]) -> float | None:
+    """What the last 20% of the trained rounds gained in central accuracy: their mean minus the mean of the 20% before
+    them (the gain of a steady climb, and steadier than two single rounds' evaluations)."""
+    values = [r["central_accuracy"] for r in trained(row) if r.get("central_accuracy") is not None]
+    k = max(1, round(PLATEAU_SHARE * len(values)))
+    if len(values) < 2 * k:
+        return None
+    return statistics.fmean(values[-k:]) - statistics.fmean(values[-2 * k:-k])
+
+
+def plateau_column(ok: list[dict[str, Any]]) -> str:
+    """The late gain (mean ± s.e., points) and how many runs stayed under PLATEAU_GAIN."""
+    gains = [g for r in ok if (g := late_gain(r)) is not None]
+    return f"{_fmt(gains)} ({sum(g < PLATEAU_GAIN for g in gains)}/{len(ok)})" if gains else "–"
+
+
 def paired(ok: list[dict[str, Any]], base: list[dict[str, Any]], metric: Callable[[dict[str, Any]], float | None],
            ) -> list[float]:
     """``metric`` of each finished run minus that of the ``base`` run of its seed."""
@@ -386,7 +406,8 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
             table.append({
                 "split": split, "widths": widths, "aggregation": agg,
                 "server data read": READS[reads.get(agg, "unknown")], "runs": f"{len(ok)}/{len(cell)}",
-                "accuracy %": _fmt([final(r, "central_accuracy") for r in ok]), **tier_columns(ok, target), **deltas,
+                "accuracy %": _fmt([final(r, "central_accuracy") for r in ok]), **tier_columns(ok, target),
+                PLATEAU: plateau_column(ok), **deltas,
                 **({"Δ vs strongest control (pts)": against_control(agg)} if controls(exp) else {}),
                 "clients % (mean)": _fmt([final(r, "mean_client_accuracy") for r in ok]),
                 "ensemble %": _fmt([final(r, "ensemble_accuracy") for r in ok]),

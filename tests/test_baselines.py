@@ -189,3 +189,17 @@ def test_the_summary_gives_each_tiers_final_accuracy_and_rounds_to_target() -> N
     columns = tier_columns([row((0.1, 0.1), (0.8, 0.5), (0.9, 0.6)), row((0.1, 0.1), (0.6, 0.4), (0.7, 0.8))], 0.7)
     assert columns == {"accuracy@1 %": "80.0 ± 10.0", "rounds to 0.7@1": "1.5 (2/2)",
                        "accuracy@0.5 %": "70.0 ± 10.0", "rounds to 0.7@0.5": "2.0 (1/2)"}
+
+
+def test_the_plateau_column_is_the_last_fifth_of_rounds_against_the_fifth_before() -> None:
+    from simulations.compare import late_gain, plateau_column
+
+    def row(*accuracies: float) -> dict[str, object]:
+        return {"records": [{"round": k, "central_accuracy": a} for k, a in enumerate(accuracies)]}
+
+    climbing = row(0.1, *[0.5 + 0.01 * k for k in range(10)])  # round 0 left out; 10 trained rounds, k = 2
+    flat = row(0.1, *[0.8] * 8, 0.801, 0.803)
+    assert late_gain(climbing) == pytest.approx((0.58 + 0.59) / 2 - (0.56 + 0.57) / 2)
+    assert late_gain(flat) == pytest.approx(0.002)
+    assert late_gain(row(0.1, 0.5)) is None  # too few rounds to have a last fifth and one before it
+    assert plateau_column([climbing, flat]) == "1.1 ± 0.9 (1/2)"
