@@ -104,7 +104,7 @@ def align_pair(
 
 
 def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset | None,
-               options: MatchOptions) -> MatchResult:
+               options: MatchOptions, balanced_a: tuple[State, Transform] | None = None) -> MatchResult:
     """The transform that brings canonical B next to A by ``method``: over the whole declared group where the method
     searches it (:func:`glmc.match.balance.balances`), else over what the method searches.
 
@@ -114,11 +114,12 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     searches the models as given too, and keeps the nearer end: the descent is not convex, and seeds trained apart
     can sit nearer in their own frames (on the official GLMC pair, 0.9212 against 0.9231 of ‖A‖). A planted
     transform is found only from the balanced pair; where that lands B on A (:data:`RECOVERED`), the second search
-    is skipped. States made on each read (:class:`glmc.core.state.Lazy`) stay so: nothing here holds a model whole."""
+    is skipped. States made on each read (:class:`glmc.core.state.Lazy`) stay so: nothing here holds a model whole.
+    ``balanced_a`` is A's :func:`balance`, given where one A is matched to many models (universe matching)."""
     entry = get_method(method)
     if not balances(method, options):
         return entry.match()(a, b, cfg, data, options)
-    (a_bal, d_a), (b_bal, d_b) = balance(a, cfg), balance(b, cfg)
+    (a_bal, d_a), (b_bal, d_b) = balanced_a or balance(a, cfg), balance(b, cfg)
     found = entry.match()(a_bal, b_bal, cfg, data, options)
     back = compose(compose(invert(d_a), found.transform), d_b)
     if entry.reads_data:  # its maps serve its own objective, not the distance

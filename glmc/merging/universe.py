@@ -33,6 +33,7 @@ from glmc.core.state import State
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_weights
 from glmc.match.align import match_pair
+from glmc.match.balance import balance, balances
 from glmc.match.common import MatchResult, sq_distance
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
@@ -102,23 +103,23 @@ class _Job:
     options: MatchOptions  # the pairwise matcher's (standard form)
 
 
-def _align_one(job: _Job, anchor: State, state: State) -> MatchResult:
+def _align_one(job: _Job, anchor: State, state: State, balanced: tuple[State, Transform] | None) -> MatchResult:
     """The transform that brings ``state`` next to ``anchor`` (both canonical, standard form, width of cfg), by the
-    registry's pairwise function of ``job.method``."""
-    return match_pair(job.method, anchor, state, job.cfg, job.data, job.options)
+    registry's pairwise function of ``job.method``; ``balanced`` is the anchor's balancing, made once per iteration."""
+    return match_pair(job.method, anchor, state, job.cfg, job.data, job.options, balanced)
 
 
 _SHARED: dict[str, Any] = {}  # a worker's copy of one iteration's job, anchor and states
 
 
-def _share(job: _Job, anchor: State, states: list[State]) -> None:
+def _share(job: _Job, anchor: State, states: list[State], balanced: tuple[State, Transform] | None) -> None:
     """Pool initializer: keep the iteration's inputs; one torch thread, the pool supplies the parallelism."""
     torch.set_num_threads(1)
-    _SHARED.update(job=job, anchor=anchor, states=states)
+    _SHARED.update(job=job, anchor=anchor, states=states, balanced=balanced)
 
 
 def _align_shared(index: int) -> MatchResult:
-    return _align_one(_SHARED["job"], _SHARED["anchor"], _SHARED["states"][index])
+    return _align_one(_SHARED["job"], _SHARED["anchor"], _SHARED["states"][index], _SHARED["balanced"])
 
 
 # On a GPU, an iteration's weight matchings of models up to this many parameters run on the CPU, in the process
@@ -148,11 +149,12 @@ def _align_all(job: _Job, anchor: State, states: Sequence[State], workers: int) 
     if where != device:
         found = _align_all(job, to_device(anchor, where), [to_device(s, where) for s in states], workers)
         return [dataclasses.replace(m, transform=maps_to(m.transform, device)) for m in found]
+    balanced = balance(anchor, job.cfg) if balances(job.method, job.options) else None
     if workers <= 1 or device_of(anchor).type != "cpu":  # a forked child cannot use its parent's CUDA context
-        return [_align_one(job, anchor, s) for s in states]
+        return [_align_one(job, anchor, s, balanced) for s in states]
     start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with ProcessPoolExecutor(min(workers, len(states)), mp_context=multiprocessing.get_context(start_method),
-                             initializer=_share, initargs=(job, anchor, list(states))) as pool:
+                             initializer=_share, initargs=(job, anchor, list(states), balanced)) as pool:
         return list(pool.map(_align_shared, range(len(states))))
 
 
