@@ -145,6 +145,10 @@ PRESETS: dict[str, ModelConfig] = {
     # A Llama of the same size as gpt2-tiny: RMSNorm, SwiGLU, rotary positions, two query heads per KV head.
     "llama-tiny": ModelConfig("llama", width=32, depth=2, heads=4, kv_heads=2, mlp=64, activation="silu",
                               qkv_bias=False, rotary_pct=1.0, context=32),
+    # The cross-device text grid's Llama: llama-tiny's shape with four KV groups (so tier 1/4 keeps a whole group,
+    # two query heads each) at twice its width; head_dim 8.
+    "llama-fl": ModelConfig("llama", width=64, depth=2, heads=8, kv_heads=4, mlp=128, activation="silu",
+                            qkv_bias=False, rotary_pct=1.0, context=32),
     # A Pythia-shaped GPT-NeoX of the same size: parallel residual, rotary positions on a quarter of each head.
     "neox-tiny": ModelConfig("neox", width=32, depth=2, heads=4, mlp=128, rotary_pct=0.25, parallel_residual=True,
                              context=32),
