@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from federation.preflight import check_run_config
-from federation.settings import CONTROLS, RunSettings
+from federation.settings import CONTROLS, DATA_AGGREGATIONS, SLICED, RunSettings
 from glmc.errors import ConfigError
 from harness.engine import PROJECT, exit_on_sigterm, local_superlink_env, run_simulation
 from harness.tomlfile import read_toml
@@ -364,17 +364,26 @@ def finished(rows: list[dict[str, Any]], split: str, widths: str, aggregation: s
     return [r for r in select(rows, split, widths, aggregation) if r["status"] == "finished:completed"]
 
 
-def strongest_control(rows: list[dict[str, Any]], exp: Experiment, split: str, widths: str) -> str | None:
-    """The control of highest mean final accuracy in this group (None: no control finished a run)."""
-    scores = {label: statistics.fmean(accs) for label in controls(exp)
+def width_baselines(exp: Experiment) -> list[str]:
+    """The labels of the grid's width baselines, where it has any beside HeteroFL: the aggregations that neither
+    align nor read server data (fedavg/HeteroFL, fedrolex, smallest-width, full-width-only)."""
+    found = [label for label, keys in exp.variants.items()
+             if keys["aggregation"] in SLICED and keys["aggregation"] not in DATA_AGGREGATIONS]
+    return found if len(found) > 1 else []
+
+
+def strongest(rows: list[dict[str, Any]], labels: Sequence[str], split: str, widths: str) -> str | None:
+    """The label of highest mean final accuracy in this group (None: none of them finished a run)."""
+    scores = {label: statistics.fmean(accs) for label in labels
               if (accs := [a for r in finished(rows, split, widths, label)
                            if (a := final(r, "central_accuracy")) is not None])}
     return max(scores, key=scores.__getitem__) if scores else None
 
 
-def control_delta(rows: list[dict[str, Any]], exp: Experiment, split: str, widths: str) -> Callable[[str], str]:
-    """agg → its paired final-accuracy Δ against the group's strongest control, naming that control."""
-    best = strongest_control(rows, exp, split, widths)
+def delta_against(rows: list[dict[str, Any]], labels: Sequence[str], split: str,
+                  widths: str) -> Callable[[str], str]:
+    """agg → its paired final-accuracy Δ against the group's strongest of ``labels``, naming it."""
+    best = strongest(rows, labels, split, widths)
     base = finished(rows, split, widths, best) if best else []
 
     def delta(agg: str) -> str:
@@ -398,7 +407,8 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
     defended = any("spread" in r for row in rows for r in row["records"])
     for split, widths in groups(exp):
         base = finished(rows, split, widths, "fedavg")
-        against_control = control_delta(rows, exp, split, widths)
+        against_control = delta_against(rows, controls(exp), split, widths)
+        against_baseline = delta_against(rows, width_baselines(exp), split, widths)
         for agg in exp.aggregations:
             cell = select(rows, split, widths, agg)
             ok = [r for r in cell if r["status"] == "finished:completed"]
@@ -409,6 +419,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
                 "accuracy %": _fmt([final(r, "central_accuracy") for r in ok]), **tier_columns(ok, target),
                 PLATEAU: plateau_column(ok), **deltas,
                 **({"Δ vs strongest control (pts)": against_control(agg)} if controls(exp) else {}),
+                **({BEST_BASELINE: against_baseline(agg)} if width_baselines(exp) else {}),
                 "clients % (mean)": _fmt([final(r, "mean_client_accuracy") for r in ok]),
                 "ensemble %": _fmt([final(r, "ensemble_accuracy") for r in ok]),
                 "align / round time %": _fmt([align_share(r) for r in ok]),
@@ -422,9 +433,11 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
 
 
 def markdown(table: list[dict[str, str]]) -> str:
-    head = list(table[0])
+    """The table in markdown: every row's columns in order of first appearance, "–" where a row has none (a cell
+    with no finished run has no per-tier columns)."""
+    head = list(dict.fromkeys(h for row in table for h in row))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join([*lines, *("| " + " | ".join(row[h] for h in head) + " |" for row in table)])
+    return "\n".join([*lines, *("| " + " | ".join(row.get(h, "–") for h in head) + " |" for row in table)])
 
 
 def plot_groups(rows: list[dict[str, Any]], exp: Experiment, out: Path) -> list[Path]:
@@ -498,13 +511,17 @@ def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config
             "Δ: paired by seed, of that accuracy, of its mean over the last 3 rounds, and of its mean over all "
             "trained rounds (which also rewards getting there sooner). Server data read: what the aggregation reads "
             "of the samples the server holds back from every client (no / their inputs only / inputs + labels)."
-            f"{CONTROL_NOTE if controls(exp) else ''}\n"
+            f"{CONTROL_NOTE if controls(exp) else ''}{BASELINE_NOTE if width_baselines(exp) else ''}\n"
             + (SET_ASIDE_NOTE if SET_ASIDE in summary[0] else "") + "\n"
             + table + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n")
     (out / "summary.md").write_text(text)
     return table, plots
 
 
+BEST_BASELINE = "Δ vs best width baseline (pts)"
+BASELINE_NOTE = (" Δ vs best width baseline: paired by seed, against the best (by mean accuracy) of the grid's "
+                 "aggregations that neither align nor read server data (HeteroFL, FedRolex, smallest-width, "
+                 "full-width-only).")
 CONTROL_NOTE = (" Δ vs strongest control: paired by seed, against the better (by mean accuracy) of the grid's "
                 "controls for the server-held data, which read its labels: fedavg-ft (FedAvg, then its model trained "
                 "on those samples) and server-only (a model trained on them alone, from scratch, ignoring the "
