@@ -305,7 +305,7 @@ class RunSettings:
                      f"{self.robustness.average!r} would lose its heads")
 
     def round_lr(self, lr: float, server_round: int) -> float:
-        """The clients' learning rate in global round ``server_round`` (1-based) under lr-decay, from its base ``lr``."""
+        """The clients' learning rate in global round ``server_round`` (1-based) under lr-decay, from base ``lr``."""
         if self.lr_decay == "none":
             return lr
         done = min(server_round, self.num_server_rounds) - 1  # a resumed run's later rounds keep the last round's

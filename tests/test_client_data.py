@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -185,7 +186,7 @@ def test_lr_decay_cosine_starts_each_round_lower_and_none_keeps_the_base() -> No
     cosine = RunSettings(num_server_rounds=4, lr_decay="cosine")
     rates = [cosine.round_lr(0.01, r) for r in range(1, 7)]
     assert rates[0] == 0.01
-    assert all(a > b > 0 for a, b in zip(rates[:3], rates[1:4]))
+    assert all(a > b > 0 for a, b in itertools.pairwise(rates[:4]))
     assert rates[3] == pytest.approx(0.01 * 0.5 * (1 + np.cos(np.pi * 3 / 4)))
     assert rates[4] == rates[5] == rates[3]
     assert RunSettings(num_server_rounds=4).round_lr(0.01, 3) == 0.01

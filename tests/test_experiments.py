@@ -359,3 +359,23 @@ def test_a_bad_config_fails_in_one_line_before_any_cell_runs(text: str, expect: 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("compare: error: ") and expect in err[0], err
     assert not out.exists()
+
+
+def test_the_width_grid_names_its_best_baseline_and_a_partial_table_keeps_every_column() -> None:
+    """Each aggregation's paired Δ is against the best (by mean accuracy) of HeteroFL, FedRolex and the two
+    homogeneous controls; with two cells still pending, their rows show "–" under the per-tier columns."""
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "width-baselines.toml")
+    assert compare.width_baselines(exp) == ["fedavg", "fedrolex", "smallest-width", "full-width-only"]
+    rows = _finished_rows(exp)  # made-up accuracies that rise with the cell's index: the later the cell, the better
+    finals = {r["aggregation"]: r["records"][-1]["central_accuracy"] for r in rows if r["seed"] == 0}
+    table = {r["aggregation"]: r for r in compare.summary_rows(rows, exp)}
+    best = max(compare.width_baselines(exp), key=finals.__getitem__)
+    assert table[best][compare.BEST_BASELINE] == "–"
+    assert table["weight"][compare.BEST_BASELINE] == f"{100 * (finals['weight'] - finals[best]):.1f} ± 0.0 (vs {best})"
+    for row in rows:
+        row["records"][1]["tier_metrics"] = {"accuracy@1": 0.5, "accuracy@0.5": 0.4}
+    rows[-1], rows[-2] = compare.pending(compare.grid(exp)[-1]), compare.pending(compare.grid(exp)[-2])
+    lines = compare.markdown(compare.summary_rows(rows, exp)).splitlines()
+    assert "accuracy@0.5 %" in lines[0] and all(line.count("|") == lines[0].count("|") for line in lines)
+    drift = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
+    assert compare.width_baselines(drift) == []
