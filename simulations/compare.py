@@ -405,6 +405,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
     guarded = any(r.get("unaligned") for row in rows for r in row["records"])
     target = float(exp.run.get("target-accuracy", RunSettings.target_accuracy))
     defended = any("spread" in r for row in rows for r in row["records"])
+    settles = any(late_gain(row) is not None for row in rows if row["status"] == "finished:completed")
     for split, widths in groups(exp):
         base = finished(rows, split, widths, "fedavg")
         against_control = delta_against(rows, controls(exp), split, widths)
@@ -417,7 +418,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
                 "split": split, "widths": widths, "aggregation": agg,
                 "server data read": READS[reads.get(agg, "unknown")], "runs": f"{len(ok)}/{len(cell)}",
                 "accuracy %": _fmt([final(r, "central_accuracy") for r in ok]), **tier_columns(ok, target),
-                PLATEAU: plateau_column(ok), **deltas,
+                **({PLATEAU: plateau_column(ok)} if settles else {}), **deltas,
                 **({"Δ vs strongest control (pts)": against_control(agg)} if controls(exp) else {}),
                 **({BEST_BASELINE: against_baseline(agg)} if width_baselines(exp) else {}),
                 "clients % (mean)": _fmt([final(r, "mean_client_accuracy") for r in ok]),
