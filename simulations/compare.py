@@ -156,12 +156,33 @@ def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str], gpus_p
 
 def rounds_status(status: str, details: str, records: Sequence[dict[str, Any]]) -> tuple[str, str]:
     """A run that finished with a trained round that kept the global model (too few valid replies: e.g. clients
-    killed for memory) is not the grid's experiment: ``failed:not-aggregated``, so it is not saved and runs again."""
-    kept = [r for r in records if r["round"] > 0 and not r["aggregated"]]
+    killed for memory) is not the grid's experiment: ``failed:not-aggregated``, so it is not saved and runs again.
+    full-width-only keeping the model in a round that sampled too few full-width clients is its own rule, not that."""
+    kept = [r for r in records if r["round"] > 0 and not r["aggregated"] and not _left_out_by_design(r)]
     if not kept:
         return status, details
     why = (kept[0]["dropped"] or [kept[0].get("failure") or "too few replies"])[0]
     return "failed:not-aggregated", f"rounds {[r['round'] for r in kept]} kept the global model: {why[:300]}"
+
+
+def _left_out_by_design(record: dict[str, Any]) -> bool:
+    """A round whose valid replies full-width-only left out (narrow ones), with nothing dropped and nothing failed."""
+    return bool(record.get("left_out")) and not record["dropped"] and not record.get("failure")
+
+
+def recovered(cell: Cell, out: Path) -> dict[str, Any] | None:
+    """The row of a cell whose run finished (its server log says so) but was not saved, as a later status rule judges
+    it (:func:`rounds_status`); its wall time is its rounds' own (the start-up is not known), its load not recorded.
+    None where the run did not finish."""
+    run = out / "runs" / cell.name
+    log_file, metrics = run / "server.log", run / "metrics.json"
+    if not (log_file.is_file() and metrics.is_file() and "run finished" in log_file.read_text()):
+        return None
+    records = json.loads(metrics.read_text())["records"]
+    status, details = rounds_status("finished:completed", "", records)
+    return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
+            "widths": cell.widths["label"], "seed": cell.seed, "status": status, "details": details,
+            "seconds": round(sum(r["round_seconds"] for r in records), 1), "recovered": True, "records": records}
 
 
 def pending(cell: Cell) -> dict[str, Any]:
@@ -173,10 +194,11 @@ def pending(cell: Cell) -> dict[str, Any]:
 
 def run_grid(exp: Experiment, out: Path, force: bool, reused: Sequence[dict[str, Any]] = (),
              gpus_per_client: float = 0.0, selected: Callable[[Cell], bool] = lambda cell: True,
-             ) -> list[dict[str, Any]]:
+             recover: bool = False) -> list[dict[str, Any]]:
     """Every cell, reusing the saved rows of finished ones (and the finished ``reused`` rows of an earlier
     results.json) unless ``force``; cells not ``selected`` are run by no one here, only summarised (another process
-    may run them: each finished cell is saved on its own). ``gpus_per_client``: see :func:`run_simulation`."""
+    may run them: each finished cell is saved on its own). ``gpus_per_client``: see :func:`run_simulation`.
+    ``recover``: first save the cells whose run finished but was not saved (:func:`recovered`)."""
     earlier = {r["cell"]: r for r in reused if r["status"] == "finished:completed"}
     rows = []
     with local_superlink_env() as env:
@@ -186,6 +208,10 @@ def run_grid(exp: Experiment, out: Path, force: bool, reused: Sequence[dict[str,
             if cell.name in earlier and keep:
                 rows.append(earlier[cell.name])
                 continue
+            if recover and not saved.is_file() and (row := recovered(cell, out)) is not None \
+                    and row["status"] == "finished:completed":
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                saved.write_text(json.dumps(row))
             if saved.is_file() and keep:
                 rows.append(json.loads(saved.read_text()))
                 continue
@@ -489,6 +515,9 @@ def provenance(config: Path, rows: list[dict[str, Any]]) -> str:
     loads = [r["load"][0] for r in rows if r.get("load")]
     load = (f"1-minute load average at the end of each run {min(loads):.1f}–{max(loads):.1f}" if loads else
             "the load was not recorded (these runs predate its recording)")
+    if found := sum(bool(r.get("recovered")) for r in rows):
+        load += (f"; {found} cells recovered from their run folders (--recover: saved after a later status rule), "
+                 "their wall time their rounds' own and their load not recorded")
     return (f"Command: `python -m simulations.compare --config {config}`. Machine: {platform.machine()}, "
             f"{os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}; the runs took "
             f"{minutes:.0f} min of wall time in all (cells reused from earlier runs included); {load}.\n")
@@ -569,6 +598,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "pending): several processes on one --out can share a grid, one cell each at a time")
     parser.add_argument("--only", nargs="+", metavar="LABEL", help="run only the cells of these aggregations "
                         "(labels of the config's aggregations), as --seeds does")
+    parser.add_argument("--recover", action="store_true",
+                        help="first save the cells whose run finished but was not saved (judged failed under an "
+                             "earlier status rule, or the grid stopped before saving): their rows come from the run "
+                             "folders, without their start-up time or load")
     parser.add_argument("--client-gpus", type=float, default=0.0, metavar="F",
                         help="GPUs per simulated client (Flower's client-resources-num-gpus; 0.25 puts four clients "
                              "on one GPU); the apps' client-device and server-device default to auto")
@@ -593,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if rows is None:
         rows = run_grid(exp, out, args.force, reused=reused, gpus_per_client=args.client_gpus,
-                        selected=(lambda cell: False) if args.finished_only else selected)
+                        selected=(lambda cell: False) if args.finished_only else selected, recover=args.recover)
     table, plots = write_outputs(exp, rows, out, args.config)
     print(table)
     for path in plots:

@@ -157,6 +157,28 @@ def test_least_squares_with_coordinate_masks_is_heterofl():
         assert torch.allclose(merged[k], num / den, atol=1e-12, rtol=0), k
 
 
+def test_what_no_narrow_model_covers_keeps_the_anchors_value_as_heterofl_keeps_the_global():
+    """A round of narrow clients only: each entry some client holds is their count-weighted mean, every other entry
+    the anchor's (the previous global model), not zero; at equal widths the anchor changes nothing, bit for bit."""
+    wide = BASES["vit"].replace(width=12, heads=3, head_dim=4, mlp=10)
+    tiers = [wide.replace(width=8, heads=2, mlp=6, head_dim=4), wide.replace(width=4, heads=1, mlp=3, head_dim=4)]
+    states, weights, anchor = [_canonical(wide, s) for s in range(2)], [3.0, 2.0], _canonical(wide, 9)
+    merged = lstsq_merge(states, [_coordinate_placement(t, wide) for t in tiers], weights, anchor)
+    spec = get_arch(wide.family).spec
+    for k, (_, template) in expand(spec, wide.depth).items():
+        if k not in merged:
+            continue
+        masks = [_heterofl_mask(merged[k].shape, spec[template], t, wide) for t in tiers]
+        num = sum(w * m * s[k] for w, m, s in zip(weights, masks, states, strict=True))
+        den = sum(w * m for w, m in zip(weights, masks, strict=True))
+        expected = torch.where(den > 0, num / den.clamp_min(1e-300), anchor[k])
+        assert torch.allclose(merged[k], expected, atol=1e-12, rtol=0), k
+    same = [_canonical(wide, s) for s in range(3)]
+    plain = lstsq_merge(same, [place(wide, wide)] * 3, [1.0, 2.0, 3.0])
+    anchored = lstsq_merge(same, [place(wide, wide)] * 3, [1.0, 2.0, 3.0], anchor)
+    assert all(torch.equal(plain[k], anchored[k]) for k in plain)
+
+
 def test_moved_placement_follows_the_transformed_model():
     """Projecting through the moved placement gives the narrow model back (up to its own within-head maps)."""
     from glmc.symmetry.transforms import MATCHABLE, apply, random_transform

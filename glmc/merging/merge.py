@@ -107,7 +107,7 @@ def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mappin
     clipping = around_anchor(clip, result.aligned, [target] * len(members), result.placements, start, target,
                              robust.clip_ratio)  # the distance the average sees
     clipping = recentred(clipping, weights, configs, target, robust, start)
-    merged = _robust_merge(result.merged, clipping, result.placements, weights, robust)
+    merged = _robust_merge(result.merged, clipping, result.placements, weights, robust, start)
     result.merged = options.corrections.apply(merged, clipping.states, target, setup.train, weights,
                                               result.placements)
     return Merged(result, before, after, early.clipped, clipping)
@@ -177,11 +177,12 @@ def recentred(clipping: Clipping, weights: Sequence[float], configs: Sequence[Mo
 
 
 def _robust_merge(merged: State, clipping: Clipping, placements: Sequence[Placement], weights: Sequence[float],
-                  robust: Robustness) -> State:
-    """The universe's merge again when a defence acts: the least-squares mean of the clipped states, or their
-    coordinate-wise FedMedian / FedTrimmedAvg (equal widths); else ``merged`` itself, untouched."""
+                  robust: Robustness, anchor: State | None) -> State:
+    """The universe's merge again when a defence acts: the least-squares mean of the clipped states (what none
+    covers keeps the ``anchor``'s values), or their coordinate-wise FedMedian / FedTrimmedAvg (equal widths); else
+    ``merged`` itself, untouched."""
     if robust.weighted_mean:
-        return lstsq_merge(clipping.states, placements, weights) if clipping.acted else merged
+        return lstsq_merge(clipping.states, placements, weights, anchor) if clipping.acted else merged
     require_equal_widths(any(p.narrow != p.wide for p in placements), robust)
     return coordinatewise(clipping.states, robust.average, robust.trim_beta)
 

@@ -84,6 +84,7 @@ class UniverseResult:
     transforms: list[Transform]
     merged: State
     history: list[IterationRecord] = field(default_factory=list)
+    anchor: State | None = None  # what fills the coordinates no model covers (lstsq_merge)
 
     @property
     def seconds(self) -> float:
@@ -215,15 +216,15 @@ def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOp
     transforms = [Transform.identity(cfg.depth) for _ in aligned]
     if not get_method(method).matches:
         start = time.perf_counter()
-        merged = lstsq_merge(aligned, placements, weights)
+        merged = lstsq_merge(aligned, placements, weights, anchor)
         record = IterationRecord(0, _mean_distance(aligned, merged), 0.0, 0.0, time.perf_counter() - start, method)
-        return UniverseResult(aligned, placements, transforms, merged, [record])
+        return UniverseResult(aligned, placements, transforms, merged, [record], anchor)
     match = dataclasses.replace(options.match, form="standard")
     universe = dict(anchor) if anchor is not None else aligned[reference]
     if options.workers > 1:  # workers get a small materialised copy, not a pickled view of the whole dataset
         data = _small_dataset(data, match.activation.batch if get_method(method).reads_sample else None)
     job = _Job(method, cfg, data, match)
-    result = UniverseResult(aligned, placements, transforms, universe)
+    result = UniverseResult(aligned, placements, transforms, universe, anchor=anchor)
     for iteration in range(1, options.max_iters + 1):
         _iterate(result, job, options.workers, iteration, weights)
         if _converged(result.history, options.tol):
@@ -281,7 +282,7 @@ def _move_and_merge(result: UniverseResult, job: _Job, moves: Sequence[Transform
         result.placements[i] = move(result.placements[i], t)
         result.transforms[i] = compose(t, result.transforms[i])
     aligned_at = time.perf_counter()
-    merged = lstsq_merge(result.aligned, result.placements, weights)
+    merged = lstsq_merge(result.aligned, result.placements, weights, result.anchor)
     record = IterationRecord(iteration, _mean_distance(result.aligned, result.merged),
                              _relative(merged, result.merged), aligned_at - start, time.perf_counter() - aligned_at,
                              job.method)

@@ -408,19 +408,30 @@ def _row_mask(shape: torch.Size, axes: tuple[AxisKind | None, ...], p: Placement
 
 
 def _lstsq_rows(rows: Sequence[torch.Tensor], masks: torch.Tensor, projectors: Sequence[torch.Tensor],
-                weights: torch.Tensor) -> torch.Tensor:
-    """Each row r: w* = (Σ c_ir w_ir P_i)(Σ c_ir P_i)⁺ with c_ir = n_i·mask_ir, solved once per coverage pattern."""
+                weights: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row r: w* = (Σ c_ir w_ir P_i)(Σ c_ir P_i)⁺ with c_ir = n_i·mask_ir, solved once per coverage pattern; with
+    ``fill`` (the same rows of an anchor), what no model covers (rows, or residual directions outside the span of
+    Σ c_ir P_i) keeps the anchor's value, as HeteroFL keeps the global value of an entry no client held."""
     coverage = masks * weights[:, None]  # (N, rows)
     patterns, group = torch.unique(coverage.T, dim=0, return_inverse=True)
-    out = torch.zeros_like(rows[0])
+    out = torch.zeros_like(rows[0]) if fill is None else fill.clone()
     for g, c in enumerate(patterns):
         idx = (group == g).nonzero().flatten()
         if float(c.sum()) == 0.0:
-            continue  # no model covers these rows: they stay zero (dead units, or a direction nobody uses)
+            continue  # no model covers these rows: the anchor's, else zero (dead units, or a direction nobody uses)
         total = sum(float(c[i]) * projectors[i] for i in range(len(rows)) if c[i] > 0)
         numerator = sum(float(c[i]) * rows[i][idx] @ projectors[i] for i in range(len(rows)) if c[i] > 0)
-        out[idx] = numerator @ torch.linalg.pinv(total, hermitian=True, rtol=1e-10)
+        inverse = torch.linalg.pinv(total, hermitian=True, rtol=1e-10)
+        merged = numerator @ inverse
+        if fill is not None:
+            uncovered = torch.eye(len(total), dtype=total.dtype, device=total.device) - total @ inverse
+            if float(uncovered.abs().max()) > UNCOVERED_TOL:  # else bit for bit the merge without an anchor
+                merged = merged + fill[idx] @ uncovered
+        out[idx] = merged
     return out
+
+
+UNCOVERED_TOL = 1e-8  # a residual direction counts as uncovered when the coverage's projector misses it by more
 
 
 def _as_rows(x: torch.Tensor, axes: tuple[AxisKind | None, ...]) -> torch.Tensor:
@@ -438,12 +449,14 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, axes: tuple[AxisKind | No
 
 
 def lstsq_merge(states: Sequence[Mapping[str, torch.Tensor]], placements: Sequence[Placement],
-                weights: Sequence[float] | None = None) -> State:
+                weights: Sequence[float] | None = None, anchor: Mapping[str, torch.Tensor] | None = None) -> State:
     """Least-squares coverage-weighted merge of wide canonical states.
 
     For a reader W: W* = (Σ n_i W_i P_i)(Σ n_i P_i)⁺ with P_i model i's projector in the universe basis
     (the residual's E Eᵀ times the 0/1 coverage of heads and units); writers are mirrored. At equal widths
     (every P_i = I) it is the weighted mean; with coordinate masks it is HeteroFL's count-weighted average.
+    With an ``anchor`` (a state of the universe, e.g. the previous global model), what no model covers keeps its
+    value: a round whose clients are all narrow leaves the rest of the model as it was, instead of zeroing it.
     """
     wide = placements[0].wide
     spec = get_arch(wide.family).spec
@@ -460,5 +473,6 @@ def lstsq_merge(states: Sequence[Mapping[str, torch.Tensor]], placements: Sequen
         rows = [_as_rows(s[name].double(), axes) for s in states]
         masks = torch.stack([_row_mask(like.shape, axes, p, layer) for p in placements])
         projectors = res_projectors if RES in axes else scalar
-        merged[name] = _from_rows(_lstsq_rows(rows, masks, projectors, n), like, axes).to(like.dtype)
+        fill = _as_rows(anchor[name].to(device, torch.float64), axes) if anchor is not None else None
+        merged[name] = _from_rows(_lstsq_rows(rows, masks, projectors, n, fill), like, axes).to(like.dtype)
     return merged
