@@ -241,3 +241,24 @@ def test_bad_pairs_are_refused_in_one_line(change, message):
     with pytest.raises(ConfigError, match=message) as err:
         place(BASES["vit"].replace(**change), BASES["vit"])
     assert "\n" not in str(err.value)
+
+
+def test_a_round_of_narrow_clients_alone_stays_near_the_model_they_were_cut_from():
+    """Untrained restrictions of one model at tiers 0.5 and 0.25, weight-aligned and merged around it: the thin
+    directions between their aligned subspaces, barely covered, keep the anchor's values instead of being divided by
+    their tiny coverage (22 times the model's norm away before)."""
+    from federation.restriction import principal_placement, restrict
+    from glmc.archs import build_model
+    from glmc.merging.merge import MergeSetup, merge_models
+    from glmc.merging.options import MergeOptions
+    from glmc.merging.universe import Member
+
+    torch.manual_seed(0)
+    full = preset("vit-fl")
+    anchor = {k: v.double() for k, v in build_model(full).state_dict().items()}
+    members = [Member(restrict(anchor, full, t, "weight", p := principal_placement(anchor, full, t)),
+                      scale_width(full, t), 1.0, p) for t in (0.5, 0.25)]
+    merged = merge_models(members, MergeSetup(full, MergeOptions("weight", fold_norms=True)), anchor=anchor)
+    canonical = canonicalize(get_arch(full.family), anchor, full, dtype=torch.float64)
+    gap = sum(float((merged.universe.merged[k] - v).square().sum()) for k, v in canonical.items())
+    assert gap ** 0.5 <= 0.1 * sum(float(v.square().sum()) for v in canonical.values()) ** 0.5

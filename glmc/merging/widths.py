@@ -407,6 +407,14 @@ def _row_mask(shape: torch.Size, axes: tuple[AxisKind | None, ...], p: Placement
     return mask.reshape(-1)
 
 
+UNCOVERED_TOL = 1e-8  # a residual direction counts as uncovered when the coverage's projector misses it by more
+# Residual directions whose coverage Σ c_i P_i is under this share of its largest count as uncovered. Narrow models
+# aligned apart span subspaces at small angles; their difference along the thin directions between them, divided by
+# a tiny coverage, blew a merge of narrow clients alone (vit-fl tiers 0.5 and 0.25, untrained restrictions of one
+# model) up to 22× the model's norm; at 1% it lands within 0.07 of it. A full-width input covers every direction.
+MIN_COVERAGE = 1e-2
+
+
 def _lstsq_rows(rows: Sequence[torch.Tensor], masks: torch.Tensor, projectors: Sequence[torch.Tensor],
                 weights: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
     """Each row r: w* = (Σ c_ir w_ir P_i)(Σ c_ir P_i)⁺ with c_ir = n_i·mask_ir, solved once per coverage pattern; with
@@ -421,7 +429,7 @@ def _lstsq_rows(rows: Sequence[torch.Tensor], masks: torch.Tensor, projectors: S
             continue  # no model covers these rows: the anchor's, else zero (dead units, or a direction nobody uses)
         total = sum(float(c[i]) * projectors[i] for i in range(len(rows)) if c[i] > 0)
         numerator = sum(float(c[i]) * rows[i][idx] @ projectors[i] for i in range(len(rows)) if c[i] > 0)
-        inverse = torch.linalg.pinv(total, hermitian=True, rtol=1e-10)
+        inverse = torch.linalg.pinv(total, hermitian=True, rtol=MIN_COVERAGE)
         merged = numerator @ inverse
         if fill is not None:
             uncovered = torch.eye(len(total), dtype=total.dtype, device=total.device) - total @ inverse
@@ -429,9 +437,6 @@ def _lstsq_rows(rows: Sequence[torch.Tensor], masks: torch.Tensor, projectors: S
                 merged = merged + fill[idx] @ uncovered
         out[idx] = merged
     return out
-
-
-UNCOVERED_TOL = 1e-8  # a residual direction counts as uncovered when the coverage's projector misses it by more
 
 
 def _as_rows(x: torch.Tensor, axes: tuple[AxisKind | None, ...]) -> torch.Tensor:
