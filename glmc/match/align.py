@@ -133,6 +133,7 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
 
 
 def _distance(a: State, b: State, t: Transform, cfg: ModelConfig) -> float:
-    """‖A − T(B)‖², B moved one tensor at a time."""
+    """‖A − T(B)‖², B moved one tensor at a time; each difference squared in place (a float64 vocabulary is about
+    the largest tensor this path makes)."""
     view = moved(b, get_arch(cfg.family).spec, t, cfg.heads)
-    return sum(float((a[name] - view[name]).double().square().sum()) for name in a)
+    return sum(float((a[name] - view[name]).double().square_().sum()) for name in a)
