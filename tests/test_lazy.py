@@ -19,6 +19,7 @@ from glmc.core.state import Lazy, restrict, search_view
 from glmc.io import formats
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint, save_streamed
 from glmc.match.align import align_pair
+from glmc.match.balance import balance
 from glmc.symmetry.canonical import canonical_view, canonicalize
 from glmc.symmetry.transforms import MATCHABLE, apply, moved, random_transform
 from simulations.bench.planting import PLANTERS
@@ -81,6 +82,20 @@ def test_a_lazy_alignment_finds_and_moves_as_the_whole_one(name: str) -> None:
     for x, y in zip(tw.heads + tw.mlp + tw.qk + tw.ov, tl.heads + tl.mlp + tl.qk + tl.ov, strict=True):
         assert (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
     assert _same(whole.b, lazy.b)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_balanced_lazy_state_is_searched_as_the_whole_one_and_what_no_map_moves_as_stored(name: str) -> None:
+    cfg = _cfg(name)
+    arch = get_arch(cfg.family)
+    native = _native(cfg, 0)
+    (whole, _), (lazy, _) = (balance(form(arch, native, cfg, "standard", torch.float64), cfg)
+                             for form in (canonicalize, canonical_view))
+    assert isinstance(lazy, Lazy) and _same(whole, lazy)
+    searched = search_view(lazy, torch.float32)
+    assert _same(search_view(whole, torch.float32), searched)
+    if "embed.tok.w" in lazy:  # no fold and no balancing map touches it: the search reads the stored tensor
+        assert searched["embed.tok.w"].data_ptr() in {v.data_ptr() for v in native.values()}
 
 
 def test_a_streamed_checkpoint_is_the_saved_one(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.spec import check_same_shapes
 from glmc.core.state import Lazy, State, cast
-from glmc.device import to_device
+from glmc.device import release_heap, to_device
 from glmc.errors import ConfigError
 from glmc.match.balance import balance, balances, nearer
 from glmc.match.common import MatchResult, sq_norm
@@ -124,6 +124,7 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     back = compose(compose(invert(d_a), found.transform), d_b)
     if entry.reads_data:  # its maps serve its own objective, not the distance
         return dataclasses.replace(found, transform=back)
+    release_heap()  # the search's freed blocks, before the distances make each model's tensors in float64
     whole = dataclasses.replace(found, transform=nearer(a, b, back, cfg))
     left = _distance(a, b, whole.transform, cfg)
     if left <= RECOVERED * sum(sq_norm(a[name]) for name in a):
@@ -133,6 +134,7 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
 
 
 def _distance(a: State, b: State, t: Transform, cfg: ModelConfig) -> float:
-    """‖A − T(B)‖², B moved one tensor at a time."""
+    """‖A − T(B)‖², B moved one tensor at a time; each difference squared in place (a float64 vocabulary is about
+    the largest tensor this path makes)."""
     view = moved(b, get_arch(cfg.family).spec, t, cfg.heads)
-    return sum(float((a[name] - view[name]).double().square().sum()) for name in a)
+    return sum(float((a[name] - view[name]).double().square_().sum()) for name in a)

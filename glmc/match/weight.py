@@ -86,19 +86,22 @@ Block = tuple[torch.Tensor, torch.Tensor, float]  # (X_A, X_B, 1/m): views of th
 
 
 def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 ) -> tuple[list[Block], list[list[Block]]]:
+                 fixed: bool = True) -> tuple[list[Block], list[list[Block]]]:
     """The residual-side tensors as (d, m) pairs, A's weighted by 1/m as in the sweeps' Procrustes: those no unit
-    map touches, and the others grouped by the unit map they share (per layer: q and k; v and the head outputs;
-    the MLP), with the unit axis as columns."""
+    map touches (where ``fixed``: a caller with their product reads none, so no folded vocabulary is held), and the
+    others grouped by the unit map they share (per layer: q and k; v and the head outputs; the MLP), with the unit
+    axis as columns."""
     linear: list[Block] = []
     shared: defaultdict[tuple[int | None, str, int], list[Block]] = defaultdict(list)
     for name, (layer, template) in expand(spec, depth).items():
         axes = spec[template]
         if axes.count(RES) != 1 or name not in a:  # a stream-to-stream map is quadratic in Q: left out
             continue
+        unit = next((kind for kind in axes if kind not in (None, RES)), None)
+        if unit is None and not fixed:
+            continue
         xa, xb = kind_first(a[name], axes, RES), kind_first(b[name], axes, RES)
         weight = 1 / xb.shape[1]
-        unit = next((kind for kind in axes if kind not in (None, RES)), None)
         if unit is None:
             linear.append((xa, xb, weight))
         elif unit == QKV:  # the fused axis is (3, H, d_h): q and k share a map, v shares the head outputs'
@@ -194,10 +197,10 @@ def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor
     it ends early once Q moves by less than ``tol`` (relative Frobenius), as it does at once on a transformed copy
     whose embeddings fix Q. ``linear``: Σ X_A X_Bᵀ / m over the tensors that no unit map touches, where the caller
     has it (weight matching's :attr:`Descent.fixed`: a vocabulary is multiplied once per matching)."""
-    fixed, shared = _unit_blocks(a, b, spec, depth)
-    if not fixed:
-        raise ConfigError("the relaxed start needs a residual-side tensor that no unit map touches (an embedding)")
+    fixed, shared = _unit_blocks(a, b, spec, depth, fixed=linear is None)
     if linear is None:
+        if not fixed:
+            raise ConfigError("the relaxed start needs a residual-side tensor that no unit map touches (an embedding)")
         linear = functools.reduce(torch.add, [(xa @ xb.T) * weight for xa, xb, weight in fixed])
     relaxed = _relaxed_groups(shared)
     q = groups.procrustes(linear, fix_ones)

@@ -143,8 +143,21 @@ def _apply_mlp(x: torch.Tensor, t: Transform, layer: int, kind: AxisKind) -> tor
     return x
 
 
+def _acts(kind: AxisKind | None, t: Transform, layer: int | None) -> bool:
+    """Whether ``t`` changes an axis of ``kind`` in ``layer``: :func:`_apply_axis` leaves any other as it is."""
+    if kind == RES:
+        return t.residual is not None
+    if layer is None:
+        return False
+    if kind in (QKV, Q, K, V, HEADS):
+        return _kv_heads(t, layer) is not None
+    if kind in (MLP, MLP_GATE, MLP_IN):
+        return t.mlp[layer] is not None or (t.mlp_scale[layer] is not None and kind != MLP_GATE)
+    return False
+
+
 def _apply_axis(
-    x: torch.Tensor, axis: int, kind: AxisKind, t: Transform, layer: int | None, heads: int
+    x: torch.Tensor, axis: int, kind: AxisKind | None, t: Transform, layer: int | None, heads: int
 ) -> torch.Tensor:
     """Transform one axis of one tensor according to its kind in the spec."""
     y = x.movedim(axis, 0)
@@ -180,7 +193,9 @@ def apply(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, head
 
 def moved(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, heads: int) -> Lazy:
     """:func:`apply`, made one tensor at a time on each read (:class:`Lazy`), bit for bit the tensor :func:`apply`
-    returns: B moved by a matching is written tensor by tensor, never held whole. The gains are checked now."""
+    returns: B moved by a matching is written tensor by tensor, never held whole. The gains are checked now. A
+    search reads a tensor ``t`` leaves alone as it reads ``state`` (a :class:`Lazy` one's stored tensor where that is
+    exact), so a balanced model searched holds no copy of its embeddings or of the tensors no balancing map moves."""
     if t.residual is not None:
         require_folded(state, spec, t.depth)
     where = {name: (layer, template) for name, (layer, template) in expand(spec, t.depth).items() if name in state}
@@ -189,7 +204,13 @@ def moved(state: Mapping[str, torch.Tensor], spec: SpecTable, t: Transform, head
         layer, template = where[name]
         return _move(state[name], spec[template], t, layer, heads)
 
-    return Lazy(where, make)
+    def search(name: str, dtype: torch.dtype) -> torch.Tensor:
+        layer, template = where[name]
+        if isinstance(state, Lazy) and not any(_acts(kind, t, layer) for kind in spec[template]):
+            return state.search(name, dtype)
+        return make(name).to(dtype)
+
+    return Lazy(where, make, search)
 
 
 def _move(stored: torch.Tensor, axes: tuple[AxisKind | None, ...], t: Transform, layer: int | None,
@@ -197,7 +218,7 @@ def _move(stored: torch.Tensor, axes: tuple[AxisKind | None, ...], t: Transform,
     """One tensor moved by ``t`` along each of its axes; half precision moved in float32 and rounded once."""
     x = stored.float() if stored.dtype in HALF else stored
     for axis, kind in enumerate(axes):
-        if kind not in (None, NORM):
+        if _acts(kind, t, layer):
             x = _apply_axis(x, axis, kind, t, layer, heads)
     return x.to(stored.dtype)
 
