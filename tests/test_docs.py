@@ -146,6 +146,14 @@ def _family(model: str, method: str) -> float:
     return row["barrier"] if method == "none" else 100 * row["ratio"]
 
 
+def _grid(name: str, aggregation: str) -> float:
+    """A width grid's figure in %: the full tier's final accuracy of ``aggregation``, mean over its finished seeds."""
+    rows = json.loads((RESULTS / name / "results.json").read_text())["rows"]
+    finals = [r["records"][-1]["central_accuracy"] for r in rows
+              if r["aggregation"] == aggregation and r["status"] == "finished:completed"]
+    return 100 * sum(finals) / len(finals)
+
+
 TODAYS_MATCHER = "vit-bench, same width, today's matcher (2026-12-03 seeds)"
 # (the README results row's first words, the words before a figure in it, the figure simulations/results/ holds)
 HEADLINES = [
@@ -167,6 +175,11 @@ HEADLINES = [
     ("bert-tiny (masked LM)", "vanilla", lambda: _family("bert-tiny", "none")),
     ("bert-tiny (masked LM)", "weight", lambda: _family("bert-tiny", "weight")),
     ("bert-tiny (masked LM)", "stay at", lambda: _family("bert-tiny", "learned")),
+    *[(row, label, lambda name=name, agg=agg: _grid(name, agg))
+      for row, name in (("mixed widths FL, 100 clients", "width-baselines"),
+                        ("mixed widths FL on text", "width-baselines-text"))
+      for label, agg in (("HeteroFL", "fedavg"), ("FedRolex", "fedrolex"), ("smallest", "smallest-width"),
+                         ("full-only", "full-width-only"), ("weight", "weight"))],
 ]
 
 
