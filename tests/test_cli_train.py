@@ -9,7 +9,7 @@ import pytest
 from conftest import fake_hub_copy
 
 from glmc.cli import main
-from glmc.core.config import preset
+from glmc.core.config import PRESETS, preset
 from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.data.paths import data_root
 from glmc.data.tasks import load_task
@@ -157,9 +157,7 @@ def test_console_entry_point_exits_2_with_one_line(tmp_path):
     result = subprocess.run([*cmd, "--out", str(tmp_path / "x.safetensors")], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "glmc: error: unknown preset 'nope'; known: "
-        + ", ".join(["vit-tiny", "vit-bench", "vit-paper", "gpt2-tiny", "gpt2-bench", "gpt2-paper", "llama-tiny",
-                     "neox-tiny", "bert-tiny"])
+        "glmc: error: unknown preset 'nope'; known: " + ", ".join(PRESETS)
     ]
 
 
