@@ -432,7 +432,7 @@ def _lstsq_rows(rows: Sequence[torch.Tensor], masks: torch.Tensor, projectors: S
         inverse = torch.linalg.pinv(total, hermitian=True, rtol=MIN_COVERAGE)
         merged = numerator @ inverse
         if fill is not None:
-            uncovered = torch.eye(len(total), dtype=total.dtype, device=total.device) - total @ inverse
+            uncovered = torch.eye(len(inverse), dtype=inverse.dtype, device=inverse.device) - inverse @ total
             if float(uncovered.abs().max()) > UNCOVERED_TOL:  # else bit for bit the merge without an anchor
                 merged = merged + fill[idx] @ uncovered
         out[idx] = merged
