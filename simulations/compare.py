@@ -149,9 +149,8 @@ def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str], gpus_p
     metrics_path = out / "runs" / cell.name / "metrics.json"
     records = json.loads(metrics_path.read_text())["records"] if result.ok and metrics_path.is_file() else []
     status, details = rounds_status(result.status, result.details, records)
-    return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
-            "widths": cell.widths["label"], "seed": cell.seed, "status": status, "details": details,
-            "seconds": round(result.seconds, 1), "load": [round(x, 2) for x in os.getloadavg()], "records": records}
+    return cell_row(cell, status, details, round(result.seconds, 1), records,
+                    load=[round(x, 2) for x in os.getloadavg()])
 
 
 def rounds_status(status: str, details: str, records: Sequence[dict[str, Any]]) -> tuple[str, str]:
@@ -180,16 +179,21 @@ def recovered(cell: Cell, out: Path) -> dict[str, Any] | None:
         return None
     records = json.loads(metrics.read_text())["records"]
     status, details = rounds_status("finished:completed", "", records)
-    return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
-            "widths": cell.widths["label"], "seed": cell.seed, "status": status, "details": details,
-            "seconds": round(sum(r["round_seconds"] for r in records), 1), "recovered": True, "records": records}
+    return cell_row(cell, status, details, round(sum(r["round_seconds"] for r in records), 1), records,
+                    recovered=True)
 
 
 def pending(cell: Cell) -> dict[str, Any]:
     """The row of a cell not run yet (``--finished-only``): counted in a group's runs, with no records."""
+    return cell_row(cell, "pending", "", 0.0, [])
+
+
+def cell_row(cell: Cell, status: str, details: str, seconds: float, records: list[dict[str, Any]],
+             **extra: Any) -> dict[str, Any]:
+    """A cell's row of results.json: its identity, status, wall time, anything ``extra`` and its round records."""
     return {"cell": cell.name, "aggregation": cell.aggregation, "split": cell.split["label"],
-            "widths": cell.widths["label"], "seed": cell.seed, "status": "pending", "details": "", "seconds": 0.0,
-            "records": []}
+            "widths": cell.widths["label"], "seed": cell.seed, "status": status, "details": details,
+            "seconds": seconds, **extra, "records": records}
 
 
 def run_grid(exp: Experiment, out: Path, force: bool, reused: Sequence[dict[str, Any]] = (),

@@ -379,3 +379,22 @@ def test_the_width_grid_names_its_best_baseline_and_a_partial_table_keeps_every_
     assert "accuracy@0.5 %" in lines[0] and all(line.count("|") == lines[0].count("|") for line in lines)
     drift = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
     assert compare.width_baselines(drift) == []
+
+
+def test_full_width_only_keeping_the_model_is_its_rule_and_a_finished_run_is_recovered(tmp_path: Path) -> None:
+    """A round that left its narrow replies out keeps the model by design; one that dropped replies failed. A run
+    whose server log says it finished is recovered from its folder with that judgement, a run that did not is not."""
+    design = {"round": 1, "aggregated": False, "left_out": 9, "dropped": [], "failure": None}
+    dropped = {"round": 2, "aggregated": False, "left_out": 0, "dropped": ["node 1: killed"], "failure": None}
+    assert compare.rounds_status("finished:completed", "", [design]) == ("finished:completed", "")
+    assert compare.rounds_status("finished:completed", "", [design, dropped])[0] == "failed:not-aggregated"
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "width-baselines.toml")
+    cell = compare.grid(exp)[3]
+    run = tmp_path / "runs" / cell.name
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps({"records": [dict(design, round_seconds=2.5)]}))
+    (run / "server.log").write_text("round 1 ...\n")
+    assert compare.recovered(cell, tmp_path) is None
+    (run / "server.log").write_text("run finished: outputs in x\n")
+    row = compare.recovered(cell, tmp_path)
+    assert row is not None and row["status"] == "finished:completed" and row["recovered"] and row["seconds"] == 2.5
