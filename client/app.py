@@ -24,7 +24,7 @@ from federation.data import ClientShare, client_share, eval_subset, pool
 from federation.preflight import check_run_config
 from federation.restriction import received
 from federation.settings import RunSettings
-from glmc.archs import build_model, get_arch
+from glmc.archs import Arch, build_model, get_arch
 from glmc.core.config import ModelConfig, scale_width
 from glmc.core.state import cast
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
@@ -134,6 +134,14 @@ def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[st
     return state
 
 
+def _client_test(model: nn.Module, arch: Arch, settings: RunSettings) -> dict[str, float]:
+    """The trained model's central test score (eval-limit samples) where the run's client-test asks for it."""
+    if not settings.client_test:
+        return {}
+    test = evaluate(model, arch, eval_subset(pool(settings).test, settings.eval_limit, settings.seed))
+    return {"client-test-loss": float(test["loss"]), "client-test-accuracy": float(test["accuracy"])}
+
+
 @app.train()
 def train_fn(msg: Message, context: Context) -> Message:
     """One round of local training."""
@@ -147,7 +155,7 @@ def train_fn(msg: Message, context: Context) -> Message:
     with released(device):  # an idle client (a Ray actor between rounds) keeps no cached GPU memory
         config = _train_config(settings, pool(settings).task.defaults, seed, device, server_round)
         fit = train(model, arch, share.train, config, progress=False)
-        test = evaluate(model, arch, eval_subset(pool(settings).test, settings.eval_limit, settings.seed))
+        test = _client_test(model, arch, settings)
         model.cpu()
     values = {
         protocol.WEIGHT_KEY: len(share.train),  # type: ignore[arg-type]  # every share is a sized dataset
@@ -155,10 +163,8 @@ def train_fn(msg: Message, context: Context) -> Message:
         "train-loss": float(fit["train_loss"]),
         "train-steps": int(fit["steps"]),
         "train-seconds": float(fit["seconds"]),
-        "client-test-loss": float(test["loss"]),
-        "client-test-accuracy": float(test["accuracy"]),
         "client-peak-gpu-mb": peak_memory_mb(device),
-    }
+    } | test
     state = _reply_state(model, settings, node)
     if node.partition_id == settings.attack_partition and settings.attack != "none":
         log.warning("attack test hook: partition %d replies with attack %r", node.partition_id, settings.attack)

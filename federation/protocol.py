@@ -28,12 +28,18 @@ TRAIN_METRICS = frozenset({
     "train-loss",
     "train-steps",
     "train-seconds",
-    "client-test-loss",  # the client's freshly trained model on the central test subset
+    "client-test-loss",  # the client's freshly trained model on the central test subset (run-config client-test)
     "client-test-accuracy",
     "client-peak-gpu-mb",  # peak GPU memory of the round's training and evaluation (0 on a CPU)
 })
+CLIENT_TEST_METRICS = frozenset({"client-test-loss", "client-test-accuracy"})
 EVALUATE_METRICS = frozenset({WEIGHT_KEY, "eval-loss", "eval-accuracy"})
 WIRE_DTYPE = "float32"
+
+
+def train_metrics(client_test: bool) -> frozenset[str]:
+    """The metric keys of a train reply: without the client's central test score where the run does not ask for it."""
+    return TRAIN_METRICS if client_test else TRAIN_METRICS - CLIENT_TEST_METRICS
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,10 @@ class RunSettings:
     # independently initialised clients gain 13–15% (simulations/results/oneshot)
     min_alignment_gain: float = 0.05
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
+    # each client scores its freshly trained model on the central test subset (eval-limit samples): the summary's
+    # clients % column, at about half of a vit-fl client's training time (2,000 images against 34 steps); false
+    # leaves it out of the reply and the round
+    client_test: bool = True
     # the central accuracy whose first round each width tier's model reaches (the summary's rounds-to-target)
     target_accuracy: float = 0.7
     # write each round's valid client models to <run>/clients/round-NNN/client-K.safetensors (offline merging)

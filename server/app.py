@@ -16,6 +16,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from federation import protocol
 from federation.data import eval_subset, label_counts, pool, server_reads, split_config
 from federation.preflight import check_fit, check_run_config
 from federation.restriction import received
@@ -72,7 +73,7 @@ def reply_schema(settings: RunSettings, cfg: ModelConfig) -> ReplySchema:
     for tier in settings.trained_tiers:
         model = build_model(scale_width(cfg, tier))
         shapes[tier] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    return ReplySchema(shapes)
+    return ReplySchema(shapes, protocol.train_metrics(settings.client_test))
 
 
 def initial_model(settings: RunSettings, run_dir: Path, cfg: ModelConfig) -> tuple[int, ArrayRecord]:

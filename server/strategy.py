@@ -367,8 +367,9 @@ class SymmetryAwareFedAvg(FedAvg):
                               self.generate, seed=global_round, device=self.device)
 
     def _record_client_metrics(self, record: RoundRecord, valid: list[Message], metrics: MetricRecord | None) -> None:
-        record.mean_client_accuracy = statistics.fmean(
-            float(_metrics(m)["client-test-accuracy"]) for m in valid)  # type: ignore[arg-type]
+        if "client-test-accuracy" in self.schema.metric_keys:
+            record.mean_client_accuracy = statistics.fmean(
+                float(_metrics(m)["client-test-accuracy"]) for m in valid)  # type: ignore[arg-type]
         record.client_peak_gpu_mb = max(float(_metrics(m)["client-peak-gpu-mb"]) for m in valid)  # type: ignore[arg-type]
         if metrics is not None and "train-loss" in metrics:
             record.train_loss = float(metrics["train-loss"])  # type: ignore[arg-type]

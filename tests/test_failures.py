@@ -9,6 +9,7 @@ infeasible and makes the canonical merge reach about 4e8, with the robust defenc
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -17,7 +18,18 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
-from test_strategy import as_numpy, good_replies, instruction, merge_options, metrics, reply, state, strategy
+from test_strategy import (
+    CFG,
+    as_numpy,
+    good_replies,
+    instruction,
+    merge_options,
+    metrics,
+    reply,
+    schema,
+    state,
+    strategy,
+)
 
 from federation import protocol
 from federation.settings import RunSettings
@@ -25,6 +37,7 @@ from glmc.errors import ConfigError
 from glmc.merging.robust import Robustness
 from server.hooks import MetricsWriter
 from server.records import RoundRecord
+from server.strategy import SymmetryAwareFedAvg
 from server.validation import check_evaluate_reply, check_model
 
 OFF = Robustness.off()  # the robust defences off: the failures as the audit saw them
@@ -179,3 +192,18 @@ def test_a_tier_that_splits_a_kv_group_is_refused_before_round_1() -> None:
     assert "\n" not in str(err.value) and "use width-tiers whose models nest" in str(err.value)
     check_fit(RunSettings(model="llama-tiny", dataset="shakespeare", width_tiers=(1.0, 0.5)), cfg)
     assert reply_schema(RunSettings(model="llama-tiny"), cfg) is not None
+
+
+def test_client_test_off_takes_replies_without_the_score_and_refuses_those_with_it() -> None:
+    """client-test = false: the schema expects no client-test keys, so a reply that sends them anyway is dropped in
+    one line, and the round records no clients' mean accuracy."""
+    off = dataclasses.replace(schema(), metric_keys=protocol.train_metrics(False))
+    assert protocol.CLIENT_TEST_METRICS <= protocol.TRAIN_METRICS and not protocol.CLIENT_TEST_METRICS & off.metric_keys
+    without = [reply(state(i), metrics(**dict.fromkeys(protocol.CLIENT_TEST_METRICS)), node=i + 1) for i in range(3)]
+    s = SymmetryAwareFedAvg("fedavg", off, CFG, min_train_nodes=2)
+    s.current = RoundRecord(1)
+    arrays, _ = s.aggregate_train(1, without)
+    assert arrays is not None and s.current.valid == 3 and s.current.mean_client_accuracy is None
+    s.current = RoundRecord(2)
+    assert s.aggregate_train(2, good_replies()) == (None, None)
+    assert all("extra metric keys" in line or "client-test" in line for line in s.current.dropped), s.current.dropped
