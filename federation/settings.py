@@ -208,11 +208,12 @@ class RunSettings:
     # drop the replies identical to the model their node was sent (free riders, stragglers that trained no step) with
     # that reason; false: they count, as FedAvg counts them, pulling the average toward the global model by their weight
     drop_unchanged: bool = False
-    # weight / activation at equal widths (others ignore it): when matching brings the clients less than this
-    # fraction closer (mean pairwise distance, 1 − after / before), that round averages them unaligned, which is
-    # FedAvg. 0 = always keep the alignment. Clients fine-tuned from one global model are already aligned (matching
-    # gained 0.6–2% there), and matching their noise cost FedAvg points under drift (simulations/results/drift-seeds);
-    # independently initialised clients gain 13–15% (simulations/results/oneshot)
+    # weight / activation (others ignore it): when matching brings the clients less than this fraction closer (mean
+    # pairwise distance, 1 − after / before), that round merges them unmatched: FedAvg at equal widths, the clients
+    # where the server placed them across widths (the canonical ablation's merge). 0 = always keep the alignment.
+    # Clients fine-tuned from one global model are already aligned (matching gained 0.6–2% there), and matching their
+    # noise cost FedAvg points under drift (simulations/results/drift-seeds); independently initialised clients gain
+    # 13–15% (simulations/results/oneshot)
     min_alignment_gain: float = 0.05
     ensemble_eval: bool = False  # also evaluate the logit ensemble of each round's client models
     # each client scores its freshly trained model on the central test subset (eval-limit samples): the summary's

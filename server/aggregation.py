@@ -10,8 +10,9 @@ method:
   smallest tier, or leaves the narrow replies out.
 - ``weight`` / ``activation``: canonicalise (LayerNorms folded), embed every client exactly into the
   universe width, universe matching anchored at the previous global model (:func:`glmc.merging.universe.universe_match`,
-  iterating U ← least-squares coverage-weighted mean), then back to the native form. At equal widths a round
-  whose matching brings the clients less than ``min_gain`` closer averages them unaligned instead (FedAvg).
+  iterating U ← least-squares coverage-weighted mean), then back to the native form. A round whose matching brings
+  the clients less than ``min_gain`` closer merges them unaligned instead: FedAvg at equal widths, the same
+  least-squares merge of the clients where they were placed across widths (the ``canonical`` ablation's).
 - ``learned``: the same weight-matching iterations, finished by the multi-model learned refinement on the
   server-held batch (paper §4.3).
 - ``canonical``: the ablation of the alignment: the same canonical form, embedding and least-squares merge,
@@ -79,11 +80,7 @@ class MergeResult:
     placements: list[Placement | None]  # per client, for restricting the next global model (None: HeteroFL)
     clipped_before: int = 0  # aligned aggregations: clients scaled down before matching (glmc.merging.robust.screen)
     clipping: Clipping | None = None  # how far each client was from the global model, and what clipping did
-
-    @property
-    def unaligned(self) -> bool:
-        """The alignment gained less than ``min_gain``: nothing was merged, the caller averages the clients."""
-        return self.state is None
+    unaligned: bool = False  # the matching gained less than min_gain: set aside (state None at equal widths: FedAvg)
 
 
 def universe_states(clients: Sequence[Client], full: ModelConfig) -> tuple[list[State], list[ModelConfig]]:
@@ -155,12 +152,12 @@ def merge(clients: Sequence[Client], full: ModelConfig, aggregation: str, option
     merged = merge_models([c.member(full) for c in clients], MergeSetup(full, options, data), anchor=anchor,
                           reference=max(range(len(clients)), key=weights.__getitem__))
     result = merged.universe
-    if merged.set_aside:
+    if merged.averaged_by_caller:  # set aside at equal widths: the strategy averages (FedAvg)
         return MergeResult(None, result.seconds, merged.distance_before, merged.distance_after, [None] * len(clients),
-                           merged.clipped_before)
+                           merged.clipped_before, unaligned=True)
     native = wire_state(get_arch(full.family).to_native(result.merged, full))
     return MergeResult(native, result.seconds, merged.distance_before, merged.distance_after, list(result.placements),
-                       merged.clipped_before, merged.clipping)
+                       merged.clipped_before, merged.clipping, merged.set_aside)
 
 
 def _merge_sliced(clients: Sequence[Client], full: ModelConfig, aggregation: str, anchor: State | None,

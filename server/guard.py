@@ -26,19 +26,20 @@ def guard_note(aggregation: str, min_gain: float, tiers: Iterable[float]) -> str
     if not min_gain:
         return "min-alignment-gain=0: every round keeps its alignment"
     if any(t != 1.0 for t in tiers):
-        return ("min-alignment-gain: not used with mixed width tiers (the unaligned average would not be FedAvg): "
-                "every round is aligned")
+        return (f"min-alignment-gain={min_gain:g}: a round whose matching brings the clients less than "
+                f"{100 * min_gain:g}% closer (mean pairwise distance) is merged with the clients where they were "
+                "placed, unmatched (the canonical ablation's merge)")
     return (f"min-alignment-gain={min_gain:g}: a round whose matching brings the clients less than {100 * min_gain:g}% "
             "closer (mean pairwise distance) is averaged unaligned, as FedAvg; from a shared start that is most "
             f"rounds, so {SEE_IT_ACT}")
 
 
 def set_aside_note(records: Sequence[RoundRecord]) -> str:
-    """How many of the run's trained rounds the guard set aside (averaged as FedAvg)."""
+    """How many of the run's trained rounds the guard set aside (merged unmatched: FedAvg at equal widths)."""
     rounds = [r for r in records if r.round > 0 and r.aggregated]
     aside = sum(r.unaligned for r in rounds)
     if not aside:
         return f"min-alignment-gain set aside 0 of {len(rounds)} aggregated rounds"
     every = " (every one: this run is FedAvg's)" if aside == len(rounds) else ""
     return (f"min-alignment-gain set aside {aside} of {len(rounds)} aggregated rounds{every}: their matching brought "
-            f"the clients too little closer, so they were averaged as FedAvg; {SEE_IT_ACT}")
+            f"the clients too little closer, so they were merged unmatched (at equal widths: FedAvg); {SEE_IT_ACT}")

@@ -346,12 +346,12 @@ SET_ASIDE = "rounds set aside %"  # the summary's column, there when the guard s
 # alone hid the rounds where matching acted (from independent inits, only the first).
 DISTANCE = "distance before → after, mean of rounds"
 SET_ASIDE_NOTE = ("Rounds set aside: the share of trained rounds whose matching brought the clients less than "
-                  "min-alignment-gain closer; the guard averaged those rounds as FedAvg, so a row at 100 is FedAvg's "
-                  "run.\n")
+                  "min-alignment-gain closer; the guard merged those rounds unmatched (at equal widths as FedAvg, so "
+                  "an equal-width row at 100 is FedAvg's run; across widths as the canonical ablation).\n")
 
 
 def unaligned_share(row: dict[str, Any]) -> float | None:
-    """The share of trained rounds whose alignment min-alignment-gain set aside (averaged as FedAvg)."""
+    """The share of trained rounds whose alignment min-alignment-gain set aside (merged unmatched)."""
     rounds = trained(row)
     return sum(bool(r.get("unaligned")) for r in rounds) / len(rounds) if rounds else None
 

@@ -5,11 +5,25 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord
-from test_strategy import _permuted, merge_options, metrics, reply, state, strategy
+from test_strategy import (
+    CFG,
+    _permuted,
+    as_numpy,
+    instruction,
+    merge_options,
+    metrics,
+    mixed_strategy,
+    reply,
+    state,
+    strategy,
+)
 
+from federation import protocol
+from federation.restriction import received
 from server.guard import guard_note, set_aside_note
 from server.records import RoundRecord
 
@@ -29,9 +43,40 @@ def test_the_start_up_summary_explains_the_guard(caplog):
     assert "not used by aggregation 'learned'" in _summary(caplog, "learned")
 
 
-def test_mixed_widths_are_never_guarded():
-    assert "not used with mixed width tiers" in guard_note("activation", 0.05, [1.0, 0.5])
+def test_mixed_widths_are_guarded_too():
+    assert "where they were placed" in guard_note("activation", 0.05, [1.0, 0.5])
     assert "less than 10% closer" in guard_note("activation", 0.1, [1.0])
+
+
+def _mixed_round(aggregation: str, min_gain: float) -> tuple[dict[str, np.ndarray], RoundRecord]:
+    """One round of two fine-tunes of the global model and a narrow client's fine-tuned principal restriction."""
+    s = mixed_strategy(aggregation, options=merge_options(min_gain=min_gain), min_train_nodes=2)
+    sent = s.global_arrays.to_torch_state_dict()  # type: ignore[union-attr]
+    s.node_tiers[3] = 0.5
+    s.restrict_to_widths([instruction(n) for n in (1, 2, 3)], s.global_arrays)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(7)
+    narrow = received(sent, CFG, 0.5, aggregation, "principal", 1)
+    replies = [reply({k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in base.items()},
+                     metrics(**{protocol.TIER_KEY: tier}), node=node)
+               for node, base, tier in ((1, sent, 1.0), (2, sent, 1.0), (3, narrow, 0.5))]
+    s.current = RoundRecord(1)
+    arrays, _ = s.aggregate_train(1, replies)
+    assert arrays is not None
+    return as_numpy(arrays), s.current
+
+
+def test_a_mixed_width_round_set_aside_is_the_unmatched_merge_where_the_clients_were_placed():
+    """Fine-tunes of one global model at two widths: the guard sets their matching aside, and the round is the
+    canonical ablation's merge (the clients where the server placed them, unmatched), bit for bit; with the guard
+    off the matching is kept and the merge differs."""
+    guarded, record = _mixed_round("weight", 0.5)
+    canonical, _ = _mixed_round("canonical", 0.0)
+    kept, kept_record = _mixed_round("weight", 0.0)
+    assert record.unaligned and record.distance_after == record.distance_before
+    assert not kept_record.unaligned and kept_record.distance_after != kept_record.distance_before
+    for key, value in guarded.items():
+        np.testing.assert_array_equal(value, canonical[key])
+    assert any(not np.array_equal(value, kept[key]) for key, value in guarded.items())
 
 
 def test_the_run_summary_counts_the_rounds_set_aside():

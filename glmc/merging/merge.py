@@ -65,7 +65,8 @@ class MergeSetup:
 class Merged:
     """A merge: the universe (every input aligned, where each sits, how each moved, and U, the merged model after
     every correction), the inputs' mean pairwise distance before and after alignment, and what clipping did.
-    ``set_aside``: the guard found the alignment gained too little, so nothing was merged (the caller averages)."""
+    ``set_aside``: the guard found the alignment gained too little. At equal widths nothing was merged (the caller
+    averages: FedAvg); across widths the universe is the unmatched merge of the models where they were placed."""
 
     universe: UniverseResult
     distance_before: float
@@ -73,6 +74,7 @@ class Merged:
     clipped_before: int = 0  # inputs scaled down before matching (glmc.merging.robust.screen)
     clipping: Clipping | None = None  # how far each aligned input was from the anchor, and what clipping did
     set_aside: bool = False
+    averaged_by_caller: bool = False  # set aside at equal widths: nothing merged, the caller averages (FedAvg)
 
 
 def reference_of(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
@@ -85,7 +87,8 @@ def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mappin
     """Merge native ``members`` (each with its config, weight and start placement) into one model of
     ``setup.target``: canonical form (float64), each clipped around ``anchor`` (a native model of the target, e.g.
     the previous global model; None: nothing to clip around), universe matching from the anchor (else from model
-    ``reference``, default :func:`reference_of`), the guard (``options.min_gain``), the robust merge
+    ``reference``, default :func:`reference_of`), the guard (``options.min_gain``: a matching that brings the models
+    too little closer is set aside), the robust merge
     (``options.robustness``), then the corrections, on ``options.device``."""
     options, target = setup.options, setup.target
     arch, entry = get_arch(target.family), get_method(options.method)
@@ -102,15 +105,19 @@ def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mappin
     result = universe_match(screened, target, options, anchor=start, data=setup.train,
                             reference=reference_of(configs, target) if reference is None else reference)
     after = mean_pairwise_distance(result.aligned)
-    if entry.guarded and gains_too_little(before, after, options.min_gain, configs, target):
-        return Merged(result, before, before, early.clipped, set_aside=True)
+    set_aside = entry.guarded and gains_too_little(before, after, options.min_gain)
+    if set_aside and all(c == target for c in configs):  # the unaligned average is FedAvg: the caller's own
+        return Merged(result, before, before, early.clipped, set_aside=True, averaged_by_caller=True)
+    if set_aside:  # mixed widths: the same merge of the clients where they were placed, unmatched
+        result, after = universe_match(screened, target, dataclasses.replace(options, method="none"),
+                                       anchor=start), before
     clipping = around_anchor(clip, result.aligned, [target] * len(members), result.placements, start, target,
                              robust.clip_ratio)  # the distance the average sees
     clipping = recentred(clipping, weights, configs, target, robust, start)
     merged = _robust_merge(result.merged, clipping, result.placements, weights, robust, start)
     result.merged = options.corrections.apply(merged, clipping.states, target, setup.train, weights,
                                               result.placements)
-    return Merged(result, before, after, early.clipped, clipping)
+    return Merged(result, before, after, early.clipped, clipping, set_aside)
 
 
 def _canonical(arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelConfig, raw: bool) -> State:
@@ -194,14 +201,13 @@ def require_equal_widths(mixed: bool, robust: Robustness) -> None:
                           "merge has narrow ones")
 
 
-def gains_too_little(before: float, after: float, min_gain: float, configs: Sequence[ModelConfig],
-                     full: ModelConfig) -> bool:
-    """Whether to set the alignment aside: equal widths (where the unaligned average is FedAvg itself) and the mean
-    pairwise distance fell by less than ``min_gain`` of itself."""
-    if not min_gain or before <= 0 or any(c != full for c in configs):
+def gains_too_little(before: float, after: float, min_gain: float) -> bool:
+    """Whether to set the alignment aside: the mean pairwise distance (narrow models embedded where they were placed)
+    fell by less than ``min_gain`` of itself."""
+    if not min_gain or before <= 0:
         return False
     gain = 1.0 - after / before
     if gain < min_gain:
         log.info("alignment brought the models %.2f%% closer (%.4g → %.4g), less than min-alignment-gain %.2f%%: "
-                 "averaging them unaligned (FedAvg)", 100 * gain, before, after, 100 * min_gain)
+                 "merging them unaligned", 100 * gain, before, after, 100 * min_gain)
     return gain < min_gain
