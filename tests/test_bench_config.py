@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from federation.settings import GUARDED
 from glmc.archs import get_arch
 from glmc.cli.options import parse_match_flags
 from glmc.match.options import WeightOptions
@@ -219,6 +220,22 @@ def test_every_published_federated_grid_pins_the_group_it_ran_with() -> None:
                 if Path("simulations/results", path.stem).is_dir()
                 and tomllib.loads(path.read_text())["run"].get("group") not in ("orthogonal", "whole")]
     assert not unpinned, unpinned
+
+
+def test_every_published_mixed_width_grid_names_the_guard_its_aligned_rows_ran_with() -> None:
+    """min-alignment-gain guards mixed widths since 2026-12-06: every published grid with narrow tiers names it for
+    each aggregation that matches (in [run] or the variant), so that its command reproduces its rows."""
+    unnamed = []
+    for path in Path("simulations/configs").glob("*.toml"):
+        config = tomllib.loads(path.read_text())
+        run, entries = config["run"], config["experiment"]["aggregations"]
+        tiers = [w.get("width-tiers", run.get("width-tiers", "1")) for w in config.get("widths", [{}])]
+        if not Path("simulations/results", path.stem).is_dir() or all(t in ("1", "1.0") for t in tiers):
+            continue
+        variants = [e if isinstance(e, dict) else {"label": e, "aggregation": e} for e in entries]
+        unnamed += [f"{path.stem}: {v['label']}" for v in variants if v["aggregation"] in GUARDED
+                    and "min-alignment-gain" not in run | v]
+    assert not unnamed, unnamed
 
 
 def test_the_server_cost_bench_fits_the_growth_it_measures() -> None:
