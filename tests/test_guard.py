@@ -24,6 +24,10 @@ from test_strategy import (
 
 from federation import protocol
 from federation.restriction import received
+from glmc.core.config import scale_width
+from glmc.merging.merge import MergeSetup, merge_models
+from glmc.merging.options import MergeOptions
+from glmc.merging.universe import Member
 from server.guard import guard_note, set_aside_note
 from server.records import RoundRecord
 
@@ -77,6 +81,21 @@ def test_a_mixed_width_round_set_aside_is_the_unmatched_merge_where_the_clients_
     for key, value in guarded.items():
         np.testing.assert_array_equal(value, canonical[key])
     assert any(not np.array_equal(value, kept[key]) for key, value in guarded.items())
+
+
+def test_a_mixed_width_merge_set_aside_keeps_the_matching_in_its_history():
+    """The matching a guard sets aside was still done: the merge's history (its cost) holds it, then the unmatched
+    merge."""
+    half = scale_width(CFG, 0.5)
+    base = state(0)
+    g = torch.Generator().manual_seed(3)
+    noisy = [{k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(2)]
+    narrow = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in received(base, CFG, 0.5, "weight",
+                                                                                     "aligned", 1).items()}
+    members = [Member(s, c, 1.0) for s, c in ((noisy[0], CFG), (noisy[1], CFG), (narrow, half))]
+    merged = merge_models(members, MergeSetup(CFG, MergeOptions("weight", max_iters=1, min_gain=0.5)), anchor=base)
+    assert merged.set_aside and not merged.averaged_by_caller
+    assert [r.method for r in merged.universe.history] == ["weight", "none"]
 
 
 def test_the_run_summary_counts_the_rounds_set_aside():

@@ -109,8 +109,9 @@ def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mappin
     if set_aside and all(c == target for c in configs):  # the unaligned average is FedAvg: the caller's own
         return Merged(result, before, before, early.clipped, set_aside=True, averaged_by_caller=True)
     if set_aside:  # mixed widths: the same merge of the clients where they were placed, unmatched
-        result, after = universe_match(screened, target, dataclasses.replace(options, method="none"),
-                                       anchor=start), before
+        matched, after = result, before
+        result = universe_match(screened, target, dataclasses.replace(options, method="none"), anchor=start)
+        result.history = matched.history + result.history  # the matching was done: its time counts
     clipping = around_anchor(clip, result.aligned, [target] * len(members), result.placements, start, target,
                              robust.clip_ratio)  # the distance the average sees
     clipping = recentred(clipping, weights, configs, target, robust, start)
