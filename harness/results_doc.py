@@ -33,6 +33,8 @@ ABOUT: dict[str, tuple[str, str]] = {
                         "FedRolex and the homogeneous controls (vision).", "federated.md"),
     "width-baselines-text": ("The same protocol on text: llama-fl on Shakespeare, one client per role.",
                              "federated.md"),
+    "client-cost": ("A client's training against its central-test score (client-test), CPU seconds.",
+                    "federated.md"),
     "widths-principal": ("Mixed widths (tiers 1, 0.5, 0.25) with principal placement, the default.", "federated.md"),
     "widths": ("Mixed widths with the aligned placement.", "federated.md"),
     "widths-repair": ("Mixed widths with REPAIR.", "federated.md"),
@@ -135,6 +137,7 @@ PUBLISHERS: dict[str, tuple[str, Render]] = {
     "q-candidates": ("simulations.analyses.q_candidates", _per_model),
     "weight-starts": ("simulations.analyses.weight_starts", _per_model),
     "unsearched-drift": ("simulations.analyses.unsearched_drift", _markdown),
+    "client-cost": ("simulations.bench.client_cost", _markdown),
 }
 
 

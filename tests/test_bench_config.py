@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from federation.settings import GUARDED
+from federation.settings import GUARDED, RunSettings
 from glmc.archs import get_arch
 from glmc.cli.options import parse_match_flags
+from glmc.data.fashion_mnist import find_fashion_mnist
 from glmc.match.options import WeightOptions
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize
@@ -27,7 +28,7 @@ from simulations.analyses import (
     repair_barriers,
     weight_starts,
 )
-from simulations.bench import accelerator, barriers, merging, precision, scaling
+from simulations.bench import accelerator, barriers, client_cost, merging, precision, scaling
 from tests.symmetry_models import CONFIGS, dataset, random_native
 
 BENCHES: dict[str, Callable[[list[str]], int]] = {
@@ -236,6 +237,19 @@ def test_every_published_mixed_width_grid_names_the_guard_its_aligned_rows_ran_w
         unnamed += [f"{path.stem}: {v['label']}" for v in variants if v["aggregation"] in GUARDED
                     and "min-alignment-gain" not in run | v]
     assert not unnamed, unnamed
+
+
+@pytest.mark.skipif(find_fashion_mnist() is None, reason="Fashion-MNIST is not installed (make data)")
+def test_the_client_cost_bench_times_training_and_the_test_score_of_a_grids_client(tmp_path: Path) -> None:
+    """One repeat on vit-tiny: the client trains its partition's epochs, then scores the central subset; the
+    summary names both."""
+    settings = RunSettings(model="vit-tiny", partitioner="dirichlet", alpha=0.3, eval_limit=200, local_epochs=1)
+    result = client_cost.measure(settings, partition=3, clients=100, repeats=1)
+    [run] = result["runs"]
+    assert run["steps"] > 0 and run["train_cpu_s"] > 0 and run["test_cpu_s"] > 0 and result["test_samples"] == 200
+    assert run["test_share"] == pytest.approx(run["test_cpu_s"] / run["train_cpu_s"])
+    text = client_cost.summary(result, "cmd")
+    assert "`cmd`" in text and "| 0 | " in text and "Median test / training" in text
 
 
 def test_the_server_cost_bench_fits_the_growth_it_measures() -> None:
