@@ -23,7 +23,7 @@ from glmc.core.state import Lazy, State, cast
 from glmc.device import release_heap, to_device
 from glmc.errors import ConfigError
 from glmc.match.balance import balance, balances, nearer
-from glmc.match.common import MatchResult, sq_norm
+from glmc.match.common import MatchResult, sq_difference, sq_norm
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.symmetry.canonical import CENTRED, canonical_view, canonicalize
@@ -134,7 +134,6 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
 
 
 def _distance(a: State, b: State, t: Transform, cfg: ModelConfig) -> float:
-    """‖A − T(B)‖², B moved one tensor at a time; each difference squared in place (a float64 vocabulary is about
-    the largest tensor this path makes)."""
+    """‖A − T(B)‖², B moved one tensor at a time (:func:`sq_difference`: no difference as large as a vocabulary)."""
     view = moved(b, get_arch(cfg.family).spec, t, cfg.heads)
-    return sum(float((a[name] - view[name]).double().square_().sum()) for name in a)
+    return sum(sq_difference(a[name], view[name]) for name in a)
