@@ -385,11 +385,11 @@ def weight_match(
     """
     began = time.perf_counter()
     options = options or WeightOptions()
-    require_finite(a, "A")
-    require_finite(b, "B")
     if options.biases == "skip":
         a, b = (without_stream_biases(s, spec, depth) for s in (a, b))
     a, b = (search_view(s, dtype) for s in (a, b))  # a half-precision model is widened tensor by tensor
+    require_finite(a, "A")  # as searched: a lazy model's vocabulary is not made in float64 for the check
+    require_finite(b, "B")
     work = Descent(a, b, spec, depth, heads, rotary)
     group, within = ("permutation", False) if permutations_only else (fix_ones, True)
     frozen = permutations_only and not permute_stream  # the stream left as it is: one sweep of assignments
