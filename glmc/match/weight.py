@@ -107,8 +107,11 @@ def _scaled_cross(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor],
                   names: list[tuple[str, tuple[AxisKind | None, ...]]]) -> torch.Tensor:
     """Σ X_A X_Bᵀ / m over the (d, m) blocks of ``names``, one pair read at a time (a vocabulary is made, used and
     dropped before the next)."""
-    return functools.reduce(torch.add, ((xa @ xb.T) * weight for xa, xb, weight in
-                                        (_block(a, b, name, axes) for name, axes in names)))
+    def product(name: str, axes: tuple[AxisKind | None, ...]) -> torch.Tensor:  # its frame alone holds the pair
+        xa, xb, weight = _block(a, b, name, axes)
+        return (xa @ xb.T) * weight
+
+    return functools.reduce(torch.add, (product(name, axes) for name, axes in names))
 
 
 def _shared_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor],
