@@ -100,21 +100,6 @@ def released(device: torch.device) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
-# glibc's mallopt parameter: allocations of at least this many bytes are served by mmap (malloc.h)
-M_MMAP_THRESHOLD = -3
-
-
-def map_large_allocations(threshold: int = 4 << 20) -> None:
-    """Serve every allocation of ``threshold`` bytes or more by its own mapping, handed back to the system when freed
-    (glibc's ``mallopt``; elsewhere nothing). glibc otherwise raises its threshold to the largest block freed (up to
-    32 MB), after which a matching's per-layer temporaries of a few MB fill the heap and the threads' arenas, which
-    keep their high water: a process aligning models tensor by tensor grows by holes, not by what it holds."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold)
-
-
 def release_heap() -> None:
     """Hand the heap that freed tensors left back to the system (glibc's ``malloc_trim``; elsewhere nothing): a
     matching's many per-layer temporaries leave holes that the next phase, writing a model tensor by tensor, cannot

@@ -36,14 +36,12 @@ def run_align(args: argparse.Namespace) -> int:
 
     from glmc.archs import get_arch
     from glmc.core.state import Lazy, cast
-    from glmc.device import map_large_allocations, release_heap
+    from glmc.device import release_heap
     from glmc.io.formats import check_output, write
     from glmc.match.registry import get_method
 
     check_output(args.out, cli_export.early_format(args), args.force)
     lazy = not get_method(args.method).reads_data  # data-free: the pair is folded, moved and written tensor by tensor
-    if lazy:
-        map_large_allocations()
     state_a, state_b, meta, meta_b = load_pair(args.a, args.b, stored=args.precision == "stored", half=lazy)
     fmt = cli_export.output_format(args, meta_b)
     config = meta.config
