@@ -320,7 +320,6 @@ def test_the_relaxed_groups_low_rank_core_gives_the_full_polar_gradient(deficien
         xa, xb = torch.stack([xa[0], 2 * xa[0]]), torch.stack([xb[0], -xb[0]])
     blocks = [(xa[k], xb[k], (1 + k) / n) for k in range(2)]  # blocks weighted unequally
     q = groups.random_orthogonal(d, g, fix_ones=False).double()
-    (core,) = weight_module._relaxed_groups([blocks])
-    full = weight_module._RelaxedGroup(blocks, None)
+    core, full = (weight_module._RelaxedGroup(blocks, factored) for factored in (True, False))
     assert core.factors is not None and full.factors is None
     torch.testing.assert_close(core.gradient(q), full.gradient(q), rtol=1e-9, atol=1e-9)

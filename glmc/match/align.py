@@ -23,7 +23,7 @@ from glmc.core.state import Lazy, State, cast
 from glmc.device import release_heap, to_device
 from glmc.errors import ConfigError
 from glmc.match.balance import balance, balances, nearer
-from glmc.match.common import MatchResult, sq_norm
+from glmc.match.common import MatchResult, sq_difference, sq_norm
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.symmetry.canonical import CENTRED, canonical_view, canonicalize
@@ -114,7 +114,9 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     searches the models as given too, and keeps the nearer end: the descent is not convex, and seeds trained apart
     can sit nearer in their own frames (on the official GLMC pair, 0.9212 against 0.9231 of ‖A‖). A planted
     transform is found only from the balanced pair; where that lands B on A (:data:`RECOVERED`), the second search
-    is skipped. States made on each read (:class:`glmc.core.state.Lazy`) stay so: nothing here holds a model whole.
+    is skipped; where the search's own objective says so (:func:`_landed`), neither the orthogonal choice nor the
+    distances are computed. States made on each read (:class:`glmc.core.state.Lazy`) stay so: nothing here holds a
+    model whole.
     ``balanced_a`` is A's :func:`balance`, given where one A is matched to many models (universe matching)."""
     entry = get_method(method)
     if not balances(method, options):
@@ -122,7 +124,7 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     (a_bal, d_a), (b_bal, d_b) = balanced_a or balance(a, cfg), balance(b, cfg)
     found = entry.match()(a_bal, b_bal, cfg, data, options)
     back = compose(compose(invert(d_a), found.transform), d_b)
-    if entry.reads_data:  # its maps serve its own objective, not the distance
+    if entry.reads_data or _landed(found, a_bal, options):  # data: its maps serve its own objective, not the distance
         return dataclasses.replace(found, transform=back)
     release_heap()  # the search's freed blocks, before the distances make each model's tensors in float64
     whole = dataclasses.replace(found, transform=nearer(a, b, back, cfg))
@@ -133,8 +135,19 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     return plain if _distance(a, b, plain.transform, cfg) < left else whole
 
 
+def _landed(found: MatchResult, a: State, options: MatchOptions) -> bool:
+    """Whether the search's last objective, ‖A − T(B)‖² between the states it searched, is within :data:`RECOVERED`
+    of ‖A‖² (A read as the search reads it: no float64 copy of a vocabulary), for a transform that the objective
+    describes (the path's v/o maps replace the searched ones after it). Its float32 products resolve about 1e-7 of
+    ‖A‖², so this certifies B within about 3e-4 of ‖A‖ from A's transformed copy, and costs one read of A where the
+    distances of :func:`match_pair` move both models twice in float64."""
+    if not found.objective or options.weight.ov_maps != "orthogonal":
+        return False
+    searched = a.searched(torch.float32) if isinstance(a, Lazy) else a
+    return found.objective[-1] <= RECOVERED * sum(sq_norm(searched[name]) for name in searched)
+
+
 def _distance(a: State, b: State, t: Transform, cfg: ModelConfig) -> float:
-    """‖A − T(B)‖², B moved one tensor at a time; each difference squared in place (a float64 vocabulary is about
-    the largest tensor this path makes)."""
+    """‖A − T(B)‖², B moved one tensor at a time (:func:`sq_difference`: no difference as large as a vocabulary)."""
     view = moved(b, get_arch(cfg.family).spec, t, cfg.heads)
-    return sum(float((a[name] - view[name]).double().square_().sum()) for name in a)
+    return sum(sq_difference(a[name], view[name]) for name in a)

@@ -32,7 +32,7 @@ from glmc.core.state import Lazy, State
 from glmc.match.common import gather, head_factors, kv_factors
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
-from glmc.symmetry.groups import polar, rotary_halves, rotary_polar
+from glmc.symmetry.groups import inverse, polar, rotary_halves, rotary_polar
 from glmc.symmetry.transforms import Transform, apply, moved
 
 MlpScale = Literal["none", "positive", "nonzero"]
@@ -174,7 +174,7 @@ def _nearer_maps(found: torch.Tensor | None, orthogonal: torch.Tensor, fa: tuple
     found = found.to(orthogonal)
 
     def distance(m: torch.Tensor) -> torch.Tensor:
-        inv_t = torch.linalg.inv(m).mT
+        inv_t = inverse(m).mT  # on one thread: MKL's threaded batched LU fails on two (groups.inverse)
         return (fa[0] - m @ fb[0]).square().sum((-2, -1)) + (fa[1] - inv_t @ fb[1]).square().sum((-2, -1))
 
     keep = distance(found) <= distance(orthogonal)

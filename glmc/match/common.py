@@ -143,6 +143,13 @@ def sq_norm(x: torch.Tensor, chunk: int = 1 << 20) -> float:
     return sum(float(torch.sum(flat[i:i + chunk].square(), dtype=torch.float64)) for i in range(0, len(flat), chunk))
 
 
+def sq_difference(x: torch.Tensor, y: torch.Tensor, chunk: int = 1 << 20) -> float:
+    """‖x − y‖², each chunk of entries widened to float64 before it is subtracted and squared: exact for any input
+    dtype (a bfloat16 difference is not rounded first), and no temporary larger than a chunk."""
+    fx, fy = x.reshape(-1), y.reshape(-1)
+    return sum(float((fx[i:i + chunk].double() - fy[i:i + chunk]).square_().sum()) for i in range(0, len(fx), chunk))
+
+
 def sq_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
     """‖θ_A − θ_B‖² over every shared parameter."""
     return float(sum(((a[k] - b[k]) ** 2).sum() for k in a))

@@ -77,15 +77,15 @@ class Fixed:
         return self.norms + drift - 2 * float((self.cross * q64).sum()) + self.unmoved + both
 
 
-def _products(xa: torch.Tensor, xb: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X_A X_Bᵀ, X_B X_Bᵀ) in float64 for (d, m) matrices: products of the search dtype over chunks of m (bounded
+def _products(xa: torch.Tensor, xb: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(X_A X_Bᵀ, X_B X_Bᵀ, m) in float64 for (d, m) matrices: products of the search dtype over chunks of m (bounded
     memory for a vocabulary), summed in float64. The cross products meet a near-equal ‖X_A‖² + ‖X_B‖² in the
     distance, so the distance is as exact as the search dtype's products (about 1e-7 of ‖A‖² in float32), as it is
     for the unit-touched tensors (:class:`Products`)."""
     cross_ab = torch.zeros(xa.shape[0], xa.shape[0], dtype=torch.float64, device=xa.device)
     for start in range(0, xa.shape[1], chunk):
         cross_ab += (xa[:, start:start + chunk] @ xb[:, start:start + chunk].T).double()
-    return cross_ab, (xb @ xb.T).double()
+    return cross_ab, (xb @ xb.T).double(), xa.shape[1]
 
 
 def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
@@ -107,9 +107,9 @@ def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spe
         if RES not in axes:
             unmoved += float(((a[name] - b[name]).double() ** 2).sum())
             continue
-        xa, xb = kind_first(a[name], axes, RES), kind_first(b[name], axes, RES)
-        c, g = _products(xa, xb)
-        cross_ab, gram_b, scaled = cross_ab + c, gram_b + g, scaled + c / xa.shape[1]
+        # not bound here: the pair is dropped before the next is read (two vocabularies at a time, not four)
+        c, g, m = _products(kind_first(a[name], axes, RES), kind_first(b[name], axes, RES))
+        cross_ab, gram_b, scaled = cross_ab + c, gram_b + g, scaled + c / m
         norms += squares(name)
     return Fixed(scaled.to(like.dtype), cross_ab, gram_b, norms, unmoved, quadratic)
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from glmc.archs import get_arch
-from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, K, Q, SpecTable, V, expand
+from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
 from glmc.core.state import restrict, search_view
 from glmc.errors import ConfigError
 from glmc.match.common import (
@@ -72,46 +72,64 @@ def without_stream_biases(state: Mapping[str, torch.Tensor], spec: SpecTable, de
 def embedding_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
                        fix_ones: bool | groups.ResidualGroup) -> torch.Tensor:
     """The official code's first residual step: Procrustes on the residual tensors outside the blocks alone (the
-    embeddings and the head), each (d, m) block divided by m as in the sweeps' Procrustes."""
-    blocks = [(kind_first(a[name], spec[template], RES), kind_first(b[name], spec[template], RES))
-              for name, (layer, template) in expand(spec, depth).items()
-              if layer is None and spec[template].count(RES) == 1 and name in a]
-    if not blocks:
+    embeddings and the head), each (d, m) block divided by m as in the sweeps' Procrustes; one pair of blocks read
+    at a time (two vocabularies in the search dtype, not four)."""
+    names = [(name, axes) for name, layer, axes in _residual_side(a, spec, depth) if layer is None]
+    if not names:
         raise ConfigError("the embeddings start needs a residual-side tensor outside the blocks (an embedding)")
-    cross = torch.stack([xa @ xb.T / xa.shape[1] for xa, xb in blocks]).sum(0)
-    return groups.procrustes(cross, fix_ones)
+    return groups.procrustes(_scaled_cross(a, b, names), fix_ones)
 
 
 Block = tuple[torch.Tensor, torch.Tensor, float]  # (X_A, X_B, 1/m): views of the states, A's weight kept apart
 
 
-def _unit_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 fixed: bool = True) -> tuple[list[Block], list[list[Block]]]:
-    """The residual-side tensors as (d, m) pairs, A's weighted by 1/m as in the sweeps' Procrustes: those no unit
-    map touches (where ``fixed``: a caller with their product reads none, so no folded vocabulary is held), and the
-    others grouped by the unit map they share (per layer: q and k; v and the head outputs; the MLP), with the unit
-    axis as columns."""
-    linear: list[Block] = []
-    shared: defaultdict[tuple[int | None, str, int], list[Block]] = defaultdict(list)
-    for name, (layer, template) in expand(spec, depth).items():
-        axes = spec[template]
-        if axes.count(RES) != 1 or name not in a:  # a stream-to-stream map is quadratic in Q: left out
-            continue
-        unit = next((kind for kind in axes if kind not in (None, RES)), None)
-        if unit is None and not fixed:
-            continue
-        xa, xb = kind_first(a[name], axes, RES), kind_first(b[name], axes, RES)
-        weight = 1 / xb.shape[1]
-        if unit is None:
-            linear.append((xa, xb, weight))
-        elif unit == QKV:  # the fused axis is (3, H, d_h): q and k share a map, v shares the head outputs'
+def _block(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], name: str,
+           axes: tuple[AxisKind | None, ...]) -> Block:
+    """Tensor ``name`` of both states as (d, m) matrices, residual axis first, and its weight 1/m."""
+    xa, xb = kind_first(a[name], axes, RES), kind_first(b[name], axes, RES)
+    return xa, xb, 1 / xb.shape[1]
+
+
+def _unit_kind(axes: tuple[AxisKind | None, ...]) -> AxisKind | None:
+    """The unit axis of a tensor (heads, MLP), None where no unit map touches it."""
+    return next((kind for kind in axes if kind not in (None, RES)), None)
+
+
+def _residual_side(a: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
+                   ) -> list[tuple[str, int | None, tuple[AxisKind | None, ...]]]:
+    """(name, layer, axes) of the tensors with one residual axis (a stream-to-stream map is quadratic in Q: left
+    out of the relaxed start)."""
+    return [(name, layer, spec[template]) for name, (layer, template) in expand(spec, depth).items()
+            if name in a and spec[template].count(RES) == 1]
+
+
+def _scaled_cross(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor],
+                  names: list[tuple[str, tuple[AxisKind | None, ...]]]) -> torch.Tensor:
+    """Σ X_A X_Bᵀ / m over the (d, m) blocks of ``names``, one pair read at a time (a vocabulary is made, used and
+    dropped before the next)."""
+    def product(name: str, axes: tuple[AxisKind | None, ...]) -> torch.Tensor:  # its frame alone holds the pair
+        xa, xb, weight = _block(a, b, name, axes)
+        return (xa @ xb.T) * weight
+
+    return functools.reduce(torch.add, (product(name, axes) for name, axes in names))
+
+
+def _shared_blocks(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor],
+                   names: list[tuple[str, tuple[AxisKind | None, ...]]]) -> list[list[Block]]:
+    """One layer's unit-touched tensors ``names`` as (d, m) pairs grouped by the unit map they share (q and k; v and
+    the head outputs; the MLP), the unit axis as columns."""
+    shared: defaultdict[tuple[str, int], list[Block]] = defaultdict(list)
+    for name, axes in names:
+        xa, xb, weight = _block(a, b, name, axes)
+        unit = _unit_kind(axes)
+        if unit == QKV:  # the fused axis is (3, H, d_h): q and k share a map, v shares the head outputs'
             (qa, ka, va), (qb, kb, vb) = xa.chunk(3, 1), xb.chunk(3, 1)
-            shared[layer, "qk", qa.shape[1]] += [(qa, qb, weight), (ka, kb, weight)]
-            shared[layer, "vo", va.shape[1]].append((va, vb, weight))
+            shared["qk", qa.shape[1]] += [(qa, qb, weight), (ka, kb, weight)]
+            shared["vo", va.shape[1]].append((va, vb, weight))
         else:  # separate q and k share a relaxed map where they are as wide (no grouped queries), as v and o do
             share = "qk" if unit in (Q, K) else "vo" if unit in (V, HEADS) else "mlp"
-            shared[layer, share, xa.shape[1]].append((xa, xb, weight))
-    return linear, list(shared.values())
+            shared[share, xa.shape[1]].append((xa, xb, weight))
+    return list(shared.values())
 
 
 def _gram(xs: list[torch.Tensor], scales: list[float]) -> torch.Tensor:
@@ -154,17 +172,19 @@ class _RelaxedGroup:
     When the K stacked blocks have fewer rows than n (an MLP: 2d against 4d units), M = Q_A (L_Aᵀ Q L_B) Q_Bᵀ with
     X = L Qᵀ (:func:`_factor`, once per matching), so the polar factor and the gradient come from the (2d, 2d)
     core alone: L_A polar(L_Aᵀ Q L_B) L_Bᵀ, on the blocks' diagonal. The same gradient as the (n, n) polar factor
-    (its part outside M's range meets only zeros), at an eighth of the SVD's cost. ``store``: room (2, K·d, K·d)
-    for L_A and L_B, carved from one buffer shared by every group (:func:`_relaxed_groups`)."""
+    (its part outside M's range meets only zeros), at an eighth of the SVD's cost; a ``factored`` group keeps L_A
+    and L_B (2, K·d, K·d) and drops its blocks, so the ascent never holds the folded MLP tensors of either model."""
 
-    def __init__(self, blocks: list[Block], store: torch.Tensor | None) -> None:
+    def __init__(self, blocks: list[Block], factored: bool) -> None:
         self.blocks = blocks
         self.factors: tuple[torch.Tensor, torch.Tensor] | None = None
-        if store is not None:
+        if factored:
+            width, rows = blocks[0][0].shape[0], len(blocks) * blocks[0][0].shape[0]
+            store = blocks[0][0].new_empty(2, rows, rows)
             _factor([xa for xa, _, _ in blocks], [weight for _, _, weight in blocks], store[0])
             _factor([xb for _, xb, _ in blocks], [1.0] * len(blocks), store[1])
-            width = blocks[0][0].shape[0]
             self.factors = store[0].reshape(len(blocks), width, -1), store[1].reshape(len(blocks), width, -1)
+            self.blocks = []
 
     def gradient(self, q: torch.Tensor) -> torch.Tensor:
         if self.factors is None:
@@ -175,17 +195,20 @@ class _RelaxedGroup:
         return (la @ w @ lb.mT).sum(0)
 
 
-def _relaxed_groups(shared: list[list[Block]]) -> list[_RelaxedGroup]:
-    """One :class:`_RelaxedGroup` per unit map, side by side, the low-rank groups' factors in one buffer: kept for
-    the whole ascent, they would otherwise sit between the temporaries that build them and leave the heap
-    fragmented."""
-    sizes = [len(blocks) * blocks[0][0].shape[0] if _low_rank(blocks) else 0 for blocks in shared]
-    like = shared[0][0][0]
-    buffer = torch.empty(2 * sum(k * k for k in sizes), dtype=like.dtype, device=like.device)
-    starts = list(itertools.accumulate((2 * k * k for k in sizes), initial=0))
-    stores = [buffer[start:start + 2 * k * k].view(2, k, k) if k else None
-              for start, k in zip(starts[:-1], sizes, strict=True)]
-    return groups.side_by_side(lambda group: _RelaxedGroup(*group), list(zip(shared, stores, strict=True)))
+def _relaxed_groups(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable,
+                    depth: int) -> list[_RelaxedGroup]:
+    """One :class:`_RelaxedGroup` per unit map, read a layer at a time (layers side by side), the low-rank groups
+    factored as they are read: the ascent holds their factors and the head groups' blocks, never every layer's
+    tensors of both models at once."""
+    layers: defaultdict[int | None, list[tuple[str, tuple[AxisKind | None, ...]]]] = defaultdict(list)
+    for name, layer, axes in _residual_side(a, spec, depth):
+        if _unit_kind(axes) is not None:
+            layers[layer].append((name, axes))
+
+    def read(names: list[tuple[str, tuple[AxisKind | None, ...]]]) -> list[_RelaxedGroup]:
+        return [_RelaxedGroup(blocks, _low_rank(blocks)) for blocks in _shared_blocks(a, b, names)]
+
+    return [group for made in groups.side_by_side(read, list(layers.values())) for group in made]
 
 
 def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
@@ -197,12 +220,12 @@ def relaxed_residual(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor
     it ends early once Q moves by less than ``tol`` (relative Frobenius), as it does at once on a transformed copy
     whose embeddings fix Q. ``linear``: Σ X_A X_Bᵀ / m over the tensors that no unit map touches, where the caller
     has it (weight matching's :attr:`Descent.fixed`: a vocabulary is multiplied once per matching)."""
-    fixed, shared = _unit_blocks(a, b, spec, depth, fixed=linear is None)
     if linear is None:
+        fixed = [(name, axes) for name, _, axes in _residual_side(a, spec, depth) if _unit_kind(axes) is None]
         if not fixed:
             raise ConfigError("the relaxed start needs a residual-side tensor that no unit map touches (an embedding)")
-        linear = functools.reduce(torch.add, [(xa @ xb.T) * weight for xa, xb, weight in fixed])
-    relaxed = _relaxed_groups(shared)
+        linear = _scaled_cross(a, b, fixed)
+    relaxed = _relaxed_groups(a, b, spec, depth)
     q = groups.procrustes(linear, fix_ones)
     for _ in range(steps):
         grad = functools.reduce(torch.add, groups.side_by_side(functools.partial(_RelaxedGroup.gradient, q=q),
@@ -365,11 +388,11 @@ def weight_match(
     """
     began = time.perf_counter()
     options = options or WeightOptions()
-    require_finite(a, "A")
-    require_finite(b, "B")
     if options.biases == "skip":
         a, b = (without_stream_biases(s, spec, depth) for s in (a, b))
     a, b = (search_view(s, dtype) for s in (a, b))  # a half-precision model is widened tensor by tensor
+    require_finite(a, "A")  # as searched: a lazy model's vocabulary is not made in float64 for the check
+    require_finite(b, "B")
     work = Descent(a, b, spec, depth, heads, rotary)
     group, within = ("permutation", False) if permutations_only else (fix_ones, True)
     frozen = permutations_only and not permute_stream  # the stream left as it is: one sweep of assignments
