@@ -114,7 +114,7 @@ def _device(context: Context, settings: RunSettings) -> torch.device:
     return resolve(str(context.node_config.get("device", settings.client_device)))
 
 
-def _train_config(settings: RunSettings, defaults: dict, seed: int, device: torch.device,
+def train_config(settings: RunSettings, defaults: dict, seed: int, device: torch.device,
                   server_round: int) -> TrainConfig:
     """Local training hyper-parameters: the run config where set, else the dataset's defaults; the learning rate
     as lr-decay sets it for ``server_round``."""
@@ -134,7 +134,7 @@ def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[st
     return state
 
 
-def _client_test(model: nn.Module, arch: Arch, settings: RunSettings) -> dict[str, float]:
+def client_test(model: nn.Module, arch: Arch, settings: RunSettings) -> dict[str, float]:
     """The trained model's central test score (eval-limit samples) where the run's client-test asks for it."""
     if not settings.client_test:
         return {}
@@ -153,9 +153,9 @@ def train_fn(msg: Message, context: Context) -> Message:
     seed = settings.seed + 1000 * node.partition_id + server_round
     reset_peak_memory(device)
     with released(device):  # an idle client (a Ray actor between rounds) keeps no cached GPU memory
-        config = _train_config(settings, pool(settings).task.defaults, seed, device, server_round)
+        config = train_config(settings, pool(settings).task.defaults, seed, device, server_round)
         fit = train(model, arch, share.train, config, progress=False)
-        test = _client_test(model, arch, settings)
+        test = client_test(model, arch, settings)
         model.cpu()
     values = {
         protocol.WEIGHT_KEY: len(share.train),  # type: ignore[arg-type]  # every share is a sized dataset

@@ -181,7 +181,7 @@ def test_a_fetched_cifar10_copy_splits_by_label_across_clients(
 def test_lr_decay_cosine_starts_each_round_lower_and_none_keeps_the_base() -> None:
     """Round 1 trains at the base rate, later rounds follow the cosine down (never to 0 within the run, and a resumed
     run's later rounds keep the last rate); without lr-decay every round gets the base, and the client uses it."""
-    from client.app import _train_config
+    from client.app import train_config
 
     cosine = RunSettings(num_server_rounds=4, lr_decay="cosine")
     rates = [cosine.round_lr(0.01, r) for r in range(1, 7)]
@@ -190,7 +190,7 @@ def test_lr_decay_cosine_starts_each_round_lower_and_none_keeps_the_base() -> No
     assert rates[3] == pytest.approx(0.01 * 0.5 * (1 + np.cos(np.pi * 3 / 4)))
     assert rates[4] == rates[5] == rates[3]
     assert RunSettings(num_server_rounds=4).round_lr(0.01, 3) == 0.01
-    config = _train_config(cosine, {"lr": 0.01, "batch_size": 32}, 0, torch.device("cpu"), 3)
+    config = train_config(cosine, {"lr": 0.01, "batch_size": 32}, 0, torch.device("cpu"), 3)
     assert config.lr == pytest.approx(rates[2]) and config.batch_size == 32
     with pytest.raises(ConfigError, match="lr-decay"):
         RunSettings(lr_decay="linear")

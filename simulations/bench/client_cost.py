@@ -4,10 +4,10 @@ on one thread, for one client of a grid's own run config.
     nice -n 10 .venv/bin/python -m simulations.bench.client_cost [--config simulations/configs/width-baselines.toml]
         [--partition 0] [--repeats 3]
 
-The client is built as the ClientApp builds it (its partition of the grid's split, the dataset's defaults, the
-grid's local epochs and batch size, full width), trained from the seeded initial model, then scored on the central
-test subset (``eval-limit`` samples). CPU seconds, so a shared machine's load does not count; the figures and the
-machine go to ``simulations/results/client-cost/`` (results.json, summary.md).
+The client is built as the ClientApp builds it (its partition of the grid's split, full width, the ClientApp's own
+round-1 training config and central-test score, ``eval-limit`` samples), trained from the seeded initial model.
+CPU seconds, so a shared machine's load does not count; the figures and the machine go to
+``simulations/results/client-cost/`` (results.json, summary.md).
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from client.app import client_test, train_config
 from federation.data import client_share, eval_subset, pool
 from federation.settings import RunSettings
 from glmc.archs import build_model, get_arch
-from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
+from glmc.train import seed_everything, set_threads, train
 from harness.tomlfile import read_toml
 from simulations.bench.barriers import machine
 
@@ -48,18 +51,16 @@ def measure(settings: RunSettings, partition: int, clients: int, repeats: int) -
     set_threads(1)
     data = pool(settings)
     share = client_share(settings, partition, clients)
-    test = eval_subset(data.test, settings.eval_limit, settings.seed)
-    defaults = data.task.defaults | {k: v for k, v in {"batch_size": settings.batch_size, "lr": settings.lr}.items()
-                                     if v}
-    config = TrainConfig(epochs=settings.local_epochs, seed=settings.seed, threads=1, **defaults)
+    config = train_config(settings, data.task.defaults, settings.seed, torch.device("cpu"), 1)
     arch, runs = get_arch(data.task.config.family), []
     for _ in range(repeats):
         seed_everything(settings.seed)
         model = build_model(data.task.config)
         train_s, fit = _cpu(lambda m=model: train(m, arch, share.train, config, progress=False))
-        test_s, _ = _cpu(lambda m=model: evaluate(m, arch, test))
+        test_s, _ = _cpu(lambda m=model: client_test(m, arch, settings))
         runs.append({"train_cpu_s": train_s, "steps": int(fit["steps"]), "test_cpu_s": test_s,
                      "test_share": test_s / train_s})
+    test = eval_subset(data.test, settings.eval_limit, settings.seed)
     return {"model": settings.model, "dataset": settings.dataset, "partition": partition, "clients": clients,
             "train_samples": len(share.train), "test_samples": len(test), "runs": runs,  # type: ignore[arg-type]
             "test_share_median": statistics.median(r["test_share"] for r in runs), "machine": machine()}
