@@ -387,3 +387,27 @@ def test_balancing_is_an_exact_idempotent_symmetry_of_unplanted_models(seed: int
     assert (_logits(to_model(balanced, cfg), x) - want).abs().max() <= RMS
     assert _distance(state, balanced) > 1e-2
     assert _distance(balanced, again) <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "neox-partial-rotary"])
+def test_a_bfloat16_plant_lands_from_the_balanced_search_alone(name: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pair stored in bfloat16 (B the plant of A, rounded once) lands within its own rounding: ``glmc align
+    --precision float32`` undoes it with no orthogonal choice, distances or second search, which would fail here."""
+    family = FAMILIES[name]
+    a = _random_model(family, seed=0)
+    b = copy.deepcopy(a)
+    b.load_state_dict(family.plant({k: v.clone() for k, v in a.state_dict().items()}, a.config,
+                                   torch.Generator().manual_seed(1)))
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the search landed: nothing after it should run")
+
+    monkeypatch.setattr("glmc.match.align.nearer", refused)
+    for tag, model in (("a", a), ("b", b)):
+        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp_path / tag))
+    assert main(["align", str(tmp_path / "a"), str(tmp_path / "b"), "--method", "weight", "--precision", "float32",
+                 "--out", str(tmp_path / "c")]) == 0
+    stored = family.model_class.from_pretrained(str(tmp_path / "a")).double()
+    aligned = family.model_class.from_pretrained(str(tmp_path / "c")).double()
+    assert _distance(stored.state_dict(), aligned.state_dict()) <= 1e-2  # bfloat16 rounds each entry by 2^-9

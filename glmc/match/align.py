@@ -34,6 +34,14 @@ S = TypeVar("S", State, State | Lazy)
 RECOVERED = 1e-8
 
 
+def recovered_share(*natives: Mapping[str, torch.Tensor]) -> float:
+    """The share of ‖A‖² under which B counts as A's transformed copy: :data:`RECOVERED`, or where the inputs are
+    stored coarser, what rounding a copy to that precision leaves on average (u²/3 an entry, u its unit roundoff:
+    5.1e-6 for bfloat16), since no search can land a rounded copy nearer than its own rounding."""
+    eps = max(torch.finfo(t.dtype).eps for s in natives for t in s.values() if t.is_floating_point())
+    return max(RECOVERED, (eps / 2) ** 2 / 3)
+
+
 @dataclass
 class Alignment(Generic[S]):
     """Canonical A, aligned canonical B (each made tensor by tensor on each read where aligned ``lazy``), and how B
@@ -99,12 +107,14 @@ def align_pair(
     if not entry.matches:
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     # a data-free matcher reads its states by name alone, as a Lazy state is read (tests/test_lazy.py)
-    result = match_pair(method, typing.cast(State, a), typing.cast(State, b), cfg, data, options)
+    result = match_pair(method, typing.cast(State, a), typing.cast(State, b), cfg, data, options,
+                        recovered=recovered_share(native_a, native_b))
     return Alignment(a, (moved if lazy else apply)(b, arch.spec, result.transform, cfg.heads), method, result)
 
 
 def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset | None,
-               options: MatchOptions, balanced_a: tuple[State, Transform] | None = None) -> MatchResult:
+               options: MatchOptions, balanced_a: tuple[State, Transform] | None = None,
+               recovered: float = RECOVERED) -> MatchResult:
     """The transform that brings canonical B next to A by ``method``: over the whole declared group where the method
     searches it (:func:`glmc.match.balance.balances`), else over what the method searches.
 
@@ -113,9 +123,9 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     unit's maps or replaces them by the orthogonal choice, whichever is nearer A (:func:`glmc.match.balance.nearer`),
     searches the models as given too, and keeps the nearer end: the descent is not convex, and seeds trained apart
     can sit nearer in their own frames (on the official GLMC pair, 0.9212 against 0.9231 of ‖A‖). A planted
-    transform is found only from the balanced pair; where that lands B on A (:data:`RECOVERED`), the second search
-    is skipped; where the search's own objective says so (:func:`_landed`), neither the orthogonal choice nor the
-    distances are computed. States made on each read (:class:`glmc.core.state.Lazy`) stay so: nothing here holds a
+    transform is found only from the balanced pair; where that lands B on A (within ``recovered`` of ‖A‖²:
+    :func:`recovered_share`), the second search is skipped; where the search's own objective says so
+    (:func:`_landed`), neither the orthogonal choice nor the distances are computed. States made on each read (:class:`glmc.core.state.Lazy`) stay so: nothing here holds a
     model whole.
     ``balanced_a`` is A's :func:`balance`, given where one A is matched to many models (universe matching)."""
     entry = get_method(method)
@@ -124,27 +134,27 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     (a_bal, d_a), (b_bal, d_b) = balanced_a or balance(a, cfg), balance(b, cfg)
     found = entry.match()(a_bal, b_bal, cfg, data, options)
     back = compose(compose(invert(d_a), found.transform), d_b)
-    if entry.reads_data or _landed(found, a_bal, options):  # data: its maps serve its own objective, not the distance
+    if entry.reads_data or _landed(found, a_bal, options, recovered):  # data: its maps serve its own objective, not the distance
         return dataclasses.replace(found, transform=back)
     release_heap()  # the search's freed blocks, before the distances make each model's tensors in float64
     whole = dataclasses.replace(found, transform=nearer(a, b, back, cfg))
     left = _distance(a, b, whole.transform, cfg)
-    if left <= RECOVERED * sum(sq_norm(a[name]) for name in a):
-        return whole  # B recovered to within 1e-4 of ‖A‖: nothing can be nearer
+    if left <= recovered * sum(sq_norm(a[name]) for name in a):
+        return whole  # B recovered to within its inputs' rounding: nothing can be nearer
     plain = entry.match()(a, b, cfg, data, options)
     return plain if _distance(a, b, plain.transform, cfg) < left else whole
 
 
-def _landed(found: MatchResult, a: State, options: MatchOptions) -> bool:
-    """Whether the search's last objective, ‖A − T(B)‖² between the states it searched, is within :data:`RECOVERED`
+def _landed(found: MatchResult, a: State, options: MatchOptions, recovered: float) -> bool:
+    """Whether the search's last objective, ‖A − T(B)‖² between the states it searched, is within ``recovered``
     of ‖A‖² (A read as the search reads it: no float64 copy of a vocabulary), for a transform that the objective
     describes (the path's v/o maps replace the searched ones after it). Its float32 products resolve about 1e-7 of
-    ‖A‖², so this certifies B within about 3e-4 of ‖A‖ from A's transformed copy, and costs one read of A where the
+    ‖A‖², so this certifies a float32 B within about 3e-4 of ‖A‖ from A's transformed copy, and costs one read of A where the
     distances of :func:`match_pair` move both models twice in float64."""
     if not found.objective or options.weight.ov_maps != "orthogonal":
         return False
     searched = a.searched(torch.float32) if isinstance(a, Lazy) else a
-    return found.objective[-1] <= RECOVERED * sum(sq_norm(searched[name]) for name in searched)
+    return found.objective[-1] <= recovered * sum(sq_norm(searched[name]) for name in searched)
 
 
 def _distance(a: State, b: State, t: Transform, cfg: ModelConfig) -> float:
