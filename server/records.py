@@ -35,6 +35,12 @@ class RoundRecord:
     align_seconds: float = 0.0
     aggregate_seconds: float = 0.0  # decoding + alignment + averaging
     round_seconds: float = 0.0  # configure_train to the end of central evaluation
+    # where the round's time went: the instructions sent to the last reply in (the nodes' training and testing, the
+    # engine's scheduling and transport), of it the valid clients' own training (summed over them), and central
+    # evaluation at every tier; aggregate_seconds is the rest
+    nodes_seconds: float = 0.0
+    train_seconds: float = 0.0
+    evaluate_seconds: float = 0.0
     distance_before: float | None = None  # mean pairwise client distance, canonical form
     distance_after: float | None = None
     unaligned: bool = False  # min-alignment-gain set this round's alignment aside: the clients were averaged (FedAvg)

@@ -106,7 +106,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.current = RoundRecord(round_offset)
         self.global_arrays: ArrayRecord | None = None
         self.instructions: list[Message] = []  # this round's train messages; the grid sets their ids when it sends
-        self._round_start = time.perf_counter()
+        self._round_start = self._sent = time.perf_counter()
 
     def summary(self) -> None:
         super().summary()
@@ -124,6 +124,7 @@ class SymmetryAwareFedAvg(FedAvg):
             return []
         messages = list(super().configure_train(server_round + self.round_offset, arrays, config, grid))
         self.instructions = self.restrict_to_widths(messages, arrays, self.current.round)
+        self._sent = time.perf_counter()
         return self.instructions
 
     def await_nodes(self, grid: Grid, needed: int) -> bool:
@@ -192,6 +193,7 @@ class SymmetryAwareFedAvg(FedAvg):
         """Validate, then merge the valid replies; None (keep the global model) if too few are valid, if the merge
         raises anything at all, or if the merged model is not finite and bounded (the reason goes in the record)."""
         replies = list(replies)
+        self.current.nodes_seconds = time.perf_counter() - self._sent
         addressees = {m.metadata.message_id: m.metadata.dst_node_id for m in self.instructions}
         valid, dropped = split_replies(replies, self.schema, addressees, self.node_tiers)
         if self.drop_unchanged:
@@ -371,6 +373,7 @@ class SymmetryAwareFedAvg(FedAvg):
             record.mean_client_accuracy = statistics.fmean(
                 float(_metrics(m)["client-test-accuracy"]) for m in valid)  # type: ignore[arg-type]
         record.client_peak_gpu_mb = max(float(_metrics(m)["client-peak-gpu-mb"]) for m in valid)  # type: ignore[arg-type]
+        record.train_seconds = sum(float(_metrics(m)["train-seconds"]) for m in valid)  # type: ignore[arg-type,misc]
         if metrics is not None and "train-loss" in metrics:
             record.train_loss = float(metrics["train-loss"])  # type: ignore[arg-type]
 
@@ -389,7 +392,9 @@ class SymmetryAwareFedAvg(FedAvg):
         def evaluate_and_close(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round == 0 and self.round_offset:
                 return None  # a resumed run: round `offset` was recorded before it stopped
+            start = time.perf_counter()
             metrics = evaluate_fn(server_round + self.round_offset, arrays) if evaluate_fn else None
+            self.current.evaluate_seconds = time.perf_counter() - start
             self.end_round(server_round + self.round_offset, arrays, metrics)
             return metrics
 

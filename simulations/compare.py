@@ -341,6 +341,19 @@ def align_share(row: dict[str, Any]) -> float | None:
     return sum(r["align_seconds"] for r in rounds) / total if total else None
 
 
+TIME_SPLIT = "round s: nodes (their training) / aggregation / evaluation"
+TIME_KEYS = ("nodes_seconds", "train_seconds", "aggregate_seconds", "evaluate_seconds")
+
+
+def time_split(ok: list[dict[str, Any]]) -> str:
+    """Where a trained round's wall time went, mean over the rounds and runs: the nodes' phase (instructions out to
+    the last reply in), the clients' own training within it (summed over them: they train side by side), the
+    aggregation (alignment included) and the central evaluation at every tier."""
+    rounds = [r for row in ok for r in trained(row)]
+    means = [statistics.fmean(r[key] for r in rounds) for key in TIME_KEYS] if rounds else []
+    return "{:.1f} ({:.1f}) / {:.1f} / {:.1f}".format(*means) if means else "–"
+
+
 SET_ASIDE = "rounds set aside %"  # the summary's column, there when the guard set any round aside
 # The clients' mean pairwise distance before and after alignment, averaged over every trained round: the last round
 # alone hid the rounds where matching acted (from independent inits, only the first).
@@ -436,6 +449,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
     target = float(exp.run.get("target-accuracy", RunSettings.target_accuracy))
     defended = any("spread" in r for row in rows for r in row["records"])
     settles = any(late_gain(row) is not None for row in rows if row["status"] == "finished:completed")
+    timed = all(k in r for row in rows for r in trained(row) for k in TIME_KEYS) and any(map(trained, rows))
     for split, widths in groups(exp):
         base = finished(rows, split, widths, "fedavg")
         against_control = delta_against(rows, controls(exp), split, widths)
@@ -454,6 +468,7 @@ def summary_rows(rows: list[dict[str, Any]], exp: Experiment,
                 "clients % (mean)": _fmt([final(r, "mean_client_accuracy") for r in ok]),
                 "ensemble %": _fmt([final(r, "ensemble_accuracy") for r in ok]),
                 "align / round time %": _fmt([align_share(r) for r in ok]),
+                **({TIME_SPLIT: time_split(ok)} if timed else {}),
                 DISTANCE: " → ".join(_fmt([round_mean(r, key=key) for r in ok], 1, 2)
                                      for key in ("distance_before", "distance_after")),
                 **({SET_ASIDE: _fmt([unaligned_share(r) for r in ok], digits=0)} if guarded else {}),

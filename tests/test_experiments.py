@@ -311,6 +311,22 @@ def test_the_summary_pairs_final_last_three_and_all_round_accuracy_by_seed() -> 
     assert weight["Δ, last 3 rounds"] == "3.3 ± 3.3"
     assert weight["Δ, all rounds"] == "8.0 ± 2.0"
     assert "rounds set aside %" not in weight  # no run set a round aside: the column stays out
+    assert compare.TIME_SPLIT not in weight  # records from before the round's time was split: no column
+
+
+def test_the_summary_splits_the_round_time_over_rounds_and_runs() -> None:
+    """The time-split column is each part's mean over every trained round of the row's runs (round 0 left out)."""
+    exp = compare.Experiment.load(PROJECT / "simulations" / "configs" / "drift-smoke.toml")
+    parts = {0: [(4.0, 6.0, 1.0, 0.5), (6.0, 8.0, 3.0, 0.5)], 1: [(2.0, 4.0, 2.0, 2.0)]}
+    rows = [{"split": "dirichlet0.1", "widths": "equal", "aggregation": "fedavg", "seed": seed,
+             "status": "finished:completed",
+             "records": [{"round": 0, "central_accuracy": 0.1, "align_seconds": 0.0, "round_seconds": 0.0,
+                          **dict.fromkeys(compare.TIME_KEYS, 99.0)}]
+             + [{"round": k, "central_accuracy": 0.5, "align_seconds": 0.0, "round_seconds": 10.0,
+                 **dict(zip(compare.TIME_KEYS, split, strict=True))} for k, split in enumerate(splits, start=1)]}
+            for seed, splits in parts.items()]
+    fedavg = next(r for r in compare.summary_rows(rows, exp) if r["aggregation"] == "fedavg")
+    assert fedavg[compare.TIME_SPLIT] == "4.0 (6.0) / 2.0 / 1.0"
 
 
 def test_the_summary_counts_the_rounds_min_alignment_gain_set_aside() -> None:

@@ -93,6 +93,9 @@ def test_two_rounds_with_a_faulty_client(tmp_path: Path) -> None:
         assert len(r["dropped"]) == 1 and "NaN or Inf" in r["dropped"][0]
         assert 0.0 <= r["central_accuracy"] <= 1.0 and r["mean_client_accuracy"] is not None
         assert r["align_seconds"] > 0 and r["round_seconds"] >= r["aggregate_seconds"] >= r["align_seconds"]
+        # the round's split: the nodes' phase holds their training; it, aggregation and evaluation fit the round
+        assert min(r["train_seconds"], r["evaluate_seconds"], r["nodes_seconds"]) > 0
+        assert r["nodes_seconds"] + r["aggregate_seconds"] + r["evaluate_seconds"] <= r["round_seconds"]
     assert metrics["split"]["scheme"] == "dirichlet" and len(metrics["split"]["label_counts"]) == 3
     state, meta = load_checkpoint(tmp_path / "sim" / "checkpoints" / "round-002.safetensors")
     assert meta.metrics["round"] == 2 and all(v.isfinite().all() for v in state.values())

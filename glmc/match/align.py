@@ -125,8 +125,8 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     can sit nearer in their own frames (on the official GLMC pair, 0.9212 against 0.9231 of ‖A‖). A planted
     transform is found only from the balanced pair; where that lands B on A (within ``recovered`` of ‖A‖²:
     :func:`recovered_share`), the second search is skipped; where the search's own objective says so
-    (:func:`_landed`), neither the orthogonal choice nor the distances are computed. States made on each read (:class:`glmc.core.state.Lazy`) stay so: nothing here holds a
-    model whole.
+    (:func:`_landed`), neither the orthogonal choice nor the distances are computed. States made on each read
+    (:class:`glmc.core.state.Lazy`) stay so: nothing here holds a model whole.
     ``balanced_a`` is A's :func:`balance`, given where one A is matched to many models (universe matching)."""
     entry = get_method(method)
     if not balances(method, options):
@@ -134,7 +134,8 @@ def match_pair(method: str, a: State, b: State, cfg: ModelConfig, data: Dataset 
     (a_bal, d_a), (b_bal, d_b) = balanced_a or balance(a, cfg), balance(b, cfg)
     found = entry.match()(a_bal, b_bal, cfg, data, options)
     back = compose(compose(invert(d_a), found.transform), d_b)
-    if entry.reads_data or _landed(found, a_bal, options, recovered):  # data: its maps serve its own objective, not the distance
+    # data: its maps serve its own objective, not the distance
+    if entry.reads_data or _landed(found, a_bal, options, recovered):
         return dataclasses.replace(found, transform=back)
     release_heap()  # the search's freed blocks, before the distances make each model's tensors in float64
     whole = dataclasses.replace(found, transform=nearer(a, b, back, cfg))
@@ -149,8 +150,8 @@ def _landed(found: MatchResult, a: State, options: MatchOptions, recovered: floa
     """Whether the search's last objective, ‖A − T(B)‖² between the states it searched, is within ``recovered``
     of ‖A‖² (A read as the search reads it: no float64 copy of a vocabulary), for a transform that the objective
     describes (the path's v/o maps replace the searched ones after it). Its float32 products resolve about 1e-7 of
-    ‖A‖², so this certifies a float32 B within about 3e-4 of ‖A‖ from A's transformed copy, and costs one read of A where the
-    distances of :func:`match_pair` move both models twice in float64."""
+    ‖A‖², so this certifies a float32 B within about 3e-4 of ‖A‖ from A's transformed copy, and costs one read of A
+    where the distances of :func:`match_pair` move both models twice in float64."""
     if not found.objective or options.weight.ov_maps != "orthogonal":
         return False
     searched = a.searched(torch.float32) if isinstance(a, Lazy) else a
