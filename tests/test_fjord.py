@@ -23,6 +23,7 @@ from federation.restriction import restrict
 from federation.settings import AVERAGING, SLICED, RunSettings
 from glmc.archs import build_model, get_arch
 from glmc.core.config import ModelConfig, preset, scale_width
+from glmc.errors import ConfigError
 from glmc.io.checkpoint import load_checkpoint
 from glmc.merging import heterofl
 from glmc.ordered_dropout import OrderedDropout, slice_positions
@@ -123,6 +124,15 @@ def test_the_widths_drawn_are_the_runs_tiers_up_to_the_clients_uniformly_and_see
         assert counts.keys() == set(widths) and all(cfg.width <= own.width for cfg in counts)
         assert all(abs(n - 600 / len(widths)) < 60 for n in counts.values()), counts  # over 5 s.d. of a uniform
         assert draws(7) == draws(7) and draws(7) != draws(8)
+
+
+def test_widths_that_are_no_leading_slices_of_the_model_are_refused_in_one_line() -> None:
+    own = tiny("llama-tiny")
+    model, arch = build_model(own), get_arch("llama")
+    for widths in [(own, own.replace(head_dim=4)), (own, scale_width(own, 0.5).replace(depth=1)),
+                   (scale_width(own, 0.5),)]:  # other heads, other depth, a model wider than the widest width
+        with pytest.raises(ConfigError, match="ordered dropout"):
+            OrderedDropout(model, arch, widths, seed=0)
 
 
 def test_fjord_merges_as_heterofl_in_every_round_and_sends_the_leading_slice() -> None:
