@@ -1,6 +1,7 @@
 """ClientApp: train the received global model (or, in round 1 with ``init=independent``, a model
 from the client's own seed; with ``init`` a folder of checkpoints, checkpoint p mod n) on this node's
-partition at its width tier, then reply with the weights, ``num-examples``, the width tier and the training metrics.
+partition at its width tier (under fjord, each step a leading sub-model at a tier up to its own), then reply
+with the weights, ``num-examples``, the width tier and the training metrics.
 
 The partition comes from the node config (``partition-id``, ``num-partitions``: the simulation
 engine sets both; a deployed SuperNode passes them with ``--node-config``); the width tier from the
@@ -29,6 +30,7 @@ from glmc.core.config import ModelConfig, scale_width
 from glmc.core.state import cast
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, first_line
+from glmc.ordered_dropout import OrderedDropout
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads, train
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,17 @@ def train_config(settings: RunSettings, defaults: dict, seed: int, device: torch
                        threads=settings.client_threads, device=str(device), **chosen)
 
 
+def ordered_dropout(model: nn.Module, arch: Arch, settings: RunSettings, tier: float,
+                    seed: int) -> OrderedDropout | None:
+    """FjORD's Ordered Dropout for a node of ``tier`` over :meth:`RunSettings.ordered_tiers`, its draws seeded by
+    ``seed``; None where the node trains at one width (plain training)."""
+    tiers = settings.ordered_tiers(tier)
+    if len(tiers) < 2:
+        return None
+    full = pool(settings).task.config
+    return OrderedDropout(model, arch, [scale_width(full, t) for t in tiers], seed)
+
+
 def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[str, torch.Tensor]:
     """The float32 state dict to send; the fault-partition TEST HOOK turns it into NaNs."""
     state = cast(model.state_dict(), torch.float32)
@@ -154,7 +167,8 @@ def train_fn(msg: Message, context: Context) -> Message:
     reset_peak_memory(device)
     with released(device):  # an idle client (a Ray actor between rounds) keeps no cached GPU memory
         config = train_config(settings, pool(settings).task.defaults, seed, device, server_round)
-        fit = train(model, arch, share.train, config, progress=False)
+        ordered = ordered_dropout(model, arch, settings, node.tier, seed)
+        fit = train(model, arch, share.train, config, progress=False, step_logits=ordered)
         test = client_test(model, arch, settings)
         model.cpu()
     values = {

@@ -49,6 +49,10 @@ class Aggregation:
     rolls: bool = False
     smallest: bool = False
     full_only: bool = False
+    # FjORD's clients hold HeteroFL's leading slice and train, at every local step, its leading sub-model at a tier
+    # of width-tiers up to their own drawn uniformly (Ordered Dropout, glmc.ordered_dropout); the server averages as
+    # HeteroFL does
+    ordered: bool = False
 
     @property
     def averages(self) -> bool:
@@ -87,6 +91,7 @@ AGGREGATION_TABLE: dict[str, Aggregation] = {a.name: a for a in (
     Aggregation("fedrolex", None, rolls=True),
     Aggregation("smallest-width", None, smallest=True),
     Aggregation("full-width-only", None, full_only=True),
+    Aggregation("fjord", None, ordered=True),
 )}
 AGGREGATIONS = tuple(AGGREGATION_TABLE)
 DATA_AGGREGATIONS = tuple(a.name for a in AGGREGATION_TABLE.values() if a.reads_data)
@@ -404,6 +409,12 @@ class RunSettings:
         if AGGREGATION_TABLE[self.aggregation].smallest:
             return 1.0
         return declared if declared is not None else self.width_tiers[partition_id % len(self.width_tiers)]
+
+    def ordered_tiers(self, tier: float) -> tuple[float, ...]:
+        """The tiers a client of ``tier`` trains at, relative to the global model: its own, and under fjord every tier
+        of width-tiers below it too, one drawn uniformly per local step (FjORD's Ordered Dropout)."""
+        below = sorted({t for t in self.width_tiers if t < tier}, reverse=True)
+        return (tier, *below) if AGGREGATION_TABLE[self.aggregation].ordered else (tier,)
 
     @property
     def global_width(self) -> float:

@@ -15,7 +15,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,11 +166,14 @@ class _EarlyStop:
 
 
 def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, progress: bool = True,
-          validation: Dataset | None = None, teacher: nn.Module | None = None) -> dict[str, float]:
+          validation: Dataset | None = None, teacher: nn.Module | None = None,
+          step_logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
     """Train ``model`` in place with AdamW and a warm-up + cosine schedule; with ``validation`` and
     ``cfg.patience`` > 0, stop early on it and keep the best weights (the schedule is the whole run's).
     With ``teacher`` (inputs → probabilities, e.g. :class:`glmc.merging.evaluation.PredictionMixture`) each batch is
     scored against its predictions, not the dataset's labels: distillation on the dataset's inputs.
+    With ``step_logits`` (called as ``arch.logits`` is, once a step) the steps' forward passes are its, not the
+    family's: FjORD's Ordered Dropout (:class:`glmc.ordered_dropout.OrderedDropout`) draws a sub-model each step.
 
     Returns ``train_loss`` (mean over the last 10% of steps, where the schedule has settled), ``steps``
     and ``seconds`` (and ``val_loss`` and ``best_step`` when stopping early).
@@ -187,6 +190,7 @@ def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, prog
         teacher.to(device).eval()
     optimizer = make_optimizer(model, cfg)
     scheduler = cosine_schedule(optimizer, total, cfg.warmup)
+    step_arch = arch if step_logits is None else dataclasses.replace(arch, logits=step_logits)
     losses: list[torch.Tensor] = []  # kept on the device: a GPU step never waits for its loss to be read
     watch = _EarlyStop(arch, validation, cfg) if validation is not None and cfg.patience > 0 else None
     start = time.perf_counter()
@@ -195,7 +199,7 @@ def train(model: nn.Module, arch: Arch, dataset: Dataset, cfg: TrainConfig, prog
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if teacher is not None:
                 y = teacher(x)
-            losses.append(train_step(model, arch, x, y, optimizer, cfg.grad_clip, cfg.precision))
+            losses.append(train_step(model, step_arch, x, y, optimizer, cfg.grad_clip, cfg.precision))
             scheduler.step()
             bar.update()
             if progress and step % 50 == 0:

@@ -6,6 +6,7 @@ method:
 - ``fedavg``: HeteroFL's coverage-weighted average of width slices (:mod:`glmc.merging.heterofl`). The strategy
   itself takes flwr's own FedAvg code path when every client is full width, so that case is FedAvg exactly.
 - ``fedrolex``: the same average of FedRolex's windows, which roll one unit a round (``server_round``).
+  ``fjord`` is ``fedavg``'s average of leading slices: its clients train them with Ordered Dropout.
   ``smallest-width`` and ``full-width-only`` are FedAvg of equal widths: the strategy trains every client at the
   smallest tier, or leaves the narrow replies out.
 - ``weight`` / ``activation``: canonicalise (LayerNorms folded), embed every client exactly into the

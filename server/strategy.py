@@ -1,8 +1,8 @@
 """SymmetryAwareFedAvg: FedAvg whose averaging step first aligns the clients' Transformers.
 
 ``aggregation="fedavg"`` runs flwr's own ``FedAvg.aggregate_train`` on the valid replies, so it is
-FedAvg exactly (as are fedrolex and smallest-width at equal widths, and full-width-only, which leaves the narrow
-replies out). ``weight``, ``activation``, ``learned``, ``canonical``, ``fedavg-ft`` and ``server-only`` hand the
+FedAvg exactly (as are fedrolex, fjord and smallest-width at equal widths, and full-width-only, which leaves the
+narrow replies out). ``weight``, ``activation``, ``learned``, ``canonical``, ``fedavg-ft`` and ``server-only`` hand the
 decoded client states to :func:`server.aggregation.merge`. Every reply is validated first
 (:mod:`server.validation`); a bad one is dropped with a one-line reason, and with fewer than ``min_train_nodes``
 valid replies the global model is kept for the round; so it is when the merge itself raises (any exception, logged

@@ -409,7 +409,7 @@ def finished(rows: list[dict[str, Any]], split: str, widths: str, aggregation: s
 
 def width_baselines(exp: Experiment) -> list[str]:
     """The labels of the grid's width baselines, where it has any beside HeteroFL: the aggregations that neither
-    align nor read server data (fedavg/HeteroFL, fedrolex, smallest-width, full-width-only)."""
+    align nor read server data (fedavg/HeteroFL, fedrolex, smallest-width, full-width-only, fjord)."""
     found = [label for label, keys in exp.variants.items()
              if keys["aggregation"] in SLICED and keys["aggregation"] not in DATA_AGGREGATIONS]
     return found if len(found) > 1 else []
@@ -570,7 +570,7 @@ def write_outputs(exp: Experiment, rows: list[dict[str, Any]], out: Path, config
 BEST_BASELINE = "Δ vs best width baseline (pts)"
 BASELINE_NOTE = (" Δ vs best width baseline: paired by seed, against the best (by mean accuracy) of the grid's "
                  "aggregations that neither align nor read server data (HeteroFL, FedRolex, smallest-width, "
-                 "full-width-only).")
+                 "full-width-only, FjORD).")
 CONTROL_NOTE = (" Δ vs strongest control: paired by seed, against the better (by mean accuracy) of the grid's "
                 "controls for the server-held data, which read its labels: fedavg-ft (FedAvg, then its model trained "
                 "on those samples) and server-only (a model trained on them alone, from scratch, ignoring the "

@@ -107,9 +107,10 @@ def test_no_import_cycle():
 
 # glmc's subpackages and top-level modules, lowest first. Each imports only the ones before it, lazy imports and
 # type-checking ones included: the vocabulary (core) at the bottom, the families, what acts on their symmetries,
-# data and training, checkpoints, pairwise matching, merging N models, then the front-ends.
-GLMC_ORDER = ("errors", "device", "core", "archs", "symmetry", "data", "train", "io", "match", "merging", "plots",
-              "api", "cli")
+# data and training, checkpoints, pairwise matching, merging N models, training on their width slices (FjORD), then
+# the front-ends.
+GLMC_ORDER = ("errors", "device", "core", "archs", "symmetry", "data", "train", "io", "match", "merging",
+              "ordered_dropout", "plots", "api", "cli")
 
 
 def _unit(module: str) -> str | None:

@@ -748,11 +748,12 @@ def mixed_strategy(aggregation: str, **kwargs: object) -> SymmetryAwareFedAvg:
     return s
 
 
-def test_heterofl_averages_each_entry_over_the_clients_that_hold_it() -> None:
+@pytest.mark.parametrize("aggregation", ["fedavg", "fjord"])  # FjORD's clients train differently, merge alike
+def test_heterofl_averages_each_entry_over_the_clients_that_hold_it(aggregation: str) -> None:
     full, half = state(1), half_state(2)
     replies = [reply(full, metrics(examples=30), node=1),
                reply(half, metrics(examples=10, **{protocol.TIER_KEY: 0.5}), node=2)]
-    arrays, _ = mixed_strategy("fedavg").aggregate_train(1, replies)
+    arrays, _ = mixed_strategy(aggregation).aggregate_train(1, replies)
     assert arrays is not None
     merged = {k: torch.from_numpy(v) for k, v in as_numpy(arrays).items()}
     fc1, qkv = "blocks.0.mlp.fc1.weight", "blocks.0.attn.qkv.weight"
