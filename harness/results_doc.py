@@ -31,6 +31,8 @@ ABOUT: dict[str, tuple[str, str]] = {
     "drift-repair": ("High drift with REPAIR of the merge on server-held images.", "federated.md"),
     "width-baselines": ("Mixed widths at the field's protocol: 100 clients, 10% a round, tiers 1/0.5/0.25, against "
                         "FedRolex and the homogeneous controls (vision).", "federated.md"),
+    "width-baselines-plateau": ("The image protocol for 120 rounds, toward a plateau, with FjORD beside the other "
+                                "width baselines, Dirichlet 0.3 and class shards.", "federated.md"),
     "width-baselines-text": ("The same protocol on text: llama-fl on Shakespeare, one client per role.",
                              "federated.md"),
     "client-cost": ("A client's training against its central-test score (client-test), CPU seconds.",
@@ -76,7 +78,7 @@ def _compare(data: dict[str, Any]) -> list[str]:
                              labels["split"], labels["widths"],
                              {a: {"aggregation": a} for a in dict.fromkeys(r["aggregation"] for r in rows)})
     summary = compare.summary_rows(rows, exp, data.get("server_data_read"))
-    kept = (*COMPARE_COLUMNS, compare.SET_ASIDE, compare.PLATEAU, compare.BEST_BASELINE)
+    kept = (*COMPARE_COLUMNS, compare.SET_ASIDE, compare.PLATEAU, compare.BEST_BASELINE, compare.TIME_SPLIT)
     table = [{k: v for k, v in row.items() if k in kept or k.startswith((compare.ACCURACY_AT, "rounds to "))}
              for row in summary]
     settings = ", ".join(f"{k}={v}" for k, v in data["config"].items())
