@@ -9,7 +9,7 @@ from scipy.optimize import linear_sum_assignment
 
 from glmc.archs import get_arch
 from glmc.match.common import sq_distance
-from glmc.match.descent import Certificate, Descent, certified_assignment
+from glmc.match.descent import Certificate, Descent, certified_assignment, signed_assignment
 from glmc.symmetry import groups
 from glmc.symmetry.transforms import MATCHABLE, Transform, apply, random_transform
 from tests.symmetry_models import CONFIGS, canonical
@@ -51,6 +51,36 @@ def test_the_certificate_holds_only_where_the_solver_agrees():
         if cert.holds(q):
             held += 1
             assert torch.equal(scipy_perm(xa @ q @ xb.T), perm)
+    assert held >= 2 and not cert.holds(groups.random_orthogonal(d, g, fix_ones=False))
+
+
+def test_a_signed_certificate_holds_only_where_the_solver_and_the_signs_agree():
+    """Gated units as gate rows and up-and-down rows, B's up-and-down rows flipped on some units: the signed
+    assignment finds the permutation and the flips, and wherever its certificate from Q₀ holds at Q, scipy's optimum
+    of gate + |updown| at Q is its permutation and updown's signs there are its signs."""
+    g = torch.Generator().manual_seed(2)
+    d, n = 64, 30
+    gb, ub = (torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    p, q0 = torch.randperm(n, generator=g), groups.random_orthogonal(d, g, fix_ones=False)
+    flips = torch.where(torch.rand(n, generator=g, dtype=torch.float64) < 0.5, -1.0, 1.0).to(torch.float64)
+    ga, ua = ((x @ q0.T)[p] * s[:, None] + 0.3 * torch.randn(n, d, generator=g, dtype=torch.float64)
+              for x, s in ((gb, torch.ones(n, dtype=torch.float64)), (ub, flips)))
+
+    def costs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ga @ q @ gb.T, ua @ q @ ub.T
+
+    perm, signs, margin = signed_assignment(*costs(q0))
+    assert margin is not None and torch.equal(perm, p) and torch.equal(signs, flips)
+    rows = torch.cat([ga, ua], 1).norm(dim=1)
+    cert = Certificate(q0, perm, margin, rows, float(torch.cat([gb, ub], 1).norm(dim=1).max()), signs)
+    held = 0
+    for scale in (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 1.0):
+        q = groups.polar(q0 + scale * torch.randn(d, d, generator=g, dtype=torch.float64))
+        if cert.holds(q):
+            held += 1
+            gate, updown = costs(q)
+            assert torch.equal(scipy_perm(gate + updown.abs()), perm)
+            assert torch.equal(torch.sign(updown[torch.arange(n), perm]), signs)
     assert held >= 2 and not cert.holds(groups.random_orthogonal(d, g, fix_ones=False))
 
 

@@ -12,9 +12,12 @@ so balancing commutes with them (docs/matching.md, "The whole declared group").
 
 Where rotary positions act, M must commute with them: per rotated pair of dimensions a rotation times a scale
 c, balanced by c⁴ = ‖G pair‖² / ‖F pair‖²; the dimensions they leave alone are balanced as a block. A gated MLP's
-scale may be negative too: its sign is fixed by ⟨up row, gate row⟩ ≥ 0, which the stream's maps keep.
-Left unidentified (the maps stay the identity there): a head whose P or Q is singular (a dead head, the zero
-heads of an embedded narrow model), a unit with a zero row, and a gated unit whose up and gate rows are orthogonal.
+scale may be negative too: its sign is the orthogonal part of the unit's class (±1), which weight matching searches
+(:func:`glmc.match.descent.signed_assignment`); balancing still signs it by ⟨up row, gate row⟩ ≥ 0, which the
+stream's maps keep, for the matchers that search no sign (activation, learned, dual), although a slight perturbation
+flips that rule where the product is near 0. Left unidentified (the maps stay the identity there): a head whose P or
+Q is singular (a dead head, the zero heads of an embedded narrow model), a unit with a zero row, and, for those
+matchers, a gated unit whose up and gate rows are orthogonal.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ def qk_map(f: torch.Tensor, g: torch.Tensor, rotary: int) -> torch.Tensor:
 def mlp_scales(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int,
                kind: MlpScale) -> torch.Tensor | None:
     """One layer's unit scales s (f,), up rows × s and fc2 columns ÷ s balanced (None: the MLP has none); on a
-    gated MLP signed so that ⟨up row, gate row⟩ ≥ 0 after."""
+    gated MLP signed so that ⟨up row, gate row⟩ ≥ 0 after, for the matchers that search no sign (weight matching
+    searches it: the rule is unstable where the product is near 0)."""
     if kind == "none":
         return None
     up, down = (gather(state, spec, depth, k, layer).double() for k in (MLP, MLP_IN))

@@ -5,10 +5,10 @@ maps (for the next Q), and measures ‖A − T(B)‖². Only the tensors that a 
 sweep. The others (embeddings, the head, the stream's biases) enter through (d, d) products computed once, in
 float64, so a 50,257-row vocabulary costs two products per matching rather than two per sweep. The distance of the
 unit-touched tensors comes from the products of the next Procrustes step too (‖X_A‖² + ‖X_B‖² − 2⟨Q, X_A U(X_B)ᵀ⟩),
-so no sweep materialises T(B). An MLP's residual product is kept while its permutation stays, and its assignment
-is not solved again, nor its tensors rotated, while a margin certificate proves that the optimum cannot have moved
-(the cost is linear in Q). The results are those of solving every assignment afresh: the certificate only skips
-solves whose answer is known.
+so no sweep materialises T(B). An MLP's residual product is kept while its permutation (and signs) stay, and its
+assignment is not solved again, nor its tensors rotated, while a margin certificate proves that the optimum cannot
+have moved (the cost is linear in Q). The results are those of solving every assignment afresh: the certificate
+only skips solves whose answer is known.
 
 Cost matrices are built where the states live (a GPU included); only (n, n) matrices go to the CPU, for scipy.
 """
@@ -35,6 +35,11 @@ ROUNDING = 1e-4
 
 def _sub(state: Mapping[str, torch.Tensor], names: list[str]) -> State:
     return {n: state[n] for n in names}
+
+
+def _same(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+    """Whether two optional tensors are equal (both None included)."""
+    return x is y or (x is not None and y is not None and torch.equal(x, y))
 
 
 def _or_identity(q: torch.Tensor | None, width: int, like: torch.Tensor) -> torch.Tensor:
@@ -118,13 +123,15 @@ def fixed_part(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spe
 class Certificate:
     """Why an MLP permutation found at the residual map ``q`` stays optimal near it: each row's best column is
     its assigned one by ``margin``; moving Q by δ (Frobenius) changes cost entry (i, j) by at most ‖a_i‖·δ·‖b_j‖,
-    so the assignment stands while every margin exceeds twice that (plus rounding)."""
+    so the assignment stands while every margin exceeds twice that (plus rounding). A signed one's entries
+    gate + |updown| move no more (|x| is 1-Lipschitz, and ‖g_a‖‖g_b‖ + ‖u_a‖‖u_b‖ ≤ ‖a‖‖b‖), nor its signs' margins."""
 
     q: torch.Tensor | None
     perm: torch.Tensor
     margin: torch.Tensor  # (f,)
     row_norms: torch.Tensor  # (f,) ‖a_i‖
     col_norm: float  # max_j ‖b_j‖
+    signs: torch.Tensor | None = None  # (f,) ±1 of a gated MLP's signed assignment
 
     def holds(self, q: torch.Tensor | None) -> bool:
         """Whether the permutation is still the unique optimum at the residual map ``q``."""
@@ -164,6 +171,17 @@ def certified_assignment(cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return groups.assignment(cost), None
 
 
+def signed_assignment(gate: torch.Tensor, updown: torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The signed permutation maximising Σ gate[i, p(i)] + s_i·updown[i, p(i)] (a gated unit's up row and down
+    column may flip sign together): p by the cost gate + |updown|, s_i the sign of updown[i, p(i)]; the margin
+    (:func:`certified_assignment`) also no more than 2|updown[i, p(i)]|, how far each sign is from flipping."""
+    perm, margin = certified_assignment(gate + updown.abs())
+    chosen = updown.gather(1, perm.to(updown.device)[:, None])[:, 0].double()
+    signs = torch.where(chosen < 0, -1.0, 1.0).to(chosen)
+    return perm, signs, None if margin is None else torch.minimum(margin, 2 * chosen.abs())
+
+
 @dataclass
 class Products:
     """What a group of unit-touched tensors adds to a sweep's residual step, for unit maps U at the residual map
@@ -188,18 +206,20 @@ class Layer:
     index: int
     heads: list[str] = field(default_factory=list)
     mlp: list[str] = field(default_factory=list)
-    mlp_products: tuple[torch.Tensor, Products] | None = None  # (perm, the MLP tensors' Products at it)
+    mlp_products: tuple[torch.Tensor, torch.Tensor | None, Products] | None = None  # (perm, signs, their Products)
     certificate: Certificate | None = None
     norms: tuple[torch.Tensor, float] | None = None  # A's MLP rows' norms, the largest of B's (for certificates)
 
 
 class Descent:
     """A canonical pair (in the search dtype) prepared for weight matching's sweeps: its tensors sorted into the
-    fixed ones and each layer's unit groups, and the products kept between sweeps."""
+    fixed ones and each layer's unit groups, and the products kept between sweeps. ``signs``: a gated MLP's units
+    are assigned with their signs (:func:`signed_assignment`)."""
 
     def __init__(self, a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
-                 heads: int, rotary: int = 0) -> None:
+                 heads: int, rotary: int = 0, signs: bool = False) -> None:
         self.a, self.b, self.spec, self.depth, self.heads, self.rotary = a, b, spec, depth, heads, rotary
+        self.signs = signs and any(MLP_GATE in axes for axes in spec.values())
         self.layers = [Layer(layer) for layer in range(depth)]
         self.fixed_names: list[str] = []
         for name, (layer, template) in expand(spec, depth).items():
@@ -238,27 +258,33 @@ class Descent:
         return _sub(self.a, names), apply(_sub(self.b, names), self.spec, Transform(self.depth, residual=q),
                                           self.heads)
 
-    def mlp_permutation(self, layer: Layer, q: torch.Tensor | None) -> torch.Tensor:
-        """The MLP permutation maximising ⟨X_A, P Q(X_B)⟩ (Eq. 3), unless the layer's certificate proves the last
-        one still optimal at ``q`` (then B's MLP tensors are not even rotated)."""
+    def mlp_permutation(self, layer: Layer, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MLP permutation maximising ⟨X_A, P Q(X_B)⟩ (Eq. 3), with its units' signs where they are searched
+        (else None), unless the layer's certificate proves the last still optimal at ``q`` (then B's MLP tensors
+        are not even rotated)."""
         if layer.certificate is not None and layer.certificate.holds(q):
-            return layer.certificate.perm
+            return layer.certificate.perm, layer.certificate.signs
         a, moved = self.rotated(layer.mlp, q)
-        perm, margin = certified_assignment(cross(a, moved, self.spec, self.depth, MLP_KINDS, layer.index))
+        signs = None
+        if self.signs:
+            perm, signs, margin = signed_assignment(*(cross(a, moved, self.spec, self.depth, kinds, layer.index)
+                                                      for kinds in ((MLP_GATE,), (MLP, MLP_IN))))
+        else:
+            perm, margin = certified_assignment(cross(a, moved, self.spec, self.depth, MLP_KINDS, layer.index))
         if margin is None:
             layer.certificate = None
         else:
             if layer.norms is None:  # B's rows unrotated: Q keeps their norms
                 cols = _row_norms(_sub(self.b, layer.mlp), self.spec, self.depth)
                 layer.norms = _row_norms(a, self.spec, self.depth), float(cols.max())
-            layer.certificate = Certificate(q, perm, margin, *layer.norms)
-        return perm
+            layer.certificate = Certificate(q, perm, margin, *layer.norms, signs)
+        return perm, signs
 
     def residual_step(self, t: Transform) -> tuple[torch.Tensor, float]:
         """The unit-touched tensors' part of the next Procrustes input, Σ X_A U(X_B)ᵀ / m over their residual-side
         ones (U the unit maps of ``t``; each (d, m) block divided by m so that every tensor counts per entry; the
         fixed tensors' part is ``fixed.scaled``), and ‖A − T(B)‖² at ``t``."""
-        units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp, group=t.group)
+        units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp, mlp_scale=t.mlp_scale, group=t.group)
         per_layer = groups.side_by_side(functools.partial(self._layer_products, units=units), self.layers)
         parts = [part for pair in per_layer for part in pair]
         scaled = torch.stack([part.scaled for part in parts]).sum(0)
@@ -268,13 +294,14 @@ class Descent:
         return scaled, max(distance, 0.0)  # a distance; below the products' rounding it reads 0
 
     def _layer_products(self, layer: Layer, units: Transform) -> tuple[Products, Products]:
-        """A layer's heads' and MLP's :class:`Products` at ``units``; the MLP's kept while its permutation stays."""
+        """A layer's heads' and MLP's :class:`Products` at ``units``; the MLP's kept while its permutation and signs
+        stay."""
         heads = self._products(layer.heads, units)
-        perm, kept = units.mlp[layer.index], layer.mlp_products
-        if kept is not None and perm is not None and torch.equal(kept[0], perm):
-            return heads, kept[1]
+        perm, signs, kept = units.mlp[layer.index], units.mlp_scale[layer.index], layer.mlp_products
+        if kept is not None and perm is not None and torch.equal(kept[0], perm) and _same(kept[1], signs):
+            return heads, kept[2]
         mlp = self._products(layer.mlp, units)
-        layer.mlp_products = None if perm is None else (perm, mlp)
+        layer.mlp_products = None if perm is None else (perm, signs, mlp)
         return heads, mlp
 
     def _products(self, names: list[str], units: Transform) -> Products:

@@ -306,16 +306,20 @@ def l1_mlp_permutation(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tens
     return groups.assignment(-torch.cdist(_unit_rows(a, spec, depth, layer), _unit_rows(b, spec, depth, layer), p=1))
 
 
+Solved = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
+               torch.Tensor | None]
+
+
 def _solve_layer(work: Descent, layer: Layer, residual: torch.Tensor | None, within: bool, options: WeightOptions,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+                 ) -> Solved:
     """Given the residual map, one layer's head and query permutations and within-head maps, and its MLP
-    permutation."""
+    permutation with its units' signs (None where none are searched: the L1 cost searches none)."""
     i = layer.index
     heads = solve_heads(*work.rotated(layer.heads, residual), work.spec, work.depth, i, work.heads, within, options,
                         work.rotary)
     mlp = (work.mlp_permutation(layer, residual) if options.mlp_cost == "inner"
-           else l1_mlp_permutation(*work.rotated(layer.mlp, residual), work.spec, work.depth, i))
-    return (*heads, mlp)
+           else (l1_mlp_permutation(*work.rotated(layer.mlp, residual), work.spec, work.depth, i), None))
+    return (*heads, *mlp)
 
 
 def _solve_units(work: Descent, residual: torch.Tensor | None, within: bool, options: WeightOptions) -> Transform:
@@ -323,9 +327,9 @@ def _solve_units(work: Descent, residual: torch.Tensor | None, within: bool, opt
     t = Transform(work.depth, residual=residual)
     solve = functools.partial(_solve_layer, work, residual=residual, within=within, options=options)
     solved = groups.side_by_side(solve, work.layers)
-    for layer, (heads, group, qk, ov, mlp) in zip(work.layers, solved, strict=True):
+    for layer, (heads, group, qk, ov, mlp, signs) in zip(work.layers, solved, strict=True):
         i = layer.index
-        t.heads[i], t.group[i], t.qk[i], t.ov[i], t.mlp[i] = heads, group, qk, ov, mlp
+        t.heads[i], t.group[i], t.qk[i], t.ov[i], t.mlp[i], t.mlp_scale[i] = heads, group, qk, ov, mlp, signs
     return t
 
 
@@ -335,7 +339,8 @@ def _converged(work: Descent, last: Transform, new: Transform, before: float, af
     assignment as it was and moves Q by no more than 10 ulps (RMS entry)."""
     if after > work.resolution:
         return after > before * (1 - tol)
-    if any(not torch.equal(x, y) for x, y in zip(last.heads + last.mlp, new.heads + new.mlp, strict=True)
+    if any(not torch.equal(x, y) for x, y in zip(last.heads + last.mlp + last.mlp_scale,
+                                                  new.heads + new.mlp + new.mlp_scale, strict=True)
            if x is not None and y is not None):
         return False
     if last.residual is None or new.residual is None:
@@ -349,7 +354,8 @@ def _exact(t: Transform, fix_ones: bool | groups.ResidualGroup, rotary: int) -> 
     residual = None if t.residual is None else groups.procrustes(t.residual.double(), fix_ones)
     qk = [None if m is None else groups.rotary_polar(m.double(), rotary) for m in t.qk]
     ov = [None if m is None else groups.polar(m.double()) for m in t.ov]
-    return Transform(t.depth, residual=residual, heads=t.heads, qk=qk, ov=ov, mlp=t.mlp, group=t.group)
+    return Transform(t.depth, residual=residual, heads=t.heads, qk=qk, ov=ov, mlp=t.mlp, mlp_scale=t.mlp_scale,
+                     group=t.group)
 
 
 def _start_residual(work: Descent, fix_ones: bool | groups.ResidualGroup, start: Start | torch.Tensor,
@@ -369,7 +375,7 @@ def weight_match(
     *, fix_ones: bool | groups.ResidualGroup = True, permutations_only: bool = False, max_sweeps: int = 15,
     tol: float = 1e-3,
     dtype: torch.dtype = torch.float32, start: torch.Tensor | None = None,
-    options: WeightOptions | None = None, rotary: int = 0, permute_stream: bool = False,
+    options: WeightOptions | None = None, rotary: int = 0, permute_stream: bool = False, signs: bool = False,
 ) -> MatchResult:
     """Find T with T(θ_B) ≈ θ_A; ``permutations_only`` searches head and MLP permutations alone, the stream left as
     it is (the paper's ablation), or with ``permute_stream`` permutations of the stream too (the residual group
@@ -377,6 +383,9 @@ def weight_match(
     ``rotary``: the head dimensions rotary positions rotate, where the q/k maps must commute with them.
     ``fix_ones``: the residual group (:func:`glmc.symmetry.groups.residual_group`: True the orthogonal maps fixing 1,
     False all of O(d), or ``permutation``, where each Procrustes step is a linear assignment).
+    ``signs``: a gated MLP's units are matched with their signs too (up row and down column flipped together, the
+    orthogonal part of a unit's scale), as the whole group needs: balancing signs each unit by ⟨up, gate⟩ ≥ 0, which
+    a slight perturbation flips where that product is near 0.
 
     ``options``: the start, the costs and the stopping rule (:class:`glmc.match.options.WeightOptions`). The start is
     the residual map the first sweep assumes: the ``relaxed`` solution (:func:`relaxed_residual`, the default), the
@@ -393,7 +402,7 @@ def weight_match(
     a, b = (search_view(s, dtype) for s in (a, b))  # a half-precision model is widened tensor by tensor
     require_finite(a, "A")  # as searched: a lazy model's vocabulary is not made in float64 for the check
     require_finite(b, "B")
-    work = Descent(a, b, spec, depth, heads, rotary)
+    work = Descent(a, b, spec, depth, heads, rotary, signs=signs and not permutations_only)
     group, within = ("permutation", False) if permutations_only else (fix_ones, True)
     frozen = permutations_only and not permute_stream  # the stream left as it is: one sweep of assignments
     if frozen and isinstance(start, torch.Tensor):
@@ -418,20 +427,21 @@ def weight_match(
 
 
 def warm_start(a: State, b: State, cfg: ModelConfig, options: MatchOptions, *, permutations_only: bool = False,
-               permute_stream: bool = False) -> MatchResult:
+               permute_stream: bool = False, signs: bool = False) -> MatchResult:
     """Weight matching of canonical B to A in ``options.form`` with ``options.weight``: the weight methods' search,
     and where the learned methods start (permutations only: the residual left alone, or permuted too with
-    ``permute_stream``)."""
+    ``permute_stream``; ``signs``: a gated MLP's unit signs searched too, which the learned methods do not carry)."""
     arch = get_arch(cfg.family)
     return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=residual_group(options.form, arch),
                         permutations_only=permutations_only, options=options.weight, rotary=cfg.rotary_dim,
-                        permute_stream=permute_stream)
+                        permute_stream=permute_stream, signs=signs)
 
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
 def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
-    """Weight matching of B to A over every symmetry class of the family (then the path's v/o maps, if chosen)."""
-    result = warm_start(a, b, cfg, options)
+    """Weight matching of B to A over every symmetry class of the family (then the path's v/o maps, if chosen); a
+    gated MLP's unit signs searched where the whole group is."""
+    result = warm_start(a, b, cfg, options, signs=options.symmetry.group == "whole")
     return result if options.weight.ov_maps == "orthogonal" else on_the_path(result, a, b, cfg)
 
 
