@@ -258,12 +258,15 @@ class Descent:
         """The unit-touched tensors' part of the next Procrustes input, Σ X_A U(X_B)ᵀ / m over their residual-side
         ones (U the unit maps of ``t``; each (d, m) block divided by m so that every tensor counts per entry; the
         fixed tensors' part is ``fixed.scaled``), and ‖A − T(B)‖² at ``t``."""
+        # the fixed products first, so that their pair of vocabularies is never read beside the layers' products
+        q = t.residual
+        fixed = None if q is None else self.fixed
         units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp, group=t.group)
         per_layer = groups.side_by_side(functools.partial(self._layer_products, units=units), self.layers)
         parts = [part for pair in per_layer for part in pair]
         scaled = torch.stack([part.scaled for part in parts]).sum(0)
-        if t.residual is not None and self.fixed.quadratic:
-            scaled = scaled + self.fixed.linearised(t.residual.to(scaled.device, scaled.dtype))
+        if q is not None and fixed is not None and fixed.quadratic:
+            scaled = scaled + fixed.linearised(q.to(scaled.device, scaled.dtype))
         distance = sum(part.distance(t.residual) for part in parts) + self.fixed_distance(t.residual)
         return scaled, max(distance, 0.0)  # a distance; below the products' rounding it reads 0
 
