@@ -284,14 +284,37 @@ class Descent:
         """The unit-touched tensors' part of the next Procrustes input, Σ X_A U(X_B)ᵀ / m over their residual-side
         ones (U the unit maps of ``t``; each (d, m) block divided by m so that every tensor counts per entry; the
         fixed tensors' part is ``fixed.scaled``), and ‖A − T(B)‖² at ``t``."""
-        units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp, mlp_scale=t.mlp_scale, group=t.group)
-        per_layer = groups.side_by_side(functools.partial(self._layer_products, units=units), self.layers)
-        parts = [part for pair in per_layer for part in pair]
-        scaled = torch.stack([part.scaled for part in parts]).sum(0)
-        if t.residual is not None and self.fixed.quadratic:
-            scaled = scaled + self.fixed.linearised(t.residual.to(scaled.device, scaled.dtype))
-        distance = sum(part.distance(t.residual) for part in parts) + self.fixed_distance(t.residual)
+        # the fixed products first, so that their pair of vocabularies is never read beside the layers' products
+        q = t.residual
+        fixed = None if q is None else self.fixed
+        units = Transform(self.depth, heads=t.heads, qk=t.qk, ov=t.ov, mlp=t.mlp, mlp_scale=t.mlp_scale,
+                          group=t.group)
+        stacked, distance = self._stacked_parts(units, q)
+        scaled = stacked.sum(0)
+        if q is not None and fixed is not None and fixed.quadratic:
+            scaled = scaled + fixed.linearised(q.to(scaled.device, scaled.dtype))
+        distance += self.fixed_distance(q)
         return scaled, max(distance, 0.0)  # a distance; below the products' rounding it reads 0
+
+    def _stacked_parts(self, units: Transform, q: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+        """Every layer's heads' and MLP's ``scaled`` stacked (2·depth, d, d), and Σ of their distances at ``q``, in
+        layer order: layers side by side a wave (as many as torch has threads) at a time, each part's products
+        dropped once it is stacked and its distance taken (unless kept: :meth:`_layer_products`), never all held
+        beside their stacked copy."""
+        stacked: torch.Tensor | None = None
+        distance = 0.0
+        wave = max(torch.get_num_threads(), 1)
+        for first in range(0, self.depth, wave):
+            made = groups.side_by_side(functools.partial(self._layer_products, units=units),
+                                       self.layers[first:first + wave])
+            for index, part in enumerate((part for pair in made for part in pair), 2 * first):
+                if stacked is None:
+                    stacked = part.scaled.new_empty(2 * self.depth, *part.scaled.shape)
+                stacked[index] = part.scaled
+                distance += part.distance(q)  # on the caller's threads, as the sum it replaces
+        if stacked is None:
+            raise ValueError("no layer has unit-touched tensors")
+        return stacked, distance
 
     def _layer_products(self, layer: Layer, units: Transform) -> tuple[Products, Products]:
         """A layer's heads' and MLP's :class:`Products` at ``units``; the MLP's kept while its permutation and signs

@@ -227,7 +227,7 @@ def canonical_view(arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelCon
             gain = arch.canonical_tensor(native, gain_name, sources[gain_name], cfg)
             if into == torch.float32 and dtype in (torch.float64, torch.float32) and {weight.dtype, gain.dtype} <= {
                     torch.float32, *HALF}:
-                return weight.detach().to(into) * gain.detach().to(into)
+                return weight.detach().to(into, copy=True).mul_(gain.detach().to(into))  # one vocabulary made
         return make(name).to(into)
 
     return Lazy(sources, make, search)

@@ -16,6 +16,8 @@ from typing import Literal, TypeVar, get_args
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from glmc.device import release_heap
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -117,7 +119,9 @@ def side_by_side(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
     if workers <= 1:
         return [work(item) for item in items]
     with _one_torch_thread(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(work, items))
+        done = list(pool.map(work, items))
+    release_heap()  # what the workers freed stays in their own heaps (glibc's per-thread arenas), unused by others
+    return done
 
 
 # On a GPU, matrices up to this size are factored on the CPU, where LAPACK beats cuSOLVER's per-call cost. Chosen
