@@ -108,7 +108,8 @@ AUTO = "auto"  # partitioner: chosen by the dataset (default_partitioner)
 REFINE_TARGETS = (keyed(LearnConfig)["refine-targets"].none, *TARGETS)
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
-LR_DECAYS = ("none", "cosine")
+LR_DECAYS = ("none", "cosine", "step")
+STEP_DECAY = 0.1  # lr-decay "step": the rate is multiplied by this from the round after half the rounds
 ATTACKS = ("none", "inflate", "scale", "signflip", "replace", "constant")  # client.attacks (a test hook)
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
@@ -187,7 +188,8 @@ class RunSettings:
     batch_size: int = 0  # 0 = the dataset's measured default
     lr: float = 0.0  # 0 = the dataset's measured default
     # the clients' learning rate across rounds: none (every round starts at lr) | cosine (round r of R starts at
-    # lr·½(1 + cos(π(r−1)/R)), the decayed global schedule HeteroFL and FedRolex train with, so runs settle)
+    # lr·½(1 + cos(π(r−1)/R))) | step (lr for the first half of the rounds, lr/10 after: HeteroFL's non-IID schedule,
+    # whose last rounds settle at the lower rate, so a run's plateau can be read off its last 20%)
     lr_decay: str = "none"
     # training dropout (embeddings, attention weights, residual writes) of the clients and of the server's own
     # training in fedavg-ft and server-only; -1 = the model's own (the preset's or the init checkpoint's). Seeds
@@ -319,6 +321,8 @@ class RunSettings:
         if self.lr_decay == "none":
             return lr
         done = min(server_round, self.num_server_rounds) - 1  # a resumed run's later rounds keep the last round's
+        if self.lr_decay == "step":
+            return lr * STEP_DECAY if 2 * done >= self.num_server_rounds else lr
         return lr * 0.5 * (1 + math.cos(math.pi * done / self.num_server_rounds))
 
     @property

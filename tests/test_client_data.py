@@ -180,7 +180,8 @@ def test_a_fetched_cifar10_copy_splits_by_label_across_clients(
 
 def test_lr_decay_cosine_starts_each_round_lower_and_none_keeps_the_base() -> None:
     """Round 1 trains at the base rate, later rounds follow the cosine down (never to 0 within the run, and a resumed
-    run's later rounds keep the last rate); without lr-decay every round gets the base, and the client uses it."""
+    run's later rounds keep the last rate); step keeps the base for the first half, then a tenth of it; without
+    lr-decay every round gets the base, and the client uses it."""
     from client.app import train_config
 
     cosine = RunSettings(num_server_rounds=4, lr_decay="cosine")
@@ -192,5 +193,8 @@ def test_lr_decay_cosine_starts_each_round_lower_and_none_keeps_the_base() -> No
     assert RunSettings(num_server_rounds=4).round_lr(0.01, 3) == 0.01
     config = train_config(cosine, {"lr": 0.01, "batch_size": 32}, 0, torch.device("cpu"), 3)
     assert config.lr == pytest.approx(rates[2]) and config.batch_size == 32
+    step = RunSettings(num_server_rounds=4, lr_decay="step")
+    assert [step.round_lr(0.01, r) for r in range(1, 6)] == [0.01, 0.01, pytest.approx(0.001), pytest.approx(0.001),
+                                                              pytest.approx(0.001)]
     with pytest.raises(ConfigError, match="lr-decay"):
         RunSettings(lr_decay="linear")
