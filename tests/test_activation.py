@@ -90,6 +90,26 @@ def test_recovers_a_permutation_transform(pair: tuple[ModelConfig, State, State]
     assert result.transform.qk == [None] * cfg.depth
 
 
+def test_a_gated_mlp_recovers_units_whose_signs_flipped() -> None:
+    """A gated unit's up row and down column negated together is a symmetry that negates its feature: with signs
+    searched, the permutation and the flips are undone exactly; without, the flipped units (correlated at −1) are
+    matched elsewhere and B stays away from A."""
+    cfg = CONFIGS["llama"]
+    a, spec, batch = random_state(cfg, 0), get_arch(cfg.family).spec, random_batch(cfg)
+    planted = permutation_transform(cfg, seed=3)
+    g = torch.Generator().manual_seed(4)
+    planted.mlp_scale = [torch.where(torch.rand(cfg.mlp, generator=g) < 0.5, -1.0, 1.0).double()
+                         for _ in range(cfg.depth)]
+    b = apply(a, spec, planted, cfg.heads)
+    assert logits_gap(a, b, cfg, batch) < GAP["llama"]
+    signed = activation_match(a, b, cfg, batch, batch_size=10, residual=True, signs=True)
+    aligned = apply(b, spec, signed.transform, cfg.heads)
+    assert max(float((a[k] - aligned[k]).abs().max()) for k in a) < 1e-8
+    assert signed.info["corr_mlp"] > 1 - 1e-9
+    unsigned = activation_match(a, b, cfg, batch, batch_size=10, residual=True)
+    assert sq_distance(a, apply(b, spec, unsigned.transform, cfg.heads)) > 1.0
+
+
 def test_independent_models_function_preserved_and_closer(pair: tuple[ModelConfig, State, State]) -> None:
     cfg, a, b = pair
     spec, batch = get_arch(cfg.family).spec, random_batch(cfg)

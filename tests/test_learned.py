@@ -35,14 +35,14 @@ from glmc.match.learned import (
     straight_through,
     validate,
 )
-from glmc.match.options import LearnConfig, MatchOptions, WeightOptions, Within
+from glmc.match.options import LearnConfig, MatchOptions, SymmetryOptions, WeightOptions, Within
 from glmc.match.soft import soft_match
-from glmc.match.weight import weight_match
+from glmc.match.weight import learned_start, weight_match
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import Transform, apply
 from glmc.train import TrainConfig, evaluate, seed_everything, token_loss, train
-from tests.symmetry_models import CONFIGS, dataset, inputs, logits_of, random_native
+from tests.symmetry_models import CONFIGS, RMS_CONFIGS, canonical, dataset, inputs, logits_of, random_native
 
 FAMILIES = ["vit-odd", "gpt2-odd"]
 FAST = LearnConfig(steps=6, eval_every=2, batch_size=16, lr=0.05, dtype="float64")
@@ -449,3 +449,27 @@ def test_cli_align_learned_writes_a_checkpoint_computing_b(tmp_path, capsys):
         with torch.no_grad():
             assert (b.double()(x) - moved.double()(x)).abs().max() <= 1e-4  # saved as float32
     assert weight_objectives[0] != weight_objectives[1]  # the start reached weight matching
+
+
+@pytest.mark.parametrize("group", ["whole", "orthogonal"])
+def test_the_learned_start_carries_a_gated_mlps_unit_signs_as_flips_of_b(group: str) -> None:
+    """Over the whole group the start finds a planted permutation with flipped gated units, and the learned methods
+    (whose latents hold no signs) start from B with those flips applied: the carried transform lands B on A. Over the
+    orthogonal part no sign is searched, and B is left as given."""
+    cfg = RMS_CONFIGS["llama-gqa"]
+    spec, a = get_arch(cfg.family).spec, canonical(cfg, 0)
+    g = torch.Generator().manual_seed(1)
+    planted = Transform(cfg.depth, mlp=[torch.randperm(cfg.mlp, generator=g) for _ in range(cfg.depth)],
+                        mlp_scale=[torch.where(torch.rand(cfg.mlp, generator=g) < 0.5, -1.0, 1.0).double()
+                                   for _ in range(cfg.depth)])
+    b = apply(a, spec, planted, cfg.heads)
+    start = learned_start(a, b, cfg, MatchOptions(symmetry=SymmetryOptions(group)))  # type: ignore[arg-type]
+    assert all(s is None for s in start.match.transform.mlp_scale)
+    landed = apply(b, spec, start.carried(start.match.transform), cfg.heads)
+    gap = max(float((a[k] - landed[k]).abs().max()) for k in a)
+    if group == "whole":
+        assert gap < 1e-5  # the residual map, searched in float32, is the identity to its rounding
+        assert max(float((a[k] - apply(start.b, spec, start.match.transform, cfg.heads)[k]).abs().max())
+                   for k in a) < 1e-5
+    else:
+        assert start.flips is None and start.b is b and gap > 1e-2

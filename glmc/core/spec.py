@@ -43,6 +43,11 @@ MLP_GATE: AxisKind = "MLP_GATE"
 MLP_IN: AxisKind = "MLP_IN"
 NORM: AxisKind = "NORM"
 
+def gated(spec: SpecTable) -> bool:
+    """Whether the spec's MLP is gated (SwiGLU): its units' up rows and down columns may then flip sign together."""
+    return any(MLP_GATE in axes for axes in spec.values())
+
+
 def block_linears(spec: SpecTable, outputs: Collection[AxisKind] | None = None,
                   inputs: Collection[AxisKind] | None = None) -> tuple[str, ...]:
     """A block's linear layers as canonical prefixes, in the spec's order, which is forward order; only those whose

@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from glmc.archs import Arch, get_arch
 from glmc.core.config import ModelConfig
-from glmc.core.spec import HEADS, MLP_IN, block_linears
+from glmc.core.spec import HEADS, MLP_IN, block_linears, gated
 from glmc.core.state import State
 from glmc.device import device_of
 from glmc.match.common import MatchResult, grouped_assignment, matched_order, require_data, sq_distance
@@ -162,10 +162,17 @@ def solve_heads(corr: torch.Tensor, heads: int, kv: int | None = None,
     return perm, group, shared, values
 
 
+def signed_units(corr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The units' permutation maximising Σ |corr[i, p(i)]| and each pair's sign: a gated unit whose up row and down
+    column flip together negates its feature, so a pair correlated at −1 computes the same feature."""
+    perm = groups.assignment(corr.abs())
+    return perm, torch.where(_matched(corr, perm) < 0, -1.0, 1.0)
+
+
 def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype, residual: bool,
-           ) -> tuple[Transform, dict[str, float]]:
-    """Every LAP from the correlations: the residual permutation (if ``residual``), MLP permutations, heads with
-    within-head maps."""
+           signs: bool = False) -> tuple[Transform, dict[str, float]]:
+    """Every LAP from the correlations: the residual permutation (if ``residual``), MLP permutations (with the
+    units' signs if ``signs``), heads with within-head maps."""
     t = Transform(cfg.depth)
     res = torch.arange(cfg.width)
     if residual:
@@ -173,9 +180,9 @@ def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtyp
         t.residual = _permutation_matrix(res, dtype)
     mlp, head = [], []
     for layer in range(cfg.depth):
-        perm = groups.assignment(corr["mlp", layer])
-        t.mlp[layer] = perm
-        mlp.append(_matched(corr["mlp", layer], perm))
+        perm, sign = signed_units(corr["mlp", layer]) if signs else (groups.assignment(corr["mlp", layer]), None)
+        t.mlp[layer], t.mlp_scale[layer] = perm, None if sign is None else sign.to(dtype)
+        mlp.append(_matched(corr["mlp", layer], perm) * (1.0 if sign is None else sign))
         t.heads[layer], t.group[layer], inner, values = solve_heads(corr["heads", layer], cfg.heads, cfg.kv_heads)
         t.ov[layer] = torch.stack([_permutation_matrix(p, dtype) for p in inner])
         head.append(values.flatten())
@@ -184,19 +191,20 @@ def _solve(corr: Mapping[Key, torch.Tensor], cfg: ModelConfig, dtype: torch.dtyp
     return t, info
 
 
-def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, *,
-                     batch_size: int = 64, residual: bool | None = None, form: Form = "standard") -> MatchResult:
+def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, *, batch_size: int = 64,
+                     residual: bool | None = None, form: Form = "standard", signs: bool = False) -> MatchResult:
     """Find T with T(θ_B) ≡ θ_B as a function and its features correlated with A's (Verma & Elbayad §3).
 
     ``a``, ``b``: canonical states of ``cfg`` in ``form``; ``batch``: model input (images or token ids);
-    ``residual``: permute the residual stream too (default: the family's ``activation_residual``).
+    ``residual``: permute the residual stream too (default: the family's ``activation_residual``); ``signs``: a
+    gated MLP's units matched with their signs (the orthogonal part of their scale, which the whole group holds).
     The objective is ‖θ_A − T(θ_B)‖², comparable with weight matching; ``info`` holds mean matched correlations.
     """
     start = time.perf_counter()
     corr = correlations(a, b, cfg, batch, batch_size=batch_size, form=form)
     dtype = next(iter(b.values())).dtype
     residual = get_arch(cfg.family).activation_residual if residual is None else residual
-    t, info = _solve(corr, cfg, dtype, residual)
+    t, info = _solve(corr, cfg, dtype, residual, signs and gated(get_arch(cfg.family).spec))
     objective = sq_distance(a, apply(b, get_arch(cfg.family).spec, t, cfg.heads))
     log.info("activation matching: ‖A − T(B)‖² = %.6g, correlations %s", objective, info)
     return MatchResult(t, [objective], time.perf_counter() - start, dict(info))
@@ -204,7 +212,9 @@ def activation_match(a: State, b: State, cfg: ModelConfig, batch: torch.Tensor, 
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
 def pairwise(a: State, b: State, cfg: ModelConfig, data: Dataset | None, options: MatchOptions) -> MatchResult:
-    """Activation matching on the first ``options.activation.batch`` inputs of ``data``."""
+    """Activation matching on the first ``options.activation.batch`` inputs of ``data``; a gated MLP's unit signs
+    searched where the whole group is."""
     from glmc.data.tasks import inputs_of
 
-    return activation_match(a, b, cfg, inputs_of(require_data(data), options.activation.batch), form=options.form)
+    return activation_match(a, b, cfg, inputs_of(require_data(data), options.activation.batch), form=options.form,
+                            signs=options.symmetry.group == "whole")

@@ -30,7 +30,7 @@ import torch
 
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
-from glmc.core.spec import MLP, MLP_GATE, MLP_IN, SpecTable
+from glmc.core.spec import MLP, MLP_GATE, MLP_IN, SpecTable, gated
 from glmc.core.state import Lazy, State
 from glmc.match.common import gather, head_factors, kv_factors
 from glmc.match.options import MatchOptions
@@ -46,7 +46,7 @@ SINGULAR = 1e-10
 def mlp_scale(spec: SpecTable, cfg: ModelConfig) -> MlpScale:
     """The per-unit scales an MLP admits: any nonzero one on a gated MLP's ``up`` (with its inverse on fc2), a
     positive one under ReLU, none under GELU or SiLU."""
-    if any(MLP_GATE in axes for axes in spec.values()):
+    if gated(spec):
         return "nonzero"
     return "positive" if cfg.activation == "relu" else "none"
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
+from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, AxisKind, K, Q, SpecTable, V, expand, gated
 from glmc.core.state import State
 from glmc.match.common import cross, kind_first, sq_distance, sq_norm
 from glmc.symmetry import groups
@@ -219,7 +219,7 @@ class Descent:
     def __init__(self, a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: SpecTable, depth: int,
                  heads: int, rotary: int = 0, signs: bool = False) -> None:
         self.a, self.b, self.spec, self.depth, self.heads, self.rotary = a, b, spec, depth, heads, rotary
-        self.signs = signs and any(MLP_GATE in axes for axes in spec.values())
+        self.signs = signs and gated(spec)
         self.layers = [Layer(layer) for layer in range(depth)]
         self.fixed_names: list[str] = []
         for name, (layer, template) in expand(spec, depth).items():

@@ -27,7 +27,7 @@ from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult, require_data
 from glmc.match.learned import Endpoint, Latents, Sampler, Weights, learn, pair_points
 from glmc.match.options import LearnConfig, MatchOptions
-from glmc.match.weight import warm_start
+from glmc.match.weight import learned_start
 from glmc.symmetry.canonical import Form, residual_group
 from glmc.symmetry.transforms import Transform, compose, invert
 
@@ -51,16 +51,17 @@ def dual_match(a: State, b: State, cfg: ModelConfig, data: Dataset, options: Mat
     options = options or MatchOptions()
     learn_options, began = options.learn, time.perf_counter()
     fix_ones = residual_group(options.form, get_arch(cfg.family))
-    init = warm_start(a, b, cfg, options)
+    start = learned_start(a, b, cfg, options)
     sides = [Latents(t, cfg, learn_options, fix_ones=fix_ones, seed=i) for i, t in enumerate((Transform(cfg.depth),
-                                                                                               init.transform))]
-    learned = learn([Endpoint(a, sides[0]), Endpoint(b, sides[1])], cfg, data,
+                                                                                               start.match.transform))]
+    learned = learn([Endpoint(a, sides[0]), Endpoint(start.b, sides[1])], cfg, data,
                     Sampler(learn_options.seed, lam=learn_options.lam), pair_points(learn_options), learn_options,
                     form=options.form, validation=validation)
-    ta, tb = learned.transforms
-    assert ta is not None and tb is not None
+    ta, learned_b = learned.transforms
+    assert ta is not None and learned_b is not None
+    tb = start.carried(learned_b)
     result = MatchResult(compose(invert(ta), tb), learned.history, time.perf_counter() - began,
-                         learned.info | {"weight_objective": init.objective[-1]})
+                         learned.info | {"weight_objective": start.match.objective[-1]})
     return DualResult(ta, tb, result)
 
 

@@ -34,7 +34,7 @@ from glmc.device import device_of
 from glmc.errors import ConfigError
 from glmc.match.common import MatchResult, require_data
 from glmc.match.options import LearnConfig, MatchOptions, Targets, Within
-from glmc.match.weight import warm_start
+from glmc.match.weight import learned_start
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import CIRCUITS, Form, residual_group, to_circuit, to_model
 from glmc.symmetry.transforms import Transform, apply, require_folded
@@ -460,21 +460,22 @@ def learned_match(a: State, b: State, cfg: ModelConfig, data: Dataset, options: 
 
     ``a``, ``b``: canonical states of ``cfg`` in ``options.form``; ``data``: (input, target) pairs of the training
     split, a validation share of it held out unless ``validation`` is given. It starts from weight matching with
-    ``options.weight`` (:func:`glmc.match.weight.warm_start`) and learns with ``options.learn``.
+    ``options.weight`` (:func:`glmc.match.weight.learned_start`) and learns with ``options.learn``.
     ``permutations_only`` makes the residual a permutation too and starts from permutation-only weight matching
     (the paper's "permutations" row).
     """
     options = options or MatchOptions()
     learn_options, began = options.learn, time.perf_counter()
     fix_ones = residual_group(options.form, get_arch(cfg.family))
-    init = warm_start(a, b, cfg, options, permutations_only=permutations_only)
-    latents = Latents(init.transform, cfg, learn_options, fix_ones=fix_ones, residual_perm=permutations_only)
-    learned = learn([Endpoint(a), Endpoint(b, latents)], cfg, data, Sampler(learn_options.seed, lam=learn_options.lam),
-                    pair_points(learn_options), learn_options, form=options.form, validation=validation)
+    start = learned_start(a, b, cfg, options, permutations_only=permutations_only)
+    latents = Latents(start.match.transform, cfg, learn_options, fix_ones=fix_ones, residual_perm=permutations_only)
+    learned = learn([Endpoint(a), Endpoint(start.b, latents)], cfg, data,
+                    Sampler(learn_options.seed, lam=learn_options.lam), pair_points(learn_options), learn_options,
+                    form=options.form, validation=validation)
     transform = learned.transforms[1]
     assert transform is not None
-    return MatchResult(transform, learned.history, time.perf_counter() - began,
-                       learned.info | {"weight_objective": init.objective[-1]})
+    return MatchResult(start.carried(transform), learned.history, time.perf_counter() - began,
+                       learned.info | {"weight_objective": start.match.objective[-1]})
 
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.

@@ -12,6 +12,7 @@ random transforms.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from glmc.archs import get_arch
 from glmc.core.spec import HEADS, MLP, MLP_GATE, MLP_IN, QKV, RES, AxisKind, K, Q, SpecTable, V, expand
-from glmc.core.state import restrict, search_view
+from glmc.core.state import State, restrict, search_view
 from glmc.errors import ConfigError
 from glmc.match.common import (
     MatchResult,
@@ -42,7 +43,7 @@ from glmc.match.options import Start, WeightOptions
 from glmc.match.ov_path import on_the_path
 from glmc.symmetry import groups
 from glmc.symmetry.canonical import residual_group
-from glmc.symmetry.transforms import Transform
+from glmc.symmetry.transforms import Transform, apply, compose
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
@@ -430,11 +431,46 @@ def warm_start(a: State, b: State, cfg: ModelConfig, options: MatchOptions, *, p
                permute_stream: bool = False, signs: bool = False) -> MatchResult:
     """Weight matching of canonical B to A in ``options.form`` with ``options.weight``: the weight methods' search,
     and where the learned methods start (permutations only: the residual left alone, or permuted too with
-    ``permute_stream``; ``signs``: a gated MLP's unit signs searched too, which the learned methods do not carry)."""
+    ``permute_stream``; ``signs``: a gated MLP's unit signs searched too, which the learned methods carry as flips
+    of B: :func:`learned_start`)."""
     arch = get_arch(cfg.family)
     return weight_match(a, b, arch.spec, cfg.depth, cfg.heads, fix_ones=residual_group(options.form, arch),
                         permutations_only=permutations_only, options=options.weight, rotary=cfg.rotary_dim,
                         permute_stream=permute_stream, signs=signs)
+
+
+@dataclasses.dataclass
+class LearnedStart:
+    """Where the learned methods start: weight matching over the group their options name, with a gated MLP's unit
+    flips (which their latents, permutations and within-head maps, do not hold) applied to B beforehand."""
+
+    b: State  # B with the flips applied
+    match: MatchResult  # the start on that B: the search's transform without its flips
+    flips: Transform | None  # the flips in B's unit order; None where none were searched
+
+    def carried(self, transform: Transform) -> Transform:
+        """A transform of the flipped B as one of the given B."""
+        return transform if self.flips is None else compose(transform, self.flips)
+
+
+def _by_b_unit(perm: torch.Tensor | None, sign: torch.Tensor | None) -> torch.Tensor | None:
+    """A matching's unit signs (of A's unit i and B's unit perm[i]) in B's unit order."""
+    if sign is None or perm is None:
+        return sign
+    return sign.new_ones(len(sign)).index_copy(0, perm.to(sign.device), sign)
+
+
+def learned_start(a: State, b: State, cfg: ModelConfig, options: MatchOptions, *,
+                  permutations_only: bool = False) -> LearnedStart:
+    """:func:`warm_start` with a gated MLP's unit signs searched where the whole group is, carried as flips of B."""
+    init = warm_start(a, b, cfg, options, permutations_only=permutations_only,
+                      signs=options.symmetry.group == "whole")
+    pairs = list(zip(init.transform.mlp, init.transform.mlp_scale, strict=True))
+    if all(sign is None for _, sign in pairs):
+        return LearnedStart(b, init, None)
+    flips = Transform(cfg.depth, mlp_scale=[_by_b_unit(perm, sign) for perm, sign in pairs])
+    unsigned = dataclasses.replace(init, transform=dataclasses.replace(init.transform, mlp_scale=[]))
+    return LearnedStart(apply(b, get_arch(cfg.family).spec, flips, cfg.heads), unsigned, flips)
 
 
 # The registry's entry points (glmc.match.registry): canonical states a, b of cfg, the training data, MatchOptions.
