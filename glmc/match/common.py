@@ -46,6 +46,22 @@ def gather(
     return torch.cat(blocks, dim=1)
 
 
+def scatter(like: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, kind: AxisKind, layer: int,
+            x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`gather`: ``x`` (n_kind, m) cut back into the tensors of ``like`` it is gathered from,
+    each in its own shape and dtype."""
+    out, start = {}, 0
+    for name, (lay, template) in expand(spec, depth).items():
+        axes = spec[template]
+        if kind not in axes or name not in like or lay != layer:
+            continue
+        moved = like[name].movedim(axes.index(kind), 0)
+        width = moved[0].numel()
+        out[name] = x[:, start:start + width].reshape(moved.shape).movedim(0, axes.index(kind)).to(like[name].dtype)
+        start += width
+    return out
+
+
 def head_factors(state: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int, heads: int,
                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(3, H, d_h, m) q|k|v factors [W | b] per query head (a KV head's k and v repeated for each query of its
@@ -71,6 +87,37 @@ def kv_factors(qkv: torch.Tensor, out: torch.Tensor, kv: int,
     factors W_Oᵀ, which take N⁻ᵀ where v takes N."""
     first = torch.arange(0, qkv.shape[1], qkv.shape[1] // kv)  # a group's k and v, once
     return (_by_group(qkv[0], kv), qkv[1, first]), (qkv[2, first], _by_group(out, kv))
+
+
+def put_head_factors(like: Mapping[str, torch.Tensor], spec: SpecTable, depth: int, layer: int,
+                     qkv: torch.Tensor, out: torch.Tensor, kv: int) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`head_factors`: one layer's head tensors of ``like`` (names, shapes, dtypes) holding the
+    (3, H, d_h, m) q|k|v factors [W | b] and (H, d_h, d) output factors W_Oᵀ (a KV head's k and v read from the
+    first query head of its group)."""
+    heads = scatter(like, spec, depth, HEADS, layer, out.reshape(-1, out.shape[-1]))
+    if any(QKV in axes for template, axes in spec.items() if template.startswith("blocks.")):
+        return heads | scatter(like, spec, depth, QKV, layer, qkv.reshape(-1, qkv.shape[-1]))
+    first = torch.arange(0, qkv.shape[1], qkv.shape[1] // kv)
+    parts = (qkv[0], qkv[1, first], qkv[2, first])
+    return heads | {name: x for kind, part in zip((Q, K, V), parts, strict=True)
+                    for name, x in scatter(like, spec, depth, kind, layer, part.reshape(-1, part.shape[-1])).items()}
+
+
+def from_kv_factors(qk: tuple[torch.Tensor, torch.Tensor], vo: tuple[torch.Tensor, torch.Tensor],
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`kv_factors`: (3, H, d_h, m) q|k|v factors per query head and (H, d_h, d) output
+    factors, from a KV head's ((q, k), (v, o)) with its group's queries and outputs side by side."""
+    (q, k), (v, o) = qk, vo
+    kv, m = k.shape[0], k.shape[-1]
+    g = q.shape[-1] // m
+    per_query = [_by_query(x, kv, g) for x in (q, o)]
+    k, v = (x.repeat_interleave(g, 0) for x in (k, v))
+    return torch.stack([per_query[0], k, v]), per_query[1]
+
+
+def _by_query(x: torch.Tensor, kv: int, g: int) -> torch.Tensor:
+    """(H_kv, d_h, G·m), a group's queries side by side → (H, d_h, m) per query head (inverse of :func:`_by_group`)."""
+    return x.reshape(kv, x.shape[1], g, -1).permute(0, 2, 1, 3).reshape(kv * g, x.shape[1], -1)
 
 
 def _by_group(x: torch.Tensor, kv: int) -> torch.Tensor:
