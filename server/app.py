@@ -28,7 +28,6 @@ from glmc.data.generated import text_writer
 from glmc.device import resolve
 from glmc.io.checkpoint import CheckpointMeta, state_digest
 from glmc.match.options import LearnConfig
-from glmc.merging.circuits import require_circuit_layout
 from glmc.train import TrainConfig, evaluate, seed_everything, set_threads
 from server.guard import set_aside_note
 from server.hooks import (
@@ -176,8 +175,6 @@ def main(grid: Grid, context: Context) -> None:
     check_fit(settings, cfg)  # the width tiers of a model an init checkpoint gives, unseen by check_run_config
     if settings.generated:
         text_writer(cfg)  # a model that cannot write its own inputs is refused before round 1
-    if settings.corrections.circuit_heads:
-        require_circuit_layout(cfg)  # and one whose heads cannot merge as circuits
     done, initial = initial_model(settings, run_dir, cfg)
     if done >= settings.num_server_rounds:
         log.info("%s already has %d of %d rounds; nothing to do", run_dir, done, settings.num_server_rounds)

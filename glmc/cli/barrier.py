@@ -36,7 +36,7 @@ def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--circuit-heads", action="store_true",
                         help="merge every point's heads as circuits: refit each head's factors to the λ-mean of A's "
                              "and B's QK and OV circuits (truncated SVD), so a standard model follows the circuits' "
-                             "path; each curve is named METHOD+circuits (GPT-2 and ViT; default: off)")
+                             "path; each curve is named METHOD+circuits (every family; default: off)")
     cli_merge.add_simplex_arguments(parser)
 
 

@@ -55,7 +55,8 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="evaluate on the first N held-out samples only (default: all)")
     parser.add_argument("--circuit-heads", action="store_true",
                         help="refit every merged head to its inputs' weighted mean QK and OV circuits (truncated SVD, "
-                        "data-free; inputs of one width, GPT-2 and ViT): the merge averages circuits, not factors")
+                        "data-free; inputs of one width; rotary pairs and grouped queries included): the merge "
+                        "averages circuits, not factors")
     parser.add_argument("--restore-norms", action="store_true",
                         help="rescale every merged MLP neuron and head to its inputs' mean norm: a data-free repair "
                         "of the shrinkage that averaging imperfectly aligned units causes")
