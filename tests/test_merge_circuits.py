@@ -18,7 +18,8 @@ from glmc.core.state import mix
 from glmc.io.formats import read
 from glmc.match.align import align_pair
 from glmc.merging.circuits import merge_circuits
-from glmc.symmetry.canonical import to_model
+from glmc.symmetry.canonical import residual_group, to_model
+from glmc.symmetry.exactness import classes_for
 from glmc.symmetry.transforms import apply, random_transform
 from simulations.bench.official import PAIR
 from tests.symmetry_models import ALL_CONFIGS, canonical, inputs, logits_of, random_native
@@ -91,6 +92,19 @@ def test_a_model_merged_with_itself_or_a_within_head_copy_keeps_its_function(nam
     assert (_logits(merge_circuits(a, (a, a), cfg), cfg) - want).abs().max() <= 1e-5
     assert (_logits(merge_circuits(mix((a, b), (0.3, 0.7)), (a, b), cfg, (0.3, 0.7)), cfg) - want).abs().max() <= 1e-5
     assert (_logits(mix((a, b), (0.3, 0.7)), cfg) - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_model_merged_with_its_transformed_copy_after_alignment_keeps_its_function(name):
+    """B is A moved by a random element of the whole declared group (residual, heads, within-head and MLP maps);
+    after weight matching, the midpoint merged as circuits is A's function, in float64."""
+    cfg = ALL_CONFIGS[name]
+    arch = get_arch(cfg.family)
+    t = random_transform(cfg, classes_for(cfg), torch.Generator().manual_seed(5), residual_group("standard", arch))
+    b = arch.to_native(apply(canonical(cfg, 1), arch.spec, t, cfg.heads), cfg)
+    aligned = align_pair(random_native(cfg, 1), b, cfg, "weight")
+    merged = merge_circuits(mix((aligned.a, aligned.b), (0.5, 0.5)), (aligned.a, aligned.b), cfg)
+    assert (_logits(merged, cfg) - logits_of(random_native(cfg, 1), cfg, inputs(cfg))).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("name", NAMES)
