@@ -15,6 +15,7 @@ from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.state import Lazy
 from glmc.device import release_heap, resolve
+from glmc.errors import ConfigError
 from glmc.match.align import match_pair
 from glmc.match.balance import balance, balances
 from glmc.match.registry import get_method
@@ -45,10 +46,13 @@ def whole_merge_needed(configs: Sequence[ModelConfig], options: MergeOptions, ta
 
 
 def stream_merge(members: Sequence[Member], setup: MergeSetup) -> tuple[Lazy, float]:
-    """The merged canonical model (float64) of native ``members`` of ``setup.target`` (starting nowhere:
-    :func:`whole_merge_needed` says None), each tensor the weighted mean
-    of the models moved towards the first, made on each read; and the seconds the alignments took. As
-    :func:`glmc.merging.universe.universe_match`'s first iteration: the first model is aligned to itself too."""
+    """The merged canonical model (float64) of native ``members`` of ``setup.target``, where
+    :func:`whole_merge_needed` says None: each tensor the weighted mean of the models moved towards the first, made on
+    each read; and the seconds the alignments took. As :func:`glmc.merging.universe.universe_match`'s first iteration
+    does, the first model is aligned to itself too, and each matching is ``match_pair``'s with its default
+    ``recovered`` (not ``glmc align``'s share for half-precision inputs, which the whole-state path never uses)."""
+    if any(m.placement is not None for m in members):
+        raise ConfigError("a streamed merge starts every model where it is: no start placements")
     cfg, options = setup.target, setup.options
     arch, match = get_arch(cfg.family), dataclasses.replace(setup.options.match, form="standard")
     views = [canonical_view(arch, m.state, cfg, "standard", torch.float64) for m in members]
