@@ -6,12 +6,23 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from glmc.cli import merge as cli_merge
 from glmc.cli.data_options import count, test_data, training_data
 from glmc.cli.outputs import write_report
 from glmc.cli.pair import FORM_NAMES, METHOD_NAMES, add_pair_arguments, align_loaded, load_pair
 from glmc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+    from glmc.core.config import ModelConfig
+    from glmc.core.state import State
+    from glmc.io.checkpoint import CheckpointMeta
+    from glmc.match.common import MatchResult
 
 
 def add_barrier_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +57,6 @@ def run_barrier(args: argparse.Namespace) -> int:
 
     from glmc.merging.circuits import require_circuit_layout
     from glmc.merging.interpolation import barrier_curve
-    from glmc.symmetry.canonical import CIRCUITS, to_circuit
 
     if args.simplex:
         for flag, given in (("--repair", args.repair), ("--form", args.form != "standard"),
@@ -68,16 +78,37 @@ def run_barrier(args: argparse.Namespace) -> int:
     repair = training_data(meta, args, args.repair, ([state_a, state_b], [meta.config] * 2)) if args.repair else None
     curves = []
     for method in args.method or ["weight"]:
-        aligned = align_loaded(args, method, state_a, state_b, meta, args.form)  # learned methods learn the form's path
-        (a, cfg), (b, _) = ((to_circuit(s, meta.config) if args.form in CIRCUITS else (s, meta.config))
-                            for s in (aligned.a, aligned.b))
+        (a, b, cfg), result = _endpoints(args, method, state_a, state_b, meta)
         name = method + "+circuits" * args.circuit_heads + "+repair" * (repair is not None)
         curve = barrier_curve(a, b, cfg, test, args.points, form=args.form, method=name, dtype=torch.float32,
                               repair_data=repair, circuit_heads=args.circuit_heads)
-        curves.append(curve.to_dict() | {"align_seconds": aligned.result.seconds, "align_info": aligned.result.info})
-        print(f"{name:12s} barrier {curve.barrier:.4f}  align {aligned.result.seconds:.2f} s", file=sys.stderr)
+        curves.append(curve.to_dict() | {"align_seconds": result.seconds, "align_info": result.info})
+        print(f"{name:12s} barrier {curve.barrier:.4f}  align {result.seconds:.2f} s", file=sys.stderr)
     _write_barrier_outputs(args, curves)
     return 0
+
+
+def _endpoints(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
+               ) -> tuple[tuple[State, State, ModelConfig], MatchResult]:
+    """A and B aligned by ``method`` in the form's parameters, in float32 (what the path is evaluated in), and how B
+    was moved. A data-free method's float64 canonical pair is made tensor by tensor and never held whole; a
+    data-driven one's is dropped once rounded, so the curve holds the two inputs and these two endpoints."""
+    aligned = align_loaded(args, method, state_a, state_b, meta, args.form, lazy=True)  # learned: the form's path
+    (a, cfg), (b, _) = (_in_float32(s, meta.config, args.form) for s in (aligned.a, aligned.b))  # one at a time
+    return (a, b, cfg), aligned.result
+
+
+def _in_float32(state: Mapping[str, torch.Tensor], cfg: ModelConfig, form: str) -> tuple[State, ModelConfig]:
+    """An aligned canonical endpoint in the form's parameters (a circuit form's made from the standard state in its
+    precision), rounded to float32, and its config."""
+    import torch
+
+    from glmc.core.state import cast
+    from glmc.symmetry.canonical import CIRCUITS, to_circuit
+
+    if form in CIRCUITS:
+        state, cfg = to_circuit(state, cfg)
+    return cast(state, torch.float32), cfg
 
 
 def _write_barrier_outputs(args: argparse.Namespace, curves: list[dict]) -> None:

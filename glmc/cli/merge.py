@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from glmc.merging.options import MergeOptions
     from glmc.merging.universe import UniverseResult
 
+log = logging.getLogger(__name__)
 FILL_NAMES = ["zeros", "copies"]  # glmc.merging.widths.FILLS, without importing torch
 LEARN_SAMPLES = 20000  # default training samples of learned merging (a seeded subset of the training split)
 # The simplex grid's default size: a pair's 11 points (the paper's barrier curve), growing gently with N, so that
@@ -104,15 +107,18 @@ def _weights(text: str | None, n: int) -> list[float] | None:
     return check_weights(weights, n)
 
 
-def _load(paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta]]:
-    """The checkpoints' native states and metadata; a NaN or inf is refused here, named as its file names it."""
+def _load(paths: list[Path], half: bool = False) -> tuple[list[dict], list[CheckpointMeta]]:
+    """The checkpoints' native states (in float32; ``half``: a half-precision file in its own, as
+    :func:`glmc.cli.pair.load_pair` reads it) and metadata; a NaN or inf is refused here, named as its file names
+    it."""
+    from glmc.cli.pair import half_or_float32
     from glmc.io.formats import read
     from glmc.match.common import require_finite
 
-    loaded = [read(p) for p in paths]
+    loaded = [read(p, stored=half) for p in paths]
     for path, (state, _) in zip(paths, loaded, strict=True):
         require_finite(state, str(path))
-    return [s for s, _ in loaded], [m for _, m in loaded]
+    return [half_or_float32(s) if half else s for s, _ in loaded], [m for _, m in loaded]
 
 
 def _setup(args: argparse.Namespace, method: str, target: Any, natives: list[dict], metas: list[CheckpointMeta],
@@ -160,12 +166,14 @@ def _test_split(meta: CheckpointMeta, target: Any, args: argparse.Namespace) -> 
     return test_data(meta, target, args)
 
 
-def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], list[CheckpointMeta], Any, float]:
-    """Inputs, their metadata, and the checked target config and width multiplier."""
+def _prepare(args: argparse.Namespace, paths: list[Path], half: bool = False,
+             ) -> tuple[list[dict], list[CheckpointMeta], Any, float]:
+    """Inputs (``half``: as :func:`_load` reads them), their metadata, and the checked target config and width
+    multiplier."""
     from glmc.io.formats import read
     from glmc.merging.merge import check_inputs, target_config
 
-    natives, metas = _load(paths)
+    natives, metas = _load(paths, half)
     width_of = read(args.width_of)[1] if getattr(args, "width_of", None) else None
     target, mult = target_config(metas, width_of, getattr(args, "width_mult", None))
     check_inputs(metas, target)
@@ -174,6 +182,9 @@ def _prepare(args: argparse.Namespace, paths: list[Path]) -> tuple[list[dict], l
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
+    import torch
+
+    from glmc.core.state import cast
     from glmc.data.generated import writing_seconds
     from glmc.io.formats import check_output
     from glmc.merging.evaluation import grid_steps
@@ -183,20 +194,26 @@ def run_merge(args: argparse.Namespace) -> int:
         raise ConfigError(f"merge needs at least 2 checkpoints, got {len(args.checkpoints)}")
     weights = _weights(args.weights, len(args.checkpoints))  # checked before any work
     check_output(args.out, early_format(args), args.force)
-    natives, metas, target, mult = _prepare(args, args.checkpoints)
+    natives, metas, target, mult = _prepare(args, args.checkpoints, half=True)
     fmt = output_format(args, metas[0])
-    setup = _setup(args, args.method, target, natives, metas)
-    written = {"generate_seconds": round(writing_seconds(setup.train), 3)} if args.generated else {}
     configs = [m.config for m in metas]
     # Before the merge: a bad --limit or missing data costs nothing. Outside models with no --data-file are merged
     # and written, not evaluated.
     test = _test_split(metas[0], target, args) if args.data_file or metas[0].dataset else None
+    whole = _whole_merge_needed(args, configs, target, test is not None)
+    if whole is None:
+        setup = _setup(args, args.method, target, natives, metas)  # reads no data: a data-free method, uncorrected
+        _print_unevaluated(_stream_and_save(args, natives, metas, setup, (mult, fmt), weights))
+        return 0
+    log.info("holding the models whole: %s", whole)
+    for i, state in enumerate(natives):  # what read gives: the whole path's inputs as before, cast one at a time
+        natives[i] = cast(state, torch.float32)
+    setup = _setup(args, args.method, target, natives, metas)
+    written = {"generate_seconds": round(writing_seconds(setup.train), 3)} if args.generated else {}
     result, report = _merge_and_save(args, natives, metas, setup, (mult, fmt), weights)
     report |= written  # the time the inputs took to write the training text, beside universe_seconds
     if test is None:
-        print("no held-out data (these models name no glmc dataset): the merge is written but not evaluated; pass "
-              "--data-file to measure it", file=sys.stderr)
-        print(json.dumps({k: report[k] for k in ("out", "format", "method", "universe_seconds")}))
+        _print_unevaluated(report)
         return 0
     steps = grid_steps(len(natives), simplex_points(args, len(natives)))
     report |= _evaluate(args, natives, configs, setup, test, steps, result)
@@ -216,24 +233,59 @@ def merge(natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
     return merge_models(members(natives, [m.config for m in metas], weights), setup).universe
 
 
-def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
-                    written_as: tuple[float, str], weights: list[float] | None,
-                    ) -> tuple[UniverseResult, dict[str, Any]]:
-    """The merge, then the merged model written as a standard checkpoint of width multiplier and format
+def _whole_merge_needed(args: argparse.Namespace, configs: list[ModelConfig], target: ModelConfig,
+                        evaluated: bool) -> str | None:
+    """Why this merge holds the models whole (None: it is streamed, :mod:`glmc.merging.streamed`)."""
+    from glmc.merging.streamed import whole_merge_needed
+
+    if evaluated:
+        return "the merge is evaluated on held-out data, which runs the inputs and the merge whole"
+    return whole_merge_needed(configs, merge_options(args, args.method, None), target)
+
+
+def _print_unevaluated(report: dict[str, Any]) -> None:
+    print("no held-out data (these models name no glmc dataset): the merge is written but not evaluated; pass "
+          "--data-file to measure it", file=sys.stderr)
+    print(json.dumps({k: report[k] for k in ("out", "format", "method", "universe_seconds")}))
+
+
+def _write_merged(args: argparse.Namespace, native: Mapping[str, Any], metas: list[CheckpointMeta],
+                  setup: MergeSetup, written_as: tuple[float, str]) -> None:
+    """The merged native model written to --out as a standard checkpoint of width multiplier and format
     ``written_as``, stored as --dtype."""
-    from glmc.archs import get_arch
     from glmc.io.formats import write
 
     mult, fmt = written_as
-    result = merge(natives, metas, setup, weights)
-    native = get_arch(setup.target.family).to_native(result.merged, setup.target)
     inputs = ", ".join(p.name for p in args.checkpoints)
-    split = f"merged from {len(natives)} checkpoints by {setup.options.method}: {inputs}"
+    split = f"merged from {len(metas)} checkpoints by {setup.options.method}: {inputs}"
     meta = dataclasses.replace(metas[0], config=setup.target, width_mult=mult, seed=None, split=split, metrics={},
                                train={})
     write(args.out, fmt, native, meta, args.dtype)
+
+
+def _stream_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
+                     written_as: tuple[float, str], weights: list[float] | None) -> dict[str, Any]:
+    """The streamed merge (:func:`glmc.merging.streamed.stream_merge`), written tensor by tensor as it is made."""
+    from glmc.archs import get_arch
+    from glmc.merging.streamed import stream_merge
+    from glmc.merging.universe import members
+
+    merged, seconds = stream_merge(members(natives, [m.config for m in metas], weights), setup)
+    _write_merged(args, get_arch(setup.target.family).native_view(merged, setup.target), metas, setup, written_as)
+    return {"out": str(args.out), "format": written_as[1], "method": setup.options.method, "universe_seconds": seconds}
+
+
+def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
+                    written_as: tuple[float, str], weights: list[float] | None,
+                    ) -> tuple[UniverseResult, dict[str, Any]]:
+    """The merge, then the merged model written (:func:`_write_merged`)."""
+    from glmc.archs import get_arch
+
+    result = merge(natives, metas, setup, weights)
+    _write_merged(args, get_arch(setup.target.family).to_native(result.merged, setup.target), metas, setup,
+                  written_as)
     options, corrections = setup.options, setup.options.corrections
-    return result, {"out": str(args.out), "format": fmt, "dtype": args.dtype, "method": options.method,
+    return result, {"out": str(args.out), "format": written_as[1], "dtype": args.dtype, "method": options.method,
                     "circuit_heads": corrections.circuit_heads, "restore_norms": corrections.restore_norms,
                     "repair": corrections.repair,
                     "refit": corrections.refit, "matcher": dataclasses.asdict(options.match.weight),

@@ -47,7 +47,7 @@ def load_pair(a: Path, b: Path, stored: bool = False, half: bool = False,
     state_a, meta_a = read(a, stored=stored or half)
     state_b, meta_b = read(b, stored=stored or half)
     if half and not stored:
-        state_a, state_b = (_half_or_float32(s) for s in (state_a, state_b))
+        state_a, state_b = (half_or_float32(s) for s in (state_a, state_b))
     require_finite(state_a, str(a))
     require_finite(state_b, str(b))
     if meta_a.config.family != meta_b.config.family:
@@ -59,7 +59,7 @@ def load_pair(a: Path, b: Path, stored: bool = False, half: bool = False,
     return state_a, state_b, meta_a, meta_b
 
 
-def _half_or_float32(state: dict) -> dict:
+def half_or_float32(state: dict) -> dict:
     """Each floating-point tensor in its own precision where that is half, else in float32 (what ``read`` gives)."""
     import torch
 
