@@ -7,8 +7,9 @@ device, with :func:`resolve`; on a machine without a GPU the default stays the C
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Literal
 
 import torch
@@ -108,6 +109,50 @@ def release_heap() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+MADV_DONTNEED = 4  # Linux's madvise advice: drop these pages from the process (a file's are read again on use)
+
+
+def file_pages(state: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+    """A call that drops from this process the pages of the files ``state``'s tensors are mapped from (safetensors
+    maps a checkpoint, and its tensors are read in place), so that passes over a model do not leave all of it
+    resident: the kernel keeps the pages in its page cache and a later read faults them back unchanged. Only files
+    mapped without a written page count (dropping a copied-on-write page would undo the write), and ``state`` keeps
+    their mappings alive; glmc writes no stored input. Linux only: elsewhere, and for tensors in memory, it does
+    nothing."""
+    import ctypes
+
+    starts = sorted(t.untyped_storage().data_ptr() for t in state.values() if t.device.type == "cpu")
+    try:
+        libc, mapped = ctypes.CDLL("libc.so.6"), _clean_file_mappings()
+    except OSError:
+        return lambda: None
+    ranges = [(start, end) for start, end in mapped
+              if (i := bisect.bisect_left(starts, start)) < len(starts) and starts[i] < end]
+
+    def release() -> None:
+        for start, end in ranges:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+    return release
+
+
+def _clean_file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's mappings of files without a written page (/proc/self/smaps: no anonymous,
+    copied-on-write, memory in them)."""
+    clean, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: start-end perms offset dev inode [path]
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                current = (start, end) if len(head) > 5 and head[5].startswith("/") else None
+            elif current is not None and head[0] == "Anonymous:":
+                if int(head[1]) == 0:
+                    clean.append(current)
+                current = None
+    return clean
 
 
 def available_memory() -> int | None:

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from glmc.archs import build_model, get_arch
 from glmc.cli import main as glmc
 from glmc.core.config import PRESETS, ModelConfig
-from glmc.core.state import Lazy, restrict, search_view
+from glmc.core.state import Lazy, Paged, restrict, search_view
+from glmc.device import file_pages
 from glmc.io import formats
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint, save_streamed
 from glmc.match.align import align_pair
@@ -124,6 +125,23 @@ def _pair(root: Path, name: str, dtype: torch.dtype) -> tuple[Path, Path]:
     model.load_state_dict({k: v.to(dtype) for k, v in planted.items()})
     model.save_pretrained(str(root / "b"))
     return root / "a", root / "b"
+
+
+def test_a_mapped_pair_whose_pages_are_handed_back_on_every_read_aligns_as_the_whole_one(tmp_path: Path) -> None:
+    a, b = _pair(tmp_path, "llama-tiny", torch.bfloat16)
+    (state_a, meta), (state_b, _) = formats.read(a, stored=True), formats.read(b, stored=True)
+    kept = {k: v.clone() for k, v in state_a.items()}  # in memory, not mapped: file_pages leaves it alone
+    file_pages(kept)()
+    calls: list[int] = []
+
+    def paged(state: dict[str, torch.Tensor]) -> Paged:  # every page of the file dropped before each read
+        release = file_pages(state)
+        return Paged(state, lambda: (calls.append(1), release())[1], every=1)
+
+    whole = align_pair(state_a, state_b, meta.config, "weight", dtype=None)
+    lazy = align_pair(paged(state_a), paged(state_b), meta.config, "weight", dtype=None, lazy=True)
+    assert calls and whole.result.objective == lazy.result.objective and _same(whole.b, lazy.b)
+    assert all(torch.equal(kept[k], state_a[k]) for k in kept)
 
 
 def _tensors(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:

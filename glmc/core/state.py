@@ -3,6 +3,7 @@ sums of states (the points of a linear path, Eq. 1)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -27,6 +28,33 @@ class Widened(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.state[name].detach().to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
+class Paged(Mapping[str, torch.Tensor]):
+    """A stored ``state`` that calls ``release`` each time ``every`` bytes have been read from it: where its tensors
+    are pages of a mapped file (:func:`glmc.device.release_mapped`), a search passing over the model again and again
+    holds the pages of its last ``every`` bytes, not the whole model."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], release: Callable[[], None], every: int = 1 << 28) -> None:
+        self.state, self.release, self.every = state, release, every
+        self._read, self._lock = 0, threading.Lock()  # layers are read side by side, on several threads
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self.state[name]
+        with self._lock:
+            self._read += value.nbytes
+            due = self._read >= self.every
+            if due:
+                self._read = 0
+        if due:
+            self.release()
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.state)

@@ -19,8 +19,8 @@ from torch.utils.data import Dataset
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.spec import check_same_shapes
-from glmc.core.state import Lazy, State, cast
-from glmc.device import release_heap, to_device
+from glmc.core.state import Lazy, Paged, State, cast
+from glmc.device import file_pages, release_heap, to_device
 from glmc.errors import ConfigError
 from glmc.match.balance import balance, balances, nearer
 from glmc.match.common import MatchResult, sq_difference, sq_norm
@@ -103,6 +103,8 @@ def align_pair(
         a, b = (arch.to_canonical(s if dtype is None else cast(s, dtype), cfg) for s in (native_a, native_b))
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
     lazy = lazy and not entry.reads_data
+    if lazy:  # the inputs' mapped pages handed back as the search passes over them: made again from the page cache
+        native_a, native_b = (Paged(s, file_pages(s)) for s in (native_a, native_b))
     a, b = ((canonical_view if lazy else canonicalize)(arch, s, cfg, form, dtype) for s in (native_a, native_b))
     if not entry.matches:
         return Alignment(a, b, method, MatchResult(Transform(cfg.depth)))
