@@ -18,6 +18,7 @@ import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +109,11 @@ AUTO = "auto"  # partitioner: chosen by the dataset (default_partitioner)
 REFINE_TARGETS = (keyed(LearnConfig)["refine-targets"].none, *TARGETS)
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
-LR_DECAYS = ("none", "cosine", "step")
-STEP_DECAY = 0.1  # lr-decay "step": the rate is multiplied by this from the round after half the rounds
+# lr-decay's step schedules (HeteroFL's MultiStepLR, by the share of the rounds done at each milestone): "step" is
+# its MNIST non-IID one (milestone 200 of 400 rounds), "multistep" its CIFAR non-IID one (300 and 500 of 800)
+DECAY_MILESTONES = {"step": (Fraction(1, 2),), "multistep": (Fraction(3, 8), Fraction(5, 8))}
+LR_DECAYS = ("none", "cosine", *DECAY_MILESTONES)
+STEP_DECAY = 0.1  # the rate is multiplied by this at every milestone passed
 ATTACKS = ("none", "inflate", "scale", "signflip", "replace", "constant")  # client.attacks (a test hook)
 LABEL_SPLITS = ("iid", "dirichlet", "pathological", "shard")
 NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one per speaking role or play
@@ -188,8 +192,9 @@ class RunSettings:
     batch_size: int = 0  # 0 = the dataset's measured default
     lr: float = 0.0  # 0 = the dataset's measured default
     # the clients' learning rate across rounds: none (every round starts at lr) | cosine (round r of R starts at
-    # lr·½(1 + cos(π(r−1)/R))) | step (lr for the first half of the rounds, lr/10 after: HeteroFL's non-IID schedule,
-    # whose last rounds settle at the lower rate, so a run's plateau can be read off its last 20%)
+    # lr·½(1 + cos(π(r−1)/R))) | step (lr for the first half of the rounds, lr/10 after: HeteroFL's MNIST non-IID
+    # schedule) | multistep (lr/10 after 3/8 of the rounds, lr/100 after 5/8: its CIFAR non-IID one); a step
+    # schedule's last rounds settle at the lower rate, so a run's plateau can be read off its last 20%
     lr_decay: str = "none"
     # training dropout (embeddings, attention weights, residual writes) of the clients and of the server's own
     # training in fedavg-ft and server-only; -1 = the model's own (the preset's or the init checkpoint's). Seeds
@@ -321,8 +326,9 @@ class RunSettings:
         if self.lr_decay == "none":
             return lr
         done = min(server_round, self.num_server_rounds) - 1  # a resumed run's later rounds keep the last round's
-        if self.lr_decay == "step":
-            return lr * STEP_DECAY if 2 * done >= self.num_server_rounds else lr
+        if self.lr_decay in DECAY_MILESTONES:
+            passed = sum(done >= share * self.num_server_rounds for share in DECAY_MILESTONES[self.lr_decay])
+            return lr * STEP_DECAY ** passed
         return lr * 0.5 * (1 + math.cos(math.pi * done / self.num_server_rounds))
 
     @property

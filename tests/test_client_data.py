@@ -180,8 +180,9 @@ def test_a_fetched_cifar10_copy_splits_by_label_across_clients(
 
 def test_lr_decay_cosine_starts_each_round_lower_and_none_keeps_the_base() -> None:
     """Round 1 trains at the base rate, later rounds follow the cosine down (never to 0 within the run, and a resumed
-    run's later rounds keep the last rate); step keeps the base for the first half, then a tenth of it; without
-    lr-decay every round gets the base, and the client uses it."""
+    run's later rounds keep the last rate); step keeps the base for the first half, then a tenth of it; multistep a
+    tenth after 3/8 of the rounds and a hundredth after 5/8 (HeteroFL's 300 and 500 of 800); without lr-decay every
+    round gets the base, and the client uses it."""
     from client.app import train_config
 
     cosine = RunSettings(num_server_rounds=4, lr_decay="cosine")
@@ -196,5 +197,8 @@ def test_lr_decay_cosine_starts_each_round_lower_and_none_keeps_the_base() -> No
     step = RunSettings(num_server_rounds=4, lr_decay="step")
     assert [step.round_lr(0.01, r) for r in range(1, 6)] == [0.01, 0.01, pytest.approx(0.001), pytest.approx(0.001),
                                                               pytest.approx(0.001)]
+    multistep = RunSettings(num_server_rounds=800, lr_decay="multistep")
+    assert [multistep.round_lr(0.1, r) for r in (1, 300, 301, 500, 501, 800)] == [
+        0.1, 0.1, pytest.approx(0.01), pytest.approx(0.01), pytest.approx(0.001), pytest.approx(0.001)]
     with pytest.raises(ConfigError, match="lr-decay"):
         RunSettings(lr_decay="linear")
