@@ -93,8 +93,9 @@ def _streamed(args: argparse.Namespace, method: str) -> bool:
     """Whether ``method``'s path is made one tensor at a time at each λ from the aligned pair, itself folded and moved
     per tensor from the inputs as read (half precision as stored): a data-free matching in the standard form, without
     --circuit-heads or --repair. The rest round the aligned pair to float32 and hold it whole (:func:`_in_float32`):
-    a data-driven method's alignment and a centred form's canonical pair are made whole anyway, a circuit form
-    multiplies whole layers out, and --circuit-heads and --repair read every tensor of both ends at each point."""
+    ``none``'s pair (the models' own parameters), a data-driven method's alignment and a centred form's canonical
+    pair are made whole anyway, a circuit form multiplies whole layers out, and --circuit-heads and --repair read
+    every tensor of both ends at each point (docs/scaling.md)."""
     from glmc.match.registry import get_method
 
     entry = get_method(method)
