@@ -98,9 +98,8 @@ def _streamed(args: argparse.Namespace, method: str) -> bool:
     every tensor of both ends at each point (docs/scaling.md)."""
     from glmc.match.registry import get_method
 
-    entry = get_method(method)
-    return entry.matches and not entry.reads_data and args.form == "standard" and not (args.circuit_heads or
-                                                                                      args.repair)
+    entry, whole = get_method(method), args.form != "standard" or args.circuit_heads or bool(args.repair)
+    return entry.matches and not entry.reads_data and not whole
 
 
 def _endpoints(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,

@@ -48,8 +48,8 @@ def evaluate_mixtures(states: Sequence[Mapping[str, torch.Tensor]], grid: Sequen
     losses, accuracies = [], []
     for weights in tqdm(grid, desc="evaluate", unit="point", disable=None if progress is None else not progress,
                         dynamic_ncols=True):
-        point = _whole_point(states, weights, cfg, circuit_heads, target) if whole else mixture(states, weights,
-                                                                                              dtype)
+        point = _whole_point(states, weights, cfg, circuit_heads, target) if whole else \
+            mixture(states, weights, dtype)
         load_canonical(model, point, cfg)
         metrics = evaluate(model, arch, data, batch_size)
         losses.append(metrics["loss"])
