@@ -1,30 +1,37 @@
 """Aligning without copies of the models: the canonical forms folded, B moved and the output written one tensor at a
 time (:class:`glmc.core.state.Lazy`) give bit for bit what the whole-state path gives, in every family, and
 ``glmc align`` writes the same files as that path did (float32 and bfloat16 folders, glmc checkpoints); so does
-``glmc merge`` streamed (:mod:`glmc.merging.streamed`), and it is taken only where the two agree."""
+``glmc merge`` streamed (:mod:`glmc.merging.streamed`), and it is taken only where the two agree; and ``glmc barrier``
+draws a data-free method's curve from the lazy pair, one model held, as it did from two endpoints held whole."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from torch.utils.data import TensorDataset
 
-from glmc.archs import build_model, get_arch
+from glmc.archs import build_model, get_arch, random_inputs
+from glmc.cli import barrier as cli_barrier
 from glmc.cli import main as glmc
 from glmc.core.config import PRESETS, ModelConfig
-from glmc.core.state import Lazy, Paged, restrict, search_view
+from glmc.core.state import Lazy, Paged, cast, mix, restrict, search_view
 from glmc.device import file_pages
 from glmc.io import formats
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint, save_streamed
 from glmc.match.align import align_pair
 from glmc.match.balance import balance
-from glmc.merging import streamed
-from glmc.symmetry.canonical import canonical_view, canonicalize
+from glmc.merging import interpolation, streamed
+from glmc.merging.interpolation import barrier_curve
+from glmc.symmetry.canonical import canonical_view, canonicalize, to_model
 from glmc.symmetry.transforms import MATCHABLE, apply, moved, random_transform
+from glmc.train import evaluate
 from simulations.bench.planting import PLANTERS
 
 FAMILIES = ["vit-tiny", "gpt2-tiny", "llama-tiny", "neox-tiny", "bert-tiny"]
@@ -236,3 +243,79 @@ def test_glmc_merge_holds_the_models_whole_where_streaming_would_change_the_merg
             (["--iters", "1", "--restore-norms"], "the corrections read every aligned model"))
     for i, (flags, why) in enumerate(held):
         assert f"holding the models whole: {why}" in _merge(paths, tmp_path / f"out{i}", flags, caplog)
+
+
+def _data(cfg: ModelConfig) -> TensorDataset:
+    """Eight held-out samples of random inputs and targets for ``cfg``'s model."""
+    x, g = random_inputs(cfg, 8, seed=2), torch.Generator().manual_seed(3)
+    classes = cfg.num_classes if x.is_floating_point() else cfg.vocab_size
+    return TensorDataset(x, torch.randint(0, classes, x.shape[:1] if x.is_floating_point() else x.shape, generator=g))
+
+
+def _counted(state: Lazy, reads: list[str]) -> Lazy:
+    """``state``, each tensor it makes noted in ``reads``."""
+    def make(name: str) -> torch.Tensor:
+        reads.append(name)
+        return state[name]
+
+    return Lazy(state, make)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_path_between_lazy_models_is_made_tensor_by_tensor_into_one_model_as_the_whole_path(name: str) -> None:
+    cfg = _cfg(name)
+    arch = get_arch(cfg.family)
+    native_a, native_b = _native(cfg, 0), _native(cfg, 1)
+    t = random_transform(cfg, MATCHABLE, torch.Generator().manual_seed(1))
+    whole = [canonicalize(arch, native_a, cfg, dtype=torch.float64),
+             apply(canonicalize(arch, native_b, cfg, dtype=torch.float64), arch.spec, t, cfg.heads)]
+    reads: list[str] = []
+    lazy = [_counted(canonical_view(arch, native_a, cfg, dtype=torch.float64), reads),  # type: ignore[arg-type]
+            _counted(moved(canonical_view(arch, native_b, cfg, dtype=torch.float64), arch.spec, t, cfg.heads), reads)]
+    want, got = (barrier_curve(a, b, cfg, _data(cfg), points=3, dtype=torch.float32) for a, b in (whole, lazy))
+    assert got == want and want.losses[0] != want.losses[-1]  # two models, one curve
+    middle = to_model(mix([cast(s, torch.float32) for s in whole], (0.5, 0.5)), cfg)  # the midpoint made whole
+    assert evaluate(middle, arch, _data(cfg))["loss"] == want.losses[1]
+    assert len(reads) >= 3 * 2 * len(whole[0])  # every tensor of both ends made again at each λ: neither is held
+
+
+@pytest.fixture
+def spied(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """What ``glmc barrier`` loaded, which endpoints it passed to the curve and which it rounded whole to float32."""
+    seen: dict[str, list[Any]] = {"loaded": [], "ends": [], "rounded": []}
+    load_pair, curve, in_float32 = cli_barrier.load_pair, interpolation.barrier_curve, cli_barrier._in_float32
+
+    def loaded(*args: Any, **kwargs: Any) -> Any:
+        pair = load_pair(*args, **kwargs)
+        seen["loaded"].append({v.dtype for s in pair[:2] for v in s.values()})
+        return pair
+
+    def ends(a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
+        seen["ends"].append((type(a), type(b)))
+        return curve(a, b, *args, **kwargs)
+
+    def rounded(*args: Any) -> Any:
+        seen["rounded"].append(1)
+        return in_float32(*args)
+
+    monkeypatch.setattr(cli_barrier, "load_pair", loaded)
+    monkeypatch.setattr(interpolation, "barrier_curve", ends)
+    monkeypatch.setattr(cli_barrier, "_in_float32", rounded)
+    return seen
+
+
+def test_glmc_barrier_streams_a_data_free_path_from_the_stored_pair_and_draws_the_whole_paths_curve(
+        tmp_path: Path, spied: dict[str, list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = _models(tmp_path, "llama-tiny", torch.bfloat16, 2)
+    test = tmp_path / "test.npy"
+    np.save(test, np.random.default_rng(0).integers(0, 65, (8, _cfg("llama-tiny").context)))
+    argv = ["barrier", *map(str, paths), "--data-file", str(test), "--points", "3", "--json"]
+    assert glmc([*argv, str(tmp_path / "streamed.json")]) == 0
+    assert spied["loaded"] == [{torch.bfloat16}] and spied["ends"] == [(Lazy, Lazy)] and not spied["rounded"]
+    with monkeypatch.context() as patch:  # the whole path: float32 inputs, both ends rounded and held
+        patch.setattr(cli_barrier, "_streamed", lambda *_: False)
+        assert glmc([*argv, str(tmp_path / "whole.json")]) == 0
+    assert spied["loaded"][1] == {torch.float32} and spied["ends"][1] == (dict, dict) and spied["rounded"] == [1, 1]
+    (streamed,), (whole,) = (json.loads((tmp_path / f"{n}.json").read_text())["curves"] for n in ("streamed", "whole"))
+    fields = ("lambdas", "losses", "accuracies", "barriers", "barrier", "align_info")
+    assert {k: streamed[k] for k in fields} == {k: whole[k] for k in fields} and whole["barrier"] > 0

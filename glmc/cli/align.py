@@ -32,10 +32,8 @@ def run_align(args: argparse.Namespace) -> int:
     """Write B transformed towards A as a standard checkpoint (same function as B)."""
     import dataclasses
 
-    import torch
-
     from glmc.archs import get_arch
-    from glmc.core.state import Lazy, cast
+    from glmc.core.state import Lazy
     from glmc.device import release_heap
     from glmc.io.formats import check_output, write
     from glmc.match.registry import get_method
@@ -47,8 +45,6 @@ def run_align(args: argparse.Namespace) -> int:
     config = meta.config
     if meta_b.config != config and args.precision != "float64":
         raise ConfigError("--precision applies to a pair of one width; B is embedded into A's width in float64")
-    if meta_b.config != config and lazy:  # embedded across widths in float32, as read by glmc merge
-        state_a, state_b = (cast(s, torch.float32) for s in (state_a, state_b))
     if not lazy:
         require_room([state_a, state_b], args.precision)
     if meta_b.config != config:  # embedded into A's width: a checkpoint of A's shapes computing B

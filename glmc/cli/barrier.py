@@ -68,7 +68,8 @@ def run_barrier(args: argparse.Namespace) -> int:
         raise ConfigError("--points must be at least 2")
     if args.repair and args.form != "standard":
         raise ConfigError(f"--repair needs the standard form, not --form {args.form}")
-    state_a, state_b, meta, meta_b = load_pair(args.a, args.b)
+    methods = args.method or ["weight"]
+    state_a, state_b, meta, meta_b = load_pair(args.a, args.b, half=all(_streamed(args, m) for m in methods))
     if args.circuit_heads:
         require_circuit_layout(meta.config, args.form)  # before any alignment
     if meta_b.config != meta.config:
@@ -77,7 +78,7 @@ def run_barrier(args: argparse.Namespace) -> int:
     test = test_data(meta, meta.config, args)
     repair = training_data(meta, args, args.repair, ([state_a, state_b], [meta.config] * 2)) if args.repair else None
     curves = []
-    for method in args.method or ["weight"]:
+    for method in methods:
         (a, b, cfg), result = _endpoints(args, method, state_a, state_b, meta)
         name = method + "+circuits" * args.circuit_heads + "+repair" * (repair is not None)
         curve = barrier_curve(a, b, cfg, test, args.points, form=args.form, method=name, dtype=torch.float32,
@@ -88,12 +89,31 @@ def run_barrier(args: argparse.Namespace) -> int:
     return 0
 
 
+def _streamed(args: argparse.Namespace, method: str) -> bool:
+    """Whether ``method``'s path is made one tensor at a time at each λ from the aligned pair, itself folded and moved
+    per tensor from the inputs as read (half precision as stored): a data-free matching in the standard form, without
+    --circuit-heads or --repair. The rest round the aligned pair to float32 and hold it whole (:func:`_in_float32`):
+    ``none``'s pair (the models' own parameters), a data-driven method's alignment and a centred form's canonical
+    pair are made whole anyway, a circuit form multiplies whole layers out, and --circuit-heads and --repair read
+    every tensor of both ends at each point (docs/scaling.md)."""
+    from glmc.match.registry import get_method
+
+    entry, whole = get_method(method), args.form != "standard" or args.circuit_heads or bool(args.repair)
+    return entry.matches and not entry.reads_data and not whole
+
+
 def _endpoints(args: argparse.Namespace, method: str, state_a: dict, state_b: dict, meta: CheckpointMeta,
-               ) -> tuple[tuple[State, State, ModelConfig], MatchResult]:
-    """A and B aligned by ``method`` in the form's parameters, in float32 (what the path is evaluated in), and how B
-    was moved. A data-free method's float64 canonical pair is made tensor by tensor and never held whole; a
-    data-driven one's is dropped once rounded, so the curve holds the two inputs and these two endpoints."""
+               ) -> tuple[tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], ModelConfig], MatchResult]:
+    """A and B aligned by ``method`` in the form's parameters, and how B was moved. Where :func:`_streamed`, both are
+    :class:`glmc.core.state.Lazy` (float64, made on each read), so the curve holds the inputs and the one model it
+    evaluates; else both are rounded to float32 one at a time (a data-driven method's float64 pair dropped once
+    rounded), so the curve holds the inputs, these two endpoints and that model."""
+    from glmc.device import release_heap
+
     aligned = align_loaded(args, method, state_a, state_b, meta, args.form, lazy=True)  # learned: the form's path
+    if _streamed(args, method):
+        release_heap()  # what the matching freed, before the path's model is built and its points made into it
+        return (aligned.a, aligned.b, meta.config), aligned.result
     (a, cfg), (b, _) = (_in_float32(s, meta.config, args.form) for s in (aligned.a, aligned.b))  # one at a time
     return (a, b, cfg), aligned.result
 

@@ -36,10 +36,13 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
 def load_pair(a: Path, b: Path, stored: bool = False, half: bool = False,
               ) -> tuple[dict, dict, CheckpointMeta, CheckpointMeta]:
     """Both checkpoints (in float32, or ``stored``: in their files' precision; ``half``: a half-precision file in
-    its own, any other in float32, as read so: widening half precision later is exact), refusing before any work a NaN
-    or inf (named as the file names it), different families or a B that does not fit inside A (only widths may
-    differ, and B is then embedded into A's width)."""
+    its own, any other in float32, as read so: widening half precision later is exact; a pair of two widths in
+    float32, as B is embedded), refusing before any work a NaN or inf (named as the file names it), different
+    families or a B that does not fit inside A (only widths may differ, and B is then embedded into A's width)."""
+    import torch
+
     from glmc.core.spec import check_same_shapes
+    from glmc.core.state import cast
     from glmc.io.formats import read
     from glmc.match.common import require_finite
     from glmc.merging.widths import check_embeddable
@@ -47,7 +50,8 @@ def load_pair(a: Path, b: Path, stored: bool = False, half: bool = False,
     state_a, meta_a = read(a, stored=stored or half)
     state_b, meta_b = read(b, stored=stored or half)
     if half and not stored:
-        state_a, state_b = (half_or_float32(s) for s in (state_a, state_b))
+        state_a, state_b = (half_or_float32(s) if meta_a.config == meta_b.config else cast(s, torch.float32)
+                            for s in (state_a, state_b))
     require_finite(state_a, str(a))
     require_finite(state_b, str(b))
     if meta_a.config.family != meta_b.config.family:

@@ -1,5 +1,5 @@
 """State dicts as every package passes them: the type, casts, a half-precision view for searches, and weighted
-sums of states (the points of a linear path, Eq. 1)."""
+sums of states (the points of a linear path, Eq. 1), whole or one tensor at a time."""
 
 from __future__ import annotations
 
@@ -116,9 +116,24 @@ def search_view(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Mappin
     return cast(state, dtype)
 
 
+def _weighted(tensors: Iterable[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Σ_i w_i x_i, summed in order."""
+    return sum(w * x for w, x in zip(weights, tensors, strict=True))  # type: ignore[return-value]
+
+
 def mix(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> State:
     """Σ_i w_i θ_i key by key (λ θ_A + (1−λ) θ_B for two models)."""
-    return {k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) for k in states[0]}  # type: ignore[misc]
+    return {k: _weighted((s[k] for s in states), weights) for k in states[0]}
+
+
+def mixture(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
+            dtype: torch.dtype | None = None) -> Lazy:
+    """:func:`mix` of the states :func:`cast` to ``dtype`` (None: as they are), bit for bit, made one tensor at a
+    time on each read: a point of a path between :class:`Lazy` models is held by its reader alone, as they are."""
+    def make(name: str) -> torch.Tensor:
+        return _weighted((s[name] if dtype is None else s[name].detach().to(dtype) for s in states), weights)
+
+    return Lazy(states[0], make)
 
 
 def interpolate(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], lam: float) -> State:

@@ -20,7 +20,7 @@ from glmc.archs import Arch, get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.spec import HEADS, QKV, RES, block_linears, expand
 from glmc.core.state import HALF, Lazy, State, cast
-from glmc.errors import ConfigError, NonFiniteError
+from glmc.errors import CheckpointError, ConfigError, NonFiniteError
 from glmc.symmetry import groups
 
 Form = Literal["standard", "rmsnorm", "circuit", "circuit-rmsnorm"]
@@ -285,12 +285,36 @@ def _swap_layernorms(model: nn.Module) -> None:
             setattr(parent, child, RMSNormBias(module.normalized_shape[0], module.eps))
 
 
-def to_model(state: Mapping[str, torch.Tensor], cfg: ModelConfig, form: Form = "standard") -> nn.Module:
-    """A runnable model holding a canonical state, in the state's dtype and on its device."""
-    arch = get_arch(cfg.family)
-    model = arch.build(cfg)
+def empty_model(cfg: ModelConfig, form: Form, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A runnable model of ``form``'s architecture (a centred form's LayerNorms as :class:`RMSNormBias`) in ``dtype``
+    on ``device``, holding its initialisation until a canonical state is loaded (:func:`load_canonical`)."""
+    model = get_arch(cfg.family).build(cfg)
     if form in CENTRED:
         _swap_layernorms(model)
+    return model.to(device, dtype).eval()
+
+
+def load_canonical(model: nn.Module, state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Copy canonical ``state`` into ``model`` one native tensor at a time, every name and shape checked as
+    ``load_state_dict(strict=True)`` checks them: a :class:`Lazy` state (a point of a path between lazy models) is
+    made tensor by tensor into the model's own parameters and never held whole."""
+    native, targets = get_arch(cfg.family).native_view(state, cfg), model.state_dict()
+    if set(native) != set(targets):
+        missing, unexpected = sorted(set(targets) - set(native)), sorted(set(native) - set(targets))
+        raise CheckpointError(f"a {cfg.family} model's state does not fit it: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for key in native:
+            value = native[key]
+            if value.shape != targets[key].shape:
+                raise CheckpointError(f"{key}: shape {tuple(value.shape)} where the model has "
+                                      f"{tuple(targets[key].shape)}")
+            targets[key].copy_(value)
+
+
+def to_model(state: Mapping[str, torch.Tensor], cfg: ModelConfig, form: Form = "standard") -> nn.Module:
+    """A runnable model holding a canonical state, in the state's dtype and on its device."""
     first = next(iter(state.values()))
-    model.to(first.device, first.dtype).load_state_dict(arch.to_native(state, cfg), strict=True)
-    return model.eval()
+    model = empty_model(cfg, form, first.device, first.dtype)
+    load_canonical(model, state, cfg)
+    return model
