@@ -5,7 +5,8 @@ alignments of an iteration run in a process pool), then set U to the least-squar
 the aligned models (:func:`glmc.merging.widths.lstsq_merge`, the weighted mean at equal widths). Stop when U, or the
 mean distance to it, changes by less than ``tol`` (relative), or after ``max_iters``. The result approximately
 minimises the multi-model barrier of Eq. 2. Models narrower than the universe are embedded exactly first
-(:mod:`glmc.merging.widths`).
+(:mod:`glmc.merging.widths`). Models given as :class:`glmc.core.state.Lazy` states (canonical forms made on each
+read) stay lazy: each iteration moves them on each read, so only U is held whole.
 
 A method that does not match (``none``) skips alignment: one least-squares merge, i.e. FedAvg at equal widths and
 HeteroFL with coordinate placements, through the same code path. A method that refines (``learned``) runs its
@@ -29,7 +30,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
-from glmc.core.state import State
+from glmc.core.spec import SpecTable
+from glmc.core.state import Lazy, State
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_weights
 from glmc.match.align import match_pair
@@ -39,7 +41,7 @@ from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.merging.options import MergeOptions
 from glmc.merging.widths import Placement, embed, lstsq_merge, move, place, widen
-from glmc.symmetry.transforms import Transform, apply, compose, maps_to
+from glmc.symmetry.transforms import Transform, apply, compose, maps_to, moved
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +191,19 @@ def _into_universe(members: Sequence[Member], cfg: ModelConfig, fill: str) -> tu
             raise ConfigError(f"model {i}: its start placement is for a {p.narrow.width}-wide model in a "
                               f"{p.wide.width}-wide universe, not {c.width} in {cfg.width}")
     placements = [place(c, cfg) if p is None else p for c, p in zip(configs, starts, strict=True)]
-    return [embed(s, p) if p.narrow != cfg else dict(s) for s, p in zip(states, placements, strict=True)], placements
+    return [embed(s, p) if p.narrow != cfg else _held(s) for s, p in zip(states, placements, strict=True)], placements
+
+
+def _held(state: State | Lazy) -> State | Lazy:
+    """A state of the universe's width as the universe holds it: a :class:`Lazy` one stays made on each read (no
+    model is held whole), a stored one is the universe's own shallow copy."""
+    return state if isinstance(state, Lazy) else dict(state)
+
+
+def _moved(state: State | Lazy, spec: SpecTable, t: Transform, heads: int) -> State | Lazy:
+    """θ → T(θ), bit for bit either way: a :class:`Lazy` state moved on each read (:func:`moved`), a stored one
+    whole (:func:`apply`), so a merge of lazy inputs holds none of its aligned models whole."""
+    return moved(state, spec, t, heads) if isinstance(state, Lazy) else apply(state, spec, t, heads)
 
 
 def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOptions | None = None, *,
@@ -278,7 +292,7 @@ def _move_and_merge(result: UniverseResult, job: _Job, moves: Sequence[Transform
     """Apply each model's new transform (and move its placement), then merge by least squares and record it."""
     spec, heads = get_arch(job.cfg.family).spec, job.cfg.heads
     for i, t in enumerate(moves):
-        result.aligned[i] = apply(result.aligned[i], spec, t, heads)
+        result.aligned[i] = _moved(result.aligned[i], spec, t, heads)
         result.placements[i] = move(result.placements[i], t)
         result.transforms[i] = compose(t, result.transforms[i])
     aligned_at = time.perf_counter()
