@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -163,7 +163,12 @@ def _align_all(job: _Job, anchor: State, states: Sequence[State], workers: int) 
 
 def _relative(a: State, b: State) -> float:
     """‖a − b‖ / ‖b‖ over every parameter."""
-    return (sq_distance(a, b) / max(sq_distance(b, {k: torch.zeros_like(v) for k, v in b.items()}), 1e-300)) ** 0.5
+    return (sq_distance(a, b) / max(_sq_norm(b), 1e-300)) ** 0.5
+
+
+def _sq_norm(state: Mapping[str, torch.Tensor]) -> float:
+    """‖θ‖² summed as :func:`glmc.match.common.sq_distance` sums ‖θ − 0‖², bit for bit, with no zero model made."""
+    return float(sum((v ** 2).sum() for v in state.values()))
 
 
 def _small_dataset(data: Dataset | None, n: int | None) -> Dataset | None:
@@ -266,6 +271,26 @@ def _mean_distance(states: Sequence[State], universe: State) -> float:
     return sum(_relative(s, universe) for s in states) / len(states)
 
 
+def _remerge(result: UniverseResult, weights: Sequence[float] | None) -> tuple[float, float]:
+    """U ← the least-squares mean of the aligned models (:func:`lstsq_merge`), made tensor by tensor, each tensor of
+    the old U dropped as its successor is made (one U held, not two; every aligned tensor made once); and, as
+    :func:`_mean_distance` and :func:`_relative` sum them, the aligned models' mean distance to the old U and how far
+    U moved, both relative to the old U."""
+    old, aligned, new = result.merged, result.aligned, {}
+    norm = max(_sq_norm(old), 1e-300)
+    apart: list[Any] = [0] * len(aligned)  # ‖T_i(θ_i) − U‖², summed in U's order (sq_distance's, from 0)
+    moved_by: Any = 0
+    for name in aligned[0]:  # lstsq_merge's order, and the moved models' that sq_distance sums in
+        tensors = [a[name] for a in aligned]
+        fill = {name: result.anchor[name]} if result.anchor is not None else None
+        new[name] = lstsq_merge([{name: t} for t in tensors], result.placements, weights, fill)[name]
+        before = old.pop(name) if isinstance(old, dict) else old[name]  # a lazy first U holds nothing to drop
+        apart = [d + ((t - before) ** 2).sum() for d, t in zip(apart, tensors, strict=True)]
+        moved_by = moved_by + ((new[name] - before) ** 2).sum()
+    result.merged = new
+    return sum((float(d) / norm) ** 0.5 for d in apart) / len(aligned), (float(moved_by) / norm) ** 0.5
+
+
 def _iterate(result: UniverseResult, job: _Job, workers: int, iteration: int,
              weights: Sequence[float] | None) -> IterationRecord:
     """One step: align every model to U, move them (and their placements), then U ← least-squares mean."""
@@ -296,11 +321,9 @@ def _move_and_merge(result: UniverseResult, job: _Job, moves: Sequence[Transform
         result.placements[i] = move(result.placements[i], t)
         result.transforms[i] = compose(t, result.transforms[i])
     aligned_at = time.perf_counter()
-    merged = lstsq_merge(result.aligned, result.placements, weights, result.anchor)
-    record = IterationRecord(iteration, _mean_distance(result.aligned, result.merged),
-                             _relative(merged, result.merged), aligned_at - start, time.perf_counter() - aligned_at,
+    distance, change = _remerge(result, weights)
+    record = IterationRecord(iteration, distance, change, aligned_at - start, time.perf_counter() - aligned_at,
                              job.method)
-    result.merged = merged
     result.history.append(record)
     log.info("universe iteration %d (%s): mean distance to U %.4f, U moved %.2e; align %.2f s, merge %.2f s",
              iteration, job.method, record.mean_distance, record.change, record.align_seconds, record.merge_seconds)
