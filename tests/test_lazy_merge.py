@@ -40,7 +40,12 @@ def _spied(monkeypatch: pytest.MonkeyPatch) -> list[Merged]:
     """Every merge :func:`glmc.merging.merge.merge_models` makes from now on, kept to be looked at."""
     seen: list[Merged] = []
     made: Callable[..., Merged] = merge.merge_models
-    monkeypatch.setattr(merge, "merge_models", lambda *a, **k: seen.append(made(*a, **k)) or seen[-1])
+
+    def kept(*args: Any, **kwargs: Any) -> Merged:
+        seen.append(made(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(merge, "merge_models", kept)
     return seen
 
 
@@ -72,7 +77,8 @@ def test_glmc_merge_lazily_writes_what_the_whole_state_merge_writes(name: str, d
     paths = _models(tmp_path, name, dtype, n)
     suffix = ".safetensors" if "glmc" in flags else ""
     got, want = (tmp_path / way / f"merged{suffix}" for way in ("lazy", "whole"))  # one name: glmc's metadata
-    got.parent.mkdir(), want.parent.mkdir()
+    for folder in (got.parent, want.parent):
+        folder.mkdir()
     seen = _spied(monkeypatch)
     for out in (got, want):
         assert glmc_cli(["merge", *map(str, paths), "--out", str(out), "--device", "cpu", *flags]) == 0

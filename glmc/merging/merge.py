@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from torch.utils.data import Dataset
 
 from glmc.archs import Arch, get_arch
 from glmc.core.config import ModelConfig, preset, scale_width
-from glmc.core.state import Lazy, State, cast
+from glmc.core.state import State, cast
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError
 from glmc.io.checkpoint import CheckpointMeta
@@ -122,12 +123,13 @@ def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mappin
     return Merged(result, before, after, early.clipped, clipping, set_aside)
 
 
-def _canonical(arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelConfig, raw: bool) -> State | Lazy:
+def _canonical(arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelConfig, raw: bool) -> State:
     """A native state in float64: canonical in the standard form, made tensor by tensor on each read from the native
-    one as stored (:func:`glmc.symmetry.canonical.canonical_view`: no float64 copy of any model is held), or ``raw``:
-    the model's own parameters."""
-    return arch.to_canonical(cast(native, torch.float64), cfg) if raw else canonical_view(arch, native, cfg,
-                                                                                       dtype=torch.float64)
+    one as stored (:func:`glmc.symmetry.canonical.canonical_view`: no float64 copy of any model is held; the merge
+    reads it by name, as a State is read), or ``raw``: the model's own parameters."""
+    if raw:
+        return arch.to_canonical(cast(native, torch.float64), cfg)
+    return typing.cast(State, canonical_view(arch, native, cfg, dtype=torch.float64))
 
 
 def align_to_wide(wide: State, native: Mapping[str, torch.Tensor], cfg: ModelConfig,

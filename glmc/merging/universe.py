@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
@@ -199,16 +199,16 @@ def _into_universe(members: Sequence[Member], cfg: ModelConfig, fill: str) -> tu
     return [embed(s, p) if p.narrow != cfg else _held(s) for s, p in zip(states, placements, strict=True)], placements
 
 
-def _held(state: State | Lazy) -> State | Lazy:
+def _held(state: State) -> State:
     """A state of the universe's width as the universe holds it: a :class:`Lazy` one stays made on each read (no
     model is held whole), a stored one is the universe's own shallow copy."""
     return state if isinstance(state, Lazy) else dict(state)
 
 
-def _moved(state: State | Lazy, spec: SpecTable, t: Transform, heads: int) -> State | Lazy:
-    """θ → T(θ), bit for bit either way: a :class:`Lazy` state moved on each read (:func:`moved`), a stored one
-    whole (:func:`apply`), so a merge of lazy inputs holds none of its aligned models whole."""
-    return moved(state, spec, t, heads) if isinstance(state, Lazy) else apply(state, spec, t, heads)
+def _moved(state: State, spec: SpecTable, t: Transform, heads: int) -> State:
+    """θ → T(θ), bit for bit either way: a :class:`Lazy` state moved on each read (:func:`moved`; read by name as a
+    State is), a stored one whole (:func:`apply`), so a merge of lazy inputs holds none of its aligned models whole."""
+    return cast(State, moved(state, spec, t, heads)) if isinstance(state, Lazy) else apply(state, spec, t, heads)
 
 
 def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOptions | None = None, *,
