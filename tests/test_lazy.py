@@ -1,8 +1,8 @@
 """Aligning without copies of the models: the canonical forms folded, B moved and the output written one tensor at a
 time (:class:`glmc.core.state.Lazy`) give bit for bit what the whole-state path gives, in every family, and
-``glmc align`` writes the same files as that path did (float32 and bfloat16 folders, glmc checkpoints); so does
-``glmc merge`` streamed (:mod:`glmc.merging.streamed`), and it is taken only where the two agree; and ``glmc barrier``
-draws a data-free method's curve from the lazy pair, one model held, as it did from two endpoints held whole."""
+``glmc align`` writes the same files as that path did (float32 and bfloat16 folders, glmc checkpoints), and ``glmc
+barrier`` draws a data-free method's curve from the lazy pair, one model held, as it did from two endpoints held
+whole; ``glmc merge``'s are in tests/test_lazy_merge.py."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from glmc.io import formats
 from glmc.io.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint, save_streamed
 from glmc.match.align import align_pair
 from glmc.match.balance import balance
-from glmc.merging import interpolation, streamed
+from glmc.merging import interpolation
 from glmc.merging.interpolation import barrier_curve
 from glmc.symmetry.canonical import canonical_view, canonicalize, to_model
 from glmc.symmetry.transforms import MATCHABLE, apply, moved, random_transform
@@ -200,49 +200,6 @@ def _written(path: Path) -> dict[str, Any]:
     """A written checkpoint's files: each safetensors file's metadata and tensors (:func:`_tensors`), others' bytes."""
     return {k: _tensors(path / k if path.is_dir() else path) if k.endswith(".safetensors") else v
             for k, v in _files(path).items()}
-
-
-def _merge(paths: list[Path], out: Path, flags: list[str], caplog: pytest.LogCaptureFixture) -> str:
-    """Run ``glmc merge`` into ``out``; what it logged."""
-    caplog.clear()
-    assert glmc(["merge", *map(str, paths), "--out", str(out), *flags]) == 0
-    return caplog.text
-
-
-def _forced(*_: Any) -> str:
-    return "forced by the test"
-
-
-@pytest.mark.parametrize(("name", "dtype", "n", "flags"), [
-    ("gpt2-tiny", torch.float32, 2, ["--format", "glmc"]),
-    ("llama-tiny", torch.bfloat16, 3, ["--dtype", "bfloat16", "--weights", "1,2,5"]),
-    ("neox-tiny", torch.bfloat16, 2, ["--method", "weight-perm", "--format", "glmc"]),
-])
-def test_glmc_merge_streamed_writes_what_the_whole_state_merge_writes(name: str, dtype: torch.dtype, n: int,
-                                                                     flags: list[str], tmp_path: Path,
-                                                                     caplog: pytest.LogCaptureFixture,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    paths = _models(tmp_path, name, dtype, n)
-    suffix = ".safetensors" if "glmc" in flags else ""
-    flags = [*flags, "--iters", "1", "--device", "cpu"]
-    got, want = (tmp_path / way / f"merged{suffix}" for way in ("streamed", "whole"))  # one name: glmc's metadata
-    got.parent.mkdir(), want.parent.mkdir()
-    assert "holding the models whole" not in _merge(paths, got, flags, caplog)
-    with monkeypatch.context() as patch:
-        patch.setattr(streamed, "whole_merge_needed", _forced)
-        assert "holding the models whole: forced by the test" in _merge(paths, want, flags, caplog)
-    assert _written(got) == _written(want)
-    assert _written(got) != _written(paths[0])  # a merge, not a copy of the first input
-
-
-def test_glmc_merge_holds_the_models_whole_where_streaming_would_change_the_merge(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    paths = _models(tmp_path, "gpt2-tiny", torch.float32, 2)
-    held = ((["--device", "cpu"], "universe iterations after the first"),
-            (["--iters", "1", "--method", "none"], "method none is not a data-free matching"),
-            (["--iters", "1", "--restore-norms"], "the corrections read every aligned model"))
-    for i, (flags, why) in enumerate(held):
-        assert f"holding the models whole: {why}" in _merge(paths, tmp_path / f"out{i}", flags, caplog)
 
 
 def _data(cfg: ModelConfig) -> TensorDataset:

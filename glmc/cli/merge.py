@@ -182,9 +182,6 @@ def _prepare(args: argparse.Namespace, paths: list[Path], half: bool = False,
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge the checkpoints into one of the target width; report every model, the merge, the ensemble, Eq. 2."""
-    import torch
-
-    from glmc.core.state import cast
     from glmc.data.generated import writing_seconds
     from glmc.io.formats import check_output
     from glmc.merging.evaluation import grid_steps
@@ -200,14 +197,6 @@ def run_merge(args: argparse.Namespace) -> int:
     # Before the merge: a bad --limit or missing data costs nothing. Outside models with no --data-file are merged
     # and written, not evaluated.
     test = _test_split(metas[0], target, args) if args.data_file or metas[0].dataset else None
-    whole = _whole_merge_needed(args, configs, target, test is not None)
-    if whole is None:
-        setup = _setup(args, args.method, target, natives, metas)  # reads no data: a data-free method, uncorrected
-        _print_unevaluated(_stream_and_save(args, natives, metas, setup, (mult, fmt), weights))
-        return 0
-    log.info("holding the models whole: %s", whole)
-    for i, state in enumerate(natives):  # what read gives: the whole path's inputs as before, cast one at a time
-        natives[i] = cast(state, torch.float32)
     setup = _setup(args, args.method, target, natives, metas)
     written = {"generate_seconds": round(writing_seconds(setup.train), 3)} if args.generated else {}
     result, report = _merge_and_save(args, natives, metas, setup, (mult, fmt), weights)
@@ -233,16 +222,6 @@ def merge(natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
     return merge_models(members(natives, [m.config for m in metas], weights), setup).universe
 
 
-def _whole_merge_needed(args: argparse.Namespace, configs: list[ModelConfig], target: ModelConfig,
-                        evaluated: bool) -> str | None:
-    """Why this merge holds the models whole (None: it is streamed, :mod:`glmc.merging.streamed`)."""
-    from glmc.merging.streamed import whole_merge_needed
-
-    if evaluated:
-        return "the merge is evaluated on held-out data, which runs the inputs and the merge whole"
-    return whole_merge_needed(configs, merge_options(args, args.method, None), target)
-
-
 def _print_unevaluated(report: dict[str, Any]) -> None:
     print("no held-out data (these models name no glmc dataset): the merge is written but not evaluated; pass "
           "--data-file to measure it", file=sys.stderr)
@@ -263,18 +242,6 @@ def _write_merged(args: argparse.Namespace, native: Mapping[str, Any], metas: li
     write(args.out, fmt, native, meta, args.dtype)
 
 
-def _stream_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
-                     written_as: tuple[float, str], weights: list[float] | None) -> dict[str, Any]:
-    """The streamed merge (:func:`glmc.merging.streamed.stream_merge`), written tensor by tensor as it is made."""
-    from glmc.archs import get_arch
-    from glmc.merging.streamed import stream_merge
-    from glmc.merging.universe import members
-
-    merged, seconds = stream_merge(members(natives, [m.config for m in metas], weights), setup)
-    _write_merged(args, get_arch(setup.target.family).native_view(merged, setup.target), metas, setup, written_as)
-    return {"out": str(args.out), "format": written_as[1], "method": setup.options.method, "universe_seconds": seconds}
-
-
 def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
                     written_as: tuple[float, str], weights: list[float] | None,
                     ) -> tuple[UniverseResult, dict[str, Any]]:
@@ -282,7 +249,8 @@ def _merge_and_save(args: argparse.Namespace, natives: list[dict], metas: list[C
     from glmc.archs import get_arch
 
     result = merge(natives, metas, setup, weights)
-    _write_merged(args, get_arch(setup.target.family).to_native(result.merged, setup.target), metas, setup,
+    # the native model made tensor by tensor as it is written: no native copy of the merged model is held
+    _write_merged(args, get_arch(setup.target.family).native_view(result.merged, setup.target), metas, setup,
                   written_as)
     options, corrections = setup.options, setup.options.corrections
     return result, {"out": str(args.out), "format": written_as[1], "dtype": args.dtype, "method": options.method,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -81,6 +81,11 @@ def simplex_barrier(states: Sequence[Mapping[str, torch.Tensor]], cfg: ModelConf
     return SimplexBarrier(grid, losses, accuracies, barriers, max(barriers), method)
 
 
+def mean_logits(models: Iterable[nn.Module], arch: Arch, x: torch.Tensor) -> torch.Tensor:
+    """The mean of the models' logits on ``x`` (the logit-averaging ensemble's), each model at its own width."""
+    return torch.stack([arch.logits(m, x) for m in models]).mean(0)
+
+
 class LogitEnsemble(nn.Module):
     """The mean of several models' logits, each model at its own width."""
 
@@ -89,7 +94,28 @@ class LogitEnsemble(nn.Module):
         self.members, self.arch = nn.ModuleList(models), arch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([self.arch.logits(m, x) for m in self.members]).mean(0)
+        return mean_logits(self.members, self.arch, x)
+
+
+class LoadedEnsemble(nn.Module):
+    """:class:`LogitEnsemble` of stored native models (any dtype), each loaded in turn, on every batch, into the one
+    float32 module of its config: the same logits, holding one float32 model per width instead of one per input."""
+
+    def __init__(self, natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], arch: Arch,
+                 device: torch.device) -> None:
+        super().__init__()
+        kinds = list(dict.fromkeys(configs))
+        self.natives, self.arch, self.shell_of = natives, arch, [kinds.index(c) for c in configs]
+        self.shells = nn.ModuleList(arch.build(c).to(device).eval() for c in kinds)
+
+    def loaded(self) -> Iterator[nn.Module]:
+        """Each input in turn, as a module: its config's shell holding its weights until the next one is loaded."""
+        for native, shell in zip(self.natives, self.shell_of, strict=True):
+            self.shells[shell].load_state_dict(native)
+            yield self.shells[shell]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mean_logits(self.loaded(), self.arch, x)
 
 
 class PredictionMixture(nn.Module):
@@ -111,11 +137,13 @@ class PredictionMixture(nn.Module):
         return torch.stack(mixed).sum(0)
 
 
-def ensemble_metrics(models: Sequence[nn.Module], arch: Arch, data: Dataset, batch_size: int = 256,
+def ensemble_metrics(models: Sequence[nn.Module] | LoadedEnsemble, arch: Arch, data: Dataset, batch_size: int = 256,
                      ) -> dict[str, float]:
-    """Loss and accuracy of the logit-averaging ensemble, through the same :func:`glmc.train.evaluate`."""
+    """Loss and accuracy of the logit-averaging ensemble of ``models`` (or of one made already), through the same
+    :func:`glmc.train.evaluate`."""
     plain = dataclasses.replace(arch, logits=lambda model, x: model(x))
-    return evaluate(LogitEnsemble(models, arch), plain, data, batch_size)
+    ensemble = models if isinstance(models, LoadedEnsemble) else LogitEnsemble(models, arch)
+    return evaluate(ensemble, plain, data, batch_size)
 
 
 def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Sequence[ModelConfig], setup: MergeSetup,
@@ -141,15 +169,14 @@ def width_barriers(natives: Sequence[Mapping[str, torch.Tensor]], configs: Seque
 def evaluate_merge(result: UniverseResult, natives: Sequence[Mapping[str, torch.Tensor]],
                    configs: Sequence[ModelConfig], setup: MergeSetup, test: Dataset, steps: int,
                    ) -> dict[str, Any]:
-    """Each input's test metrics, the merged model's, the ensemble's and the simplex barrier of the aligned models."""
+    """Each input's test metrics, the merged model's, the ensemble's and the simplex barrier of the aligned models.
+    The inputs and the ensemble are run one float32 model at a time (:class:`LoadedEnsemble`)."""
     arch = get_arch(setup.target.family)
-    models = []
-    for native, cfg in zip(natives, configs, strict=True):
-        model = arch.build(cfg).to(resolve(setup.options.device))
-        model.load_state_dict(native)
-        models.append(model.eval())
+    ensemble = LoadedEnsemble(natives, configs, arch, resolve(setup.options.device))
+    inputs = [evaluate(m, arch, test) for m in ensemble.loaded()]
+    mixed = ensemble_metrics(ensemble, arch, test)
+    del ensemble  # its float32 shells, before the merged model and the simplex's mixtures are built
     merged = evaluate(to_model(cast(result.merged, torch.float32), setup.target), arch, test)
     simplex = simplex_barrier(result.aligned, setup.target, test, steps, method=setup.options.method,
                               dtype=torch.float32)
-    return {"inputs": [evaluate(m, arch, test) for m in models], "merged": merged,
-            "ensemble": ensemble_metrics(models, arch, test), "simplex": simplex.to_dict()}
+    return {"inputs": inputs, "merged": merged, "ensemble": mixed, "simplex": simplex.to_dict()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ from glmc.merging.options import MergeOptions
 from glmc.merging.robust import Clipping, Robustness, clip, coordinatewise, recentre_round, screen, unclipped
 from glmc.merging.universe import Member, UniverseResult, universe_match
 from glmc.merging.widths import WIDTH_FIELDS, Placement, check_embeddable, embed, lstsq_merge, place, project
-from glmc.symmetry.canonical import canonicalize
+from glmc.symmetry.canonical import canonical_view, canonicalize
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,12 @@ def reference_of(configs: Sequence[ModelConfig], target: ModelConfig) -> int:
 def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mapping[str, torch.Tensor] | None = None,
                  reference: int | None = None) -> Merged:
     """Merge native ``members`` (each with its config, weight and start placement) into one model of
-    ``setup.target``: canonical form (float64), each clipped around ``anchor`` (a native model of the target, e.g.
-    the previous global model; None: nothing to clip around), universe matching from the anchor (else from model
+    ``setup.target``: canonical form (float64, made on each read from the inputs as stored: universe matching then
+    holds its running mean, not copies of the models), each clipped around ``anchor`` (a native model of the target,
+    e.g. the previous global model; None: nothing to clip around), universe matching from the anchor (else from model
     ``reference``, default :func:`reference_of`), the guard (``options.min_gain``: a matching that brings the models
-    too little closer is set aside), the robust merge
-    (``options.robustness``), then the corrections, on ``options.device``."""
+    too little closer is set aside), the robust merge (``options.robustness``), then the corrections, on
+    ``options.device``."""
     options, target = setup.options, setup.target
     arch, entry = get_arch(target.family), get_method(options.method)
     configs, weights = [m.config for m in members], [m.weight for m in members]
@@ -122,9 +124,12 @@ def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mappin
 
 
 def _canonical(arch: Arch, native: Mapping[str, torch.Tensor], cfg: ModelConfig, raw: bool) -> State:
-    """A native state in float64: canonical in the standard form, or ``raw``: the model's own parameters."""
-    return arch.to_canonical(cast(native, torch.float64), cfg) if raw else canonicalize(arch, native, cfg,
-                                                                                     dtype=torch.float64)
+    """A native state in float64: canonical in the standard form, made tensor by tensor on each read from the native
+    one as stored (:func:`glmc.symmetry.canonical.canonical_view`: no float64 copy of any model is held; the merge
+    reads it by name, as a State is read), or ``raw``: the model's own parameters."""
+    if raw:
+        return arch.to_canonical(cast(native, torch.float64), cfg)
+    return typing.cast(State, canonical_view(arch, native, cfg, dtype=torch.float64))
 
 
 def align_to_wide(wide: State, native: Mapping[str, torch.Tensor], cfg: ModelConfig,

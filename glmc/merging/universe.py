@@ -5,7 +5,8 @@ alignments of an iteration run in a process pool), then set U to the least-squar
 the aligned models (:func:`glmc.merging.widths.lstsq_merge`, the weighted mean at equal widths). Stop when U, or the
 mean distance to it, changes by less than ``tol`` (relative), or after ``max_iters``. The result approximately
 minimises the multi-model barrier of Eq. 2. Models narrower than the universe are embedded exactly first
-(:mod:`glmc.merging.widths`).
+(:mod:`glmc.merging.widths`). Models given as :class:`glmc.core.state.Lazy` states (canonical forms made on each
+read) stay lazy: each iteration moves them on each read, so only U is held whole.
 
 A method that does not match (``none``) skips alignment: one least-squares merge, i.e. FedAvg at equal widths and
 HeteroFL with coordinate placements, through the same code path. A method that refines (``learned``) runs its
@@ -19,17 +20,18 @@ import dataclasses
 import logging
 import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
-from glmc.core.state import State
+from glmc.core.spec import SpecTable
+from glmc.core.state import Lazy, State
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_weights
 from glmc.match.align import match_pair
@@ -39,7 +41,7 @@ from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.merging.options import MergeOptions
 from glmc.merging.widths import Placement, embed, lstsq_merge, move, place, widen
-from glmc.symmetry.transforms import Transform, apply, compose, maps_to
+from glmc.symmetry.transforms import Transform, apply, compose, maps_to, moved
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +163,12 @@ def _align_all(job: _Job, anchor: State, states: Sequence[State], workers: int) 
 
 def _relative(a: State, b: State) -> float:
     """‖a − b‖ / ‖b‖ over every parameter."""
-    return (sq_distance(a, b) / max(sq_distance(b, {k: torch.zeros_like(v) for k, v in b.items()}), 1e-300)) ** 0.5
+    return (sq_distance(a, b) / max(_sq_norm(b), 1e-300)) ** 0.5
+
+
+def _sq_norm(state: Mapping[str, torch.Tensor]) -> float:
+    """‖θ‖² summed as :func:`glmc.match.common.sq_distance` sums ‖θ − 0‖², bit for bit, with no zero model made."""
+    return float(sum((v ** 2).sum() for v in state.values()))
 
 
 def _small_dataset(data: Dataset | None, n: int | None) -> Dataset | None:
@@ -189,7 +196,19 @@ def _into_universe(members: Sequence[Member], cfg: ModelConfig, fill: str) -> tu
             raise ConfigError(f"model {i}: its start placement is for a {p.narrow.width}-wide model in a "
                               f"{p.wide.width}-wide universe, not {c.width} in {cfg.width}")
     placements = [place(c, cfg) if p is None else p for c, p in zip(configs, starts, strict=True)]
-    return [embed(s, p) if p.narrow != cfg else dict(s) for s, p in zip(states, placements, strict=True)], placements
+    return [embed(s, p) if p.narrow != cfg else _held(s) for s, p in zip(states, placements, strict=True)], placements
+
+
+def _held(state: State) -> State:
+    """A state of the universe's width as the universe holds it: a :class:`Lazy` one stays made on each read (no
+    model is held whole), a stored one is the universe's own shallow copy."""
+    return state if isinstance(state, Lazy) else dict(state)
+
+
+def _moved(state: State, spec: SpecTable, t: Transform, heads: int) -> State:
+    """θ → T(θ), bit for bit either way: a :class:`Lazy` state moved on each read (:func:`moved`; read by name as a
+    State is), a stored one whole (:func:`apply`), so a merge of lazy inputs holds none of its aligned models whole."""
+    return cast(State, moved(state, spec, t, heads)) if isinstance(state, Lazy) else apply(state, spec, t, heads)
 
 
 def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOptions | None = None, *,
@@ -252,6 +271,26 @@ def _mean_distance(states: Sequence[State], universe: State) -> float:
     return sum(_relative(s, universe) for s in states) / len(states)
 
 
+def _remerge(result: UniverseResult, weights: Sequence[float] | None) -> tuple[float, float]:
+    """U ← the least-squares mean of the aligned models (:func:`lstsq_merge`), made tensor by tensor, each tensor of
+    the old U dropped as its successor is made (one U held, not two; every aligned tensor made once); and, as
+    :func:`_mean_distance` and :func:`_relative` sum them, the aligned models' mean distance to the old U and how far
+    U moved, both relative to the old U."""
+    old, aligned, new = result.merged, result.aligned, {}
+    norm = max(_sq_norm(old), 1e-300)
+    apart: list[Any] = [0] * len(aligned)  # ‖T_i(θ_i) − U‖², summed in U's order (sq_distance's, from 0)
+    moved_by: Any = 0
+    for name in aligned[0]:  # lstsq_merge's order, and the moved models' that sq_distance sums in
+        tensors = [a[name] for a in aligned]
+        fill = {name: result.anchor[name]} if result.anchor is not None else None
+        new[name] = lstsq_merge([{name: t} for t in tensors], result.placements, weights, fill)[name]
+        before = old.pop(name) if isinstance(old, dict) else old[name]  # a lazy first U holds nothing to drop
+        apart = [d + ((t - before) ** 2).sum() for d, t in zip(apart, tensors, strict=True)]
+        moved_by = moved_by + ((new[name] - before) ** 2).sum()
+    result.merged = new
+    return sum((float(d) / norm) ** 0.5 for d in apart) / len(aligned), (float(moved_by) / norm) ** 0.5
+
+
 def _iterate(result: UniverseResult, job: _Job, workers: int, iteration: int,
              weights: Sequence[float] | None) -> IterationRecord:
     """One step: align every model to U, move them (and their placements), then U ← least-squares mean."""
@@ -278,15 +317,13 @@ def _move_and_merge(result: UniverseResult, job: _Job, moves: Sequence[Transform
     """Apply each model's new transform (and move its placement), then merge by least squares and record it."""
     spec, heads = get_arch(job.cfg.family).spec, job.cfg.heads
     for i, t in enumerate(moves):
-        result.aligned[i] = apply(result.aligned[i], spec, t, heads)
+        result.aligned[i] = _moved(result.aligned[i], spec, t, heads)
         result.placements[i] = move(result.placements[i], t)
         result.transforms[i] = compose(t, result.transforms[i])
     aligned_at = time.perf_counter()
-    merged = lstsq_merge(result.aligned, result.placements, weights, result.anchor)
-    record = IterationRecord(iteration, _mean_distance(result.aligned, result.merged),
-                             _relative(merged, result.merged), aligned_at - start, time.perf_counter() - aligned_at,
+    distance, change = _remerge(result, weights)
+    record = IterationRecord(iteration, distance, change, aligned_at - start, time.perf_counter() - aligned_at,
                              job.method)
-    result.merged = merged
     result.history.append(record)
     log.info("universe iteration %d (%s): mean distance to U %.4f, U moved %.2e; align %.2f s, merge %.2f s",
              iteration, job.method, record.mean_distance, record.change, record.align_seconds, record.merge_seconds)
