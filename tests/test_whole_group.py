@@ -29,9 +29,10 @@ from transformers import (
 )
 
 import glmc
-from glmc.archs import get_arch
+from glmc.archs import build_model, get_arch, random_inputs
 from glmc.cli import main
 from glmc.core.config import preset
+from glmc.io.checkpoint import load_checkpoint
 from glmc.match.balance import balance
 from glmc.match.options import MatchOptions, SymmetryOptions
 from glmc.symmetry.canonical import canonicalize, to_model
@@ -423,3 +424,39 @@ def test_a_bfloat16_plant_lands_from_the_balanced_search_alone(name: str, orthog
     stored = family.model_class.from_pretrained(str(tmp_path / "a")).double()
     aligned = family.model_class.from_pretrained(str(tmp_path / "c")).double()
     assert _distance(stored.state_dict(), aligned.state_dict()) <= 1e-2  # bfloat16 rounds each entry by 2^-9
+
+
+TRAINED = Path(__file__).parents[1] / "simulations" / "fixtures" / "trained-pairs"
+
+
+def _trained(name: str, seed: int) -> tuple[nn.Module, Any]:
+    """Seed ``seed`` of ``name``'s trained pair (simulations/fixtures/trained-pairs) in float64, and its config."""
+    state, meta = load_checkpoint(TRAINED / name / f"seed{seed}.safetensors")
+    model = build_model(meta.config)
+    model.load_state_dict(state)
+    return model.double(), meta.config
+
+
+def _canonical_distance(a: nn.Module, b: nn.Module, cfg: Any) -> float:
+    """‖A − B‖ / ‖A‖ between the canonical forms (what weight matching minimises), in float64."""
+    arch = get_arch(cfg.family)
+    return _distance(*(canonicalize(arch, m.state_dict(), cfg, dtype=F64) for m in (a, b)))
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "neox-tiny", "bert-tiny"])
+def test_a_trained_pair_matched_over_the_whole_group_keeps_bs_function_and_ends_no_farther(name: str) -> None:
+    """On two seeds trained apart (not planted): balancing moves each and leaves its float64 logits where they were;
+    B matched over the whole group computes B's function and ends no farther from A than the orthogonal part alone
+    takes it (the whole group keeps the nearer of its two ends, the models as given being one of them)."""
+    (a, cfg), (b, _) = _trained(name, 0), _trained(name, 1)
+    arch, x = get_arch(cfg.family), random_inputs(cfg, 4)
+    want = _logits(b, x)
+    state = canonicalize(arch, b.state_dict(), cfg, dtype=F64)
+    balanced, _ = balance(state, cfg)
+    assert _distance(state, balanced) > 1e-3
+    assert (_logits(to_model(balanced, cfg), x) - want).abs().max() <= RMS
+    whole = glmc.align(a, b, "weight")
+    orthogonal = glmc.align(a, b, "weight", options=MatchOptions(symmetry=SymmetryOptions("orthogonal")))
+    assert (_logits(whole.double(), x) - want).abs().max() <= RMS
+    near, far = (_canonical_distance(a, m.double(), cfg) for m in (whole, orthogonal))
+    assert near <= far * (1 + 1e-9) and far < _canonical_distance(a, b, cfg)
