@@ -1,7 +1,7 @@
-"""``glmc merge`` and :func:`glmc.merge` over lazy states: each input's canonical form folded, moved by every universe
-iteration and averaged tensor by tensor on each read (:class:`glmc.core.state.Lazy`), at the default iterations, is
-bit for bit the merge of the whole-state path (every canonical form and aligned model held in float64), and the lazy
-path is the one taken: no aligned model is held whole."""
+"""``glmc merge`` (``merge_models`` with ``lazy``) over lazy states: each input's canonical form folded, moved by
+every universe iteration and averaged tensor by tensor on each read (:class:`glmc.core.state.Lazy`), at the default
+iterations, is bit for bit the merge of the whole-state path (every canonical form and aligned model held in float64),
+and the lazy path is the one taken: no aligned model is held whole."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-import glmc
 from glmc.archs import build_model, get_arch
 from glmc.cli import main as glmc_cli
 from glmc.core.state import Lazy
 from glmc.merging import evaluation, merge
 from glmc.merging.evaluation import ensemble_metrics, evaluate_merge
-from glmc.merging.merge import Merged
+from glmc.merging.merge import Merged, MergeSetup
 from glmc.merging.universe import members
 from glmc.symmetry.canonical import canonicalize
 from glmc.train import evaluate
@@ -80,19 +79,22 @@ def test_glmc_merge_lazily_writes_what_the_whole_state_merge_writes(name: str, d
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "neox-tiny", "vit-tiny"])
-def test_glmc_merge_of_lazy_states_is_the_whole_state_merge(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    models = []
+def test_a_merge_of_lazy_states_is_the_whole_state_merge(name: str) -> None:
+    """merge_models with ``lazy`` (as ``glmc merge`` calls it) and without (as glmc.merge and the FL server, whose
+    inputs are in memory, call it) give the same merge bit for bit, each by its own path."""
+    cfg = _cfg(name)
+    natives = []
     for seed in range(3):
-        model: Any = build_model(_cfg(name))
-        model.load_state_dict(_native(_cfg(name), seed))
-        models.append(model)
-    seen = _spied(monkeypatch)
-    lazy = glmc.merge(models, weights=[1.0, 3.0, 2.0]).state_dict()
-    _held_whole(monkeypatch)
-    whole = glmc.merge(models, weights=[1.0, 3.0, 2.0]).state_dict()
-    assert _lazily(seen[0]) and isinstance(seen[1].universe.aligned[0], dict)
-    assert list(lazy) == list(whole) and all(torch.equal(lazy[k], whole[k]) for k in lazy)
-    assert not torch.equal(lazy[next(iter(lazy))], models[0].state_dict()[next(iter(lazy))])
+        model: Any = build_model(cfg)
+        model.load_state_dict(_native(cfg, seed))
+        natives.append(model.state_dict())
+    lazy, whole = (merge.merge_models(members(natives, [cfg] * 3, [1.0, 3.0, 2.0]), MergeSetup(cfg), lazy=way)
+                   for way in (True, False))
+    assert _lazily(lazy) and isinstance(whole.universe.aligned[0], dict)
+    got, want = lazy.universe.merged, whole.universe.merged
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in got)
+    first = canonicalize(get_arch(cfg.family), natives[0], cfg, dtype=torch.float64)
+    assert not torch.equal(got[next(iter(got))], first[next(iter(got))])  # a merge, not the first input
 
 
 @pytest.mark.parametrize("name", ["gpt2", "vit"])

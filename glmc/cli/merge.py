@@ -215,11 +215,11 @@ def run_merge(args: argparse.Namespace) -> int:
 def merge(natives: list[dict], metas: list[CheckpointMeta], setup: MergeSetup,
           weights: list[float] | None = None) -> UniverseResult:
     """The checkpoints merged by the library's one merge (:func:`glmc.merging.merge.merge_models`), weighted by
-    ``weights`` (None: equally)."""
+    ``weights`` (None: equally), lazily: the inputs are mapped from their files, and no copy of a model is held."""
     from glmc.merging.merge import merge_models
     from glmc.merging.universe import members
 
-    return merge_models(members(natives, [m.config for m in metas], weights), setup).universe
+    return merge_models(members(natives, [m.config for m in metas], weights), setup, lazy=True).universe
 
 
 def _print_unevaluated(report: dict[str, Any]) -> None:
