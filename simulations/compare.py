@@ -577,14 +577,19 @@ CONTROL_NOTE = (" Δ vs strongest control: paired by seed, against the better (b
                 "clients), each with the same server-side budget as learned alignment's refinement.")
 
 
-def selection(exp: Experiment, seeds: Sequence[int] | None, labels: Sequence[str] | None) -> Callable[[Cell], bool]:
-    """Which cells this process runs (``--seeds``, ``--only``: all when not given); a seed or label the grid lacks is
-    a one-line ConfigError."""
+def selection(exp: Experiment, seeds: Sequence[int] | None, labels: Sequence[str] | None,
+              splits: Sequence[str] | None = None) -> Callable[[Cell], bool]:
+    """Which cells this process runs (``--seeds``, ``--only``, ``--splits``: all when not given); a seed, label or
+    split the grid lacks is a one-line ConfigError."""
     if unknown := sorted(set(seeds or ()) - set(exp.seeds)):
         raise ConfigError(f"--seeds {unknown} are not seeds of {exp.name!r}: {exp.seeds}")
     if unknown_labels := sorted(set(labels or ()) - set(exp.aggregations)):
         raise ConfigError(f"--only {unknown_labels} are not aggregations of {exp.name!r}: {list(exp.aggregations)}")
-    return lambda cell: (seeds is None or cell.seed in seeds) and (labels is None or cell.aggregation in labels)
+    split_labels = [s["label"] for s in exp.splits]
+    if unknown_splits := sorted(set(splits or ()) - set(split_labels)):
+        raise ConfigError(f"--splits {unknown_splits} are not splits of {exp.name!r}: {split_labels}")
+    return lambda cell: ((seeds is None or cell.seed in seeds) and (labels is None or cell.aggregation in labels)
+                         and (splits is None or cell.split["label"] in splits))
 
 
 def publish(out: Path, name: str) -> Path:
@@ -617,6 +622,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "pending): several processes on one --out can share a grid, one cell each at a time")
     parser.add_argument("--only", nargs="+", metavar="LABEL", help="run only the cells of these aggregations "
                         "(labels of the config's aggregations), as --seeds does")
+    parser.add_argument("--splits", nargs="+", metavar="LABEL", help="run only the cells of these splits (labels of "
+                        "the config's [[splits]]), as --seeds does")
     parser.add_argument("--recover", action="store_true",
                         help="first save the cells whose run finished but was not saved (judged failed under an "
                              "earlier status rule, or the grid stopped before saving): their rows come from the run "
@@ -633,9 +640,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.client_gpus and not torch.cuda.is_available():  # Ray would wait for a GPU forever
             raise ConfigError("--client-gpus asks for GPUs, but torch sees no CUDA GPU on this machine")
         exp = Experiment.load(args.config)
-        selected = selection(exp, args.seeds, args.only)
-        if (args.seeds or args.only) and (args.finished_only or args.from_results):
-            raise ConfigError("--seeds and --only choose the cells to run; --finished-only and --from-results run none")
+        selected = selection(exp, args.seeds, args.only, args.splits)
+        if (args.seeds or args.only or args.splits) and (args.finished_only or args.from_results):
+            raise ConfigError("--seeds, --only and --splits choose the cells to run; --finished-only and "
+                              "--from-results run none")
         rows = whole_grid(exp, saved_rows(exp, args.from_results)) if args.from_results else None
         reused = saved_rows(exp, args.reuse) if args.reuse else []
     except ConfigError as err:

@@ -120,8 +120,9 @@ def test_finished_only_summarises_saved_cells_and_runs_nothing(tmp_path: Path) -
 
 def test_seeds_and_only_run_their_cells_and_summarise_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """--seeds and --only: this process runs just those cells; the others are taken from their saved rows (even
-    with --force) or listed as pending, so several processes can share one --out; unknown ones fail in one line."""
+    """--seeds, --only and --splits: this process runs just those cells; the others are taken from their saved rows
+    (even with --force) or listed as pending, so several processes can share one --out; unknown ones fail in one
+    line."""
     config = PROJECT / "simulations" / "configs" / "drift-smoke.toml"
     exp = compare.Experiment.load(config)
     first, *others = compare.grid(exp)
@@ -138,6 +139,11 @@ def test_seeds_and_only_run_their_cells_and_summarise_the_rest(tmp_path: Path, m
         compare.selection(exp, [99], None)
     with pytest.raises(compare.ConfigError, match="not aggregations of"):
         compare.selection(exp, None, ["nope"])
+    with pytest.raises(compare.ConfigError, match="not splits of"):
+        compare.selection(exp, None, None, ["nope"])
+    split = first.split["label"]
+    assert [c.name for c in compare.grid(exp) if compare.selection(exp, None, None, [split])(c)] == \
+        [c.name for c in compare.grid(exp) if c.split["label"] == split]
     assert compare.main(["--config", str(config), "--out", str(tmp_path), "--seeds", "99"]) == 2
     assert compare.main(["--config", str(config), "--out", str(tmp_path), "--only", first.aggregation,
                          "--finished-only"]) == 2
