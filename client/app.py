@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from federation.settings import RunSettings
 from glmc.archs import Arch, build_model, get_arch
 from glmc.core.config import ModelConfig, scale_width
 from glmc.core.state import cast
+from glmc.data.vision import ArrayDataset
 from glmc.device import peak_memory_mb, released, reset_peak_memory, resolve
 from glmc.errors import ConfigError, first_line
 from glmc.ordered_dropout import OrderedDropout
@@ -138,6 +140,30 @@ def ordered_dropout(model: nn.Module, arch: Arch, settings: RunSettings, tier: f
     return OrderedDropout(model, arch, [scale_width(full, t) for t in tiers], seed)
 
 
+def label_masked(logits: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+                 labels: torch.Tensor, num_classes: int) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``logits`` with the classes absent from ``labels`` (a client's share) set to 0: HeteroFL's masked
+    cross-entropy, under which local steps leave the head rows of unseen classes to the other clients."""
+    absent = torch.ones(num_classes, dtype=torch.bool)
+    absent[labels.unique()] = False
+
+    def masked(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = logits(model, x)
+        return out.masked_fill(absent.to(out.device), 0.0)
+
+    return masked
+
+
+def step_logits(arch: Arch, settings: RunSettings, ordered: OrderedDropout | None, share: ClientShare,
+                cfg: ModelConfig) -> Callable[[nn.Module, torch.Tensor], torch.Tensor] | None:
+    """The training steps' forward: FjORD's draw where it runs, label-masked where ``label-mask`` asks; None where
+    both are off (the family's own)."""
+    if not settings.label_mask:
+        return ordered
+    assert isinstance(share.train, ArrayDataset), "label-mask is checked to run on label splits"
+    return label_masked(ordered if ordered is not None else arch.logits, share.train.y, cfg.num_classes)
+
+
 def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[str, torch.Tensor]:
     """The float32 state dict to send; the fault-partition TEST HOOK turns it into NaNs."""
     state = cast(model.state_dict(), torch.float32)
@@ -168,7 +194,8 @@ def train_fn(msg: Message, context: Context) -> Message:
     with released(device):  # an idle client (a Ray actor between rounds) keeps no cached GPU memory
         config = train_config(settings, pool(settings).task.defaults, seed, device, server_round)
         ordered = ordered_dropout(model, arch, settings, node.tier, seed)
-        fit = train(model, arch, share.train, config, progress=False, step_logits=ordered)
+        fit = train(model, arch, share.train, config, progress=False,
+                    step_logits=step_logits(arch, settings, ordered, share, cfg))
         test = client_test(model, arch, settings)
         model.cpu()
     values = {

@@ -196,6 +196,10 @@ class RunSettings:
     # schedule) | multistep (lr/10 after 3/8 of the rounds, lr/100 after 5/8: its CIFAR non-IID one); a step
     # schedule's last rounds settle at the lower rate, so a run's plateau can be read off its last 20%
     lr_decay: str = "none"
+    # HeteroFL's masked cross-entropy (its label-skewed runs, and FedRolex's after it): in a client's training loss
+    # the logits of the labels its share lacks are 0, so its local steps do not push down the classes it never sees;
+    # label splits only (a text client's targets are characters, not labels)
+    label_mask: bool = False
     # training dropout (embeddings, attention weights, residual writes) of the clients and of the server's own
     # training in fedavg-ft and server-only; -1 = the model's own (the preset's or the init checkpoint's). Seeds
     # trained with it match better (docs/methods.md, dropout and connectivity)
@@ -269,6 +273,9 @@ class RunSettings:
         _require(not self.train_limit or self.partitioner in LABEL_SPLITS,
                  f"train-limit subsamples labelled images; the natural {self.partitioner!r} clients keep their "
                  "own text (cap local-steps instead)")
+        _require(not self.label_mask or self.partitioner in LABEL_SPLITS,
+                 f"label-mask masks the labels a client's share lacks: label splits only, not the natural "
+                 f"{self.partitioner!r} clients")
         check_options("run config", [
             ("finite and > 0", lambda v: math.isfinite(v) and v > 0, {"alpha": self.alpha}),
             ("finite and ≥ 0 (0: the dataset's default)", lambda v: math.isfinite(v) and v >= 0, {"lr": self.lr}),

@@ -202,3 +202,32 @@ def test_lr_decay_cosine_starts_each_round_lower_and_none_keeps_the_base() -> No
         0.1, 0.1, pytest.approx(0.01), pytest.approx(0.01), pytest.approx(0.001), pytest.approx(0.001)]
     with pytest.raises(ConfigError, match="lr-decay"):
         RunSettings(lr_decay="linear")
+
+
+def test_label_mask_zeroes_the_logits_of_the_classes_a_share_lacks_and_their_head_rows_learn_nothing() -> None:
+    """HeteroFL's masked cross-entropy against a hand computation on a tiny ViT: the training logits are the
+    model's with the absent classes' entries 0, so the loss sends no gradient to those classes' head rows."""
+    from client.app import label_masked
+
+    torch.manual_seed(0)
+    cfg = preset("vit-tiny")
+    model, arch = build_model(cfg), get_arch(cfg.family)
+    x = torch.randn(6, cfg.in_chans, cfg.img_size, cfg.img_size)
+    y = torch.tensor([1, 3, 1, 3, 3, 7])
+    present = [1, 3, 7]
+    logits = label_masked(arch.logits, y, cfg.num_classes)(model, x)
+    hand = arch.logits(model, x).detach().clone()
+    hand[:, [c for c in range(cfg.num_classes) if c not in present]] = 0.0
+    assert torch.equal(logits.detach(), hand)
+    torch.nn.functional.cross_entropy(logits, y).backward()
+    grad = model.head.weight.grad
+    assert grad is not None
+    absent = [c for c in range(cfg.num_classes) if c not in present]
+    assert grad[absent].abs().max() == 0 and grad[present].abs().amin(dim=1).max() > 0
+
+
+def test_label_mask_runs_on_label_splits_only() -> None:
+    """A natural split's clients hold text, not labels: label-mask there is refused in one line naming the key."""
+    assert RunSettings(label_mask=True, partitioner="shard").label_mask
+    with pytest.raises(ConfigError, match="label-mask"):
+        RunSettings(label_mask=True, model="gpt2-tiny", dataset="shakespeare", partitioner="role")
