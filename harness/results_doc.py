@@ -33,6 +33,10 @@ ABOUT: dict[str, tuple[str, str]] = {
                         "FedRolex and the homogeneous controls (vision).", "federated.md"),
     "width-baselines-plateau": ("The image protocol for 120 rounds, toward a plateau, with FjORD beside the other "
                                 "width baselines, Dirichlet 0.3 and class shards.", "federated.md"),
+    "width-plateau": ("The image protocol for 80 rounds under HeteroFL's step schedule (the rate a tenth after round "
+                      "40), Dirichlet 0.3 and class shards.", "federated.md"),
+    "width-shards-plateau": ("Class shards under the same schedule with HeteroFL's masked cross-entropy "
+                             "(label-mask).", "federated.md"),
     "width-baselines-text": ("The same protocol on text: llama-fl on Shakespeare, one client per role.",
                              "federated.md"),
     "client-cost": ("A client's training against its central-test score (client-test), CPU seconds.",

@@ -146,11 +146,13 @@ def _family(model: str, method: str) -> float:
     return row["barrier"] if method == "none" else 100 * row["ratio"]
 
 
-def _grid(name: str, aggregation: str) -> float:
-    """A width grid's figure in %: the full tier's final accuracy of ``aggregation``, mean over its finished seeds."""
+def _grid(name: str, aggregation: str, split: str | None = None) -> float:
+    """A width grid's figure in %: the full tier's final accuracy of ``aggregation`` (on ``split``, where the grid
+    has several), mean over its finished seeds."""
     rows = json.loads((RESULTS / name / "results.json").read_text())["rows"]
     finals = [r["records"][-1]["central_accuracy"] for r in rows
-              if r["aggregation"] == aggregation and r["status"] == "finished:completed"]
+              if r["aggregation"] == aggregation and r["status"] == "finished:completed"
+              and split in (None, r["split"])]
     return 100 * sum(finals) / len(finals)
 
 
