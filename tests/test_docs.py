@@ -146,13 +146,12 @@ def _family(model: str, method: str) -> float:
     return row["barrier"] if method == "none" else 100 * row["ratio"]
 
 
-def _grid(name: str, aggregation: str, split: str | None = None) -> float:
-    """A width grid's figure in %: the full tier's final accuracy of ``aggregation`` (on ``split``, where the grid
-    has several), mean over its finished seeds."""
+def _grid(name: str, split: str | None, last: int, agg: str) -> float:
+    """A width grid's figure in %: the full tier's accuracy of ``agg`` (on ``split``, where the grid has several)
+    averaged over its last ``last`` rounds, mean over its finished seeds."""
     rows = json.loads((RESULTS / name / "results.json").read_text())["rows"]
-    finals = [r["records"][-1]["central_accuracy"] for r in rows
-              if r["aggregation"] == aggregation and r["status"] == "finished:completed"
-              and split in (None, r["split"])]
+    finals = [sum(x["central_accuracy"] for x in r["records"][-last:]) / last for r in rows
+              if r["aggregation"] == agg and r["status"] == "finished:completed" and split in (None, r["split"])]
     return 100 * sum(finals) / len(finals)
 
 
@@ -177,9 +176,9 @@ HEADLINES = [
     ("bert-tiny (masked LM)", "vanilla", lambda: _family("bert-tiny", "none")),
     ("bert-tiny (masked LM)", "weight", lambda: _family("bert-tiny", "weight")),
     ("bert-tiny (masked LM)", "stay at", lambda: _family("bert-tiny", "learned")),
-    *[(row, label, lambda name=name, agg=agg: _grid(name, agg))
-      for row, name in (("mixed widths FL, 100 clients", "width-baselines"),
-                        ("mixed widths FL on text", "width-baselines-text"))
+    *[(row, label, lambda grid=grid, agg=agg: _grid(*grid, agg=agg))
+      for row, grid in (("mixed widths FL, 100 clients", ("width-plateau", "dirichlet0.3", 16)),
+                        ("mixed widths FL on text", ("width-baselines-text", None, 1)))
       for label, agg in (("HeteroFL", "fedavg"), ("FedRolex", "fedrolex"), ("smallest", "smallest-width"),
                          ("full-only", "full-width-only"), ("weight", "weight"))],
 ]
