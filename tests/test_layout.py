@@ -272,3 +272,19 @@ def test_no_algorithm_names_a_family_or_its_modules() -> None:
     named = [f"{p.relative_to(ROOT)}:{line}: {text!r}" for p in paths for line, text in _code_strings(p)
              if FAMILY_WORDS.search(text)]
     assert not named, "\n".join(named)
+
+
+def test_the_flower_app_bundle_holds_the_packages_code_and_stays_far_under_flowers_limit() -> None:
+    """`flwr run .` packs the app bundle (FAB) from the tree: every package's modules go in, and the published
+    results, docs and fixtures stay out, so no amount of results can push it past the 10 MB Flower refuses."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.common.constant import FAB_MAX_SIZE
+
+    fab = build_fab_from_disk(ROOT)
+    names = set(zipfile.ZipFile(io.BytesIO(fab)).namelist())
+    assert {"server/app.py", "client/app.py", "federation/settings.py", "glmc/__init__.py"} <= names
+    assert not any(name.startswith(("simulations/results/", "docs/", "tests/")) for name in names)
+    assert len(fab) < FAB_MAX_SIZE / 4, len(fab)
