@@ -39,6 +39,8 @@ ABOUT: dict[str, tuple[str, str]] = {
                              "(label-mask).", "federated.md"),
     "width-baselines-text": ("The same protocol on text: llama-fl on Shakespeare, one client per role.",
                              "federated.md"),
+    "width-text-plateau": ("The text protocol for 60 rounds under HeteroFL's multistep schedule (a tenth of the rate "
+                           "after round 23, a hundredth after 38), toward a plateau.", "federated.md"),
     "client-cost": ("A client's training against its central-test score (client-test), CPU seconds.",
                     "federated.md"),
     "widths-principal": ("Mixed widths (tiers 1, 0.5, 0.25) with principal placement, the default.", "federated.md"),
