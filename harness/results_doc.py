@@ -35,6 +35,8 @@ ABOUT: dict[str, tuple[str, str]] = {
                                 "width baselines, Dirichlet 0.3 and class shards.", "federated.md"),
     "width-plateau": ("The image protocol for 80 rounds under HeteroFL's step schedule (the rate a tenth after round "
                       "40), Dirichlet 0.3 and class shards.", "federated.md"),
+    "width-plateau-multistep": ("The image protocol's Dirichlet split under HeteroFL's multistep schedule (a tenth "
+                                "of the rate after round 30, a hundredth after 50).", "federated.md"),
     "width-shards-plateau": ("Class shards under the same schedule with HeteroFL's masked cross-entropy "
                              "(label-mask).", "federated.md"),
     "width-baselines-text": ("The same protocol on text: llama-fl on Shakespeare, one client per role.",
