@@ -592,11 +592,12 @@ def selection(exp: Experiment, seeds: Sequence[int] | None, labels: Sequence[str
                          and (splits is None or cell.split["label"] in splits))
 
 
-def publish(out: Path, name: str) -> Path:
-    """Copy summary.md, results.json and the plots to simulations/results/NAME/ (committed)."""
+def publish(out: Path, name: str, plots: Sequence[Path]) -> Path:
+    """Copy summary.md, results.json and this grid's ``plots`` to simulations/results/NAME/ (committed); not every
+    plot in ``out``: one left there by an earlier design of the grid (a split it dropped) would be published as its."""
     dest = PROJECT / "simulations" / "results" / name
     dest.mkdir(parents=True, exist_ok=True)
-    for path in [out / "summary.md", out / "results.json", *out.glob("accuracy-*.png")]:
+    for path in [out / "summary.md", out / "results.json", *plots]:
         shutil.copy2(path, dest / path.name)
     return dest
 
@@ -659,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in plots:
         print(f"plot: {path}")
     if args.publish:
-        print(f"published to {publish(out, exp.name)}")
+        print(f"published to {publish(out, exp.name, plots)}")
     failed = [r for r in rows if r["status"] not in ("finished:completed", "pending")]
     for row in failed:
         print(f"FAILED {row['cell']}: {row['status']} {row['details']}", file=sys.stderr)

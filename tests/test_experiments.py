@@ -420,3 +420,15 @@ def test_full_width_only_keeping_the_model_is_its_rule_and_a_finished_run_is_rec
     (run / "server.log").write_text("run finished: outputs in x\n")
     row = compare.recovered(cell, tmp_path)
     assert row is not None and row["status"] == "finished:completed" and row["recovered"] and row["seconds"] == 2.5
+
+
+def test_publish_copies_this_grids_plots_not_every_plot_in_the_output_folder(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plot an earlier design of the grid left in its output folder (a split it dropped) is not published."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("summary.md", "results.json", "accuracy-dirichlet0.3-1.png", "accuracy-shards2-1.png"):
+        (out / name).write_text(name)
+    monkeypatch.setattr(compare, "PROJECT", tmp_path)
+    dest = compare.publish(out, "grid", [out / "accuracy-dirichlet0.3-1.png"])
+    assert sorted(p.name for p in dest.iterdir()) == ["accuracy-dirichlet0.3-1.png", "results.json", "summary.md"]
