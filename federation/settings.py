@@ -120,6 +120,17 @@ NATURAL_SPLITS = ("role", "play")  # Shakespeare's natural clients (LEAF): one p
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # a run's folder name under output-dir, never a path
 
 
+def decayed_lr(lr: float, decay: str, span: int, server_round: int) -> float:
+    """Base ``lr`` in round ``server_round`` (1-based) of ``decay`` (an lr-decay) over ``span`` rounds; the rounds
+    after ``span`` keep its last round's rate."""
+    if decay == "none":
+        return lr
+    done = min(server_round, span) - 1
+    if decay in DECAY_MILESTONES:
+        return lr * STEP_DECAY ** sum(done >= share * span for share in DECAY_MILESTONES[decay])
+    return lr * 0.5 * (1 + math.cos(math.pi * done / span))
+
+
 def default_partitioner(dataset: str) -> str:
     """The split ``partitioner = "auto"`` gives a dataset: a text's natural clients (Shakespeare's speaking roles),
     else Dirichlet label skew of labelled images (federation.preflight says which splits fit which dataset)."""
@@ -196,6 +207,9 @@ class RunSettings:
     # schedule) | multistep (lr/10 after 3/8 of the rounds, lr/100 after 5/8: its CIFAR non-IID one); a step
     # schedule's last rounds settle at the lower rate, so a run's plateau can be read off its last 20%
     lr_decay: str = "none"
+    # the rounds lr-decay spans (0 = num-server-rounds); the rounds after keep its last rate, so a run can go on at
+    # the final rate until it settles, and a finished run can be extended (resume) without changing a round it ran
+    lr_decay_rounds: int = 0
     # HeteroFL's masked cross-entropy (its label-skewed runs, and FedRolex's after it): in a client's training loss
     # the logits of the labels its share lacks are 0, so its local steps do not push down the classes it never sees;
     # label splits only (a text client's targets are characters, not labels)
@@ -292,6 +306,7 @@ class RunSettings:
         _require(min(self.align_iters, self.align_workers, self.client_threads) >= 1,
                  "align-iters, align-workers and client-threads must be >= 1")
         _require(self.lr_decay in LR_DECAYS, f"lr-decay must be one of {LR_DECAYS}, got {self.lr_decay!r}")
+        _require(self.lr_decay_rounds >= 0, f"lr-decay-rounds must be >= 0, got {self.lr_decay_rounds}")
         _require(self.narrow_placement in NARROW_PLACEMENTS,
                  f"narrow-placement must be one of {NARROW_PLACEMENTS}, got {self.narrow_placement!r}")
         _require(0 <= self.min_alignment_gain < 1, f"min-alignment-gain must be in [0, 1), got "
@@ -330,13 +345,7 @@ class RunSettings:
 
     def round_lr(self, lr: float, server_round: int) -> float:
         """The clients' learning rate in global round ``server_round`` (1-based) under lr-decay, from base ``lr``."""
-        if self.lr_decay == "none":
-            return lr
-        done = min(server_round, self.num_server_rounds) - 1  # a resumed run's later rounds keep the last round's
-        if self.lr_decay in DECAY_MILESTONES:
-            passed = sum(done >= share * self.num_server_rounds for share in DECAY_MILESTONES[self.lr_decay])
-            return lr * STEP_DECAY ** passed
-        return lr * 0.5 * (1 + math.cos(math.pi * done / self.num_server_rounds))
+        return decayed_lr(lr, self.lr_decay, self.lr_decay_rounds or self.num_server_rounds, server_round)
 
     @property
     def learn_options(self) -> LearnConfig:

@@ -150,12 +150,16 @@ def checkpoint_path(run_dir: Path, round_: int) -> Path:
 
 # What a resumed run may change: how long it runs and waits (and for how many nodes), how many threads or workers
 # and which devices it computes with, what it saves, the federated evaluations that train nothing, the accuracy the
-# summary counts rounds to, and the NaN test hook. Any other run-config key would make the resumed rounds another
-# experiment than the checkpoints' own.
+# summary counts rounds to, the NaN test hook, and the clients' learning-rate schedule where it has not run yet
+# (every round done keeps its rate: _require_same_rates). Any other run-config key would make the resumed rounds
+# another experiment than the checkpoints' own.
 RESUME_MAY_CHANGE = frozenset({"num-server-rounds", "resume", "round-timeout", "node-wait-timeout", "client-threads",
                                "align-workers", "output-dir", "fraction-evaluate", "ensemble-eval", "min-train-nodes",
                                "min-available-nodes", "client-device", "server-device", "save-clients",
-                               "target-accuracy", "fault-partition"})
+                               "target-accuracy", "fault-partition", "lr-decay", "lr-decay-rounds"})
+
+
+SCHEDULE_KEYS = ("lr-decay", "lr-decay-rounds", "num-server-rounds")  # what sets a round's learning rate
 
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -179,6 +183,7 @@ def resume_point(run_dir: Path, cfg: ModelConfig, run_config: Mapping[str, Any])
         else:
             if meta.config == cfg and {k: tuple(v.shape) for k, v in state.items()} == expected:
                 _require_same_run(path, meta.train, run_config)
+                _require_same_rates(path, meta.train, run_config, round_)
                 return round_, state
             skipped.append(f"{path.name} holds another model ({meta.preset}) than this run's")
         log.warning("resume: skipping %s", skipped[-1])
@@ -196,6 +201,20 @@ def _require_same_run(path: Path, saved: Mapping[str, Any], current: Mapping[str
         shown = ", ".join(f"{k} {saved.get(k, defaults.get(k))!r} → {current.get(k)!r}" for k in changed[:4])
         raise ConfigError(f"resume: {path.name} was written with other settings ({shown}); resume with its run "
                           f"config (only {', '.join(sorted(RESUME_MAY_CHANGE - {'resume'}))} may change)")
+
+
+def _require_same_rates(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any], done: int) -> None:
+    """ConfigError unless each of the ``done`` rounds ran at the learning rate this run's schedule gives it: a run
+    extended past num-server-rounds keeps its schedule, or holds its last rate (lr-decay-rounds)."""
+    def rates(config: Mapping[str, Any]) -> list[float]:
+        settings = RunSettings.from_run_config({k: config[k] for k in SCHEDULE_KEYS if k in config})
+        return [settings.round_lr(1.0, r) for r in range(1, done + 1)]
+
+    if rates(saved) != rates(current):
+        shown = ", ".join(f"{k} {saved.get(k)!r} → {current.get(k)!r}" for k in sorted(SCHEDULE_KEYS)
+                          if saved.get(k) != current.get(k))
+        raise ConfigError(f"resume: {path.name}'s {done} rounds ran under another learning-rate schedule ({shown}); "
+                          f"to run on past them, set lr-decay-rounds to the rounds their schedule spanned")
 
 
 def clear_outputs(run_dir: Path) -> None:

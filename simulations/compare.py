@@ -10,7 +10,7 @@ control for the server-held data, and what each row reads of that data) and one 
 split and width mix, one curve per aggregation. ``--publish`` copies the summary, JSON and plots to
 ``simulations/results/NAME/``; ``--from-results`` summarises the rows of an earlier results.json again, running
 nothing (cells the grid gained since are listed as not run yet); ``--reuse`` takes its finished cells and runs the
-rest of the grid.
+rest of the grid; ``--extend`` continues saved cells from their last checkpoint once num-server-rounds is raised.
 
 Config: ``[experiment]`` (name, num-supernodes, seeds, aggregations), ``[run]`` (run-config keys shared by
 every cell) and ``[[splits]]`` / ``[[widths]]`` tables, each a ``label`` plus the run-config keys it sets. An
@@ -141,16 +141,34 @@ def grid(exp: Experiment) -> list[Cell]:
 
 
 def run_cell(exp: Experiment, cell: Cell, out: Path, env: dict[str, str], gpus_per_client: float = 0.0,
-             ) -> dict[str, Any]:
-    """Simulate one cell and return its row: identity, status, wall time, per-round records."""
-    config = cell.run_config(exp, out)
-    log.info("running %s", cell.name)
+             earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Simulate one cell and return its row: identity, status, wall time, per-round records. ``earlier``: the
+    saved row of a shorter run of it, continued from its last checkpoint (resume), its wall time counted too."""
+    config = cell.run_config(exp, out) | ({"resume": True} if earlier else {})
+    log.info("%s %s", "extending" if earlier else "running", cell.name)
     result = run_simulation(config, exp.num_supernodes, gpus_per_client=gpus_per_client, env=env)
     metrics_path = out / "runs" / cell.name / "metrics.json"
     records = json.loads(metrics_path.read_text())["records"] if result.ok and metrics_path.is_file() else []
     status, details = rounds_status(result.status, result.details, records)
-    return cell_row(cell, status, details, round(result.seconds, 1), records,
-                    load=[round(x, 2) for x in os.getloadavg()])
+    extended = {"extended_from": ran(earlier)} if earlier else {}
+    return cell_row(cell, status, details, round(result.seconds + (earlier or {}).get("seconds", 0.0), 1), records,
+                    load=[round(x, 2) for x in os.getloadavg()], **extended)
+
+
+def ran(row: dict[str, Any]) -> int:
+    """The rounds a saved row's run trained."""
+    return max((r["round"] for r in row["records"]), default=0)
+
+
+def short_cells(exp: Experiment, out: Path) -> list[str]:
+    """The saved cells in ``out`` whose run trained fewer rounds than the grid asks now (num-server-rounds raised)."""
+    short = []
+    for cell in grid(exp):
+        saved = out / "cells" / f"{cell.name}.json"
+        asked = RunSettings.from_run_config(cell.run_config(exp, out)).num_server_rounds
+        if saved.is_file() and ran(json.loads(saved.read_text())) < asked:
+            short.append(cell.name)
+    return short
 
 
 def rounds_status(status: str, details: str, records: Sequence[dict[str, Any]]) -> tuple[str, str]:
@@ -201,9 +219,11 @@ def run_grid(exp: Experiment, out: Path, force: bool, reused: Sequence[dict[str,
              recover: bool = False) -> list[dict[str, Any]]:
     """Every cell, reusing the saved rows of finished ones (and the finished ``reused`` rows of an earlier
     results.json) unless ``force``; cells not ``selected`` are run by no one here, only summarised (another process
-    may run them: each finished cell is saved on its own). ``gpus_per_client``: see :func:`run_simulation`.
+    may run them: each finished cell is saved on its own). A saved cell that ran fewer rounds than the grid asks
+    (:func:`short_cells`) is continued from its last checkpoint. ``gpus_per_client``: see :func:`run_simulation`.
     ``recover``: first save the cells whose run finished but was not saved (:func:`recovered`)."""
     earlier = {r["cell"]: r for r in reused if r["status"] == "finished:completed"}
+    short = set(short_cells(exp, out))
     rows = []
     with local_superlink_env() as env:
         for cell in grid(exp):
@@ -216,13 +236,14 @@ def run_grid(exp: Experiment, out: Path, force: bool, reused: Sequence[dict[str,
                     and row["status"] == "finished:completed":
                 saved.parent.mkdir(parents=True, exist_ok=True)
                 saved.write_text(json.dumps(row))
-            if saved.is_file() and keep:
+            if saved.is_file() and keep and cell.name not in short:
                 rows.append(json.loads(saved.read_text()))
                 continue
             if not selected(cell):
                 rows.append(pending(cell))
                 continue
-            row = run_cell(exp, cell, out, env, gpus_per_client)
+            shorter = json.loads(saved.read_text()) if cell.name in short and keep else None
+            row = run_cell(exp, cell, out, env, gpus_per_client, earlier=shorter)
             if row["status"] == "finished:completed":
                 saved.parent.mkdir(parents=True, exist_ok=True)
                 saved.write_text(json.dumps(row))
@@ -618,6 +639,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--reuse", type=Path, metavar="JSON",
                       help="take the finished cells of an earlier results.json of this experiment and run only the "
                            "others (e.g. simulations/results/NAME/results.json after the grid gains an aggregation)")
+    mode.add_argument("--extend", action="store_true",
+                      help="continue each saved cell that ran fewer rounds than the config asks (num-server-rounds "
+                           "raised) from its last checkpoint (resume), keeping its rounds; with lr-decay, set "
+                           "lr-decay-rounds to the rounds its schedule spanned")
     parser.add_argument("--seeds", type=int, nargs="+", metavar="S",
                         help="run only the cells of these seeds (the others are summarised if finished, else "
                              "pending): several processes on one --out can share a grid, one cell each at a time")
@@ -647,10 +672,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "--from-results run none")
         rows = whole_grid(exp, saved_rows(exp, args.from_results)) if args.from_results else None
         reused = saved_rows(exp, args.reuse) if args.reuse else []
+        out = (args.out or PROJECT / "outputs" / exp.name).resolve()
+        short = short_cells(exp, out)
+        if short and not (args.extend or args.force or args.from_results or args.finished_only):
+            raise ConfigError(f"{len(short)} saved cells of {out} ran fewer rounds than the config asks (first: "
+                              f"{short[0]}): --extend continues them from their last checkpoint, --force runs "
+                              "them again")
     except ConfigError as err:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2
-    out = (args.out or PROJECT / "outputs" / exp.name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if rows is None:
         rows = run_grid(exp, out, args.force, reused=reused, gpus_per_client=args.client_gpus,

@@ -204,6 +204,19 @@ def test_lr_decay_cosine_starts_each_round_lower_and_none_keeps_the_base() -> No
         RunSettings(lr_decay="linear")
 
 
+def test_lr_decay_rounds_spans_the_schedule_and_the_rounds_after_keep_its_last_rate() -> None:
+    """lr-decay-rounds R': the schedule of an R'-round run, then its last rate held to num-server-rounds; 0 spans
+    every round. HeteroFL's multistep over 80 rounds (30 and 50) held at a hundredth to round 120."""
+    held = RunSettings(num_server_rounds=120, lr_decay="multistep", lr_decay_rounds=80)
+    plain = RunSettings(num_server_rounds=80, lr_decay="multistep")
+    assert [held.round_lr(1.0, r) for r in range(1, 81)] == [plain.round_lr(1.0, r) for r in range(1, 81)]
+    assert [held.round_lr(1.0, r) for r in (30, 31, 50, 51, 120)] == [
+        1.0, pytest.approx(0.1), pytest.approx(0.1), pytest.approx(0.01), pytest.approx(0.01)]
+    assert RunSettings(num_server_rounds=120, lr_decay="multistep").round_lr(1.0, 31) == 1.0  # 3/8 of 120 is 45
+    with pytest.raises(ConfigError, match="lr-decay-rounds"):
+        RunSettings(lr_decay_rounds=-1)
+
+
 def test_label_mask_zeroes_the_logits_of_the_classes_a_share_lacks_and_their_head_rows_learn_nothing() -> None:
     """HeteroFL's masked cross-entropy against a hand computation on a tiny ViT: the training logits are the
     model's with the absent classes' entries 0, so the loss sends no gradient to those classes' head rows."""

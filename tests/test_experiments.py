@@ -130,7 +130,7 @@ def test_seeds_and_only_run_their_cells_and_summarise_the_rest(tmp_path: Path, m
     (tmp_path / "cells").mkdir()
     (tmp_path / "cells" / f"{saved.name}.json").write_text(json.dumps(_finished_rows(exp)[1] | {"cell": saved.name}))
     ran: list[str] = []
-    monkeypatch.setattr(compare, "run_cell", lambda exp, cell, *_: ran.append(cell.name) or compare.pending(cell))
+    monkeypatch.setattr(compare, "run_cell", lambda exp, cell, *_, **__: ran.append(cell.name) or compare.pending(cell))
     only = compare.selection(exp, [first.seed], [first.aggregation])
     rows = compare.run_grid(exp, tmp_path, force=True, selected=only)
     assert ran == [c.name for c in compare.grid(exp) if only(c)] and first.name in ran and saved.name not in ran
@@ -148,6 +148,33 @@ def test_seeds_and_only_run_their_cells_and_summarise_the_rest(tmp_path: Path, m
     assert compare.main(["--config", str(config), "--out", str(tmp_path), "--only", first.aggregation,
                          "--finished-only"]) == 2
     assert "run none" in capsys.readouterr().err
+
+
+def test_a_saved_cell_shorter_than_the_grid_is_extended_from_its_checkpoint_or_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """num-server-rounds raised over saved cells: compare refuses to summarise their shorter runs as the grid's and
+    names --extend; --extend continues each from its saved row (resume), --finished-only lists it as pending."""
+    config = PROJECT / "simulations" / "configs" / "drift-smoke.toml"
+    longer = tmp_path / "longer.toml"
+    longer.write_text(config.read_text().replace("num-server-rounds = 2", "num-server-rounds = 3"))
+    exp = compare.Experiment.load(longer)
+    (tmp_path / "cells").mkdir()
+    rows = _finished_rows(exp)  # rounds 0-2: the smoke grid's 2 trained rounds
+    for row in rows:
+        (tmp_path / "cells" / f"{row['cell']}.json").write_text(json.dumps(row))
+    assert compare.short_cells(exp, tmp_path) == [c.name for c in compare.grid(exp)]
+    assert compare.main(["--config", str(longer), "--out", str(tmp_path)]) == 2
+    assert "--extend continues them" in capsys.readouterr().err
+    assert compare.main(["--config", str(longer), "--out", str(tmp_path), "--finished-only"]) == 0
+    assert "**Partial:** 0 of" in (tmp_path / "summary.md").read_text()
+    given: dict[str, object] = {}
+    monkeypatch.setattr(compare, "run_cell", lambda exp, cell, out, env, gpus, earlier=None:
+                        given.setdefault(cell.name, earlier) and compare.pending(cell))
+    compare.run_grid(exp, tmp_path, force=False)
+    assert given == {row["cell"]: row for row in rows}
+    (tmp_path / "cells" / f"{rows[0]['cell']}.json").write_text(json.dumps(
+        rows[0] | {"records": [*rows[0]["records"], {"round": 3}]}))
+    assert compare.short_cells(exp, tmp_path) == [row["cell"] for row in rows[1:]]
 
 
 def _finished_rows(exp: compare.Experiment) -> list[dict[str, object]]:

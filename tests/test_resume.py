@@ -62,6 +62,27 @@ def test_a_run_interrupted_and_resumed_ends_bit_for_bit_where_the_uninterrupted_
     assert [r["central_accuracy"] for r in records[1]] == [r["central_accuracy"] for r in records[0]]
 
 
+@pytest.mark.slow
+@needs_data
+def test_a_finished_run_extended_past_its_schedule_ends_where_the_longer_run_ends(
+        tmp_path: Path, server_identity: None) -> None:  # noqa: F811
+    """A 2-round run under lr-decay step (round 2 at a tenth of the rate), resumed to 3 rounds with lr-decay-rounds 2,
+    ends bit for bit where a 3-round run with the same schedule ends: round 3 keeps round 2's rate. Resumed under a
+    schedule that would give round 2 another rate, it is refused in one line."""
+    step = {"aggregation": "fedavg", "lr-decay": "step", "lr-decay-rounds": 2}
+    run_in_process(tmp_path, **step, **{"num-server-rounds": 3, "run-name": "whole"})
+    short = {"aggregation": "fedavg", "lr-decay": "step", "num-server-rounds": 2, "run-name": "cut"}
+    run_in_process(tmp_path, **short)
+    with pytest.raises(ConfigError, match=r"another learning-rate schedule.*lr-decay-rounds"):
+        run_in_process(tmp_path, **short | {"num-server-rounds": 3, "resume": True})
+    run_in_process(tmp_path, **short | step | {"num-server-rounds": 3, "resume": True})
+    whole, _ = load_checkpoint(checkpoint_path(tmp_path / "whole", 3))
+    resumed, _ = load_checkpoint(checkpoint_path(tmp_path / "cut", 3))
+    assert state_digest(resumed) == state_digest(whole)
+    records = [json.loads((tmp_path / name / "metrics.json").read_text())["records"] for name in ("whole", "cut")]
+    assert [r["central_accuracy"] for r in records[1]] == [r["central_accuracy"] for r in records[0]]
+
+
 CFG = preset("vit-tiny")
 
 
