@@ -124,8 +124,8 @@ def central_evaluator(settings: RunSettings, cfg: ModelConfig) -> EvaluateFn:
 
 def server_tuning(settings: RunSettings, learn: LearnConfig) -> TrainConfig:
     """How ``fedavg-ft`` trains the merged model: the learned refinement's epochs (or its steps, cycling through
-    the data: an epoch is at least one) and batch size over the same server-held samples, at the clients' learning
-    rate, on the server's one thread."""
+    the data: an epoch is at least one) and batch size over the same server-held samples, at the clients' base
+    learning rate (each round at the share lr-decay gives it: the strategy's ``rate``), on the server's one thread."""
     lr = settings.lr or pool(settings).task.defaults.get("lr", TrainConfig.lr)
     return TrainConfig(epochs=learn.steps or learn.epochs, max_steps=learn.steps, batch_size=learn.batch_size, lr=lr,
                        seed=settings.seed, threads=1)
@@ -185,7 +185,7 @@ def main(grid: Grid, context: Context) -> None:
         server_data=server_reads(settings), generate=settings.generated,
         tune=server_tuning(settings, settings.learn_options), narrow_placement=settings.narrow_placement,
         independent_init=settings.independent_start, drop_unchanged=settings.drop_unchanged,
-        node_wait_timeout=rounds.node_wait_timeout, round_offset=done,
+        node_wait_timeout=rounds.node_wait_timeout, rate=lambda r: settings.round_lr(1.0, r), round_offset=done,
         hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=rounds.fraction_train,
         fraction_evaluate=rounds.fraction_evaluate, min_train_nodes=rounds.min_train_nodes,
         min_available_nodes=rounds.min_available_nodes or rounds.min_train_nodes,

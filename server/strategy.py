@@ -65,6 +65,15 @@ NODE_POLL_SECONDS = 1.0  # how often a round that waits for nodes counts them (f
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
 
+def at_rate(options: MergeOptions, share: float) -> MergeOptions:
+    """``options`` with the learned refinement's learning rate at ``share`` of its own (a round's lr-decay)."""
+    learn = options.match.learn
+    if share == 1.0:
+        return options
+    return dataclasses.replace(options, match=dataclasses.replace(options.match, learn=dataclasses.replace(
+        learn, lr=learn.lr * share)))
+
+
 class SymmetryAwareFedAvg(FedAvg):
     """FedAvg with validated replies, symmetry-aware merging, per-round records and hooks."""
 
@@ -72,10 +81,12 @@ class SymmetryAwareFedAvg(FedAvg):
                  options: MergeOptions | None = None, server_data: Dataset | None = None, generate: int = 0,
                  tune: TrainConfig | None = None, narrow_placement: str = RunSettings.narrow_placement,
                  independent_init: bool = False, drop_unchanged: bool = False,
-                 node_wait_timeout: float = Deployment.node_wait_timeout,
+                 node_wait_timeout: float = Deployment.node_wait_timeout, rate: Callable[[int], float] | None = None,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
         """``options``: how the server merges (default: the run config's defaults on the CPU), its method set by
-        ``aggregation``; ``tune``: how fedavg-ft and server-only train on the server data."""
+        ``aggregation``; ``tune``: how fedavg-ft and server-only train on the server data; ``rate``: the share of
+        its base learning rate that round r's training runs at (lr-decay), the server's own (fedavg-ft's and
+        server-only's training, learned's refinement) as the clients'."""
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
         if aggregation not in AGGREGATIONS:
@@ -91,6 +102,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.device = resolve(options.device)  # where the server aligns and merges (server-device)
         self.options = dataclasses.replace(options, device=str(self.device))
         self.tune = tune  # how fedavg-ft trains the merged model on the server data (its seed moves by round)
+        self.rate = rate or (lambda server_round: 1.0)
         self.node_tiers: dict[int, float] = {}  # node id → width tier of its last valid reply
         self.placements: dict[int, Placement | None] = {}  # node id → where alignment last put it
         # where a narrow node gets the global model: the principal subspace, or where alignment last put it
@@ -354,10 +366,12 @@ class SymmetryAwareFedAvg(FedAvg):
         # trains it: from scratch).
         fresh = self.independent_init and global_round == 1 and self.aggregation not in (*AVERAGING, "server-only")
         anchor = None if fresh or self.global_arrays is None else self.global_arrays.to_torch_state_dict()
-        tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round)
+        share = self.rate(global_round)
+        tune = None if self.tune is None else dataclasses.replace(self.tune, seed=self.tune.seed + global_round,
+                                                                  lr=self.tune.lr * share)
         data = self._round_data(global_round, clients)
-        result = merge(clients, self.model_config, self.aggregation, self.options, anchor=anchor, data=data, tune=tune,
-                       server_round=global_round)
+        result = merge(clients, self.model_config, self.aggregation, at_rate(self.options, share), anchor=anchor,
+                       data=data, tune=tune, server_round=global_round)
         return dataclasses.replace(result, align_seconds=result.align_seconds + writing_seconds(data))
 
     def _round_data(self, global_round: int, clients: list[Client]) -> Dataset | None:

@@ -45,7 +45,7 @@ from glmc.merging.robust import Robustness
 from glmc.symmetry.canonical import canonicalize, to_model
 from glmc.symmetry.transforms import MATCHABLE, apply, random_transform
 from glmc.train import TrainConfig, evaluate, train
-from server.aggregation import merge
+from server.aggregation import MergeResult, merge
 from server.hooks import ClientsWriter, EnsembleEvaluator
 from server.records import RoundHooks, RoundRecord
 from server.strategy import SymmetryAwareFedAvg
@@ -296,11 +296,13 @@ def test_circuit_heads_refuses_what_it_cannot_merge_in_one_line(changes: dict[st
         RunSettings.from_run_config({"circuit-heads": True, **changes})
 
 
-def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data() -> None:
-    """The server-data control: the example-weighted mean, then trained by glmc.train on the server-held samples."""
+@pytest.mark.parametrize("share", [1.0, 0.1])
+def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data(share: float) -> None:
+    """The server-data control: the example-weighted mean, then trained by glmc.train on the server-held samples, at
+    the round's share of the base rate (lr-decay's, as the clients train)."""
     data = synthetic_images(40)
     tune = TrainConfig(epochs=2, batch_size=16, lr=1e-2, seed=5, threads=1)
-    s = strategy("fedavg-ft", server_data=data, tune=tune)
+    s = strategy("fedavg-ft", server_data=data, tune=tune, rate=lambda server_round: share)
     s.current = RoundRecord(3)  # as configure_train opens round 3
     arrays, _ = s.aggregate_train(3, good_replies())
     assert arrays is not None
@@ -310,13 +312,32 @@ def test_fedavg_ft_is_fedavg_then_the_mean_trained_on_the_server_data() -> None:
         torch.testing.assert_close(value, (10 * states[0][key] + 20 * states[1][key] + 30 * states[2][key]) / 60)
     model = build_model(CFG)
     model.load_state_dict(mean)
-    fit = train(model, get_arch(CFG.family), data, dataclasses.replace(tune, seed=tune.seed + 3), progress=False)
+    fit = train(model, get_arch(CFG.family), data, dataclasses.replace(tune, seed=tune.seed + 3, lr=tune.lr * share),
+                progress=False)
     assert fit["steps"] == 6  # 2 epochs of ⌈40 / 16⌉ batches: the round moves the seed, not the budget
     ours = as_numpy(arrays)
     for key, value in model.state_dict().items():
         np.testing.assert_array_equal(ours[key], value.numpy())
     assert any(not np.allclose(ours[k], v.numpy(), atol=1e-3) for k, v in mean.items())
     assert s.current.align_seconds > 0
+
+
+def test_learned_refines_at_the_rounds_share_of_its_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under lr-decay the learned refinement, the server's own training, runs at the round's share of its rate, as
+    the clients' training does; the rest of the merge options are the run's."""
+    seen: list[MergeOptions] = []
+
+    def merged(clients: object, full: object, aggregation: object, options: MergeOptions, **_: object) -> MergeResult:
+        seen.append(options)
+        return MergeResult(None, 0.0, 0.0, 0.0, [])
+
+    monkeypatch.setattr("server.strategy.merge", merged)
+    s = strategy("learned", server_data=synthetic_images(8), rate=lambda server_round: 0.1 ** (server_round - 1))
+    for server_round in (1, 3):
+        s._merge(server_round, [])
+    base = s.options.match.learn.lr
+    assert [o.match.learn.lr for o in seen] == [base, pytest.approx(base / 100)]
+    assert dataclasses.replace(seen[1], match=s.options.match) == s.options
 
 
 @pytest.mark.parametrize("aggregation", ["fedavg-ft", "server-only"])
