@@ -35,14 +35,17 @@ ABOUT: dict[str, tuple[str, str]] = {
                                 "width baselines, Dirichlet 0.3 and class shards.", "federated.md"),
     "width-plateau": ("The image protocol for 80 rounds under HeteroFL's step schedule (the rate a tenth after round "
                       "40), Dirichlet 0.3 and class shards.", "federated.md"),
-    "width-plateau-multistep": ("The image protocol's Dirichlet split under HeteroFL's multistep schedule (a tenth "
-                                "of the rate after round 30, a hundredth after 50).", "federated.md"),
+    "width-plateau-multistep": ("The image protocol's Dirichlet split for 120 rounds under HeteroFL's multistep "
+                                "schedule over 80 (a tenth of the rate after round 30, a hundredth after 50 and "
+                                "held).", "federated.md"),
     "width-shards-plateau": ("Class shards under the same schedule with HeteroFL's masked cross-entropy "
                              "(label-mask).", "federated.md"),
     "width-baselines-text": ("The same protocol on text: llama-fl on Shakespeare, one client per role.",
                              "federated.md"),
     "width-text-plateau": ("The text protocol for 60 rounds under HeteroFL's multistep schedule (a tenth of the rate "
                            "after round 23, a hundredth after 38), toward a plateau.", "federated.md"),
+    "width-text-learned": ("learned on the text protocol, with fedavg-ft and server-only on the same 1,000 "
+                           "server-held windows.", "federated.md"),
     "client-cost": ("A client's training against its central-test score (client-test), CPU seconds.",
                     "federated.md"),
     "widths-principal": ("Mixed widths (tiers 1, 0.5, 0.25) with principal placement, the default.", "federated.md"),
