@@ -177,7 +177,7 @@ HEADLINES = [
     ("bert-tiny (masked LM)", "weight", lambda: _family("bert-tiny", "weight")),
     ("bert-tiny (masked LM)", "stay at", lambda: _family("bert-tiny", "learned")),
     *[(row, label, lambda grid=grid, agg=agg: _grid(*grid, agg=agg))
-      for row, grid in (("mixed widths FL, 100 clients", ("width-plateau-multistep", "dirichlet0.3", 24)),
+      for row, grid in (("mixed widths FL, 100 clients", ("width-plateau-multistep", "dirichlet0.3", 28)),
                         ("mixed widths FL on text", ("width-text-plateau", None, 12)))
       for label, agg in (("HeteroFL", "fedavg"), ("FedRolex", "fedrolex"), ("smallest", "smallest-width"),
                          ("full-only", "full-width-only"), ("weight", "weight"))],
