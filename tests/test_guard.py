@@ -4,18 +4,22 @@ counts the rounds it set aside."""
 from __future__ import annotations
 
 import logging
+import random
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.supercore.task_identity import TaskIdentity
 from test_strategy import (
     CFG,
+    JoiningGrid,
     _permuted,
     as_numpy,
     instruction,
     merge_options,
     metrics,
+    mixed_schema,
     mixed_strategy,
     reply,
     state,
@@ -24,12 +28,14 @@ from test_strategy import (
 
 from federation import protocol
 from federation.restriction import received
+from glmc.archs import build_model
 from glmc.core.config import scale_width
 from glmc.merging.merge import MergeSetup, merge_models
 from glmc.merging.options import MergeOptions
 from glmc.merging.universe import Member
 from server.guard import guard_note, set_aside_note
 from server.records import RoundRecord
+from server.strategy import SymmetryAwareFedAvg
 
 
 def _summary(caplog: pytest.LogCaptureFixture, aggregation: str, **kwargs: object) -> str:
@@ -81,6 +87,54 @@ def test_a_mixed_width_round_set_aside_is_the_unmatched_merge_where_the_clients_
     for key, value in guarded.items():
         np.testing.assert_array_equal(value, canonical[key])
     assert any(not np.array_equal(value, kept[key]) for key, value in guarded.items())
+
+
+class EightNodes(JoiningGrid):
+    """Eight connected nodes: 1-3 at full width, 4-8 at half."""
+
+    def __init__(self) -> None:
+        super().__init__(8)
+
+    def get_node_ids(self) -> list[int]:
+        return list(range(1, 9))
+
+
+def _federation(aggregation: str, min_gain: float, rounds: int = 5) -> list[tuple[dict[str, np.ndarray], bool]]:
+    """``rounds`` rounds of half of EightNodes, sampled from one seed; each node's 'training' is a seeded step from
+    the model it was sent (restricting the full model itself when the server has not heard from it yet)."""
+    random.seed(0)  # flwr's sampler
+    s = SymmetryAwareFedAvg(aggregation, mixed_schema(), CFG, min_train_nodes=2, fraction_train=0.5,
+                            options=merge_options(min_gain=min_gain))
+    arrays, seen = ArrayRecord(state(0)), []  # type: ignore[arg-type]
+    for number in range(1, rounds + 1):
+        replies = []
+        for msg in s.configure_train(number, arrays, ConfigRecord(), EightNodes()):
+            node = msg.metadata.dst_node_id
+            tier = 1.0 if node <= 3 else 0.5
+            sent = msg.content[protocol.ARRAYS].to_torch_state_dict()
+            if any(sent[k].shape != v.shape for k, v in build_model(scale_width(CFG, tier)).state_dict().items()):
+                sent = received(sent, CFG, tier, aggregation, "principal", number)  # as client.app does
+            g = torch.Generator().manual_seed(100 * number + node)
+            trained = {k: v + 0.05 * v.pow(2).mean().sqrt() * torch.randn(v.shape, generator=g)
+                       for k, v in sent.items()}
+            replies.append(reply(trained, metrics(examples=10 + node, **{protocol.TIER_KEY: tier}), node=node))
+        new, _ = s.aggregate_train(number, replies)
+        arrays = new if new is not None else arrays
+        seen.append((as_numpy(arrays), s.current.unaligned))
+    return seen
+
+
+def test_a_federation_whose_every_round_is_set_aside_is_canonicals_bit_for_bit(monkeypatch):
+    """Over several rounds, with nodes the server has and has not heard from: weight, its matching set aside every
+    round, sends and merges what canonical does, so the two runs' global models are equal round after round."""
+    for key in ("_task_id", "_run_id", "_node_id"):  # what the ServerApp process sets before messages are made
+        monkeypatch.setattr(TaskIdentity, key, 1)
+    guarded, canonical = _federation("weight", 0.9), _federation("canonical", 0.0)
+    assert all(unaligned for _, unaligned in guarded)
+    for (ours, _), (theirs, _) in zip(guarded, canonical, strict=True):
+        assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
+    kept = _federation("weight", 0.0)
+    assert any(not np.array_equal(kept[-1][0][k], guarded[-1][0][k]) for k in kept[-1][0])
 
 
 def test_a_mixed_width_merge_set_aside_keeps_the_matching_in_its_history():
