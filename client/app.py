@@ -227,3 +227,11 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({protocol.WEIGHT_KEY: len(share.val), "eval-loss": float(result["loss"]),  # type: ignore[arg-type]
                             "eval-accuracy": float(result["accuracy"])})
     return Message(RecordDict({protocol.METRICS: metrics}), reply_to=msg)
+
+
+@app.query()
+def query_fn(msg: Message, context: Context) -> Message:
+    """The roll call of seeded sampling (server.sampling): this node's partition id; no model, no data loaded."""
+    node = Node.from_context(context, check_run_config(context.run_config))
+    return Message(RecordDict({protocol.METRICS: MetricRecord({protocol.PARTITION_KEY: node.partition_id})}),
+                   reply_to=msg)

@@ -21,6 +21,7 @@ CONFIG = "config"
 WEIGHT_KEY = "num-examples"
 TIER_KEY = "width-tier"
 ROUND_KEY = "server-round"  # set by FedAvg.configure_train; this project sends the global round
+PARTITION_KEY = "partition-id"  # a node's answer to the roll call of seeded sampling (server.sampling)
 
 TRAIN_METRICS = frozenset({
     WEIGHT_KEY,

@@ -109,6 +109,7 @@ AUTO = "auto"  # partitioner: chosen by the dataset (default_partitioner)
 REFINE_TARGETS = (keyed(LearnConfig)["refine-targets"].none, *TARGETS)
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
+SAMPLINGS = ("seeded", "flwr")
 # lr-decay's step schedules (HeteroFL's MultiStepLR, by the share of the rounds done at each milestone): "step" is
 # its MNIST non-IID one (milestone 200 of 400 rounds), "multistep" its CIFAR non-IID one (300 and 500 of 800)
 DECAY_MILESTONES = {"step": (Fraction(1, 2),), "multistep": (Fraction(3, 8), Fraction(5, 8))}
@@ -148,6 +149,11 @@ class Deployment:
 
     fraction_train: float = option(1.0, "share of the connected nodes sampled to train each round", flag=None,
                                    key="fraction-train")
+    # seeded: a round's sample is drawn from the nodes' partition ids by the run's seed and the round
+    # (server.sampling), so runs of one seed train the same clients; flwr: FedAvg's own, unseeded, by node id
+    sampling: str = option("seeded", "how a round samples the nodes it trains: seeded (by seed and round, over "
+                           "partition ids: runs of one seed train the same clients) or flwr (unseeded)", flag=None,
+                           key="sampling")
     fraction_evaluate: float = option(0.0, "federated evaluation on each client's held-out 10%", flag=None,
                                       key="fraction-evaluate")
     min_train_nodes: int = option(2, "fewer valid replies than this keep the global model for the round", flag=None,
@@ -164,6 +170,7 @@ class Deployment:
                                       "the reason recorded", flag=None, key="node-wait-timeout")
 
     def __post_init__(self) -> None:
+        _require(self.sampling in SAMPLINGS, f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}")
         _require(0 < self.fraction_train <= 1 and 0 <= self.fraction_evaluate <= 1,
                  "fraction-train must be in (0, 1] and fraction-evaluate in [0, 1]")
         _require(self.min_train_nodes >= 1 and self.min_available_nodes >= 0,

@@ -40,6 +40,7 @@ from server.hooks import (
     resume_point,
 )
 from server.records import ACCURACY_AT, LOSS_AT, RoundHooks, tier_name
+from server.sampling import PartitionSampler
 from server.strategy import EvaluateFn, SymmetryAwareFedAvg
 from server.validation import ReplySchema
 
@@ -186,7 +187,9 @@ def main(grid: Grid, context: Context) -> None:
         tune=server_tuning(settings, settings.learn_options), narrow_placement=settings.narrow_placement,
         independent_init=settings.independent_start, drop_unchanged=settings.drop_unchanged,
         node_wait_timeout=rounds.node_wait_timeout, rate=lambda r: settings.round_lr(1.0, r), round_offset=done,
-        hooks=output_hooks(settings, run_dir, done, num_nodes), fraction_train=rounds.fraction_train,
+        hooks=output_hooks(settings, run_dir, done, num_nodes),
+        sampler=PartitionSampler(settings.seed, rounds.round_timeout) if rounds.sampling == "seeded" else None,
+        fraction_train=rounds.fraction_train,
         fraction_evaluate=rounds.fraction_evaluate, min_train_nodes=rounds.min_train_nodes,
         min_available_nodes=rounds.min_available_nodes or rounds.min_train_nodes,
         min_evaluate_nodes=1 if rounds.fraction_evaluate else 0)

@@ -17,6 +17,7 @@ class RoundRecord:
     """Everything one round measured; JSON-able through ``asdict``."""
 
     round: int
+    partitions: list[int] = field(default_factory=list)  # the partitions seeded sampling drew (server.sampling)
     replies: int = 0
     valid: int = 0
     dropped: list[str] = field(default_factory=list)  # "node N: reason"

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from torch.utils.data import Dataset
@@ -56,6 +56,7 @@ from glmc.train import TrainConfig
 from server.aggregation import MergeResult, merge, universe_states
 from server.guard import guard_note
 from server.records import ACCURACY_AT, LOSS_AT, RoundHooks, RoundRecord
+from server.sampling import PartitionSampler
 from server.validation import ReplySchema, check_evaluate_reply, check_model, split_replies
 
 log = logging.getLogger(__name__)
@@ -82,11 +83,13 @@ class SymmetryAwareFedAvg(FedAvg):
                  tune: TrainConfig | None = None, narrow_placement: str = RunSettings.narrow_placement,
                  independent_init: bool = False, drop_unchanged: bool = False,
                  node_wait_timeout: float = Deployment.node_wait_timeout, rate: Callable[[int], float] | None = None,
-                 round_offset: int = 0, hooks: Sequence[RoundHooks] = (), **fedavg: Any) -> None:
+                 round_offset: int = 0, hooks: Sequence[RoundHooks] = (), sampler: PartitionSampler | None = None,
+                 **fedavg: Any) -> None:
         """``options``: how the server merges (default: the run config's defaults on the CPU), its method set by
         ``aggregation``; ``tune``: how fedavg-ft and server-only train on the server data; ``rate``: the share of
         its base learning rate that round r's training runs at (lr-decay), the server's own (fedavg-ft's and
-        server-only's training, learned's refinement) as the clients'."""
+        server-only's training, learned's refinement) as the clients'; ``sampler``: draws each round's nodes by
+        partition (sampling="seeded"), None for FedAvg's own sampler."""
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
         if aggregation not in AGGREGATIONS:
@@ -113,6 +116,7 @@ class SymmetryAwareFedAvg(FedAvg):
         self.node_wait_timeout = node_wait_timeout  # seconds a round waits for enough nodes before it is skipped
         self.drop_unchanged = drop_unchanged  # drop replies identical to what their node was sent (free riders)
         self.round_offset = round_offset
+        self.sampler = sampler
         self.hooks = list(hooks)
         self.records: list[RoundRecord] = []
         self.current = RoundRecord(round_offset)
@@ -134,10 +138,24 @@ class SymmetryAwareFedAvg(FedAvg):
         self.instructions = []
         if not self.await_nodes(grid, max(self.min_available_nodes, self.min_train_nodes)):
             return []
-        messages = list(super().configure_train(server_round + self.round_offset, arrays, config, grid))
+        if self.sampler is None:
+            messages = list(super().configure_train(self.current.round, arrays, config, grid))
+        else:
+            messages = self._seeded_train(self.current.round, arrays, config, grid, self.sampler)
         self.instructions = self.restrict_to_widths(messages, arrays, self.current.round)
         self._sent = time.perf_counter()
         return self.instructions
+
+    def _seeded_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid,
+                      sampler: PartitionSampler) -> list[Message]:
+        """FedAvg's train messages, to the nodes ``sampler`` draws for the round (FedAvg's sample size)."""
+        size = max(int(len(list(grid.get_node_ids())) * self.fraction_train), self.min_train_nodes)
+        chosen = sampler.sample(grid, size, server_round)
+        self.current.partitions = list(chosen.values())
+        log.info("configure_train: sampled partitions %s", self.current.partitions)
+        config[protocol.ROUND_KEY] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        return list(self._construct_messages(record, list(chosen), MessageType.TRAIN))
 
     def await_nodes(self, grid: Grid, needed: int) -> bool:
         """Wait until ``needed`` nodes are connected, at most ``node_wait_timeout`` seconds; False (the round is

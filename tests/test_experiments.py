@@ -46,6 +46,7 @@ def test_smoke_experiment_finishes_every_cell(config: Path, tmp_path: Path) -> N
         server_step = not AGGREGATION_TABLE[exp.variants[row["aggregation"]]["aggregation"]].averages
         for r in (records[k] for k in range(1, rounds + 1)):
             assert r["aggregated"] and r["valid"] == sampled and not r["dropped"], row["cell"]
+            assert len(set(r["partitions"])) == sampled, row["cell"]  # seeded sampling's roll call, through Ray
             assert math.isfinite(r["central_loss"]) and 0.0 <= r["central_accuracy"] <= 1.0
             assert (r["align_seconds"] > 0) == server_step, row["cell"]
             assert r["tier_metrics"]["accuracy@1"] == r["central_accuracy"], row["cell"]

@@ -107,26 +107,29 @@ def test_two_rounds_with_a_faulty_client(tmp_path: Path) -> None:
 # joined by a grid that calls the clients directly. Fast enough to check resume bit for bit.
 
 class InProcessGrid:
-    """A Grid stand-in: every message goes straight to the ClientApp function of its destination node."""
+    """A Grid stand-in: every message goes straight to the ClientApp function of its destination node; node ids
+    ``first_node`` on, partition i at node ``first_node + i`` (a new run of the engine gives new node ids)."""
 
-    def __init__(self, run_config: dict[str, object], num_nodes: int) -> None:
+    def __init__(self, run_config: dict[str, object], num_nodes: int, first_node: int = 100) -> None:
         self.run_config = run_config
-        self.partitions = {100 + i: i for i in range(num_nodes)}
-        self.sent: list[list[Message]] = []
+        self.partitions = {first_node + i: i for i in range(num_nodes)}
+        self.sent: list[list[Message]] = []  # the train and evaluate instructions (not seeded sampling's roll call)
 
     def get_node_ids(self) -> list[int]:
         return list(self.partitions)
 
     def send_and_receive(self, messages: list[Message], *, timeout: float | None = None) -> list[Message]:
         messages = list(messages)
-        self.sent.append(messages)
+        if not any(msg.metadata.message_type == MessageType.QUERY for msg in messages):
+            self.sent.append(messages)
+        handlers = {MessageType.TRAIN: client_app.train_fn, MessageType.EVALUATE: client_app.evaluate_fn,
+                    MessageType.QUERY: client_app.query_fn}
         replies = []
         for msg in messages:
             node = msg.metadata.dst_node_id
             where = {"partition-id": self.partitions[node], "num-partitions": len(self.partitions)}
             context = Context(run_id=1, node_id=node, node_config=where, state=RecordDict(), run_config=self.run_config)
-            fn = client_app.train_fn if msg.metadata.message_type == MessageType.TRAIN else client_app.evaluate_fn
-            replies.append(fn(msg, context))
+            replies.append(handlers[msg.metadata.message_type](msg, context))
         return replies
 
 
@@ -138,11 +141,11 @@ def server_identity() -> Iterator[None]:
     TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None  # type: ignore[assignment]
 
 
-def run_in_process(tmp_path: Path, **overrides: object) -> InProcessGrid:
+def run_in_process(tmp_path: Path, num_nodes: int = 3, first_node: int = 100, **overrides: object) -> InProcessGrid:
     defaults = tomllib.loads((PROJECT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     config = defaults | {"model": "vit-tiny", "local-steps": 2, "eval-limit": 100, "output-dir": str(tmp_path),
                          "run-name": "inproc", "width-tiers": "1,0.5"} | overrides
-    grid = InProcessGrid(config, num_nodes=3)
+    grid = InProcessGrid(config, num_nodes, first_node)
     server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config))
     return grid
 

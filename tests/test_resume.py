@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Message
+from flwr.app import Message, MessageType
 from test_flower_sim import InProcessGrid, needs_data, run_in_process, server_identity  # noqa: F401 (fixture)
 
 from federation.settings import RunSettings
@@ -38,7 +38,8 @@ class InterruptedGrid(InProcessGrid):
 
     def send_and_receive(self, messages: list[Message], *, timeout: float | None = None) -> list[Message]:
         messages = list(messages)
-        if messages and messages[0].content["config"]["server-round"] == self.at:
+        if messages and messages[0].metadata.message_type == MessageType.TRAIN and \
+                messages[0].content["config"]["server-round"] == self.at:
             raise Interrupted
         return super().send_and_receive(messages, timeout=timeout)
 

@@ -668,7 +668,7 @@ def test_pyproject_config_matches_the_settings_defaults() -> None:
                                             ("refine-within", "affine"),
                                             ("alpha", -1.0), ("alpha", float("nan")), ("lr", float("nan")),
                                             ("lr", -0.1), ("classes-per-client", 0), ("seed", -1),
-                                            ("dropout", 1.0), ("dropout", -0.5)])
+                                            ("dropout", 1.0), ("dropout", -0.5), ("sampling", "random")])
 def test_bad_run_config_is_a_config_error(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=key):  # the message names the key (the last six once went through)
         RunSettings.from_run_config({key: value})

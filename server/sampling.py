@@ -1,0 +1,48 @@
+"""Seeded client sampling: each round's sample is drawn from the nodes' partition ids by the run's seed and the
+round, so two runs of one seed (two aggregations of a grid, or a run and its resumption) train the same clients in
+every round. flwr's own sampler draws node ids unseeded, and node ids are new in every run, so without this two
+runs of a seed differ by which clients they trained as well as by what they did."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from flwr.app import Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from federation import protocol
+
+log = logging.getLogger(__name__)
+
+
+class PartitionSampler:
+    """Samples nodes by partition id; learns each node's partition id once, by a query message (a roll call)."""
+
+    def __init__(self, seed: int, timeout: float) -> None:
+        self.seed, self.timeout = seed, timeout  # timeout: seconds a roll call waits for its replies
+        self.partitions: dict[int, int] = {}  # node id → partition id
+
+    def roll_call(self, grid: Grid, nodes: list[int]) -> None:
+        """Ask the nodes whose partition id is not known yet for it; a node that does not answer stays unknown."""
+        unknown = [node for node in nodes if node not in self.partitions]
+        if not unknown:
+            return
+        asks = [Message(RecordDict(), message_type=MessageType.QUERY, dst_node_id=node) for node in unknown]
+        for answer in grid.send_and_receive(asks, timeout=self.timeout):
+            if answer.has_error() or protocol.METRICS not in answer.content.metric_records:
+                continue
+            metrics = answer.content.metric_records[protocol.METRICS]
+            if protocol.PARTITION_KEY in metrics:
+                self.partitions[answer.metadata.src_node_id] = int(metrics[protocol.PARTITION_KEY])  # type: ignore[arg-type]
+        if missing := [node for node in unknown if node not in self.partitions]:
+            log.warning("%d of %d nodes did not say their partition id; they are not sampled until they do",
+                        len(missing), len(unknown))
+
+    def sample(self, grid: Grid, size: int, server_round: int) -> dict[int, int]:
+        """``size`` of the connected nodes whose partition is known, drawn by (seed, round): node id → partition."""
+        nodes = list(grid.get_node_ids())
+        self.roll_call(grid, nodes)
+        known = sorted((self.partitions[node], node) for node in nodes if node in self.partitions)
+        chosen = random.Random(f"{self.seed}/{server_round}").sample(known, min(size, len(known)))
+        return {node: partition for partition, node in sorted(chosen)}

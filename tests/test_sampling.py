@@ -1,0 +1,111 @@
+"""Seeded client sampling: a round's sample is drawn by the run's seed and the round from the nodes' partition ids,
+which each node says once when asked (a roll call), so runs of one seed train the same clients whatever ids the
+engine gives their nodes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from test_flower_sim import needs_data, run_in_process, server_identity  # noqa: F401  (a fixture, used by name)
+from test_strategy import JoiningGrid, instruction, state, strategy
+
+from federation import protocol
+from server.sampling import PartitionSampler
+
+
+class PartitionGrid(JoiningGrid):
+    """Connected nodes that answer the roll call with their partition id, except the ``silent`` ones."""
+
+    def __init__(self, partitions: dict[int, int], silent: tuple[int, ...] = ()) -> None:
+        self.partitions, self.silent, self.asked = partitions, silent, []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.partitions)
+
+    def send_and_receive(self, messages: list[Message], *, timeout: float | None = None) -> list[Message]:
+        answers = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            self.asked.append(node)
+            if node not in self.silent:
+                said = MetricRecord({protocol.PARTITION_KEY: self.partitions[node]})
+                answers.append(Message(RecordDict({protocol.METRICS: said}), reply_to=instruction(node)))
+        return answers
+
+
+@pytest.fixture(autouse=True)
+def identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("_task_id", "_run_id", "_node_id"):  # what the ServerApp process sets before messages are made
+        monkeypatch.setattr(TaskIdentity, key, 1)
+
+
+def grid_of(ids_seed: int, count: int = 20) -> PartitionGrid:
+    """``count`` partitions behind node ids drawn from ``ids_seed`` (as a new run of the engine draws them)."""
+    ids = random.Random(ids_seed).sample(range(1, 2**40), count)
+    return PartitionGrid({node: partition for partition, node in enumerate(ids)})
+
+
+def drawn(sampler: PartitionSampler, grid: PartitionGrid, rounds: range, size: int = 4) -> list[list[int]]:
+    return [list(sampler.sample(grid, size, r).values()) for r in rounds]
+
+
+def test_runs_of_one_seed_sample_the_same_partitions_whatever_their_node_ids() -> None:
+    one, other = grid_of(1), grid_of(2)
+    assert set(one.partitions).isdisjoint(other.partitions)
+    ours = drawn(PartitionSampler(3, 1.0), one, range(1, 7))
+    assert sorted(one.asked) == sorted(one.partitions)  # each node was asked once, in the first round
+    assert ours == drawn(PartitionSampler(3, 1.0), other, range(1, 7))
+    assert all(len(set(sample)) == 4 for sample in ours) and len({tuple(s) for s in ours}) > 1  # rounds differ
+    assert drawn(PartitionSampler(4, 1.0), one, range(1, 7)) != ours  # so do seeds
+
+
+def test_the_sample_maps_the_nodes_it_drew_to_their_partitions() -> None:
+    grid = grid_of(5)
+    chosen = PartitionSampler(0, 1.0).sample(grid, 6, 1)
+    assert len(chosen) == 6 and all(grid.partitions[node] == partition for node, partition in chosen.items())
+    assert len(PartitionSampler(0, 1.0).sample(grid, 50, 1)) == 20  # never more than the nodes connected
+
+
+def test_a_node_that_does_not_say_its_partition_is_not_sampled(caplog: pytest.LogCaptureFixture) -> None:
+    grid = grid_of(6, count=5)
+    mute = next(iter(grid.partitions))
+    grid.silent = (mute,)
+    sampler = PartitionSampler(0, 1.0)
+    with caplog.at_level(logging.WARNING):
+        samples = [sampler.sample(grid, 5, r) for r in range(1, 4)]
+    assert all(mute not in sample and len(sample) == 4 for sample in samples)
+    assert "1 of 1 nodes did not say their partition id" in caplog.text
+    assert grid.asked.count(mute) == 3  # asked again every round, until it answers
+
+
+def test_the_strategy_trains_the_drawn_nodes_and_records_their_partitions() -> None:
+    grid = grid_of(7, count=10)
+    sampler = PartitionSampler(2, 1.0)
+    s = strategy(fraction_train=0.3, round_offset=4, sampler=sampler)
+    messages = list(s.configure_train(1, ArrayRecord(state(0)), ConfigRecord(), grid))  # type: ignore[arg-type]
+    expected = PartitionSampler(2, 1.0).sample(grid, 3, 5)  # round 1 of a run resumed after round 4: round 5
+    assert [m.metadata.dst_node_id for m in messages] == list(expected)
+    assert s.current.partitions == list(expected.values())
+    assert all(m.content[protocol.CONFIG][protocol.ROUND_KEY] == 5 for m in messages)
+
+
+@pytest.mark.slow
+@needs_data
+def test_two_aggregations_of_one_seed_train_the_same_clients_each_round(tmp_path: Path,
+                                                                         server_identity: None) -> None:  # noqa: F811
+    """Through the real ServerApp and ClientApp, on node ids that differ between the runs."""
+    runs = {"fedavg": 100, "weight": 5000}
+    for aggregation, first_node in runs.items():
+        run_in_process(tmp_path, num_nodes=6, first_node=first_node,
+                       **{"num-server-rounds": 3, "aggregation": aggregation, "fraction-train": 0.5,
+                          "run-name": aggregation})
+    sampled = [[r["partitions"] for r in json.loads((tmp_path / name / "metrics.json").read_text())["records"]]
+               for name in runs]
+    assert sampled[0] == sampled[1]
+    assert [len(p) for p in sampled[0]] == [0, 3, 3, 3]  # round 0 is the initial model
