@@ -151,6 +151,11 @@ class SymmetryAwareFedAvg(FedAvg):
         """FedAvg's train messages, to the nodes ``sampler`` draws for the round (FedAvg's sample size)."""
         size = max(int(len(list(grid.get_node_ids())) * self.fraction_train), self.min_train_nodes)
         chosen = sampler.sample(grid, size, server_round)
+        if not chosen:
+            self.current.failure = ("no node said its partition id (a ClientApp without the query handler?); round "
+                                    "skipped: sampling='flwr' samples without it")
+            log.error("round %d: %s", server_round, self.current.failure)
+            return []
         self.current.partitions = list(chosen.values())
         log.info("configure_train: sampled partitions %s", self.current.partitions)
         config[protocol.ROUND_KEY] = server_round

@@ -109,3 +109,11 @@ def test_two_aggregations_of_one_seed_train_the_same_clients_each_round(tmp_path
                for name in runs]
     assert sampled[0] == sampled[1]
     assert [len(p) for p in sampled[0]] == [0, 3, 3, 3]  # round 0 is the initial model
+
+
+def test_a_round_whose_nodes_all_keep_quiet_is_skipped_in_one_line() -> None:
+    grid = grid_of(8, count=4)
+    grid.silent = tuple(grid.partitions)
+    s = strategy(sampler=PartitionSampler(0, 1.0))
+    assert list(s.configure_train(1, ArrayRecord(state(0)), ConfigRecord(), grid)) == []  # type: ignore[arg-type]
+    assert "no node said its partition id" in (s.current.failure or "") and "sampling='flwr'" in s.current.failure
