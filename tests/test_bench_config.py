@@ -223,6 +223,16 @@ def test_every_published_federated_grid_pins_the_group_it_ran_with() -> None:
     assert not unpinned, unpinned
 
 
+def test_every_published_grid_of_partial_participation_names_the_sampler_it_ran_with() -> None:
+    """Seeded sampling became the default on 2026-12-07: a published grid that samples a share of its nodes names its
+    sampler, so that its command (and --extend) samples as its cells did."""
+    unnamed = [path.name for path in Path("simulations/configs").glob("*.toml")
+               if Path("simulations/results", path.stem).is_dir()
+               and float(tomllib.loads(path.read_text())["run"].get("fraction-train", 1.0)) < 1
+               and "sampling" not in tomllib.loads(path.read_text())["run"]]
+    assert not unnamed, unnamed
+
+
 def test_every_published_mixed_width_grid_names_the_guard_its_aligned_rows_ran_with() -> None:
     """min-alignment-gain guards mixed widths since 2026-12-06: every published grid with narrow tiers names it for
     each aggregation that matches (in [run] or the variant), so that its command reproduces its rows."""
