@@ -149,8 +149,9 @@ class SymmetryAwareFedAvg(FedAvg):
     def _seeded_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid,
                       sampler: PartitionSampler) -> list[Message]:
         """FedAvg's train messages, to the nodes ``sampler`` draws for the round (FedAvg's sample size)."""
-        size = max(int(len(list(grid.get_node_ids())) * self.fraction_train), self.min_train_nodes)
-        chosen = sampler.sample(grid, size, server_round)
+        nodes = list(grid.get_node_ids())
+        size = max(int(len(nodes) * self.fraction_train), self.min_train_nodes)
+        chosen = sampler.sample(grid, nodes, size, server_round)
         if not chosen:
             self.current.failure = ("no node said its partition id (a ClientApp without the query handler?); round "
                                     "skipped: sampling='flwr' samples without it")

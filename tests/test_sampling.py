@@ -52,7 +52,7 @@ def grid_of(ids_seed: int, count: int = 20) -> PartitionGrid:
 
 
 def drawn(sampler: PartitionSampler, grid: PartitionGrid, rounds: range, size: int = 4) -> list[list[int]]:
-    return [list(sampler.sample(grid, size, r).values()) for r in rounds]
+    return [list(sampler.sample(grid, grid.get_node_ids(), size, r).values()) for r in rounds]
 
 
 def test_runs_of_one_seed_sample_the_same_partitions_whatever_their_node_ids() -> None:
@@ -67,9 +67,10 @@ def test_runs_of_one_seed_sample_the_same_partitions_whatever_their_node_ids() -
 
 def test_the_sample_maps_the_nodes_it_drew_to_their_partitions() -> None:
     grid = grid_of(5)
-    chosen = PartitionSampler(0, 1.0).sample(grid, 6, 1)
+    chosen = PartitionSampler(0, 1.0).sample(grid, grid.get_node_ids(), 6, 1)
     assert len(chosen) == 6 and all(grid.partitions[node] == partition for node, partition in chosen.items())
-    assert len(PartitionSampler(0, 1.0).sample(grid, 50, 1)) == 20  # never more than the nodes connected
+    # never more than the nodes connected
+    assert len(PartitionSampler(0, 1.0).sample(grid, grid.get_node_ids(), 50, 1)) == 20
 
 
 def test_a_node_that_does_not_say_its_partition_is_not_sampled(caplog: pytest.LogCaptureFixture) -> None:
@@ -78,7 +79,7 @@ def test_a_node_that_does_not_say_its_partition_is_not_sampled(caplog: pytest.Lo
     grid.silent = (mute,)
     sampler = PartitionSampler(0, 1.0)
     with caplog.at_level(logging.WARNING):
-        samples = [sampler.sample(grid, 5, r) for r in range(1, 4)]
+        samples = [sampler.sample(grid, grid.get_node_ids(), 5, r) for r in range(1, 4)]
     assert all(mute not in sample and len(sample) == 4 for sample in samples)
     assert "1 of 1 nodes did not say their partition id" in caplog.text
     assert grid.asked.count(mute) == 3  # asked again every round, until it answers
@@ -89,7 +90,8 @@ def test_the_strategy_trains_the_drawn_nodes_and_records_their_partitions() -> N
     sampler = PartitionSampler(2, 1.0)
     s = strategy(fraction_train=0.3, round_offset=4, sampler=sampler)
     messages = list(s.configure_train(1, ArrayRecord(state(0)), ConfigRecord(), grid))  # type: ignore[arg-type]
-    expected = PartitionSampler(2, 1.0).sample(grid, 3, 5)  # round 1 of a run resumed after round 4: round 5
+    # round 1 of a run resumed after round 4 is round 5
+    expected = PartitionSampler(2, 1.0).sample(grid, grid.get_node_ids(), 3, 5)
     assert [m.metadata.dst_node_id for m in messages] == list(expected)
     assert s.current.partitions == list(expected.values())
     assert all(m.content[protocol.CONFIG][protocol.ROUND_KEY] == 5 for m in messages)
