@@ -16,6 +16,20 @@ from federation import protocol
 log = logging.getLogger(__name__)
 
 
+def said_partition(answer: Message) -> int | None:
+    """The partition id a roll-call answer says: a non-negative integer, else None, with one line naming what came
+    instead (a node's reply must not stop the round)."""
+    if answer.has_error() or protocol.METRICS not in answer.content.metric_records:
+        return None
+    value = answer.content.metric_records[protocol.METRICS].get(protocol.PARTITION_KEY)
+    if isinstance(value, int) and value >= 0:
+        return value
+    if value is not None:
+        log.warning("node %d said partition id %.60r, not a non-negative integer: it is not sampled",
+                    answer.metadata.src_node_id, value)
+    return None
+
+
 class PartitionSampler:
     """Samples nodes by partition id; learns each node's partition id once, by a query message (a roll call)."""
 
@@ -30,11 +44,12 @@ class PartitionSampler:
             return
         asks = [Message(RecordDict(), message_type=MessageType.QUERY, dst_node_id=node) for node in unknown]
         for answer in grid.send_and_receive(asks, timeout=self.timeout):
-            if answer.has_error() or protocol.METRICS not in answer.content.metric_records:
-                continue
-            metrics = answer.content.metric_records[protocol.METRICS]
-            if protocol.PARTITION_KEY in metrics:
-                self.partitions[answer.metadata.src_node_id] = int(metrics[protocol.PARTITION_KEY])  # type: ignore[arg-type]
+            node = answer.metadata.src_node_id
+            if node in unknown and (partition := said_partition(answer)) is not None:
+                if claimed := [other for other, p in self.partitions.items() if p == partition]:
+                    log.warning("node %d says partition %d, as node %d did: both may be sampled", node, partition,
+                                claimed[0])
+                self.partitions[node] = partition
         if missing := [node for node in unknown if node not in self.partitions]:
             log.warning("%d of %d nodes did not say their partition id; they are not sampled until they do",
                         len(missing), len(unknown))

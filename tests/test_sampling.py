@@ -119,3 +119,33 @@ def test_a_round_whose_nodes_all_keep_quiet_is_skipped_in_one_line() -> None:
     s = strategy(sampler=PartitionSampler(0, 1.0))
     assert list(s.configure_train(1, ArrayRecord(state(0)), ConfigRecord(), grid)) == []  # type: ignore[arg-type]
     assert "no node said its partition id" in (s.current.failure or "") and "sampling='flwr'" in s.current.failure
+
+
+class SayingGrid(PartitionGrid):
+    """Nodes that answer the roll call with whatever ``said`` gives them (a malformed or a copied partition id)."""
+
+    def __init__(self, said: dict[int, int | float | list[int]]) -> None:
+        super().__init__({node: 0 for node in said})
+        self.said = said
+
+    def send_and_receive(self, messages: list[Message], *, timeout: float | None = None) -> list[Message]:
+        return [Message(RecordDict({protocol.METRICS: MetricRecord({protocol.PARTITION_KEY: self.said[node]})}),
+                        reply_to=instruction(node)) for node in (m.metadata.dst_node_id for m in messages)]
+
+
+@pytest.mark.parametrize("said", [float("nan"), 1.5, -2, [3, 4], float("inf")])
+def test_a_node_that_says_no_partition_id_is_left_out_in_one_line(said: float | list[int],
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    grid = SayingGrid({11: 0, 12: 1, 13: said})  # type: ignore[dict-item]
+    with caplog.at_level(logging.WARNING):
+        chosen = PartitionSampler(0, 1.0).sample(grid, grid.get_node_ids(), 3, 1)
+    assert chosen == {11: 0, 12: 1}
+    assert "node 13 said partition id" in caplog.text and "not a non-negative integer" in caplog.text
+
+
+def test_two_nodes_that_say_one_partition_are_named(caplog: pytest.LogCaptureFixture) -> None:
+    grid = SayingGrid({21: 0, 22: 5, 23: 5})
+    with caplog.at_level(logging.WARNING):
+        chosen = PartitionSampler(0, 1.0).sample(grid, grid.get_node_ids(), 3, 1)
+    assert chosen == {21: 0, 22: 5, 23: 5}
+    assert "node 23 says partition 5, as node 22 did" in caplog.text
