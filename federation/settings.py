@@ -151,9 +151,9 @@ class Deployment:
                                    key="fraction-train")
     # seeded: a round's sample is drawn from the nodes' partition ids by the run's seed and the round
     # (server.sampling), so runs of one seed train the same clients; flwr: FedAvg's own, unseeded, by node id
-    sampling: str = option("seeded", "how a round samples the nodes it trains: seeded (by seed and round, over "
-                           "partition ids: runs of one seed train the same clients) or flwr (unseeded)", flag=None,
-                           key="sampling")
+    sampling: str = option("seeded", "how a round samples the nodes it trains and evaluates: seeded (by seed and "
+                           "round, over partition ids: runs of one seed train the same clients) or flwr (unseeded)",
+                           flag=None, key="sampling")
     fraction_evaluate: float = option(0.0, "federated evaluation on each client's held-out 10%", flag=None,
                                       key="fraction-evaluate")
     min_train_nodes: int = option(2, "fewer valid replies than this keep the global model for the round", flag=None,

@@ -54,10 +54,11 @@ class PartitionSampler:
             log.warning("%d of %d nodes did not say their partition id; they are not sampled until they do",
                         len(missing), len(unknown))
 
-    def sample(self, grid: Grid, nodes: list[int], size: int, server_round: int) -> dict[int, int]:
-        """``size`` of the connected ``nodes`` whose partition is known, drawn by (seed, round): node id →
-        partition."""
+    def sample(self, grid: Grid, nodes: list[int], size: int, server_round: int, stream: str = "") -> dict[int, int]:
+        """``size`` of the connected ``nodes`` whose partition is known, drawn by (seed, round, ``stream``: "" for
+        training, "evaluate" for federated evaluation, a draw of its own): node id → partition."""
         self.roll_call(grid, nodes)
         known = sorted((self.partitions[node], node) for node in nodes if node in self.partitions)
-        chosen = random.Random(f"{self.seed}/{server_round}").sample(known, min(size, len(known)))
+        key = f"{self.seed}/{server_round}" + (f"/{stream}" if stream else "")
+        chosen = random.Random(key).sample(known, min(size, len(known)))
         return {node: partition for partition, node in sorted(chosen)}

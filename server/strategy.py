@@ -149,9 +149,7 @@ class SymmetryAwareFedAvg(FedAvg):
     def _seeded_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid,
                       sampler: PartitionSampler) -> list[Message]:
         """FedAvg's train messages, to the nodes ``sampler`` draws for the round (FedAvg's sample size)."""
-        nodes = list(grid.get_node_ids())
-        size = max(int(len(nodes) * self.fraction_train), self.min_train_nodes)
-        chosen = sampler.sample(grid, nodes, size, server_round)
+        chosen = self._seeded_sample(grid, sampler, self.fraction_train, self.min_train_nodes, server_round)
         if not chosen:
             self.current.failure = ("no node said its partition id (a ClientApp without the query handler?); round "
                                     "skipped: sampling='flwr' samples without it")
@@ -159,9 +157,20 @@ class SymmetryAwareFedAvg(FedAvg):
             return []
         self.current.partitions = list(chosen.values())
         log.info("configure_train: sampled partitions %s", self.current.partitions)
+        return self._messages(arrays, config, server_round, list(chosen), MessageType.TRAIN)
+
+    def _seeded_sample(self, grid: Grid, sampler: PartitionSampler, fraction: float, minimum: int, server_round: int,
+                       stream: str = "") -> dict[int, int]:
+        """FedAvg's sample size (``fraction`` of the connected nodes, at least ``minimum``), drawn by ``sampler``."""
+        nodes = list(grid.get_node_ids())
+        return sampler.sample(grid, nodes, max(int(len(nodes) * fraction), minimum), server_round, stream)
+
+    def _messages(self, arrays: ArrayRecord, config: ConfigRecord, server_round: int, nodes: list[int],
+                  message_type: str) -> list[Message]:
+        """FedAvg's messages of ``message_type`` to ``nodes``, carrying the global round number."""
         config[protocol.ROUND_KEY] = server_round
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        return list(self._construct_messages(record, list(chosen), MessageType.TRAIN))
+        return list(self._construct_messages(record, nodes, message_type))
 
     def await_nodes(self, grid: Grid, needed: int) -> bool:
         """Wait until ``needed`` nodes are connected, at most ``node_wait_timeout`` seconds; False (the round is
@@ -217,12 +226,19 @@ class SymmetryAwareFedAvg(FedAvg):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        """FedAvg's sampling for federated evaluation, each node getting the global model at its own width."""
+        """FedAvg's sampling for federated evaluation (or the seeded sampler's, its own draw), each node getting the
+        global model at its own width."""
         needed = max(self.min_available_nodes, self.min_evaluate_nodes)
         if self.fraction_evaluate == 0 or not self.await_nodes(grid, needed):
             return []
-        messages = list(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid))
-        return self.restrict_to_widths(messages, arrays, server_round + self.round_offset)
+        server_round += self.round_offset
+        if self.sampler is None:
+            messages = list(super().configure_evaluate(server_round, arrays, config, grid))
+        else:
+            chosen = self._seeded_sample(grid, self.sampler, self.fraction_evaluate, self.min_evaluate_nodes,
+                                         server_round, stream="evaluate")
+            messages = self._messages(arrays, config, server_round, list(chosen), MessageType.EVALUATE)
+        return self.restrict_to_widths(messages, arrays, server_round)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

@@ -97,6 +97,24 @@ def test_the_strategy_trains_the_drawn_nodes_and_records_their_partitions() -> N
     assert all(m.content[protocol.CONFIG][protocol.ROUND_KEY] == 5 for m in messages)
 
 
+def test_federated_evaluation_draws_its_own_seeded_sample_whatever_the_node_ids() -> None:
+    """Its own draw (by seed, round and "evaluate"), so two runs of a seed score the same clients, and evaluating
+    changes nothing in who trains."""
+    def evaluated(grid: PartitionGrid) -> list[list[int]]:
+        s = strategy(fraction_evaluate=0.3, min_evaluate_nodes=1, round_offset=2, sampler=PartitionSampler(1, 1.0))
+        messages = [list(s.configure_evaluate(r, ArrayRecord(state(0)), ConfigRecord(), grid))  # type: ignore[arg-type]
+                    for r in (1, 2)]
+        rounds = [[m.content[protocol.CONFIG][protocol.ROUND_KEY] for m in ms] for ms in messages]
+        assert rounds == [[3] * len(messages[0]), [4] * len(messages[1])]  # the global round, as in training
+        return [[grid.partitions[m.metadata.dst_node_id] for m in ms] for ms in messages]
+
+    one, other = grid_of(9), grid_of(10)
+    ours = evaluated(one)
+    assert ours == evaluated(other) and all(len(p) == 6 for p in ours)
+    train = PartitionSampler(1, 1.0).sample(one, one.get_node_ids(), 6, 3)
+    assert ours[0] != list(train.values())  # a draw of its own, not the training sample's
+
+
 @pytest.mark.slow
 @needs_data
 def test_two_aggregations_of_one_seed_train_the_same_clients_each_round(tmp_path: Path,
