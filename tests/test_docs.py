@@ -178,7 +178,7 @@ HEADLINES = [
     ("bert-tiny (masked LM)", "stay at", lambda: _family("bert-tiny", "learned")),
     *[(row, label, lambda grid=grid, agg=agg: _grid(*grid, agg=agg))
       for row, grid in (("mixed widths FL, 100 clients", ("width-plateau-multistep", "dirichlet0.3", 28)),
-                        ("mixed widths FL on text", ("width-text-plateau", None, 12)))
+                        ("mixed widths FL on text", ("width-text-seeded", None, 12)))
       for label, agg in (("HeteroFL", "fedavg"), ("FedRolex", "fedrolex"), ("smallest", "smallest-width"),
                          ("full-only", "full-width-only"), ("weight", "weight"))],
 ]
