@@ -43,12 +43,15 @@ class PartitionSampler:
         if not unknown:
             return
         asks = [Message(RecordDict(), message_type=MessageType.QUERY, dst_node_id=node) for node in unknown]
+        asked = set(unknown)
+        owners = {partition: node for node, partition in reversed(self.partitions.items())}  # the first to say it
         for answer in grid.send_and_receive(asks, timeout=self.timeout):
             node = answer.metadata.src_node_id
-            if node in unknown and (partition := said_partition(answer)) is not None:
-                if claimed := [other for other, p in self.partitions.items() if p == partition]:
+            if node in asked and (partition := said_partition(answer)) is not None:
+                if partition in owners:
                     log.warning("node %d says partition %d, as node %d did: both may be sampled", node, partition,
-                                claimed[0])
+                                owners[partition])
+                owners.setdefault(partition, node)
                 self.partitions[node] = partition
         if missing := [node for node in unknown if node not in self.partitions]:
             log.warning("%d of %d nodes did not say their partition id; they are not sampled until they do",
