@@ -140,16 +140,21 @@ def ordered_dropout(model: nn.Module, arch: Arch, settings: RunSettings, tier: f
     return OrderedDropout(model, arch, [scale_width(full, t) for t in tiers], seed)
 
 
-def label_masked(logits: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-                 labels: torch.Tensor, num_classes: int) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-    """``logits`` with the classes absent from ``labels`` (a client's share) set to 0: HeteroFL's masked
-    cross-entropy, under which local steps leave the head rows of unseen classes to the other clients."""
+MASK_FILLS = {"zero": 0.0, "exclude": -math.inf}  # label-mask-fill: the value an absent label's logit takes
+
+
+def label_masked(logits: Callable[[nn.Module, torch.Tensor], torch.Tensor], labels: torch.Tensor, num_classes: int,
+                 fill: str = "zero") -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``logits`` with the classes absent from ``labels`` (a client's share) set to 0 (HeteroFL's masked
+    cross-entropy, under which local steps leave the head rows of unseen classes to the other clients) or, for
+    ``fill`` "exclude", to −inf: they leave the softmax (restricted softmax)."""
     absent = torch.ones(num_classes, dtype=torch.bool)
     absent[labels.unique()] = False
+    value = MASK_FILLS[fill]
 
     def masked(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = logits(model, x)
-        return out.masked_fill(absent.to(out.device), 0.0)
+        return out.masked_fill(absent.to(out.device), value)
 
     return masked
 
@@ -161,7 +166,8 @@ def step_logits(arch: Arch, settings: RunSettings, ordered: OrderedDropout | Non
     if not settings.label_mask:
         return ordered
     assert isinstance(share.train, ArrayDataset), "label-mask is checked to run on label splits"
-    return label_masked(ordered if ordered is not None else arch.logits, share.train.y, cfg.num_classes)
+    return label_masked(ordered if ordered is not None else arch.logits, share.train.y, cfg.num_classes,
+                        settings.label_mask_fill)
 
 
 def _reply_state(model: nn.Module, settings: RunSettings, node: Node) -> dict[str, torch.Tensor]:

@@ -110,6 +110,9 @@ REFINE_TARGETS = (keyed(LearnConfig)["refine-targets"].none, *TARGETS)
 # Where a narrow client gets the global model: where alignment last put it, or the principal subspace.
 NARROW_PLACEMENTS = ("aligned", "principal")
 SAMPLINGS = ("seeded", "flwr")
+# what label-mask puts in the logits of the labels a client's share lacks: 0 (HeteroFL's masked cross-entropy), or
+# they leave the softmax (FedRS's restricted softmax at alpha = 0)
+LABEL_MASK_FILLS = ("zero", "exclude")
 # lr-decay's step schedules (HeteroFL's MultiStepLR, by the share of the rounds done at each milestone): "step" is
 # its MNIST non-IID one (milestone 200 of 400 rounds), "multistep" its CIFAR non-IID one (300 and 500 of 800)
 DECAY_MILESTONES = {"step": (Fraction(1, 2),), "multistep": (Fraction(3, 8), Fraction(5, 8))}
@@ -221,6 +224,11 @@ class RunSettings:
     # the logits of the labels its share lacks are 0, so its local steps do not push down the classes it never sees;
     # label splits only (a text client's targets are characters, not labels)
     label_mask: bool = False
+    # what label-mask puts in those logits: "zero" (HeteroFL's) or "exclude", which takes them out of the softmax
+    # (FedRS's restricted softmax at alpha = 0): a client's loss is then the same whatever constant its own labels'
+    # logits share, so its local steps cannot raise the classes it holds over the ones it never sees, the drift by
+    # which the sampled classes tilt a round's global model on a class-shards split
+    label_mask_fill: str = "zero"
     # training dropout (embeddings, attention weights, residual writes) of the clients and of the server's own
     # training in fedavg-ft and server-only; -1 = the model's own (the preset's or the init checkpoint's). Seeds
     # trained with it match better (docs/methods.md, dropout and connectivity)
@@ -297,6 +305,11 @@ class RunSettings:
         _require(not self.label_mask or self.partitioner in LABEL_SPLITS,
                  f"label-mask masks the labels a client's share lacks: label splits only, not the natural "
                  f"{self.partitioner!r} clients")
+        _require(self.label_mask_fill in LABEL_MASK_FILLS,
+                 f"label-mask-fill must be one of {LABEL_MASK_FILLS}, got {self.label_mask_fill!r}")
+        _require(self.label_mask or self.label_mask_fill == "zero",
+                 f"label-mask-fill {self.label_mask_fill!r} says what label-mask puts in the absent labels' logits: "
+                 "set label-mask = true")
         check_options("run config", [
             ("finite and > 0", lambda v: math.isfinite(v) and v > 0, {"alpha": self.alpha}),
             ("finite and ≥ 0 (0: the dataset's default)", lambda v: math.isfinite(v) and v >= 0, {"lr": self.lr}),

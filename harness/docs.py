@@ -97,7 +97,8 @@ def _allowed(key: str, kind: str) -> str:
         "model": list(PRESETS), "dataset": list(TASKS), "aggregation": settings.AGGREGATIONS,
         "init": settings.INITS, "partitioner": (settings.AUTO, *settings.LABEL_SPLITS, *settings.NATURAL_SPLITS),
         "narrow-placement": settings.NARROW_PLACEMENTS, "refine-within": WITHIN,
-        "refine-targets": settings.REFINE_TARGETS, "server-data-source": settings.SERVER_DATA_SOURCES}
+        "refine-targets": settings.REFINE_TARGETS, "server-data-source": settings.SERVER_DATA_SOURCES,
+        "label-mask-fill": settings.LABEL_MASK_FILLS, "lr-decay": settings.LR_DECAYS, "sampling": settings.SAMPLINGS}
     if key in choices:
         return ", ".join(f"`{c}`" for c in choices[key])
     return {"int": "integer", "float": "number", "bool": "`true`, `false`",

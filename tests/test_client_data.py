@@ -239,6 +239,48 @@ def test_label_mask_zeroes_the_logits_of_the_classes_a_share_lacks_and_their_hea
     assert grad[absent].abs().max() == 0 and grad[present].abs().amin(dim=1).max() > 0
 
 
+def test_label_mask_exclude_is_the_softmax_over_the_present_classes_blind_to_a_shift_of_their_logits() -> None:
+    """label-mask-fill "exclude" against a hand computation: the loss is cross-entropy over the present classes'
+    logits alone, the absent head rows get no gradient, and a constant added to every present class's head bias
+    (what HeteroFL's zeros reward: the client's own classes raised over the unseen ones) leaves the loss as it was."""
+    from client.app import label_masked
+
+    torch.manual_seed(0)
+    cfg = preset("vit-tiny")
+    model, arch = build_model(cfg).double(), get_arch(cfg.family)
+    x = torch.randn(6, cfg.in_chans, cfg.img_size, cfg.img_size, dtype=torch.float64)
+    y = torch.tensor([1, 3, 1, 3, 3, 7])
+    present = torch.tensor([1, 3, 7])
+
+    def masked_loss(fill: str) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(label_masked(arch.logits, y, cfg.num_classes, fill)(model, x), y)
+
+    loss = masked_loss("exclude")
+    own = arch.logits(model, x)[:, present]
+    hand = torch.nn.functional.cross_entropy(own, torch.searchsorted(present, y))
+    assert torch.allclose(loss, hand, rtol=0, atol=1e-12)
+    loss.backward()
+    grad = model.head.weight.grad
+    assert grad is not None
+    absent = [c for c in range(cfg.num_classes) if c not in present.tolist()]
+    assert torch.isfinite(grad).all() and grad[absent].abs().max() == 0 and grad[present].abs().amin(dim=1).max() > 0
+    with torch.no_grad():
+        losses = {fill: masked_loss(fill) for fill in ("zero", "exclude")}
+        model.head.bias[present] += 5.0
+        shifted = {fill: masked_loss(fill) for fill in ("zero", "exclude")}
+    assert torch.allclose(shifted["exclude"], losses["exclude"], rtol=0, atol=1e-12)
+    assert shifted["zero"] < losses["zero"] - 0.5  # HeteroFL's zeros reward the shift
+
+
+def test_label_mask_fill_names_its_choices_and_needs_label_mask() -> None:
+    """A fill outside its choices, or one set without label-mask, is refused in one line naming the key."""
+    assert RunSettings(label_mask=True, label_mask_fill="exclude", partitioner="shard").label_mask_fill == "exclude"
+    with pytest.raises(ConfigError, match="label-mask-fill must be one of"):
+        RunSettings(label_mask=True, label_mask_fill="minus", partitioner="shard")
+    with pytest.raises(ConfigError, match="set label-mask = true"):
+        RunSettings(label_mask_fill="exclude", partitioner="shard")
+
+
 def test_label_mask_runs_on_label_splits_only() -> None:
     """A natural split's clients hold text, not labels: label-mask there is refused in one line naming the key."""
     assert RunSettings(label_mask=True, partitioner="shard").label_mask
