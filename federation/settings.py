@@ -233,6 +233,10 @@ class RunSettings:
     # training in fedavg-ft and server-only; -1 = the model's own (the preset's or the init checkpoint's). Seeds
     # trained with it match better (docs/methods.md, dropout and connectivity)
     dropout: float = -1.0
+    # server momentum (FedAvgM; server.momentum): the global model steps by server-learning-rate times the way to the
+    # round's merge plus server-momentum times the step it took the round before; 1 and 0 keep the merge itself
+    server_learning_rate: float = 1.0
+    server_momentum: float = 0.0
     server_data: int = 0  # training samples held back from every client, for activation/learned alignment
     # where the server-held data comes from: "split" = held back from every client's share (above); "generated" =
     # each round, server-data windows of text the round's client models write themselves (glmc.data.generated; language
@@ -305,6 +309,9 @@ class RunSettings:
         _require(not self.label_mask or self.partitioner in LABEL_SPLITS,
                  f"label-mask masks the labels a client's share lacks: label splits only, not the natural "
                  f"{self.partitioner!r} clients")
+        _require(self.server_learning_rate > 0 and 0 <= self.server_momentum < 1,
+                 f"server-learning-rate must be > 0 and server-momentum in [0, 1), got {self.server_learning_rate} "
+                 f"and {self.server_momentum}")
         _require(self.label_mask_fill in LABEL_MASK_FILLS,
                  f"label-mask-fill must be one of {LABEL_MASK_FILLS}, got {self.label_mask_fill!r}")
         _require(self.label_mask or self.label_mask_fill == "zero",

@@ -38,7 +38,9 @@ from server.hooks import (
     clear_outputs,
     load_records,
     resume_point,
+    round_before,
 )
+from server.momentum import ServerStep
 from server.records import ACCURACY_AT, LOSS_AT, RoundHooks, tier_name
 from server.sampling import PartitionSampler
 from server.strategy import EvaluateFn, SymmetryAwareFedAvg
@@ -189,6 +191,8 @@ def main(grid: Grid, context: Context) -> None:
         node_wait_timeout=rounds.node_wait_timeout, rate=lambda r: settings.round_lr(1.0, r), round_offset=done,
         hooks=output_hooks(settings, run_dir, done, num_nodes),
         sampler=PartitionSampler(settings.seed, rounds.round_timeout) if rounds.sampling == "seeded" else None,
+        server_step=ServerStep(settings.server_learning_rate, settings.server_momentum),
+        before=round_before(run_dir, done) if settings.resume and settings.server_momentum else None,
         fraction_train=rounds.fraction_train,
         fraction_evaluate=rounds.fraction_evaluate, min_train_nodes=rounds.min_train_nodes,
         min_available_nodes=rounds.min_available_nodes or rounds.min_train_nodes,

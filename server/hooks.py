@@ -191,6 +191,20 @@ def resume_point(run_dir: Path, cfg: ModelConfig, run_config: Mapping[str, Any])
                       f"{': ' + '; '.join(skipped) if skipped else ''}; run once without resume first")
 
 
+def round_before(run_dir: Path, done: int) -> dict[str, torch.Tensor] | None:
+    """The global model of round ``done`` − 1, which a resumed run under server momentum steps from (its step is
+    the momentum's state); None where ``done`` is 0. A ConfigError, in one line, if that checkpoint is missing or
+    broken."""
+    if done == 0:
+        return None
+    path = checkpoint_path(run_dir, done - 1)
+    try:
+        return load_checkpoint(path)[0]
+    except CheckpointError as err:
+        raise ConfigError(f"resume under server-momentum needs round {done - 1}'s global model too (the step it "
+                          f"took is the momentum): {err}") from err
+
+
 def _require_same_run(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
     """ConfigError naming the run-config keys whose values differ between the checkpoint and this run (keys a
     checkpoint predates count as their current defaults)."""

@@ -55,6 +55,7 @@ from glmc.merging.widths import Placement
 from glmc.train import TrainConfig
 from server.aggregation import MergeResult, merge, universe_states
 from server.guard import guard_note
+from server.momentum import PLAIN, ServerStep
 from server.records import ACCURACY_AT, LOSS_AT, RoundHooks, RoundRecord
 from server.sampling import PartitionSampler
 from server.validation import ReplySchema, check_evaluate_reply, check_model, split_replies
@@ -84,12 +85,14 @@ class SymmetryAwareFedAvg(FedAvg):
                  independent_init: bool = False, drop_unchanged: bool = False,
                  node_wait_timeout: float = Deployment.node_wait_timeout, rate: Callable[[int], float] | None = None,
                  round_offset: int = 0, hooks: Sequence[RoundHooks] = (), sampler: PartitionSampler | None = None,
-                 **fedavg: Any) -> None:
+                 server_step: ServerStep = PLAIN, before: State | None = None, **fedavg: Any) -> None:
         """``options``: how the server merges (default: the run config's defaults on the CPU), its method set by
         ``aggregation``; ``tune``: how fedavg-ft and server-only train on the server data; ``rate``: the share of
         its base learning rate that round r's training runs at (lr-decay), the server's own (fedavg-ft's and
         server-only's training, learned's refinement) as the clients'; ``sampler``: draws each round's nodes by
-        partition (sampling="seeded"), None for FedAvg's own sampler."""
+        partition (sampling="seeded"), None for FedAvg's own sampler; ``server_step``: how the global model moves
+        toward each round's merge (server momentum), ``before``: the global model of the round before the initial
+        one, where a resumed run had one (its step is the momentum's state)."""
         fedavg.setdefault("min_available_nodes", fedavg.get("min_train_nodes", 2))
         super().__init__(**fedavg)
         if aggregation not in AGGREGATIONS:
@@ -117,6 +120,8 @@ class SymmetryAwareFedAvg(FedAvg):
         self.drop_unchanged = drop_unchanged  # drop replies identical to what their node was sent (free riders)
         self.round_offset = round_offset
         self.sampler = sampler
+        self.server_step = server_step
+        self._before = before  # the global model of the round before the current one (server momentum)
         self.hooks = list(hooks)
         self.records: list[RoundRecord] = []
         self.current = RoundRecord(round_offset)
@@ -246,6 +251,8 @@ class SymmetryAwareFedAvg(FedAvg):
         raises anything at all, or if the merged model is not finite and bounded (the reason goes in the record)."""
         replies = list(replies)
         self.current.nodes_seconds = time.perf_counter() - self._sent
+        current = self.global_arrays.to_torch_state_dict() if self.global_arrays is not None else None
+        before, self._before = self._before, current  # the step of this round's global model, whatever it merges
         addressees = {m.metadata.message_id: m.metadata.dst_node_id for m in self.instructions}
         valid, dropped = split_replies(replies, self.schema, addressees, self.node_tiers)
         if self.drop_unchanged:
@@ -264,15 +271,17 @@ class SymmetryAwareFedAvg(FedAvg):
                         record.round, len(valid), self.min_train_nodes)
             return None, None
         try:
-            return self._merge_valid(record, valid)
+            return self._merge_valid(record, valid, current, before)
         except Exception as err:  # whatever the replies make the merge do, the run goes on with the global model
             record.failure = f"{type(err).__name__}: {err}".splitlines()[0]
             log.error("round %d: aggregation failed, keeping the global model: %s", record.round, record.failure)
             return None, None
 
-    def _merge_valid(self, record: RoundRecord,
-                     valid: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode, merge and check the valid replies; run the hooks; the new global model, if any."""
+    def _merge_valid(self, record: RoundRecord, valid: list[Message], current: State | None = None,
+                     before: State | None = None) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode, merge and check the valid replies, and step the global model ``current`` toward the merge
+        (``server_step``, with ``before`` the global model of the round before); run the hooks; the new global
+        model, if any."""
         start = time.perf_counter()
         reset_peak_memory(self.device)
         clients = self._capped([self._decode(msg) for msg in valid])
@@ -280,6 +289,8 @@ class SymmetryAwareFedAvg(FedAvg):
                             for c, m in zip(clients, valid, strict=True))
         with released(self.device):
             arrays, metrics = self._aggregate(record, valid, clients)
+        if arrays is not None and current is not None and not self.server_step.plain:
+            arrays = ArrayRecord(self.server_step(current, before, arrays.to_torch_state_dict()))  # type: ignore[arg-type]
         if arrays is not None and (problem := check_model(arrays)) is not None:
             raise GlmcError(f"the merged model is rejected: {problem}")
         record.aggregate_seconds = time.perf_counter() - start

@@ -46,15 +46,18 @@ class InterruptedGrid(InProcessGrid):
 
 @pytest.mark.slow
 @needs_data
+@pytest.mark.parametrize("step", [{}, {"server-learning-rate": 0.1, "server-momentum": 0.9}])
 def test_a_run_interrupted_and_resumed_ends_bit_for_bit_where_the_uninterrupted_run_ends(
-        tmp_path: Path, server_identity: None, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    run_in_process(tmp_path, **RUN, **{"run-name": "whole"})
+        tmp_path: Path, server_identity: None, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        step: dict[str, float]) -> None:
+    """Under server momentum too: the resumed round 3 steps on from round 2's step, read off its two checkpoints."""
+    run_in_process(tmp_path, **RUN, **step, **{"run-name": "whole"})
     monkeypatch.setattr("test_flower_sim.InProcessGrid", InterruptedGrid)
     with pytest.raises(Interrupted):
-        run_in_process(tmp_path, **RUN, **{"run-name": "cut"})
+        run_in_process(tmp_path, **RUN, **step, **{"run-name": "cut"})
     assert not checkpoint_path(tmp_path / "cut", 3).exists() and checkpoint_path(tmp_path / "cut", 2).exists()
     monkeypatch.setattr("test_flower_sim.InProcessGrid", InProcessGrid)
-    run_in_process(tmp_path, **RUN, **{"run-name": "cut", "resume": True})
+    run_in_process(tmp_path, **RUN, **step, **{"run-name": "cut", "resume": True})
     whole, _ = load_checkpoint(checkpoint_path(tmp_path / "whole", 3))
     resumed, _ = load_checkpoint(checkpoint_path(tmp_path / "cut", 3))
     assert state_digest(resumed) == state_digest(whole)
