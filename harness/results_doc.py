@@ -42,6 +42,8 @@ ABOUT: dict[str, tuple[str, str]] = {
                              "(label-mask).", "federated.md"),
     "width-shards-restricted": ("One HeteroFL run of those shards with the absent labels out of each client's "
                                 "softmax (label-mask-fill = exclude): steadier, 10 points lower.", "federated.md"),
+    "width-shards-momentum": ("One HeteroFL run of those shards with server momentum (FedAvgM): no swing, then a "
+                              "slide.", "federated.md"),
     "width-baselines-text": ("The same protocol on text: llama-fl on Shakespeare, one client per role.",
                              "federated.md"),
     "width-text-plateau": ("The text protocol for 60 rounds under HeteroFL's multistep schedule (a tenth of the rate "
