@@ -251,7 +251,8 @@ class SymmetryAwareFedAvg(FedAvg):
         raises anything at all, or if the merged model is not finite and bounded (the reason goes in the record)."""
         replies = list(replies)
         self.current.nodes_seconds = time.perf_counter() - self._sent
-        current = self.global_arrays.to_torch_state_dict() if self.global_arrays is not None else None
+        held = None if self.server_step.plain else self.global_arrays  # plain: no copy of the model
+        current = held.to_torch_state_dict() if held is not None else None
         before, self._before = self._before, current  # the step of this round's global model, whatever it merges
         addressees = {m.metadata.message_id: m.metadata.dst_node_id for m in self.instructions}
         valid, dropped = split_replies(replies, self.schema, addressees, self.node_tiers)
