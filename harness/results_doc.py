@@ -50,6 +50,8 @@ ABOUT: dict[str, tuple[str, str]] = {
                            "after round 23, a hundredth after 38), toward a plateau.", "federated.md"),
     "width-text-learned": ("learned on the text protocol, with fedavg-ft and server-only on the same 1,000 "
                            "server-held windows.", "federated.md"),
+    "width-images-learned": ("learned on the image protocol, with fedavg-ft and server-only on the same 2,000 "
+                             "server-held images (seed 0 so far).", "federated.md"),
     "client-cost": ("A client's training against its central-test score (client-test), CPU seconds.",
                     "federated.md"),
     "widths-principal": ("Mixed widths (tiers 1, 0.5, 0.25) with principal placement, the default.", "federated.md"),
