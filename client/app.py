@@ -25,7 +25,7 @@ from federation import protocol
 from federation.data import ClientShare, client_share, eval_subset, pool
 from federation.preflight import check_run_config
 from federation.restriction import received
-from federation.settings import RunSettings
+from federation.settings import LABEL_MASK_FILLS, RunSettings
 from glmc.archs import Arch, build_model, get_arch
 from glmc.core.config import ModelConfig, scale_width
 from glmc.core.state import cast
@@ -140,9 +140,6 @@ def ordered_dropout(model: nn.Module, arch: Arch, settings: RunSettings, tier: f
     return OrderedDropout(model, arch, [scale_width(full, t) for t in tiers], seed)
 
 
-MASK_FILLS = {"zero": 0.0, "exclude": -math.inf}  # label-mask-fill: the value an absent label's logit takes
-
-
 def label_masked(logits: Callable[[nn.Module, torch.Tensor], torch.Tensor], labels: torch.Tensor, num_classes: int,
                  fill: str = "zero") -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
     """``logits`` with the classes absent from ``labels`` (a client's share) set to 0 (HeteroFL's masked
@@ -150,7 +147,7 @@ def label_masked(logits: Callable[[nn.Module, torch.Tensor], torch.Tensor], labe
     ``fill`` "exclude", to −inf: they leave the softmax (restricted softmax)."""
     absent = torch.ones(num_classes, dtype=torch.bool)
     absent[labels.unique()] = False
-    value = MASK_FILLS[fill]
+    value = LABEL_MASK_FILLS[fill]
 
     def masked(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = logits(model, x)

@@ -111,8 +111,8 @@ REFINE_TARGETS = (keyed(LearnConfig)["refine-targets"].none, *TARGETS)
 NARROW_PLACEMENTS = ("aligned", "principal")
 SAMPLINGS = ("seeded", "flwr")
 # what label-mask puts in the logits of the labels a client's share lacks: 0 (HeteroFL's masked cross-entropy), or
-# they leave the softmax (FedRS's restricted softmax at alpha = 0)
-LABEL_MASK_FILLS = ("zero", "exclude")
+# they leave the softmax (FedRS's restricted softmax at alpha = 0): each choice and the value that logit takes
+LABEL_MASK_FILLS = {"zero": 0.0, "exclude": -math.inf}
 # lr-decay's step schedules (HeteroFL's MultiStepLR, by the share of the rounds done at each milestone): "step" is
 # its MNIST non-IID one (milestone 200 of 400 rounds), "multistep" its CIFAR non-IID one (300 and 500 of 800)
 DECAY_MILESTONES = {"step": (Fraction(1, 2),), "multistep": (Fraction(3, 8), Fraction(5, 8))}
@@ -313,7 +313,7 @@ class RunSettings:
                  f"server-learning-rate must be > 0 and server-momentum in [0, 1), got {self.server_learning_rate} "
                  f"and {self.server_momentum}")
         _require(self.label_mask_fill in LABEL_MASK_FILLS,
-                 f"label-mask-fill must be one of {LABEL_MASK_FILLS}, got {self.label_mask_fill!r}")
+                 f"label-mask-fill must be one of {tuple(LABEL_MASK_FILLS)}, got {self.label_mask_fill!r}")
         _require(self.label_mask or self.label_mask_fill == "zero",
                  f"label-mask-fill {self.label_mask_fill!r} says what label-mask puts in the absent labels' logits: "
                  "set label-mask = true")
