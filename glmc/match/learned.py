@@ -208,16 +208,23 @@ class _Logits(nn.Module):
         return self.arch.logits(self.model, x)
 
 
+Merge = Callable[[Sequence[State], Weights], State]  # the endpoints as moved, and their weights → the path's point
+
+
 class Path:
-    """Mixtures Σ_i w_i T_i(θ_i) of the endpoints and their logits, through one model built once.
+    """Mixtures Σ_i w_i T_i(θ_i) of the endpoints (or their ``merge``) and their logits, through one model built once.
 
     In the circuit form the endpoints stay standard states (the transforms act there) and each moved endpoint is
     multiplied out into its circuits before mixing, so the path interpolates circuits (paper §3.2.2).
     """
 
     def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype,
-                 dropout: float = 0.0, targets: Targets = "labels") -> None:
+                 dropout: float = 0.0, targets: Targets = "labels", merge: Merge = mix) -> None:
         self.arch, self.cfg, self.dtype, self.circuit = get_arch(cfg.family), cfg, dtype, form in CIRCUITS
+        if self.circuit and merge is not mix:
+            raise ConfigError(f"a path in the {form!r} form mixes its circuits; a coverage merge takes standard "
+                              "states only")
+        self.merge = merge
         self.states = [cast(e.state, dtype) for e in endpoints]
         self.device = device_of(self.states[0])  # the path runs where its endpoints live
         self.still = [self._form(s)[0] for s in self.states]  # each endpoint as it stands, in the path's form
@@ -234,10 +241,11 @@ class Path:
         return to_circuit(state, self.cfg) if self.circuit else (state, self.cfg)
 
     def point(self, transforms: Sequence[Transform | None], weights: Weights) -> State:
-        """Σ_i w_i T_i(θ_i) in the path's form; an endpoint without a transform stays as it is."""
+        """Σ_i w_i T_i(θ_i) (or the path's merge of the T_i(θ_i)) in the path's form; an endpoint without a transform
+        stays as it is."""
         moved = [still if t is None else self._form(apply(s, self.arch.spec, t, self.cfg.heads, folded=folded))[0]
                  for s, still, t, folded in zip(self.states, self.still, transforms, self.folded, strict=True)]
-        return mix(moved, weights)
+        return self.merge(moved, weights)
 
     def logits(self, state: State, x: torch.Tensor) -> torch.Tensor:
         """Logits of the model holding the canonical ``state`` (no new module: ``functional_call``)."""
@@ -386,8 +394,9 @@ def targets_for(options: LearnConfig, data: Dataset) -> Targets:
 
 def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sampler: Sampler,
           points: Sequence[Weights], options: LearnConfig, *, form: Form = "standard",
-          validation: Dataset | None = None) -> Learned:
-    """Algorithm 1 over any number of endpoints: minimise the task loss of Σ_i w_i T_i(θ_i), w ~ ``sampler``.
+          validation: Dataset | None = None, merge: Merge = mix) -> Learned:
+    """Algorithm 1 over any number of endpoints: minimise the task loss of Σ_i w_i T_i(θ_i) (or of ``merge``, the
+    merge the caller will make of them), w ~ ``sampler``.
 
     The first candidate is every endpoint's initial transform; it is replaced only by transforms with a lower
     validation loss at ``points``. A non-finite loss stops learning and keeps the best transforms so far.
@@ -395,7 +404,7 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     start = time.perf_counter()
     train, val = split(data, options, validation)
     targets = targets_for(options, data)
-    path = Path(endpoints, cfg, form, getattr(torch, options.dtype), options.dropout, targets)
+    path = Path(endpoints, cfg, form, getattr(torch, options.dtype), options.dropout, targets, merge)
     latents = [e.latents.to(path.device) if e.latents else None for e in endpoints]
     params = [p for lat in latents if lat is not None for p in lat.parameters()]
     val_loader = DataLoader(val, batch_size=256)

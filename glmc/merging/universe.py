@@ -31,7 +31,7 @@ from torch.utils.data import Dataset, TensorDataset
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.spec import SpecTable
-from glmc.core.state import Lazy, State
+from glmc.core.state import Lazy, State, mix
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_weights
 from glmc.match.align import match_pair
@@ -300,14 +300,22 @@ def _iterate(result: UniverseResult, job: _Job, workers: int, iteration: int,
 
 
 def _refine(result: UniverseResult, job: _Job, weights: Sequence[float] | None, reference: int) -> IterationRecord:
-    """Multi-model learned refinement of the aligned models (paper §4.3), then U ← least-squares mean."""
+    """Multi-model learned refinement of the aligned models (paper §4.3), then U ← least-squares mean.
+
+    Across widths the refinement scores the merge that U is (:func:`lstsq_merge`, not Σ_i w_i T_i(θ_i), in which a
+    narrow model's zeros would shrink every coordinate it lacks), and the narrow models keep their places: moving one
+    moves its coverage, by which that merge divides. The full-width models, which cover everything wherever they
+    move, learn theirs."""
     from glmc.match.dual import refine_universe
 
     if job.data is None:
         raise ConfigError("learned refinement needs data: pass training samples")
     start = time.perf_counter()
+    narrow = [i for i, p in enumerate(result.placements) if p.narrow != p.wide]
+    placements, anchor = list(result.placements), result.anchor
+    merge = (lambda states, w: lstsq_merge(states, placements, w, anchor)) if narrow else mix
     transforms = refine_universe(result.aligned, job.cfg, job.data, weights, reference=reference,
-                                 options=job.options.learn)
+                                 options=job.options.learn, still=narrow, merge=merge)
     return _move_and_merge(result, dataclasses.replace(job, method="refine"), transforms, weights,
                            len(result.history) + 1, start)
 
