@@ -91,12 +91,12 @@ def _allowed(key: str, kind: str) -> str:
     from federation import settings
     from glmc.core.config import PRESETS
     from glmc.data.tasks import TASKS
-    from glmc.match.options import WITHIN
+    from glmc.match.options import VIEWS, WITHIN
 
     choices: dict[str, Sequence[object]] = {
         "model": list(PRESETS), "dataset": list(TASKS), "aggregation": settings.AGGREGATIONS,
         "init": settings.INITS, "partitioner": (settings.AUTO, *settings.LABEL_SPLITS, *settings.NATURAL_SPLITS),
-        "narrow-placement": settings.NARROW_PLACEMENTS, "refine-within": WITHIN,
+        "narrow-placement": settings.NARROW_PLACEMENTS, "refine-within": WITHIN, "refine-views": VIEWS,
         "refine-targets": settings.REFINE_TARGETS, "server-data-source": settings.SERVER_DATA_SOURCES,
         "label-mask-fill": settings.LABEL_MASK_FILLS, "lr-decay": settings.LR_DECAYS, "sampling": settings.SAMPLINGS}
     if key in choices:

@@ -174,14 +174,16 @@ def test_maps_come_back_to_the_device_and_permutations_stay_on_the_host():
     assert any(p is not None for p in moved.heads)
 
 
-def test_learned_refinement_across_widths_scores_the_merge_it_makes_and_leaves_narrow_models_in_place(caplog):
+@pytest.mark.parametrize("views", ["merge", "members"])
+def test_learned_refinement_across_widths_scores_the_merge_it_makes_and_leaves_narrow_models_in_place(views, caplog):
     """Across widths U is the coverage-weighted merge, not Σ w_i T_i(θ_i) (a narrow model's zeros would shrink what
-    it lacks): the refinement's first validation loss is that merge's at its validation points, from the aligned
-    models weight matching gave; the narrow model keeps weight matching's transform, and every model its function."""
+    it lacks): the refinement's first validation loss is that merge's at its validation points (views "members":
+    each model's share of the loss of its slice of it), from the aligned models weight matching gave; the narrow
+    model keeps weight matching's transform, and every model its function."""
     from glmc.match.dual import _validation_points
     from glmc.match.learned import split
     from glmc.match.options import LearnConfig
-    from glmc.merging.widths import lstsq_merge
+    from glmc.merging.widths import lstsq_merge, project
     from glmc.train import token_loss
     from tests.symmetry_models import dataset
 
@@ -191,7 +193,7 @@ def test_learned_refinement_across_widths_scores_the_merge_it_makes_and_leaves_n
     configs, weights = [wide, wide, narrow], [1.0, 2.0, 1.0]
     natives = [random_native(cfg, s) for s, cfg in enumerate(configs)]
     inputs_ = members([canonicalize(arch, n, c) for n, c in zip(natives, configs, strict=True)], configs, weights)
-    learn = LearnConfig(steps=4, eval_every=1, batch_size=8, val_max=8, lr=0.05, dtype="float64")
+    learn = LearnConfig(steps=4, eval_every=1, batch_size=8, val_max=8, lr=0.05, dtype="float64", views=views)
     weight = universe_match(inputs_, wide, MergeOptions("weight", MatchOptions(learn=learn), max_iters=1))
     with caplog.at_level("INFO", logger="glmc.match.learned"):
         learned = universe_match(inputs_, wide, MergeOptions("learned", MatchOptions(learn=learn), max_iters=1),
@@ -200,13 +202,19 @@ def test_learned_refinement_across_widths_scores_the_merge_it_makes_and_leaves_n
     started = next(r.args[0] for r in caplog.records if r.msg.startswith("learned matching: validation loss"))
     _, val = split(data, learn, None)
     vx, vy = (torch.stack(t) for t in zip(*val, strict=True))
-    points = _validation_points([w / sum(weights) for w in weights], 0)
-    losses = [float(token_loss(_logits(lstsq_merge(weight.aligned, weight.placements, p), wide, vx), vy))
-              for p in points]
+    normalised = [w / sum(weights) for w in weights]
+    shares = normalised if views == "members" else [1.0, 0.0, 0.0]
+    kept = weight.placements[2]
+
+    def scored(u):
+        return (sum(shares[:2]) * float(token_loss(_logits(u, wide, vx), vy))
+                + shares[2] * float(token_loss(_logits(project(u, kept), narrow, vx), vy)))
+
+    losses = [scored(lstsq_merge(weight.aligned, weight.placements, p)) for p in _validation_points(normalised, 0)]
     assert started == pytest.approx(sum(losses) / len(losses), rel=1e-9)
-    kept, before = learned.transforms[2], weight.transforms[2]
-    assert torch.equal(kept.residual, before.residual)
-    assert all(torch.equal(a, b) for a, b in zip([*kept.heads, *kept.mlp], [*before.heads, *before.mlp], strict=True))
+    moved, before = learned.transforms[2], weight.transforms[2]
+    assert torch.equal(moved.residual, before.residual)
+    assert all(torch.equal(a, b) for a, b in zip([*moved.heads, *moved.mlp], [*before.heads, *before.mlp], strict=True))
     for native, cfg, aligned, p in zip(natives, configs, learned.aligned, learned.placements, strict=True):
         at = embedding_config(p) if cfg != wide else wide
         assert (_logits(aligned, at, x) - logits_of(native, cfg, x)).abs().max() <= 1e-6

@@ -22,10 +22,10 @@ from torch.utils.data import Dataset
 
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
-from glmc.core.state import State, mix
+from glmc.core.state import State
 from glmc.errors import ConfigError, check_weights
 from glmc.match.common import MatchResult, require_data
-from glmc.match.learned import Endpoint, Latents, Merge, Sampler, Weights, learn, pair_points
+from glmc.match.learned import PLAIN, Endpoint, Latents, Sampler, Scoring, Weights, learn, pair_points
 from glmc.match.options import LearnConfig, MatchOptions
 from glmc.match.weight import learned_start
 from glmc.symmetry.canonical import Form, residual_group
@@ -82,15 +82,16 @@ def mixing_sampler(weights: Sequence[float], options: LearnConfig) -> Sampler:
 
 def refine_universe(states: Sequence[State], cfg: ModelConfig, data: Dataset, weights: Sequence[float] | None = None,
                     *, reference: int = 0, form: Form = "standard", options: LearnConfig | None = None,
-                    validation: Dataset | None = None, still: Sequence[int] = (), merge: Merge = mix,
+                    validation: Dataset | None = None, still: Sequence[int] = (), scoring: Scoring = PLAIN,
                     ) -> list[Transform]:
-    """Transforms T_i (T_reference = identity) minimising E_w L(merge(T_i(θ_i), w)), w ~ Dirichlet(c·N·ŵ).
+    """Transforms T_i (T_reference = identity) minimising E_w L(Σ_i w_i T_i(θ_i)), w ~ Dirichlet(c·N·ŵ), or the loss
+    of the merge and views that ``scoring`` names.
 
     ``states``: canonical states already aligned into one universe (e.g. by universe matching); ``weights``:
     relative importance ŵ (e.g. example counts, normalised here), uniform by default. Each T_i starts at the
     identity and is an exact symmetry, so T_i(θ_i) computes θ_i's function. ``still``: models that keep the
-    identity too; ``merge``: the merge the caller makes of the moved models (default Σ_i w_i T_i(θ_i)), so that the
-    loss learned and validated is the merged model's.
+    identity too; ``scoring``: the merge the caller makes of the moved models and what it serves, so that the loss
+    learned and validated is theirs.
     """
     options = options or LearnConfig()
     n = len(states)
@@ -106,7 +107,7 @@ def refine_universe(states: Sequence[State], cfg: ModelConfig, data: Dataset, we
                           Latents(Transform(cfg.depth), cfg, options, fix_ones=fix_ones, seed=i))
                  for i, s in enumerate(states)]
     learned = learn(endpoints, cfg, data, mixing_sampler(w, options), _validation_points(w, reference), options,
-                    form=form, validation=validation, merge=merge)
+                    form=form, validation=validation, scoring=scoring)
     return [t or Transform(cfg.depth) for t in learned.transforms]
 
 

@@ -211,20 +211,43 @@ class _Logits(nn.Module):
 Merge = Callable[[Sequence[State], Weights], State]  # the endpoints as moved, and their weights → the path's point
 
 
+@dataclass(frozen=True)
+class View:
+    """A model the path's point is scored as: the point ``restrict``-ed (None: itself) to a model of ``cfg`` (None:
+    the path's), its loss weighted by ``weight``: a refinement across widths scores each input's slice of the merge."""
+
+    cfg: ModelConfig | None = None
+    weight: float = 1.0
+    restrict: Callable[[State], State] | None = None
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a path scores at weights w: ``merge`` of the moved endpoints (Σ_i w_i T_i(θ_i) by default), seen as each
+    of ``views`` (the merge itself by default). A merge across widths is not that sum (glmc.merging.universe)."""
+
+    merge: Merge = mix
+    views: tuple[View, ...] = (View(),)
+
+
+PLAIN = Scoring()  # a path's own: Σ_i w_i T_i(θ_i), scored as itself
+
+
 class Path:
-    """Mixtures Σ_i w_i T_i(θ_i) of the endpoints (or their ``merge``) and their logits, through one model built once.
+    """Mixtures Σ_i w_i T_i(θ_i) of the endpoints (or their merge, as ``scoring`` says) and their logits, through one
+    model built once (and one per narrower view).
 
     In the circuit form the endpoints stay standard states (the transforms act there) and each moved endpoint is
     multiplied out into its circuits before mixing, so the path interpolates circuits (paper §3.2.2).
     """
 
     def __init__(self, endpoints: Sequence[Endpoint], cfg: ModelConfig, form: Form, dtype: torch.dtype,
-                 dropout: float = 0.0, targets: Targets = "labels", merge: Merge = mix) -> None:
+                 dropout: float = 0.0, targets: Targets = "labels", scoring: Scoring = PLAIN) -> None:
         self.arch, self.cfg, self.dtype, self.circuit = get_arch(cfg.family), cfg, dtype, form in CIRCUITS
-        if self.circuit and merge is not mix:
-            raise ConfigError(f"a path in the {form!r} form mixes its circuits; a coverage merge takes standard "
-                              "states only")
-        self.merge = merge
+        if self.circuit and scoring != PLAIN:
+            raise ConfigError(f"a path in the {form!r} form mixes its circuits; a merge across widths and its views "
+                              "take standard states only")
+        self.merge, self.views = scoring.merge, scoring.views
         self.states = [cast(e.state, dtype) for e in endpoints]
         self.device = device_of(self.states[0])  # the path runs where its endpoints live
         self.still = [self._form(s)[0] for s in self.states]  # each endpoint as it stands, in the path's form
@@ -235,6 +258,9 @@ class Path:
         self.dropout, self.targets = dropout, targets
         state, run = self._form(self.states[0])
         self.module = _Logits(self.arch, to_model(state, run.replace(dropout=dropout), form))
+        self.modules = {cfg: self.module} | {  # a narrower view's model, built once from the first endpoint's slice
+            v.cfg: _Logits(self.arch, to_model(v.restrict(self.states[0]), v.cfg.replace(dropout=dropout)))
+            for v in self.views if v.cfg is not None and v.cfg != cfg and v.restrict is not None}
 
     def _form(self, state: State) -> tuple[State, ModelConfig]:
         """A standard state in the path's form, with the config of the model that runs it."""
@@ -247,13 +273,26 @@ class Path:
                  for s, still, t, folded in zip(self.states, self.still, transforms, self.folded, strict=True)]
         return self.merge(moved, weights)
 
-    def logits(self, state: State, x: torch.Tensor) -> torch.Tensor:
-        """Logits of the model holding the canonical ``state`` (no new module: ``functional_call``)."""
-        native = self.arch.to_native(state, self.cfg)
+    def logits(self, state: State, x: torch.Tensor, cfg: ModelConfig | None = None) -> torch.Tensor:
+        """Logits of the model of ``cfg`` (default: the path's) holding the canonical ``state`` (no new module:
+        ``functional_call``)."""
+        cfg = cfg or self.cfg
+        native = self.arch.to_native(state, cfg)
         x = x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
         # a tied parameter is given once, by its source: functional_call ties the module's aliases to it
-        return functional_call(self.module, {f"model.{k}": v for k, v in native.items() if k not in self.arch.tied},
-                               (x,))
+        return functional_call(self.modules[cfg], {f"model.{k}": v for k, v in native.items()
+                                                   if k not in self.arch.tied}, (x,))
+
+    def loss(self, state: State, x: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The task loss of the point ``state`` over the path's views, weighted (one view: the point itself)."""
+        losses = [v.weight * token_loss(self.logits(state if v.restrict is None else v.restrict(state), x, v.cfg),
+                                        target, reduction=reduction) for v in self.views]
+        return sum(losses[1:], losses[0])
+
+    def train(self, mode: bool) -> None:
+        """Every view's model in training (dropout) or evaluation mode."""
+        for module in self.modules.values():
+            module.train(mode)
 
     def check(self, x: torch.Tensor) -> None:
         """ConfigError (one line) unless the batch fits the model."""
@@ -331,12 +370,12 @@ def validate(path: Path, transforms: Sequence[Transform | None], points: Sequenc
              ) -> float:
     """Mean task loss of the path at each of ``points`` over the validation batches."""
     states = [path.point(transforms, w) for w in points]
-    path.module.eval()
+    path.train(False)
     total, count = 0.0, 0
     for x, y in loader:
         path.check(x)
         predicted = path.predictions(x)
-        total += sum(float(token_loss(path.logits(s, x), path.target(y, w, predicted), reduction="sum"))
+        total += sum(float(path.loss(s, x, path.target(y, w, predicted), reduction="sum"))
                      for s, w in zip(states, points, strict=True))
         count += target_count(y)
     return total / (count * len(states))
@@ -347,10 +386,9 @@ def _step(path: Path, latents: Sequence[Latents | None], weights: Weights, x: to
     """One optimizer step on the latents; NaN (and no step) when the loss or a gradient is not finite."""
     path.check(x)
     target = path.target(y, weights, path.predictions(x))
-    path.module.train(path.dropout > 0)  # dropout while learning, if asked for; nothing else differs in train mode
+    path.train(path.dropout > 0)  # dropout while learning, if asked for; nothing else differs in train mode
     projected = iter(project([lat for lat in latents if lat is not None]))
-    logits = path.logits(path.point([lat(next(projected)) if lat else None for lat in latents], weights), x)
-    loss = token_loss(logits, target)
+    loss = path.loss(path.point([lat(next(projected)) if lat else None for lat in latents], weights), x, target)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -394,9 +432,9 @@ def targets_for(options: LearnConfig, data: Dataset) -> Targets:
 
 def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sampler: Sampler,
           points: Sequence[Weights], options: LearnConfig, *, form: Form = "standard",
-          validation: Dataset | None = None, merge: Merge = mix) -> Learned:
-    """Algorithm 1 over any number of endpoints: minimise the task loss of Σ_i w_i T_i(θ_i) (or of ``merge``, the
-    merge the caller will make of them), w ~ ``sampler``.
+          validation: Dataset | None = None, scoring: Scoring = PLAIN) -> Learned:
+    """Algorithm 1 over any number of endpoints: minimise the task loss of Σ_i w_i T_i(θ_i) (or of the merge the
+    caller will make of them, seen as ``scoring`` says), w ~ ``sampler``.
 
     The first candidate is every endpoint's initial transform; it is replaced only by transforms with a lower
     validation loss at ``points``. A non-finite loss stops learning and keeps the best transforms so far.
@@ -404,7 +442,7 @@ def learn(endpoints: Sequence[Endpoint], cfg: ModelConfig, data: Dataset, sample
     start = time.perf_counter()
     train, val = split(data, options, validation)
     targets = targets_for(options, data)
-    path = Path(endpoints, cfg, form, getattr(torch, options.dtype), options.dropout, targets, merge)
+    path = Path(endpoints, cfg, form, getattr(torch, options.dtype), options.dropout, targets, scoring)
     latents = [e.latents.to(path.device) if e.latents else None for e in endpoints]
     params = [p for lat in latents if lat is not None for p in lat.parameters()]
     val_loader = DataLoader(val, batch_size=256)

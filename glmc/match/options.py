@@ -25,6 +25,8 @@ OvMaps = Literal["orthogonal", "path"]
 Within = Literal["fixed", "orthogonal", "invertible"]
 WITHIN: tuple[Within, ...] = get_args(Within)
 Targets = Literal["labels", "endpoints"]
+Views = Literal["merge", "members"]
+VIEWS: tuple[Views, ...] = get_args(Views)
 TARGETS: tuple[Targets, ...] = get_args(Targets)
 
 
@@ -150,6 +152,12 @@ class LearnConfig:
                                      "predictions mixed like their weights, which reads no labels (default: "
                                      "endpoints on text the models write, else labels)", key="refine-targets",
                                      none="auto")
+    # Across widths, what the refinement of N models scores: the merge itself (the model a merge writes), or every
+    # input's view of it, the merge restricted to where that input sits, weighted as the inputs are (what a
+    # federation of mixed widths serves its clients: each narrow tier gets its slice of the merge, not the merge).
+    views: Views = option("merge", "merging N models of different widths: score the refinement on the merged model, "
+                          "or on each input's view of it (the merge restricted to where that input sits, weighted as "
+                          "the inputs: what a federation of mixed widths serves its clients)", key="refine-views")
     sinkhorn_iters: int = 20  # soft permutations (App. D)
     soft_gain: float = 0.01  # App. D's noise gain: target P + |N(0, (gain/√n)²)| before the logarithm
     seed: int = 0

@@ -17,6 +17,7 @@ merge pairwise method's iterations, then the multi-model learned refinement (mix
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import multiprocessing
 import time
@@ -31,16 +32,17 @@ from torch.utils.data import Dataset, TensorDataset
 from glmc.archs import get_arch
 from glmc.core.config import ModelConfig
 from glmc.core.spec import SpecTable
-from glmc.core.state import Lazy, State, mix
+from glmc.core.state import Lazy, State
 from glmc.device import device_of, to_device
 from glmc.errors import ConfigError, check_weights
 from glmc.match.align import match_pair
 from glmc.match.balance import balance, balances
 from glmc.match.common import MatchResult, sq_distance
+from glmc.match.learned import PLAIN, Scoring, View
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
 from glmc.merging.options import MergeOptions
-from glmc.merging.widths import Placement, embed, lstsq_merge, move, place, widen
+from glmc.merging.widths import Placement, embed, lstsq_merge, move, place, project, widen
 from glmc.symmetry.transforms import Transform, apply, compose, maps_to, moved
 
 log = logging.getLogger(__name__)
@@ -300,24 +302,39 @@ def _iterate(result: UniverseResult, job: _Job, workers: int, iteration: int,
 
 
 def _refine(result: UniverseResult, job: _Job, weights: Sequence[float] | None, reference: int) -> IterationRecord:
-    """Multi-model learned refinement of the aligned models (paper §4.3), then U ← least-squares mean.
-
-    Across widths the refinement scores the merge that U is (:func:`lstsq_merge`, not Σ_i w_i T_i(θ_i), in which a
-    narrow model's zeros would shrink every coordinate it lacks), and the narrow models keep their places: moving one
-    moves its coverage, by which that merge divides. The full-width models, which cover everything wherever they
-    move, learn theirs."""
+    """Multi-model learned refinement of the aligned models (paper §4.3), then U ← least-squares mean. Across widths
+    the narrow models keep their places: moving one moves its coverage, by which that mean divides; the full-width
+    models, which cover everything wherever they move, learn theirs."""
     from glmc.match.dual import refine_universe
 
     if job.data is None:
         raise ConfigError("learned refinement needs data: pass training samples")
     start = time.perf_counter()
     narrow = [i for i, p in enumerate(result.placements) if p.narrow != p.wide]
-    placements, anchor = list(result.placements), result.anchor
-    merge = (lambda states, w: lstsq_merge(states, placements, w, anchor)) if narrow else mix
     transforms = refine_universe(result.aligned, job.cfg, job.data, weights, reference=reference,
-                                 options=job.options.learn, still=narrow, merge=merge)
+                                 options=job.options.learn, still=narrow, scoring=_scoring(result, job, weights))
     return _move_and_merge(result, dataclasses.replace(job, method="refine"), transforms, weights,
                            len(result.history) + 1, start)
+
+
+def _scoring(result: UniverseResult, job: _Job, weights: Sequence[float] | None) -> Scoring:
+    """What the refinement scores across widths: the least-squares mean U is (Σ_i w_i T_i(θ_i) would shrink every
+    coordinate by the zeros of the narrow models that lack it), as itself or (``views="members"``) as each model gets
+    it, a narrow one its slice at its place, weighted as the models are."""
+    placements, anchor = list(result.placements), result.anchor
+    if all(p.narrow == p.wide for p in placements):
+        return PLAIN
+    def merge(states: Sequence[State], w: Sequence[float]) -> State:
+        return lstsq_merge(states, placements, w, anchor)
+
+    if job.options.learn.views == "merge":
+        return Scoring(merge)
+    share = check_weights(weights or [1.0] * len(placements), len(placements))
+    share = [x / sum(share) for x in share]
+    whole = sum(x for x, p in zip(share, placements, strict=True) if p.narrow == p.wide)
+    views = [View(p.narrow, x, functools.partial(project, p=p))
+             for x, p in zip(share, placements, strict=True) if p.narrow != p.wide]
+    return Scoring(merge, tuple([View(weight=whole)] * bool(whole) + views))
 
 
 def _move_and_merge(result: UniverseResult, job: _Job, moves: Sequence[Transform], weights: Sequence[float] | None,
