@@ -101,6 +101,7 @@ LABEL_AGGREGATIONS = tuple(a.name for a in AGGREGATION_TABLE.values() if a.reads
 SLICED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.method is None)
 AVERAGING = tuple(a.name for a in AGGREGATION_TABLE.values() if a.averages)
 GUARDED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.guarded)
+REFINED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.method is not None and METHODS[a.method].refines)
 INITS = ("shared", "independent")
 SERVER_DATA_SOURCES = ("split", "generated")
 AUTO = "auto"  # partitioner: chosen by the dataset (default_partitioner)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from federation.settings import GUARDED
+from federation.settings import GUARDED, REFINED
 
 if TYPE_CHECKING:
     from server.records import RoundRecord
@@ -25,13 +25,13 @@ def guard_note(aggregation: str, min_gain: float, tiers: Iterable[float]) -> str
         return f"min-alignment-gain: not used by aggregation {aggregation!r} (only by {', '.join(GUARDED)})"
     if not min_gain:
         return "min-alignment-gain=0: every round keeps its alignment"
+    closer = (f"min-alignment-gain={min_gain:g}: a round whose matching brings the clients less than "
+              f"{100 * min_gain:g}% closer (mean pairwise distance)")
+    if aggregation in REFINED:
+        return f"{closer} is refined from where the clients were placed, unmatched"
     if any(t != 1.0 for t in tiers):
-        return (f"min-alignment-gain={min_gain:g}: a round whose matching brings the clients less than "
-                f"{100 * min_gain:g}% closer (mean pairwise distance) is merged with the clients where they were "
-                "placed, unmatched (the canonical ablation's merge)")
-    return (f"min-alignment-gain={min_gain:g}: a round whose matching brings the clients less than {100 * min_gain:g}% "
-            "closer (mean pairwise distance) is averaged unaligned, as FedAvg; from a shared start that is most "
-            f"rounds, so {SEE_IT_ACT}")
+        return f"{closer} is merged with the clients where they were placed, unmatched (the canonical ablation's merge)"
+    return f"{closer} is averaged unaligned, as FedAvg; from a shared start that is most rounds, so {SEE_IT_ACT}"
 
 
 def set_aside_note(records: Sequence[RoundRecord]) -> str:
@@ -42,4 +42,5 @@ def set_aside_note(records: Sequence[RoundRecord]) -> str:
         return f"min-alignment-gain set aside 0 of {len(rounds)} aggregated rounds"
     every = " (every one: this run is FedAvg's)" if aside == len(rounds) else ""
     return (f"min-alignment-gain set aside {aside} of {len(rounds)} aggregated rounds{every}: their matching brought "
-            f"the clients too little closer, so they were merged unmatched (at equal widths: FedAvg); {SEE_IT_ACT}")
+            f"the clients too little closer, so they were merged unmatched (at equal widths: FedAvg; learned refines it); "
+            f"{SEE_IT_ACT}")

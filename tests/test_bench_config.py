@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from federation.settings import GUARDED, RunSettings
+from federation.settings import GUARDED, REFINED, RunSettings
 from glmc.archs import get_arch
 from glmc.cli.options import parse_match_flags
 from glmc.data.fashion_mnist import find_fashion_mnist
@@ -233,19 +233,21 @@ def test_every_published_grid_of_partial_participation_names_the_sampler_it_ran_
     assert not unnamed, unnamed
 
 
-def test_every_published_mixed_width_grid_names_the_guard_its_aligned_rows_ran_with() -> None:
-    """min-alignment-gain guards mixed widths since 2026-12-06: every published grid with narrow tiers names it for
-    each aggregation that matches (in [run] or the variant), so that its command reproduces its rows."""
+def test_every_published_grid_names_the_guard_its_aligned_rows_ran_with() -> None:
+    """min-alignment-gain guards mixed widths since 2026-12-06, and learned at every width since 2026-12-07: every
+    published grid names it for each aggregation it came to since (in [run] or the variant), so that its command
+    reproduces its rows."""
     unnamed = []
     for path in Path("simulations/configs").glob("*.toml"):
         config = tomllib.loads(path.read_text())
         run, entries = config["run"], config["experiment"]["aggregations"]
         tiers = [w.get("width-tiers", run.get("width-tiers", "1")) for w in config.get("widths", [{}])]
-        if not Path("simulations/results", path.stem).is_dir() or all(t in ("1", "1.0") for t in tiers):
+        if not Path("simulations/results", path.stem).is_dir():
             continue
+        mixed = any(t not in ("1", "1.0") for t in tiers)
         variants = [e if isinstance(e, dict) else {"label": e, "aggregation": e} for e in entries]
         unnamed += [f"{path.stem}: {v['label']}" for v in variants if v["aggregation"] in GUARDED
-                    and "min-alignment-gain" not in run | v]
+                    and (mixed or v["aggregation"] in REFINED) and "min-alignment-gain" not in run | v]
     assert not unnamed, unnamed
 
 

@@ -3,6 +3,7 @@ counts the rounds it set aside."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
@@ -28,7 +29,7 @@ from test_strategy import (
 
 from federation import protocol
 from federation.restriction import received
-from glmc.archs import build_model
+from glmc.archs import build_model, get_arch
 from glmc.core.config import scale_width
 from glmc.merging.merge import MergeSetup, merge_models
 from glmc.merging.options import MergeOptions
@@ -50,7 +51,9 @@ def test_the_start_up_summary_explains_the_guard(caplog):
     assert "Aggregation: weight" in text
     assert "less than 5% closer" in text and "as FedAvg" in text and "init='independent'" in text
     assert "every round keeps its alignment" in _summary(caplog, "weight", options=merge_options(min_gain=0.0))
-    assert "not used by aggregation 'learned'" in _summary(caplog, "learned")
+    assert "not used by aggregation 'fedrolex'" in _summary(caplog, "fedrolex")
+    assert "is refined from where the clients were placed" in _summary(caplog, "learned",
+                                                                      options=merge_options(min_gain=0.05))
 
 
 def test_mixed_widths_are_guarded_too():
@@ -150,6 +153,39 @@ def test_a_mixed_width_merge_set_aside_keeps_the_matching_in_its_history():
     merged = merge_models(members, MergeSetup(CFG, MergeOptions("weight", max_iters=1, min_gain=0.5)), anchor=base)
     assert merged.set_aside and not merged.averaged_by_caller
     assert [r.method for r in merged.universe.history] == ["weight", "none"]
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["equal-widths", "mixed-widths"])
+def test_learned_set_aside_refines_the_unmatched_merge_and_kept_refines_the_matched_one(narrow):
+    """The guard judges learned's matching alone: set aside, the refinement starts from the clients where they were
+    placed, unmatched (its result is the refinement of the unmatched universe, bit for bit) and nothing is left to the
+    caller's FedAvg; kept, it starts from the matched ones."""
+    from glmc.match.options import LearnConfig, MatchOptions
+    from glmc.merging.universe import refine_merge, universe_match
+    from glmc.symmetry.canonical import canonicalize
+    from tests.symmetry_models import dataset
+
+    half, base = scale_width(CFG, 0.5), state(0)
+    g = torch.Generator().manual_seed(5)
+    tuned = [{k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(2)]
+    third = received(base, CFG, 0.5, "learned", "aligned", 1) if narrow else base
+    members = [Member(s, c, w) for s, c, w in ((tuned[0], CFG, 1.0), (tuned[1], CFG, 2.0),
+                                               (third, half if narrow else CFG, 1.0))]
+    learn = LearnConfig(steps=3, eval_every=1, batch_size=4, val_max=4, dtype="float64")
+    options = MergeOptions("learned", MatchOptions(learn=learn), max_iters=1, min_gain=0.5)
+    data = dataset(CFG, n=12)
+    merged = merge_models(members, MergeSetup(CFG, options, data), reference=0)
+    assert merged.set_aside and not merged.averaged_by_caller
+    assert [r.method for r in merged.universe.history] == ["weight", "none", "refine"]
+    arch = get_arch(CFG.family)
+    canonical = [Member(canonicalize(arch, m.state, m.config, dtype=torch.float64), m.config, m.weight)
+                 for m in members]
+    unmatched = universe_match(canonical, CFG, dataclasses.replace(options, method="none"))
+    refine_merge(unmatched, options, data, [1.0, 2.0, 1.0], reference=0)
+    for key, value in unmatched.merged.items():
+        torch.testing.assert_close(merged.universe.merged[key], value, rtol=0, atol=1e-12)
+    kept = merge_models(members, MergeSetup(CFG, dataclasses.replace(options, min_gain=0.0), data), reference=0)
+    assert not kept.set_aside and [r.method for r in kept.universe.history] == ["weight", "refine"]
 
 
 def test_the_run_summary_counts_the_rounds_set_aside():

@@ -46,9 +46,10 @@ class Method:
 
     @property
     def guarded(self) -> bool:
-        """Whether a merge may set its alignment aside when it brings the models too little closer
-        (:attr:`glmc.merging.options.MergeOptions.min_gain`): a matching with no refinement after it."""
-        return self.matches and not self.refines
+        """Whether a merge may set its matching aside when it brings the models too little closer
+        (:attr:`glmc.merging.options.MergeOptions.min_gain`): any method that matches (one that refines then refines
+        the unmatched models)."""
+        return self.matches
 
     def match(self) -> Callable[..., MatchResult]:
         """The pairwise matcher, imported now."""

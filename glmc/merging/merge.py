@@ -1,6 +1,7 @@
 """Merging N models of one family, of the same or different widths, into one: the target config, the inputs'
 checks, and the one merge pipeline that the CLI, the API and the FL round all run (:func:`merge_models`):
-canonical form → clipping around an anchor → universe matching → the guard → robust merge → corrections."""
+canonical form → clipping around an anchor → universe matching → the guard → the learned refinement → robust merge →
+corrections."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from glmc.io.checkpoint import CheckpointMeta
 from glmc.match.registry import get_method
 from glmc.merging.options import MergeOptions
 from glmc.merging.robust import Clipping, Robustness, clip, coordinatewise, recentre_round, screen, unclipped
-from glmc.merging.universe import Member, UniverseResult, universe_match
+from glmc.merging.universe import Member, UniverseResult, refine_merge, universe_match
 from glmc.merging.widths import WIDTH_FIELDS, Placement, check_embeddable, embed, lstsq_merge, place, project
 from glmc.symmetry.canonical import canonical_view, canonicalize
 
@@ -91,7 +92,8 @@ def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mappin
     at 5 iterations: each read moves a tensor once per iteration), each clipped around ``anchor`` (a native model of
     the target, e.g. the previous global model; None: nothing to clip around), universe matching from the anchor
     (else from model ``reference``, default :func:`reference_of`), the guard (``options.min_gain``: a matching that
-    brings the models too little closer is set aside), the robust merge (``options.robustness``), then the
+    brings the models too little closer is set aside), the learned refinement where the method refines (from the
+    unmatched models when the guard set the matching aside), the robust merge (``options.robustness``), then the
     corrections, on ``options.device``."""
     options, target = setup.options, setup.target
     arch, entry = get_arch(target.family), get_method(options.method)
@@ -105,16 +107,19 @@ def merge_models(members: Sequence[Member], setup: MergeSetup, *, anchor: Mappin
     early = around_anchor(screen, states, configs, starts, start, target, robust.clip_ratio)  # no runaway matched
     before = embedded_distance(early.states, configs, target, starts)
     screened = [dataclasses.replace(m, state=s) for m, s in zip(members, early.states, strict=True)]
-    result = universe_match(screened, target, options, anchor=start, data=setup.train,
-                            reference=reference_of(configs, target) if reference is None else reference)
+    reference = reference_of(configs, target) if reference is None else reference
+    result = universe_match(screened, target, options, anchor=start, data=setup.train, reference=reference,
+                            refine=False)
     after = mean_pairwise_distance(result.aligned)
     set_aside = entry.guarded and gains_too_little(before, after, options.min_gain)
-    if set_aside and all(c == target for c in configs):  # the unaligned average is FedAvg: the caller's own
+    if set_aside and not entry.refines and all(c == target for c in configs):  # unaligned: FedAvg, the caller's own
         return Merged(result, before, before, early.clipped, set_aside=True, averaged_by_caller=True)
-    if set_aside:  # mixed widths: the same merge of the clients where they were placed, unmatched
+    if set_aside:  # the same merge of the clients where they were placed, unmatched (then refined, if it refines)
         matched, after = result, before
         result = universe_match(screened, target, dataclasses.replace(options, method="none"), anchor=start)
         result.history = matched.history + result.history  # the matching was done: its time counts
+    if entry.refines and refine_merge(result, options, setup.train, weights, reference):
+        after = mean_pairwise_distance(result.aligned)
     clipping = around_anchor(clip, result.aligned, [target] * len(members), result.placements, start, target,
                              robust.clip_ratio)  # the distance the average sees
     clipping = recentred(clipping, weights, configs, target, robust, start)

@@ -215,12 +215,13 @@ def _moved(state: State, spec: SpecTable, t: Transform, heads: int) -> State:
 
 def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOptions | None = None, *,
                    anchor: State | None = None, reference: int = 0, data: Dataset | None = None,
-                   pairwise: bool = False) -> UniverseResult:
+                   pairwise: bool = False, refine: bool = True) -> UniverseResult:
     """Align N canonical standard-form models into one universe of config ``cfg`` and merge them (paper §4.3).
 
     ``options`` (:class:`glmc.merging.options.MergeOptions`): the method, whose merge pairwise matching each iteration
     runs, finished by the learned refinement where the method refines (``pairwise``: the method's own pairwise
-    matching instead, and no refinement), the matchers' options, the iterations (it stops after ``max_iters`` or once
+    matching instead, and no refinement; ``refine`` False: the matching alone, for a caller that judges it before
+    :func:`refine_merge`), the matchers' options, the iterations (it stops after ``max_iters`` or once
     U moves, or the mean distance to U falls, by less than ``tol``, relative), the workers (> 1: each iteration's
     alignments in a process pool) and how narrow models fill the universe. ``anchor`` is the first U (default: model
     ``reference``); ``data`` feeds the data-driven methods (activation: its first inputs; learned: all of it) and the
@@ -250,8 +251,8 @@ def universe_match(members: Sequence[Member], cfg: ModelConfig, options: MergeOp
         _iterate(result, job, options.workers, iteration, weights)
         if _converged(result.history, options.tol):
             break
-    if not pairwise and entry.refines and len(aligned) > 1:  # one model's merge is itself: no mixture to refine
-        _refine(result, job, weights, reference)
+    if refine and not pairwise and entry.refines:
+        refine_merge(result, options, data, weights, reference)
     return result
 
 
@@ -301,28 +302,32 @@ def _iterate(result: UniverseResult, job: _Job, workers: int, iteration: int,
     return _move_and_merge(result, job, [m.transform for m in matches], weights, iteration, start)
 
 
-def _refine(result: UniverseResult, job: _Job, weights: Sequence[float] | None, reference: int) -> IterationRecord:
-    """Multi-model learned refinement of the aligned models (paper §4.3), then U ← least-squares mean. Across widths
-    the narrow models keep their places: moving one moves its coverage, by which that mean divides; the full-width
-    models, which cover everything wherever they move, learn theirs."""
+def refine_merge(result: UniverseResult, options: MergeOptions, data: Dataset | None,
+                 weights: Sequence[float] | None = None, reference: int = 0) -> IterationRecord | None:
+    """Multi-model learned refinement of the aligned models (paper §4.3), then U ← least-squares mean; None for one
+    model, whose merge is itself. Across widths the narrow models keep their places: moving one moves its coverage,
+    by which that mean divides; the full-width models, which cover everything wherever they move, learn theirs."""
     from glmc.match.dual import refine_universe
 
-    if job.data is None:
+    if len(result.aligned) < 2:
+        return None
+    if data is None:
         raise ConfigError("learned refinement needs data: pass training samples")
     start = time.perf_counter()
+    cfg = result.placements[0].wide
+    job = _Job("refine", cfg, data, dataclasses.replace(options.match, form="standard"))
     narrow = [i for i, p in enumerate(result.placements) if p.narrow != p.wide]
-    transforms = refine_universe(result.aligned, job.cfg, job.data, weights, reference=reference,
-                                 options=job.options.learn, still=narrow, scoring=_scoring(result, job, weights))
-    return _move_and_merge(result, dataclasses.replace(job, method="refine"), transforms, weights,
-                           len(result.history) + 1, start)
+    transforms = refine_universe(result.aligned, cfg, data, weights, reference=reference, options=job.options.learn,
+                                 still=narrow, scoring=_scoring(result, job, weights, narrow))
+    return _move_and_merge(result, job, transforms, weights, len(result.history) + 1, start)
 
 
-def _scoring(result: UniverseResult, job: _Job, weights: Sequence[float] | None) -> Scoring:
+def _scoring(result: UniverseResult, job: _Job, weights: Sequence[float] | None, narrow: Sequence[int]) -> Scoring:
     """What the refinement scores across widths: the least-squares mean U is (Σ_i w_i T_i(θ_i) would shrink every
     coordinate by the zeros of the narrow models that lack it), as itself or (``views="members"``) as each model gets
-    it, a narrow one its slice at its place, weighted as the models are."""
+    it, a narrow one its slice at its place (``narrow``: those models), weighted as the models are."""
     placements, anchor = list(result.placements), result.anchor
-    if all(p.narrow == p.wide for p in placements):
+    if not narrow:
         return PLAIN
     def merge(states: Sequence[State], w: Sequence[float]) -> State:
         return lstsq_merge(states, placements, w, anchor)
