@@ -38,6 +38,7 @@ from glmc.errors import ConfigError, check_weights
 from glmc.match.align import match_pair
 from glmc.match.balance import balance, balances
 from glmc.match.common import MatchResult, sq_distance
+from glmc.match.dual import refine_universe
 from glmc.match.learned import PLAIN, Scoring, View
 from glmc.match.options import MatchOptions
 from glmc.match.registry import get_method
@@ -307,8 +308,6 @@ def refine_merge(result: UniverseResult, options: MergeOptions, data: Dataset | 
     """Multi-model learned refinement of the aligned models (paper §4.3), then U ← least-squares mean; None for one
     model, whose merge is itself. Across widths the narrow models keep their places: moving one moves its coverage,
     by which that mean divides; the full-width models, which cover everything wherever they move, learn theirs."""
-    from glmc.match.dual import refine_universe
-
     if len(result.aligned) < 2:
         return None
     if data is None:
