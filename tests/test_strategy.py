@@ -239,9 +239,9 @@ def test_min_alignment_gain_averages_already_aligned_clients_as_fedavg_does(grou
     torch.testing.assert_close(logits(merged, x), logits(base, x), rtol=1e-4, atol=1e-4)
 
 
-def test_min_alignment_gain_is_checked_and_guards_only_data_free_matching() -> None:
-    """It is on by default; learned (whose refinement moves the clients apart on purpose) and canonical (which
-    never brings them closer) would always be set aside, so the guard leaves them alone."""
+def test_min_alignment_gain_is_checked_and_guards_only_aggregations_that_match() -> None:
+    """It is on by default; canonical, which never brings the clients closer, would always be set aside, so the
+    guard leaves it alone (learned's matching it judges before the refinement: tests/test_guard.py)."""
     with pytest.raises(ConfigError, match="in \\[0, 1\\)"):
         RunSettings.from_run_config({"aggregation": "weight", "min-alignment-gain": 1.0})
     assert RunSettings.from_run_config({}).min_alignment_gain > 0
