@@ -42,5 +42,5 @@ def set_aside_note(records: Sequence[RoundRecord]) -> str:
         return f"min-alignment-gain set aside 0 of {len(rounds)} aggregated rounds"
     every = " (every one: this run is FedAvg's)" if aside == len(rounds) else ""
     return (f"min-alignment-gain set aside {aside} of {len(rounds)} aggregated rounds{every}: their matching brought "
-            f"the clients too little closer, so they were merged unmatched (at equal widths: FedAvg; learned refines it); "
-            f"{SEE_IT_ACT}")
+            "the clients too little closer, so they were merged unmatched (at equal widths: FedAvg; learned refines "
+            f"it); {SEE_IT_ACT}")
