@@ -80,6 +80,11 @@ class Aggregation:
         """Whether min-alignment-gain may set its alignment aside for a round (its method's property)."""
         return self.method is not None and METHODS[self.method].guarded
 
+    @property
+    def refines(self) -> bool:
+        """Whether its merge ends in the learned refinement (its method's property)."""
+        return self.method is not None and METHODS[self.method].refines
+
 
 AGGREGATION_TABLE: dict[str, Aggregation] = {a.name: a for a in (
     Aggregation("fedavg", None),
@@ -101,7 +106,7 @@ LABEL_AGGREGATIONS = tuple(a.name for a in AGGREGATION_TABLE.values() if a.reads
 SLICED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.method is None)
 AVERAGING = tuple(a.name for a in AGGREGATION_TABLE.values() if a.averages)
 GUARDED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.guarded)
-REFINED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.method is not None and METHODS[a.method].refines)
+REFINED = tuple(a.name for a in AGGREGATION_TABLE.values() if a.refines)
 INITS = ("shared", "independent")
 SERVER_DATA_SOURCES = ("split", "generated")
 AUTO = "auto"  # partitioner: chosen by the dataset (default_partitioner)
