@@ -32,8 +32,10 @@ data: $(STAMP)
 		$(PY) -m glmc.data.fetch; \
 	fi
 
+# Two workers, one test file each at a time (a file's module fixtures stay on one worker): the in-process tests run
+# torch on one thread (tests/conftest.py), so a second worker uses the second core.
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 	$(PY) -m ruff check .
 
 lint: setup
