@@ -1,6 +1,11 @@
 """Shared fixtures: tiny model configs and tiny synthetic data that a few steps can learn."""
 
 import os
+
+# One OpenBLAS thread for numpy and scipy, set before they load: two test workers share two cores (make test), and
+# a BLAS thread spinning for a core the other worker holds slows both, as an OpenMP one does (below).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from pathlib import Path
 from typing import Any
 
